@@ -1,0 +1,1 @@
+"""Conductor: routing, simulation and planning (see issue 6)."""

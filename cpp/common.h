@@ -1,0 +1,127 @@
+// Shared records of the native data plane: status codes, regions, batches, wire headers.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace kvt {
+
+// Per-op status; mirrored by transfer/errors.py (keep the numbers in step).
+enum Status : int32_t {
+  kOk = 0,
+  kPending = 1,
+  kUnknownRegion = 2,
+  kOutOfBounds = 3,
+  kReadOnly = 4,
+  kPeerClosed = 5,
+  kTimeout = 6,
+  kIoError = 7,
+  kClosed = 8,
+  kProtocol = 9,
+  kInvalid = 10,
+};
+
+enum Opcode : uint8_t { kRead = 1, kWrite = 2 };
+
+enum class RegionKind : uint8_t { kMemory = 0, kFile = 1 };
+
+// A registered region. Memory regions point into a buffer that Python keeps alive while
+// registered; file regions own their descriptors.
+struct Region {
+  uint64_t id = 0;
+  RegionKind kind = RegionKind::kMemory;
+  uint8_t* base = nullptr;
+  uint64_t size = 0;
+  bool readonly = false;
+  bool remote_access = false;
+  int fd = -1;         // file regions: buffered descriptor
+  int direct_fd = -1;  // file regions: O_DIRECT descriptor, -1 when unsupported
+
+  ~Region();
+  bool contains(uint64_t off, uint64_t len) const { return off <= size && len <= size - off; }
+};
+using RegionPtr = std::shared_ptr<Region>;
+
+class RegionTable {
+ public:
+  uint64_t add(RegionPtr r);
+  RegionPtr get(uint64_t id) const;
+  RegionPtr remove(uint64_t id);
+  std::vector<RegionPtr> clear();
+
+ private:
+  mutable std::mutex mu_;
+  std::unordered_map<uint64_t, RegionPtr> regions_;
+  uint64_t next_id_ = 1;
+};
+
+// Completion state of one submitted batch. An op may be split into parts (stripes); the op is
+// done when all parts are, and failed if any part failed (first error wins).
+class Batch {
+ public:
+  explicit Batch(size_t n);
+  size_t size() const { return n_; }
+  void set_parts(size_t op, uint32_t parts) { parts_[op].store(parts, std::memory_order_relaxed); }
+  void part_done(size_t op, int32_t status, uint64_t nbytes);
+  bool wait(double timeout_s);
+  bool done() const { return remaining_.load(std::memory_order_acquire) == 0; }
+  int32_t status(size_t op) const { return status_[op].load(std::memory_order_acquire); }
+  uint64_t bytes(size_t op) const { return bytes_[op].load(std::memory_order_acquire); }
+
+ private:
+  size_t n_;
+  std::unique_ptr<std::atomic<int32_t>[]> status_;
+  std::unique_ptr<std::atomic<uint64_t>[]> bytes_;
+  std::unique_ptr<std::atomic<uint32_t>[]> parts_;
+  std::atomic<size_t> remaining_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+using BatchPtr = std::shared_ptr<Batch>;
+
+// One op as Python hands it over. route 0 = both regions are local (memcpy / file I/O / a
+// mapped shared-memory region of a same-host peer); otherwise the TCP peer id.
+struct OpSpec {
+  uint8_t opcode;
+  uint32_t route;
+  uint64_t local_region, local_off, remote_region, remote_off, len;
+};
+
+// One piece of an op travelling over a TCP stream.
+struct SubReq {
+  BatchPtr batch;
+  uint32_t op;
+  uint8_t opcode;
+  RegionPtr local;
+  uint64_t local_off, remote_region, remote_off, len;
+};
+
+constexpr uint32_t kMagic = 0x4b565431;  // "KVT1"
+
+#pragma pack(push, 1)
+struct ReqHeader {
+  uint32_t magic;
+  uint8_t opcode;
+  uint8_t pad[3];
+  uint64_t region, offset, length;
+};
+struct RespHeader {
+  int32_t status;
+  uint32_t pad;
+  uint64_t length;  // payload bytes that follow (reads that succeeded)
+};
+#pragma pack(pop)
+
+struct Counters {
+  std::atomic<uint64_t> tcp_tx{0}, tcp_rx{0}, local_bytes{0}, file_bytes{0}, served_ops{0},
+      refused_ops{0};
+};
+
+}  // namespace kvt

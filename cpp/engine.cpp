@@ -1,0 +1,311 @@
+#include "engine.h"
+
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "io.h"
+
+namespace kvt {
+
+namespace {
+constexpr uint64_t kInlineBytes = 256 * 1024;  // below this a local batch runs in submit()
+constexpr uint64_t kLocalPiece = 4ull << 20;   // large local copies split for the pool
+
+int32_t copy_between(Region& dst, uint64_t dst_off, Region& src, uint64_t src_off, uint64_t len) {
+  if (dst.kind == RegionKind::kMemory) return region_read(src, src_off, dst.base + dst_off, len);
+  if (src.kind == RegionKind::kMemory) return region_write(dst, dst_off, src.base + src_off, len);
+  std::vector<uint8_t> bounce(std::min<uint64_t>(len, 4ull << 20));
+  for (uint64_t done = 0; done < len;) {
+    uint64_t n = std::min<uint64_t>(bounce.size(), len - done);
+    if (int32_t st = region_read(src, src_off + done, bounce.data(), n); st != kOk) return st;
+    if (int32_t st = region_write(dst, dst_off + done, bounce.data(), n); st != kOk) return st;
+    done += n;
+  }
+  return kOk;
+}
+}  // namespace
+
+WorkerPool::WorkerPool(int n) {
+  for (int i = 0; i < n; ++i) {
+    threads_.emplace_back([this] {
+      for (;;) {
+        std::function<void()> task;
+        {
+          std::unique_lock<std::mutex> lock(mu_);
+          cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+          if (tasks_.empty()) return;
+          task = std::move(tasks_.front());
+          tasks_.pop_front();
+        }
+        task();
+      }
+    });
+  }
+}
+
+WorkerPool::~WorkerPool() { stop(); }
+
+void WorkerPool::post(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+}
+
+void WorkerPool::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : threads_)
+    if (t.joinable()) t.join();
+}
+
+Engine::Engine(uint64_t stall_ms, uint64_t stripe_bytes, int local_workers)
+    : stall_ms_(stall_ms), stripe_bytes_(stripe_bytes), pool_(std::max(1, local_workers)) {}
+
+Engine::~Engine() { close(); }
+
+uint64_t Engine::register_memory(uintptr_t ptr, uint64_t size, bool readonly, bool remote_access) {
+  auto r = std::make_shared<Region>();
+  r->kind = RegionKind::kMemory;
+  r->base = reinterpret_cast<uint8_t*>(ptr);
+  r->size = size;
+  r->readonly = readonly;
+  r->remote_access = remote_access;
+  return regions_.add(std::move(r));
+}
+
+uint64_t Engine::register_file(const std::string& path, uint64_t size, bool readonly,
+                               bool remote_access, std::string* err) {
+  int flags = (readonly ? O_RDONLY : O_RDWR | O_CREAT) | O_CLOEXEC;
+  int fd = ::open(path.c_str(), flags, 0600);
+  if (fd < 0) {
+    *err = std::string("open ") + path + ": " + std::strerror(errno);
+    return 0;
+  }
+  auto r = std::make_shared<Region>();
+  r->fd = fd;
+  r->kind = RegionKind::kFile;
+  r->size = size;
+  r->readonly = readonly;
+  r->remote_access = remote_access;
+  off_t cur = ::lseek(fd, 0, SEEK_END);
+  if (!readonly && cur >= 0 && static_cast<uint64_t>(cur) < size) {
+    // Reserve the blocks now so a full disk shows up here, not in the middle of a transfer.
+    int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(size));
+    if (rc != 0) {
+      *err = std::string("allocate ") + std::to_string(size) + " bytes for " + path + ": " + std::strerror(rc);
+      return 0;
+    }
+  } else if (cur >= 0 && static_cast<uint64_t>(cur) < size) {
+    *err = path + " is smaller than the requested region";
+    return 0;
+  }
+  r->direct_fd = ::open(path.c_str(), (readonly ? O_RDONLY : O_RDWR) | O_DIRECT | O_CLOEXEC);
+  return regions_.add(std::move(r));
+}
+
+bool Engine::unregister(uint64_t id, double wait_s) {
+  RegionPtr r = regions_.remove(id);
+  if (!r) return true;
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_s);
+  while (r.use_count() > 1) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  return true;
+}
+
+uint32_t Engine::add_peer(const std::vector<int>& fds) {
+  auto peer = std::make_shared<Peer>(fds, stall_ms_, stripe_bytes_, &counters_);
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  uint32_t id = next_peer_++;
+  peers_[id] = std::move(peer);
+  return id;
+}
+
+bool Engine::peer_alive(uint32_t id) {
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  auto it = peers_.find(id);
+  return it != peers_.end() && it->second->alive();
+}
+
+void Engine::remove_peer(uint32_t id) {
+  std::shared_ptr<Peer> peer;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    auto it = peers_.find(id);
+    if (it == peers_.end()) return;
+    peer = std::move(it->second);
+    peers_.erase(it);
+  }
+  peer->shutdown();  // its streams join when `peer` goes out of scope here
+}
+
+void Engine::reap_connections(bool all) {
+  std::vector<std::unique_ptr<Conn>> finished;
+  {
+    std::lock_guard<std::mutex> lock(conns_mu_);
+    auto keep = conns_.begin();
+    for (auto& c : conns_) {
+      if (all) ::shutdown(c->fd, SHUT_RDWR);
+      if (all || c->done.load()) {
+        finished.push_back(std::move(c));
+      } else {
+        *keep++ = std::move(c);
+      }
+    }
+    conns_.erase(keep, conns_.end());
+  }
+  for (auto& c : finished) {
+    if (c->thread.joinable()) c->thread.join();
+    ::close(c->fd);
+  }
+}
+
+void Engine::serve(int fd) {
+  reap_connections(false);
+  if (closing_.load()) {
+    ::close(fd);
+    return;
+  }
+  auto conn = std::make_unique<Conn>();
+  conn->fd = fd;
+  Conn* c = conn.get();
+  {
+    std::lock_guard<std::mutex> lock(conns_mu_);
+    conns_.push_back(std::move(conn));
+  }
+  c->thread = std::thread([this, c] {
+    serve_connection(c->fd, regions_, stall_ms_, &counters_, closing_);
+    c->done.store(true);
+  });
+}
+
+BatchPtr Engine::submit(const std::vector<OpSpec>& ops) {
+  auto batch = std::make_shared<Batch>(ops.size());
+  std::vector<Piece> pieces;
+  uint64_t local_bytes = 0;
+  std::map<uint32_t, std::shared_ptr<Peer>> peers;
+  for (uint32_t i = 0; i < ops.size(); ++i) {
+    const OpSpec& op = ops[i];
+    if (closing_.load()) {
+      batch->part_done(i, kClosed, 0);
+      continue;
+    }
+    RegionPtr local = regions_.get(op.local_region);
+    if (!local) {
+      batch->part_done(i, kUnknownRegion, 0);
+      continue;
+    }
+    if (!local->contains(op.local_off, op.len)) {
+      batch->part_done(i, kOutOfBounds, 0);
+      continue;
+    }
+    if (op.opcode == kRead && local->readonly) {
+      batch->part_done(i, kReadOnly, 0);
+      continue;
+    }
+    if (op.opcode != kRead && op.opcode != kWrite) {
+      batch->part_done(i, kInvalid, 0);
+      continue;
+    }
+    if (op.len == 0) {
+      batch->part_done(i, kOk, 0);
+      continue;
+    }
+    if (op.route == 0) {
+      RegionPtr other = regions_.get(op.remote_region);
+      int32_t st = kOk;
+      if (!other) st = kUnknownRegion;
+      else if (!other->contains(op.remote_off, op.len)) st = kOutOfBounds;
+      else if (op.opcode == kWrite && other->readonly) st = kReadOnly;
+      if (st != kOk) {
+        batch->part_done(i, st, 0);
+        continue;
+      }
+      bool read = op.opcode == kRead;
+      uint64_t parts = std::max<uint64_t>(1, (op.len + kLocalPiece - 1) / kLocalPiece);
+      batch->set_parts(i, static_cast<uint32_t>(parts));
+      for (uint64_t done = 0; done < op.len; done += kLocalPiece) {
+        uint64_t n = std::min(kLocalPiece, op.len - done);
+        if (read) pieces.push_back(Piece{i, local, other, op.local_off + done, op.remote_off + done, n});
+        else pieces.push_back(Piece{i, other, local, op.remote_off + done, op.local_off + done, n});
+      }
+      local_bytes += op.len;
+      continue;
+    }
+    auto it = peers.find(op.route);
+    if (it == peers.end()) {
+      std::lock_guard<std::mutex> lock(peers_mu_);
+      auto p = peers_.find(op.route);
+      it = peers.emplace(op.route, p == peers_.end() ? nullptr : p->second).first;
+    }
+    if (!it->second) {
+      batch->part_done(i, kPeerClosed, 0);
+      continue;
+    }
+    it->second->dispatch(batch, i, op.opcode, local, op.local_off, op.remote_region, op.remote_off, op.len);
+  }
+  if (!pieces.empty()) run_pieces(batch, pieces, local_bytes);
+  return batch;
+}
+
+void Engine::run_pieces(const BatchPtr& batch, std::vector<Piece>& pieces, uint64_t total) {
+  auto run = [this](const BatchPtr& b, Piece* first, Piece* last) {
+    for (Piece* p = first; p != last; ++p) {
+      int32_t st = copy_between(*p->dst, p->dst_off, *p->src, p->src_off, p->len);
+      bool file = p->dst->kind == RegionKind::kFile || p->src->kind == RegionKind::kFile;
+      (file ? counters_.file_bytes : counters_.local_bytes).fetch_add(st == kOk ? p->len : 0);
+      b->part_done(p->op, st, st == kOk ? p->len : 0);
+    }
+  };
+  if (total <= kInlineBytes) {
+    run(batch, pieces.data(), pieces.data() + pieces.size());
+    return;
+  }
+  // Contiguous groups of roughly equal bytes, one per worker.
+  auto shared = std::make_shared<std::vector<Piece>>(std::move(pieces));
+  size_t groups = std::min<size_t>(pool_.size(), shared->size());
+  uint64_t target = (total + groups - 1) / groups, acc = 0;
+  size_t start = 0;
+  for (size_t i = 0; i < shared->size(); ++i) {
+    acc += (*shared)[i].len;
+    bool last = i + 1 == shared->size();
+    if (acc >= target || last) {
+      size_t end = i + 1;
+      pool_.post([run, batch, shared, start, end] { run(batch, shared->data() + start, shared->data() + end); });
+      start = end;
+      acc = 0;
+    }
+  }
+}
+
+std::map<std::string, uint64_t> Engine::stats() const {
+  return {{"tcp_tx_bytes", counters_.tcp_tx.load()},       {"tcp_rx_bytes", counters_.tcp_rx.load()},
+          {"local_bytes", counters_.local_bytes.load()},   {"file_bytes", counters_.file_bytes.load()},
+          {"served_ops", counters_.served_ops.load()},     {"refused_ops", counters_.refused_ops.load()}};
+}
+
+void Engine::close() {
+  if (closing_.exchange(true)) return;
+  reap_connections(true);
+  std::map<uint32_t, std::shared_ptr<Peer>> peers;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    peers.swap(peers_);
+  }
+  for (auto& kv : peers) kv.second->shutdown();
+  peers.clear();
+  pool_.stop();
+  regions_.clear();
+}
+
+}  // namespace kvt

@@ -1,0 +1,99 @@
+// pybind11 surface of the native data plane. Every call that copies or does I/O releases the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "engine.h"
+
+namespace py = pybind11;
+using kvt::Batch;
+using kvt::BatchPtr;
+using kvt::Engine;
+
+namespace {
+
+constexpr size_t kOpFields = 7;  // opcode, route, local_region, local_off, remote_region, remote_off, len
+
+std::vector<kvt::OpSpec> parse_ops(const py::buffer& flat) {
+  py::buffer_info info = flat.request();
+  if (info.itemsize != 8 || info.ndim != 1 || (info.shape[0] % kOpFields) != 0)
+    throw py::value_error("ops must be a flat uint64 buffer of 7 fields per op");
+  auto* v = static_cast<const uint64_t*>(info.ptr);
+  size_t n = static_cast<size_t>(info.shape[0]) / kOpFields;
+  std::vector<kvt::OpSpec> ops(n);
+  for (size_t i = 0; i < n; ++i, v += kOpFields) {
+    ops[i] = kvt::OpSpec{static_cast<uint8_t>(v[0]), static_cast<uint32_t>(v[1]), v[2], v[3], v[4], v[5], v[6]};
+  }
+  return ops;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "kvstore transfer engine data plane";
+
+  m.def("buffer_address", [](const py::buffer& b) {
+    py::buffer_info info = b.request();
+    return py::make_tuple(reinterpret_cast<uintptr_t>(info.ptr), info.size * info.itemsize, info.readonly);
+  }, "(address, nbytes, readonly) of an object exporting the buffer protocol.");
+
+  py::class_<Batch, BatchPtr>(m, "Batch")
+      .def("wait", [](Batch& b, double timeout_s) {
+        py::gil_scoped_release nogil;
+        return b.wait(timeout_s);
+      }, py::arg("timeout_s"))
+      .def("done", &Batch::done)
+      .def("__len__", &Batch::size)
+      .def("statuses", [](const Batch& b) {
+        std::vector<int32_t> out(b.size());
+        for (size_t i = 0; i < b.size(); ++i) out[i] = b.status(i);
+        return out;
+      })
+      .def("byte_counts", [](const Batch& b) {
+        std::vector<uint64_t> out(b.size());
+        for (size_t i = 0; i < b.size(); ++i) out[i] = b.bytes(i);
+        return out;
+      });
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init<uint64_t, uint64_t, int>(), py::arg("stall_ms"), py::arg("stripe_bytes"),
+           py::arg("local_workers"))
+      .def("register_memory", &Engine::register_memory, py::arg("address"), py::arg("size"),
+           py::arg("readonly"), py::arg("remote_access"))
+      .def("register_file", [](Engine& e, const std::string& path, uint64_t size, bool readonly, bool remote) {
+        std::string err;
+        uint64_t id;
+        {
+          py::gil_scoped_release nogil;
+          id = e.register_file(path, size, readonly, remote, &err);
+        }
+        if (id == 0) throw std::runtime_error(err);
+        return id;
+      })
+      .def("unregister", [](Engine& e, uint64_t id, double wait_s) {
+        py::gil_scoped_release nogil;
+        return e.unregister(id, wait_s);
+      })
+      .def("add_peer", [](Engine& e, const std::vector<int>& fds) {
+        py::gil_scoped_release nogil;
+        return e.add_peer(fds);
+      })
+      .def("peer_alive", &Engine::peer_alive)
+      .def("remove_peer", [](Engine& e, uint32_t id) {
+        py::gil_scoped_release nogil;
+        e.remove_peer(id);
+      })
+      .def("serve", [](Engine& e, int fd) {
+        py::gil_scoped_release nogil;
+        e.serve(fd);
+      })
+      .def("submit", [](Engine& e, const py::buffer& flat) {
+        std::vector<kvt::OpSpec> ops = parse_ops(flat);
+        py::gil_scoped_release nogil;
+        return e.submit(ops);
+      })
+      .def("stats", &Engine::stats)
+      .def("close", [](Engine& e) {
+        py::gil_scoped_release nogil;
+        e.close();
+      });
+}

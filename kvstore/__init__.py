@@ -1,0 +1,1 @@
+"""KV store: keys, metadata, daemons, client, tiers (see issues 3-5)."""

@@ -1,0 +1,23 @@
+"""kvstore's Transfer Engine: move bytes between registered regions over shm, TCP and files.
+
+    engine = Engine("a", secret="s3cret")
+    src = engine.register(numpy_array)
+    peer = engine.connect(other_descriptor)
+    engine.transfer([Write(src, 0, peer.region(1), 0, 4096)])
+"""
+from .batch import Batch
+from .descriptor import EngineDescriptor
+from .engine import Engine
+from .errors import (AuthenticationFailed, EngineClosed, InvalidOp, OutOfBounds, PeerUnreachable,
+                     ProtocolError, ReadOnlyRegion, TransferError, TransferIOError, TransferTimeout,
+                     UnknownRegion, UnsupportedBuffer)
+from .ops import OpResult, Read, Write
+from .peer import Peer
+from .regions import Region, RemoteRegion
+
+__all__ = [
+    "AuthenticationFailed", "Batch", "Engine", "EngineClosed", "EngineDescriptor", "InvalidOp",
+    "OpResult", "OutOfBounds", "Peer", "PeerUnreachable", "ProtocolError", "Read", "ReadOnlyRegion",
+    "Region", "RemoteRegion", "TransferError", "TransferIOError", "TransferTimeout", "UnknownRegion",
+    "UnsupportedBuffer", "Write",
+]

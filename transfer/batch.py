@@ -1,0 +1,54 @@
+"""A submitted batch: wait on it (blocking or `await`), then read per-op results."""
+from __future__ import annotations
+
+import asyncio
+from typing import Callable, Sequence
+
+from . import _native
+from .errors import STATUS_ERRORS, STATUS_NAMES, TransferError, TransferTimeout
+from .ops import Op, OpResult
+
+
+class Batch:
+    """Handle on a batch of ops moving in the background."""
+
+    def __init__(self, native: _native.Batch, ops: Sequence[Op], on_done: Callable[[], None] | None = None,
+                 default_timeout: float = 30.0) -> None:
+        self._native = native
+        self._ops = ops
+        self._on_done = on_done
+        self._default_timeout = default_timeout
+
+    def __len__(self) -> int:
+        return len(self._native)
+
+    def done(self) -> bool:
+        return self._native.done()
+
+    def results(self) -> list[OpResult]:
+        """Per-op outcome so far (`status` 1 = still pending)."""
+        statuses, counts = self._native.statuses(), self._native.byte_counts()
+        return [OpResult(s == 0, n, None if s in (0, 1) else STATUS_NAMES.get(s, f"status {s}"), s)
+                for s, n in zip(statuses, counts)]
+
+    def wait(self, timeout: float | None = None, *, raise_on_error: bool = True) -> list[OpResult]:
+        """Block (without the GIL) until every op finished; raise the first op's typed error."""
+        timeout = self._default_timeout if timeout is None else timeout
+        if not self._native.wait(timeout):
+            raise TransferTimeout(f"batch of {len(self)} ops not done after {timeout:.3f}s")
+        if self._on_done is not None:
+            self._on_done()
+            self._on_done = None
+        results = self.results()
+        if raise_on_error:
+            for index, result in enumerate(results):
+                if not result.ok:
+                    error_type = STATUS_ERRORS.get(result.status, TransferError)
+                    error = error_type(f"op {index} of {len(results)} failed: {result.error}")
+                    error.results = results  # type: ignore[attr-defined]
+                    raise error
+        return results
+
+    def __await__(self):
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(None, self.wait).__await__()

@@ -1,0 +1,229 @@
+"""The Transfer Engine: register memory, export it, connect to peers, move bytes in batches."""
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from array import array
+from typing import Any, Sequence
+
+from . import _native
+from .batch import Batch
+from .descriptor import EngineDescriptor, host_id
+from .errors import EngineClosed, InvalidOp, TransferIOError, UnknownRegion, UnsupportedBuffer
+from .listener import Listener
+from .ops import Op, OpResult, Read, Write
+from .peer import Peer
+from .regions import Region, RemoteRegion, anonymous_shared, buffer_view
+
+DEFAULT_STREAMS = 4
+DEFAULT_STRIPE = 256 * 1024
+
+
+def _split_endpoint(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"listen must look like 'host:port', not {listen!r}")
+    return host.strip("[]"), int(port)
+
+
+class Engine:
+    """One per process. Listens on `listen` (loopback by default; None = initiator only)."""
+
+    def __init__(self, name: str | None = None, *, listen: str | None = "127.0.0.1:0",
+                 secret: str | bytes | None = None, stall_timeout: float = 10.0,
+                 streams: int = DEFAULT_STREAMS, stripe_bytes: int = DEFAULT_STRIPE,
+                 local_workers: int = 2, handshake_timeout: float = 5.0) -> None:
+        self.name = name or f"engine-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.secret = secret.encode() if isinstance(secret, str) else (secret or b"")
+        self.stall_timeout = stall_timeout
+        self.streams = streams
+        self._native = _native.Engine(int(stall_timeout * 1000), stripe_bytes, local_workers)
+        self._regions: dict[int, Region] = {}
+        self._peers: list[Peer] = []
+        self._graveyard: list[Region] = []  # unregistered while ops still used them
+        self._lock = threading.Lock()
+        self._closed = False
+        self._listener: Listener | None = None
+        if listen is not None:
+            host, port = _split_endpoint(listen)
+            self._unix_name = f"kvstore-{uuid.uuid4().hex}"
+            self._listener = Listener(host, port, self._unix_name, self.secret, self.name,
+                                      self._native.serve, self._export_table, handshake_timeout)
+
+    # --- regions -------------------------------------------------------------------------
+    def register(self, obj: Any, *, remote_access: bool = True) -> Region:
+        """Register a torch tensor (CPU, or CUDA via host staging), numpy array, bytearray,
+        memoryview, mmap or bytes (read-only). The object stays alive while registered."""
+        view = buffer_view(obj)
+        kind = "cuda" if view.cuda_tensor is not None else "memory"
+        region = self._register_view(view.keepalive, view.nbytes, readonly=view.readonly,
+                                     remote_access=remote_access, kind=kind, address=view.address)
+        region._cuda_tensor = view.cuda_tensor
+        return region
+
+    def allocate(self, size: int, *, remote_access: bool = True) -> Region:
+        """A new zeroed shared-memory region; same-host peers map it and copy directly."""
+        if size <= 0:
+            raise UnsupportedBuffer(f"cannot allocate {size} bytes")
+        fd, mapping = anonymous_shared(size, self.name)
+        region = self._register_view(mapping, size, readonly=False, remote_access=remote_access, kind="shm")
+        region._shm_fd = fd
+        return region
+
+    def register_file(self, path: str | os.PathLike[str], size: int, *, readonly: bool = False,
+                      remote_access: bool = True) -> Region:
+        """A file-backed region (NVMe tier): created and preallocated to `size` if needed."""
+        self._check_open()
+        if size <= 0:
+            raise UnsupportedBuffer(f"cannot register a file region of {size} bytes")
+        try:
+            rid = self._native.register_file(os.fspath(path), size, readonly, remote_access)
+        except RuntimeError as exc:
+            raise TransferIOError(str(exc)) from exc
+        region = Region(rid, size, "file", readonly, remote_access)
+        with self._lock:
+            self._regions[rid] = region
+        return region
+
+    def _register_view(self, obj: Any, size: int, *, readonly: bool, remote_access: bool, kind: str,
+                       address: int | None = None) -> Region:
+        self._check_open()
+        keepalive = obj
+        if address is None:
+            view = buffer_view(obj)
+            address, keepalive = view.address, view.keepalive
+        rid = self._native.register_memory(address, size, readonly, remote_access)
+        buffer = keepalive if isinstance(keepalive, memoryview) else None
+        region = Region(rid, size, kind, readonly, remote_access, buffer=buffer, _keepalive=keepalive)
+        with self._lock:
+            self._regions[rid] = region
+        return region
+
+    def unregister(self, region: Region, *, wait: float | None = None) -> None:
+        """Stop serving `region`; waits (bounded) for in-flight ops that still use it."""
+        with self._lock:
+            if self._regions.get(region.id) is not region:
+                raise UnknownRegion(f"region {region.id} is not registered with {self.name}")
+            del self._regions[region.id]
+        if not self._native.unregister(region.id, self.stall_timeout if wait is None else wait):
+            # In-flight ops still point at it: keep the memory alive rather than free it under them.
+            with self._lock:
+                self._graveyard.append(region)
+            return
+        if region._shm_fd is not None:
+            os.close(region._shm_fd)
+            region._shm_fd = None
+        if isinstance(region._keepalive, memoryview):
+            try:
+                region._keepalive.release()
+            except BufferError:
+                pass  # the caller still holds views of it; the memory lives until they let go
+        region.buffer = None
+
+    def regions(self) -> list[Region]:
+        with self._lock:
+            return sorted(self._regions.values(), key=lambda r: r.id)
+
+    def _export_table(self) -> tuple[list[dict[str, Any]], list[int]]:
+        table, fds = [], []
+        for region in self.regions():
+            if not region.remote_access:
+                continue
+            shm = region._shm_fd is not None
+            table.append({"id": region.id, "size": region.size, "kind": region.kind,
+                          "readonly": region.readonly, "shm": shm})
+            if shm:
+                fds.append(region._shm_fd)
+        return table, fds
+
+    # --- peers -----------------------------------------------------------------------------
+    def export(self) -> EngineDescriptor:
+        """The descriptor peers pass to `connect` (JSON via `.to_json()`)."""
+        if self._listener is None:
+            raise EngineClosed(f"{self.name} does not listen (listen=None)")
+        return EngineDescriptor(self.name, self._listener.host, self._listener.port, host_id(), self._unix_name)
+
+    def connect(self, descriptor: EngineDescriptor | dict | str, *, transport: str = "auto",
+                streams: int | None = None, timeout: float = 5.0) -> Peer:
+        """Authenticate to a peer. transport: "auto" (shm on the same host, else tcp), "shm", "tcp"."""
+        self._check_open()
+        peer = Peer(self, EngineDescriptor.parse(descriptor), transport, streams or self.streams, timeout)
+        with self._lock:
+            self._peers.append(peer)
+        return peer
+
+    # --- transfers ---------------------------------------------------------------------------
+    def submit(self, ops: Sequence[Op]) -> Batch:
+        """Start moving every op; returns at once (tiny local batches finish before it returns)."""
+        self._check_open()
+        flat = array("Q")
+        cuda_reads: list[Read] = []
+        try:
+            for op in ops:
+                flat.extend(self._encode(op))
+                if op.local._cuda_tensor is not None:
+                    if isinstance(op, Write):
+                        op.local.sync_from_device(op.local_offset, op.length)
+                    else:
+                        cuda_reads.append(op)
+        except OverflowError as exc:
+            raise InvalidOp(f"offsets and lengths must be non-negative 64-bit integers: {exc}") from exc
+        on_done = None
+        if cuda_reads:
+            def on_done() -> None:
+                for op in cuda_reads:
+                    op.local.sync_to_device(op.local_offset, op.length)
+        return Batch(self._native.submit(flat), ops, on_done, default_timeout=self.stall_timeout * 2 + 5)
+
+    def _encode(self, op: Op) -> tuple[int, ...]:
+        if not isinstance(op, (Read, Write)):
+            raise InvalidOp(f"not a transfer op: {type(op).__name__}")
+        local, remote = op.local, op.remote
+        if not isinstance(local, Region) or self._regions.get(local.id) is not local:
+            raise UnknownRegion(f"local side of {op!r} is not registered with {self.name}")
+        if isinstance(remote, RemoteRegion):
+            route, remote_id = remote.peer.route(remote)
+        elif isinstance(remote, Region) and self._regions.get(remote.id) is remote:
+            route, remote_id = 0, remote.id
+        else:
+            raise UnknownRegion(f"remote side of {op!r} is neither a peer's region nor ours")
+        return (op.opcode, route, local.id, op.local_offset, remote_id, op.remote_offset, op.length)
+
+    def transfer(self, ops: Sequence[Op], timeout: float | None = None) -> list[OpResult]:
+        """submit + wait: raises the first failed op's typed error."""
+        return self.submit(ops).wait(timeout)
+
+    def stats(self) -> dict[str, int]:
+        """Bytes moved per transport and ops served/refused, since start."""
+        return dict(self._native.stats())
+
+    # --- lifetime ---------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed(f"engine {self.name} is closed")
+
+    def close(self) -> None:
+        """Stop listening, drop peers, fail in-flight ops with EngineClosed, release regions."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._listener is not None:
+            self._listener.close()
+        for peer in self._peers:
+            peer.close()
+        self._native.close()
+        for region in list(self._regions.values()):
+            if region._shm_fd is not None:
+                os.close(region._shm_fd)
+                region._shm_fd = None
+        self._regions.clear()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Engine({self.name!r}, regions={len(self._regions)}, peers={len(self._peers)})"

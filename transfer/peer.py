@@ -1,0 +1,197 @@
+"""A connected peer: authenticated control channel, TCP data streams, and (same host) the
+peer's shared-memory regions mapped into this process so copies skip the network entirely."""
+from __future__ import annotations
+
+import mmap
+import os
+import select
+import socket
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .auth import client_handshake, recv_frame, send_frame
+from .descriptor import EngineDescriptor, host_id
+from .errors import EngineClosed, PeerUnreachable, ProtocolError, TransferError, UnknownRegion
+from .listener import FDS_PER_MESSAGE
+from .regions import Region, RemoteRegion
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+TRANSPORTS = ("auto", "shm", "tcp")
+
+
+@dataclass
+class _Mapped:
+    region: Region
+    mapping: mmap.mmap
+
+
+def _connect_tcp(host: str, port: int, timeout: float) -> socket.socket:
+    try:
+        return socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise PeerUnreachable(f"cannot connect to {host}:{port}: {exc}") from exc
+
+
+def _connect_unix(name: str, timeout: float) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect("\0" + name)
+        return sock
+    except OSError:
+        sock.close()
+        return None  # another network namespace or host: no shared memory
+
+
+class Peer:
+    """Handle on a remote engine; obtain one with `Engine.connect`."""
+
+    def __init__(self, engine: "Engine", descriptor: EngineDescriptor, transport: str, streams: int,
+                 timeout: float) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
+        self.descriptor = descriptor
+        self._engine = engine
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._remote: dict[int, RemoteRegion] = {}
+        self._mapped: dict[int, _Mapped] = {}
+        self._closed = False
+        self._ctl = self._open_control(transport)
+        self.transport = "shm" if self._ctl.family == socket.AF_UNIX else "tcp"
+        fds: list[int] = []
+        try:
+            for _ in range(max(1, streams)):
+                sock = _connect_tcp(descriptor.host, descriptor.port, timeout)
+                fds.append(sock.fileno())
+                try:
+                    client_handshake(sock, engine.secret, "data", engine.name)
+                except BaseException:
+                    sock.close()
+                    fds.pop()
+                    raise
+                sock.settimeout(None)
+                sock.detach()
+            self._native_id = engine._native.add_peer(fds)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            self._ctl.close()
+            raise
+        self.refresh()
+
+    def _open_control(self, transport: str) -> socket.socket:
+        d = self.descriptor
+        same_host = d.host_id == host_id() and d.unix is not None
+        if transport == "shm" and not same_host:
+            raise PeerUnreachable(f"{d.name} is not on this host: shared memory is unavailable")
+        sock = _connect_unix(d.unix, self._timeout) if same_host and transport != "tcp" and d.unix else None
+        if sock is None and transport == "shm":
+            raise PeerUnreachable(f"cannot reach {d.name}'s same-host control socket")
+        if sock is None:
+            sock = _connect_tcp(d.host, d.port, self._timeout)
+        try:
+            client_handshake(sock, self._engine.secret, "ctl", self._engine.name)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    @property
+    def name(self) -> str:
+        return self.descriptor.name
+
+    def refresh(self) -> None:
+        """Fetch the peer's exported regions again (and map new shared-memory ones)."""
+        with self._lock:
+            self._check_open()
+            try:
+                self._ctl.settimeout(self._timeout)
+                send_frame(self._ctl, {"op": "regions"})
+                reply = recv_frame(self._ctl)
+                fds: list[int] = []
+                while len(fds) < int(reply.get("fds", 0)):
+                    _, got, _, _ = socket.recv_fds(self._ctl, 1, FDS_PER_MESSAGE)
+                    if not got:
+                        raise ProtocolError("peer announced shared-memory descriptors but sent none")
+                    fds.extend(got)
+            except (OSError, ValueError) as exc:
+                raise PeerUnreachable(f"control request to {self.name} failed: {exc}") from exc
+            try:
+                self._apply_table(reply.get("regions", []), fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+    def _apply_table(self, table: list[dict], fds: list[int]) -> None:
+        fd_iter = iter(fds)
+        for entry in table:
+            rid, size, shm = int(entry["id"]), int(entry["size"]), bool(entry.get("shm"))
+            readonly = bool(entry.get("readonly"))
+            fd = next(fd_iter) if shm and fds else None
+            if rid not in self._mapped and fd is not None:
+                prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
+                mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+                local = self._engine._register_view(mapping, size, readonly=readonly, remote_access=False, kind="shm")
+                self._mapped[rid] = _Mapped(local, mapping)
+            self._remote[rid] = RemoteRegion(self, rid, size, shm=rid in self._mapped, readonly=readonly)
+
+    def region(self, region_id: int) -> RemoteRegion:
+        """The peer's exported region `region_id` (refreshing the table once if it is new)."""
+        if region_id not in self._remote:
+            self.refresh()
+        try:
+            return self._remote[region_id]
+        except KeyError:
+            raise UnknownRegion(f"{self.name} exports no region {region_id}") from None
+
+    def regions(self) -> list[RemoteRegion]:
+        return sorted(self._remote.values(), key=lambda r: r.id)
+
+    def route(self, region: RemoteRegion) -> tuple[int, int]:
+        """(native route, region id): 0 and a local mapping for shared memory, else the TCP peer."""
+        self._check_open()
+        mapped = self._mapped.get(region.id)
+        if mapped is not None:
+            if not self.alive:
+                raise PeerUnreachable(f"{self.name} is gone")
+            return 0, mapped.region.id
+        return self._native_id, region.id
+
+    @property
+    def alive(self) -> bool:
+        """False once the peer closed its control connection (it died or shut down)."""
+        if self._closed:
+            return False
+        try:
+            readable, _, _ = select.select([self._ctl], [], [], 0)
+            if readable and not self._lock.locked():
+                return self._ctl.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed(f"peer {self.name} was closed")
+
+    def close(self) -> None:
+        """Drop the streams and the mappings of the peer's memory."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine._native.remove_peer(self._native_id)
+        for mapped in self._mapped.values():
+            try:
+                self._engine.unregister(mapped.region)
+                mapped.mapping.close()
+            except (TransferError, BufferError):
+                pass  # an op still holds it; the mapping goes when the engine does
+        self._mapped.clear()
+        self._ctl.close()
+
+    def __repr__(self) -> str:
+        return f"Peer({self.name!r}, transport={self.transport!r}, regions={len(self._remote)})"

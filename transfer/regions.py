@@ -1,0 +1,115 @@
+"""Registered regions: what a buffer, tensor, mmap or file looks like to the engine."""
+from __future__ import annotations
+
+import mmap as _mmap
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from . import _native
+from .errors import UnsupportedBuffer
+
+if TYPE_CHECKING:
+    from .peer import Peer
+
+
+@dataclass(frozen=True)
+class BufferView:
+    """Address and size of a registerable object, plus what keeps its memory alive."""
+
+    address: int
+    nbytes: int
+    readonly: bool
+    keepalive: Any
+    cuda_tensor: Any = None  # set when `keepalive` is a host staging copy of a CUDA tensor
+
+
+def _torch_view(tensor: Any) -> BufferView:
+    if not tensor.is_contiguous():
+        raise UnsupportedBuffer("tensor must be contiguous to be registered")
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.device.type == "cuda":
+        import torch
+
+        # No GPUDirect on this path: a pinned host copy is what the transports see.
+        staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        staging.copy_(tensor.view(-1).view(torch.uint8))
+        return BufferView(staging.data_ptr(), nbytes, False, staging, cuda_tensor=tensor)
+    if tensor.device.type != "cpu":
+        raise UnsupportedBuffer(f"tensors on {tensor.device.type} are not supported")
+    return BufferView(tensor.data_ptr(), nbytes, False, tensor)
+
+
+def buffer_view(obj: Any) -> BufferView:
+    """Resolve a torch tensor, numpy array, bytearray, memoryview, mmap or bytes to a BufferView."""
+    if type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr"):
+        return _torch_view(obj)
+    try:
+        view = memoryview(obj)
+    except TypeError as exc:
+        raise UnsupportedBuffer(f"cannot register {type(obj).__name__}: no buffer protocol") from exc
+    if not view.c_contiguous:
+        raise UnsupportedBuffer("buffer must be C-contiguous to be registered")
+    if view.nbytes == 0:
+        raise UnsupportedBuffer("cannot register an empty buffer")
+    address, nbytes, readonly = _native.buffer_address(view.cast("B") if view.ndim != 1 or view.format != "B" else view)
+    # Holding the memoryview pins the export: a bytearray cannot resize, an mmap cannot close.
+    return BufferView(address, nbytes, bool(readonly), view)
+
+
+@dataclass(eq=False)
+class Region:
+    """A region registered with a local Engine: ops name it by `id`, never by address."""
+
+    id: int
+    size: int
+    kind: str  # "memory" | "shm" | "file" | "cuda"
+    readonly: bool
+    remote_access: bool
+    buffer: memoryview | None = None  # host bytes of memory-backed regions
+    _keepalive: Any = field(default=None, repr=False)
+    _cuda_tensor: Any = field(default=None, repr=False)
+    _shm_fd: int | None = field(default=None, repr=False)
+
+    def sync_to_device(self, offset: int = 0, length: int | None = None) -> None:
+        """CUDA regions: copy staged host bytes to the tensor (after reads land)."""
+        if self._cuda_tensor is None:
+            return
+        import torch
+
+        length = self.size - offset if length is None else length
+        flat = self._cuda_tensor.view(-1).view(torch.uint8)
+        flat[offset : offset + length].copy_(self._keepalive[offset : offset + length], non_blocking=False)
+
+    def sync_from_device(self, offset: int = 0, length: int | None = None) -> None:
+        """CUDA regions: copy the tensor's bytes into the host staging buffer (before writes)."""
+        if self._cuda_tensor is None:
+            return
+        import torch
+
+        length = self.size - offset if length is None else length
+        flat = self._cuda_tensor.view(-1).view(torch.uint8)
+        self._keepalive[offset : offset + length].copy_(flat[offset : offset + length])
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    """A region exported by a peer. `size` is what the peer advertised; the peer re-checks."""
+
+    peer: "Peer"
+    id: int
+    size: int
+    shm: bool = False
+    readonly: bool = False
+
+
+def anonymous_shared(size: int, name: str) -> tuple[int, _mmap.mmap]:
+    """A shared-memory file (memfd) of `size` bytes and its mapping; the fd can be sent to peers."""
+    import os
+
+    fd = os.memfd_create(f"kvstore-{name}", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        return fd, _mmap.mmap(fd, size, _mmap.MAP_SHARED, _mmap.PROT_READ | _mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
