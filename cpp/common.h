@@ -103,6 +103,7 @@ struct SubReq {
   uint64_t local_off, remote_region, remote_off, len;
 };
 
+constexpr int kSpinMicros = 200;  // Batch::wait polls this long before blocking
 constexpr uint32_t kMagic = 0x4b565431;  // "KVT1"
 
 #pragma pack(push, 1)

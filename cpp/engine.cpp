@@ -193,7 +193,11 @@ BatchPtr Engine::submit(const std::vector<OpSpec>& ops) {
   auto batch = std::make_shared<Batch>(ops.size());
   std::vector<Piece> pieces;
   uint64_t local_bytes = 0;
-  std::map<uint32_t, std::shared_ptr<Peer>> peers;
+  struct PeerOps {
+    std::shared_ptr<Peer> peer;
+    std::vector<SubReq> reqs;
+  };
+  std::map<uint32_t, PeerOps> remote;
   for (uint32_t i = 0; i < ops.size(); ++i) {
     const OpSpec& op = ops[i];
     if (closing_.load()) {
@@ -242,18 +246,20 @@ BatchPtr Engine::submit(const std::vector<OpSpec>& ops) {
       local_bytes += op.len;
       continue;
     }
-    auto it = peers.find(op.route);
-    if (it == peers.end()) {
+    auto it = remote.find(op.route);
+    if (it == remote.end()) {
       std::lock_guard<std::mutex> lock(peers_mu_);
       auto p = peers_.find(op.route);
-      it = peers.emplace(op.route, p == peers_.end() ? nullptr : p->second).first;
+      it = remote.emplace(op.route, PeerOps{p == peers_.end() ? nullptr : p->second, {}}).first;
     }
-    if (!it->second) {
+    if (!it->second.peer) {
       batch->part_done(i, kPeerClosed, 0);
       continue;
     }
-    it->second->dispatch(batch, i, op.opcode, local, op.local_off, op.remote_region, op.remote_off, op.len);
+    it->second.reqs.push_back(SubReq{batch, i, op.opcode, local, op.local_off, op.remote_region, op.remote_off, op.len});
   }
+  for (auto& kv : remote)
+    if (kv.second.peer) kv.second.peer->dispatch(kv.second.reqs);
   if (!pieces.empty()) run_pieces(batch, pieces, local_bytes);
   return batch;
 }

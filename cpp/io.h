@@ -29,9 +29,9 @@ class Reader {
   int32_t read(void* dst, size_t n);
   int32_t discard(size_t n);
   int32_t read_into_region(Region& r, uint64_t off, uint64_t len);
+  int32_t fill();  // one recv() of whatever is available (kTimeout after the stall time)
 
  private:
-  int32_t fill();
   int fd_;
   std::vector<uint8_t> buf_;
   size_t head_ = 0, tail_ = 0;

@@ -9,12 +9,14 @@
 
 namespace kvt {
 
-// One TCP connection to a peer: a sender thread writes request batches with one writev, a
-// receiver thread matches responses to in-flight requests in FIFO order.
+// One TCP connection to a peer: request batches go out with one writev (from the caller's thread
+// when the stream is idle, else from a sender thread); a receiver thread, always parked in recv(),
+// matches responses to in-flight requests in FIFO order.
 class Stream {
  public:
   Stream(int fd, uint64_t stall_ms, Counters* counters);
   ~Stream();
+  // Queue requests; a small batch on an idle stream is written by the calling thread at once.
   bool enqueue(std::vector<SubReq>& reqs);  // false when the stream is broken
   uint64_t queued_bytes() const { return queued_.load(std::memory_order_relaxed); }
   bool broken() const;
@@ -22,7 +24,9 @@ class Stream {
 
  private:
   void send_loop();
+  void send_batch(std::vector<SubReq>& batch);  // caller holds send_mu_
   void recv_loop();
+  bool stalled();
   void fail(std::deque<SubReq>& reqs, int32_t status);
   void finish(SubReq& r, int32_t status);
   void mark_broken(int32_t status);
@@ -30,12 +34,14 @@ class Stream {
   int fd_;
   uint64_t stall_ms_;
   Counters* counters_;
+  std::mutex send_mu_;  // serialises writers so in_flight_ order is wire order
   mutable std::mutex mu_;
-  std::condition_variable send_cv_, recv_cv_;
+  std::condition_variable send_cv_;
   std::deque<SubReq> to_send_, in_flight_;
   bool broken_ = false, closing_ = false;
   int32_t broken_status_ = kOk;
   std::atomic<uint64_t> queued_{0};
+  std::chrono::steady_clock::time_point activity_;  // last send into an empty pipe or response
   std::thread sender_, receiver_;
 };
 
@@ -44,13 +50,12 @@ class Stream {
 class Peer {
  public:
   Peer(const std::vector<int>& fds, uint64_t stall_ms, uint64_t stripe_bytes, Counters* counters);
-  void dispatch(const BatchPtr& batch, uint32_t op, uint8_t opcode, const RegionPtr& local,
-                uint64_t local_off, uint64_t remote_region, uint64_t remote_off, uint64_t len);
+  // Split `reqs` (one per op, `op` set) into pieces and spread them over the streams.
+  void dispatch(std::vector<SubReq>& reqs);
   bool alive() const;
   void shutdown();
 
  private:
-  Stream& least_loaded();
   std::vector<std::unique_ptr<Stream>> streams_;
   uint64_t stripe_bytes_;
 };

@@ -14,7 +14,7 @@ from .auth import client_handshake, recv_frame, send_frame
 from .descriptor import EngineDescriptor, host_id
 from .errors import EngineClosed, PeerUnreachable, ProtocolError, TransferError, UnknownRegion
 from .listener import FDS_PER_MESSAGE
-from .regions import Region, RemoteRegion
+from .regions import Region, RemoteRegion, map_shared
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -133,8 +133,7 @@ class Peer:
             readonly = bool(entry.get("readonly"))
             fd = next(fd_iter) if shm and fds else None
             if rid not in self._mapped and fd is not None:
-                prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
-                mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+                mapping = map_shared(fd, size, writable=not readonly)
                 local = self._engine._register_view(mapping, size, readonly=readonly, remote_access=False, kind="shm")
                 self._mapped[rid] = _Mapped(local, mapping)
             self._remote[rid] = RemoteRegion(self, rid, size, shm=rid in self._mapped, readonly=readonly)

@@ -1,0 +1,74 @@
+"""Shared fixtures: Transfer Engine peers running in their own processes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+
+from peer_process import pattern  # noqa: E402
+
+
+@dataclass
+class PeerProcess:
+    """Handle on tests/helpers/peer_process.py running in a child process."""
+
+    proc: subprocess.Popen
+    descriptor: str
+    regions: dict[str, int]
+    size: int
+    seed: int
+
+    def sha(self, region: str, offset: int = 0, length: int | None = None) -> str:
+        length = self.size - offset if length is None else length
+        self.proc.stdin.write(json.dumps({"cmd": "sha", "region": region, "offset": offset, "length": length}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())["sha"]
+
+    def expected(self) -> np.ndarray:
+        return pattern(self.seed, self.size)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)
+                self.proc.stdin.write('{"cmd": "exit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture
+def spawn_peer() -> Iterator:
+    started: list[PeerProcess] = []
+
+    def spawn(size: int = 4 << 20, seed: int = 1, secret: str | None = None, stall: float = 10.0) -> PeerProcess:
+        cmd = [sys.executable, str(ROOT / "tests" / "helpers" / "peer_process.py"), "--size", str(size),
+               "--seed", str(seed), "--stall", str(stall)]
+        if secret is not None:
+            cmd += ["--secret", secret]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        hello = json.loads(proc.stdout.readline())
+        peer = PeerProcess(proc, hello["descriptor"], hello["regions"], size, seed)
+        started.append(peer)
+        return peer
+
+    yield spawn
+    for peer in started:
+        peer.stop()
