@@ -121,7 +121,7 @@ int32_t region_write(Region& r, uint64_t off, const void* src, uint64_t len) {
   return kOk;
 }
 
-int32_t Reader::fill() {
+int32_t Reader::fill(size_t limit) {
   if (head_ == tail_) {
     head_ = tail_ = 0;
   } else if (head_ > buf_.size() / 2) {
@@ -130,7 +130,7 @@ int32_t Reader::fill() {
     head_ = 0;
   }
   for (;;) {
-    ssize_t r = ::recv(fd_, buf_.data() + tail_, buf_.size() - tail_, 0);
+    ssize_t r = ::recv(fd_, buf_.data() + tail_, std::min(limit, buf_.size() - tail_), 0);
     if (r < 0 && errno == EINTR) continue;
     if (r <= 0) return errno_status(r);
     tail_ += static_cast<size_t>(r);

@@ -29,7 +29,10 @@ class Reader {
   int32_t read(void* dst, size_t n);
   int32_t discard(size_t n);
   int32_t read_into_region(Region& r, uint64_t off, uint64_t len);
-  int32_t fill();  // one recv() of whatever is available (kTimeout after the stall time)
+  // One recv() of what is available, at most `limit` bytes (kTimeout after the stall time). A small
+  // limit before a large payload keeps that payload out of the bounce buffer.
+  int32_t fill(size_t limit = kDefaultFill);
+  static constexpr size_t kDefaultFill = 64 * 1024;
 
  private:
   int fd_;

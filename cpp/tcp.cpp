@@ -176,6 +176,11 @@ void Stream::send_batch(std::vector<SubReq>& batch) {
   }
 }
 
+bool Stream::next_is_large_read() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !in_flight_.empty() && in_flight_.front().opcode == kRead && in_flight_.front().len >= 64 * 1024;
+}
+
 bool Stream::stalled() {
   std::lock_guard<std::mutex> lock(mu_);
   if (in_flight_.empty()) return false;  // idle: silence is expected
@@ -187,7 +192,7 @@ void Stream::recv_loop() {
   int32_t st = kOk;
   while (st == kOk) {
     while (st == kOk && reader.buffered() < sizeof(RespHeader)) {
-      st = reader.fill();
+      st = reader.fill(next_is_large_read() ? sizeof(RespHeader) - reader.buffered() : Reader::kDefaultFill);
       if (st == kTimeout && !stalled()) st = kOk;
     }
     if (st != kOk) break;

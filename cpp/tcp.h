@@ -27,6 +27,7 @@ class Stream {
   void send_batch(std::vector<SubReq>& batch);  // caller holds send_mu_
   void recv_loop();
   bool stalled();
+  bool next_is_large_read();
   void fail(std::deque<SubReq>& reqs, int32_t status);
   void finish(SubReq& r, int32_t status);
   void mark_broken(int32_t status);
