@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
+from etcd_server import EtcdServer  # noqa: E402
 from peer_process import pattern  # noqa: E402
 
 
@@ -72,3 +73,35 @@ def spawn_peer() -> Iterator:
     yield spawn
     for peer in started:
         peer.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[EtcdServer]:
+    """A real etcd shared by the session; tests isolate themselves by key prefix."""
+    with EtcdServer() as server:
+        yield server
+
+
+@pytest.fixture
+def fresh_etcd() -> Iterator[EtcdServer]:
+    """An etcd of the test's own, for tests that kill or restart it."""
+    with EtcdServer() as server:
+        yield server
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix no other test uses."""
+    import uuid
+
+    return f"/test/{uuid.uuid4().hex[:12]}/"
+
+
+@pytest.fixture(params=["memory", "etcd"])
+def metadata_url(request) -> str:
+    """The same suite against both backends."""
+    if request.param == "memory":
+        import uuid
+
+        return f"memory://{uuid.uuid4().hex[:12]}"
+    return request.getfixturevalue("etcd_server").url

@@ -1,0 +1,68 @@
+"""Typed errors of the KV store. Transfer Engine errors live in `transfer.errors` and are
+re-exported here so callers need one import."""
+from __future__ import annotations
+
+from transfer.errors import (AuthenticationFailed, OutOfBounds, PeerUnreachable, TransferError,  # noqa: F401
+                             TransferTimeout, UnknownRegion)
+
+
+class KVStoreError(Exception):
+    """Base class of every kvstore error."""
+
+
+# --- keys -------------------------------------------------------------------------------------
+class InvalidFingerprint(KVStoreError, ValueError):
+    """A model fingerprint field is missing, of the wrong type or out of range."""
+
+
+class FingerprintMismatch(KVStoreError):
+    """Two parties disagree on the model fingerprint: their KV blocks are not interchangeable."""
+
+    def __init__(self, message: str, differences: dict[str, tuple[object, object]] | None = None) -> None:
+        super().__init__(message)
+        self.differences = differences or {}
+
+
+class InvalidTokens(KVStoreError, ValueError):
+    """Token ids that are not non-negative 32-bit integers, or a bad block size."""
+
+
+# --- metadata ---------------------------------------------------------------------------------
+class MetadataError(KVStoreError):
+    """Base class of metadata-service errors."""
+
+
+class MetadataUnavailable(MetadataError, ConnectionError):
+    """The metadata service (etcd) cannot be reached or answered with an error."""
+
+
+class MetadataTimeout(MetadataUnavailable, TimeoutError):
+    """A metadata call did not finish within its timeout."""
+
+
+class InvalidKey(MetadataError, ValueError):
+    """A metadata key is empty, too long or not str/bytes."""
+
+
+class InvalidValue(MetadataError, TypeError):
+    """A metadata value is not bytes/str."""
+
+
+class ValueTooLarge(MetadataError, ValueError):
+    """A metadata value (or a batch) exceeds the service's size limit."""
+
+
+class LeaseExpired(MetadataError):
+    """The lease no longer exists (expired or revoked): keys bound to it are gone."""
+
+
+class WatchCompacted(MetadataError):
+    """A watch asked for history that was compacted away; resynchronise from a snapshot."""
+
+    def __init__(self, compacted_revision: int) -> None:
+        super().__init__(f"revision compacted up to {compacted_revision}")
+        self.compacted_revision = compacted_revision
+
+
+class InvalidRecord(MetadataError, ValueError):
+    """A stored record cannot be decoded (wrong version, truncated, corrupt)."""

@@ -1,0 +1,128 @@
+"""Block keys: a model fingerprint and chained block hashes, identical across processes and hosts.
+
+    h_0 = H(fingerprint), h_i = H(h_{i-1} || tokens_i as little-endian u32), H = xxh3-128,
+
+over full blocks only. No Python `hash()`, no pickling, no dict ordering: the same tokens give the
+same keys under any PYTHONHASHSEED, on any machine.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Iterable, Sequence
+
+import numpy as np
+import xxhash
+
+from .errors import FingerprintMismatch, InvalidFingerprint, InvalidTokens
+
+HASH_BYTES = 16
+BlockHash = bytes  # 16 bytes
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """Everything that makes two workers' KV bytes interchangeable."""
+
+    model_id: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    kv_layout: str = "default"
+    revision: str = ""
+    tp_rank: int = 0
+    tp_world_size: int = 1
+    tokenizer_id: str = ""
+    adapter_id: str = ""
+    tenant: str = ""
+    cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int":
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise InvalidFingerprint(f"{f.name} must be an int, not {type(value).__name__}")
+            elif not isinstance(value, str):
+                raise InvalidFingerprint(f"{f.name} must be a str, not {type(value).__name__}")
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_size", "tp_world_size"):
+            if getattr(self, name) <= 0:
+                raise InvalidFingerprint(f"{name} must be positive")
+        if not 0 <= self.tp_rank < self.tp_world_size:
+            raise InvalidFingerprint(f"tp_rank {self.tp_rank} outside a world of {self.tp_world_size}")
+        if not self.model_id or not self.dtype:
+            raise InvalidFingerprint("model_id and dtype are required")
+
+    def canonical(self) -> bytes:
+        """Deterministic encoding: sorted-key JSON of every field."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def digest(self) -> str:
+        """32 hex chars naming this fingerprint in metadata keys."""
+        return xxhash.xxh3_128_hexdigest(self.canonical())
+
+    def root_hash(self) -> BlockHash:
+        """h_0 of every chain under this fingerprint."""
+        return xxhash.xxh3_128_digest(self.canonical())
+
+    def check_compatible(self, other: "ModelFingerprint") -> None:
+        """Raise FingerprintMismatch naming every field that differs."""
+        diffs = {f.name: (getattr(self, f.name), getattr(other, f.name)) for f in fields(self)
+                 if getattr(self, f.name) != getattr(other, f.name)}
+        if diffs:
+            listed = ", ".join(f"{k}: {a!r} != {b!r}" for k, (a, b) in diffs.items())
+            raise FingerprintMismatch(f"incompatible model fingerprints ({listed})", diffs)
+
+
+def token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as a little-endian u32 array; raises InvalidTokens on anything else."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidTokens("token ids must be a flat sequence")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidTokens(f"token ids must be integers, not {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise InvalidTokens("token ids must fit in an unsigned 32-bit integer")
+    return arr.astype("<u4", copy=False)
+
+
+def chain_hashes(fingerprint: ModelFingerprint, tokens: Sequence[int] | np.ndarray,
+                 parent: BlockHash | None = None) -> list[BlockHash]:
+    """Hashes of every full block of `tokens` (a trailing partial block gets none).
+
+    `parent` continues an existing chain (the hash of the block before `tokens`)."""
+    size = fingerprint.block_size
+    data = token_array(tokens).tobytes()
+    step = size * 4
+    previous = fingerprint.root_hash() if parent is None else parent
+    digest = xxhash.xxh3_128_digest
+    out = []
+    for start in range(0, len(data) - step + 1, step):
+        previous = digest(previous + data[start : start + step])
+        out.append(previous)
+    return out
+
+
+def external_hashes(ids: Iterable[int | bytes | str], fingerprint: ModelFingerprint | None = None) -> list[BlockHash]:
+    """Block hashes from a chain computed elsewhere (Mooncake trace `hash_ids`, vLLM block hashes).
+
+    Such ids are already prefix-chained by their producer; they are mapped one to one onto 16-byte
+    keys, salted with the fingerprint so two models' id 0 never collide."""
+    salt = fingerprint.root_hash() if fingerprint is not None else b""
+    out = []
+    for value in ids:
+        if isinstance(value, bool):
+            raise InvalidTokens("a block id cannot be a bool")
+        if isinstance(value, int):
+            raw = value.to_bytes(16, "little", signed=value < 0)
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            raw = bytes(value)
+        elif isinstance(value, str):
+            raw = value.encode()
+        else:
+            raise InvalidTokens(f"unsupported block id type {type(value).__name__}")
+        out.append(xxhash.xxh3_128_digest(salt + raw))
+    return out

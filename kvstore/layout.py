@@ -1,0 +1,108 @@
+"""Where things live in the metadata service, and how records are encoded.
+
+    /kvstore/<cluster>/nodes/<node>                     NodeRecord (JSON)      on the node's lease
+    /kvstore/<cluster>/segments/<node>                  engine descriptor      on the node's lease
+    /kvstore/<cluster>/blocks/<fingerprint>/<hash>/<node>  BlockRecord (26 B)  on the node's lease
+
+A block key ends in the owning node so that each replica lives and dies with its own node's lease,
+and two nodes publishing the same block never overwrite each other.
+"""
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import asdict, dataclass, field
+
+from .errors import InvalidRecord
+from .keys import HASH_BYTES
+
+TIERS = ("dram", "nvme")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+_BLOCK = struct.Struct("<BBIQIQ")  # version, tier, region, offset, size, checksum
+BLOCK_RECORD_VERSION = 1
+
+
+def check_name(kind: str, name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise InvalidRecord(f"{kind} name {name!r} must be 1-128 chars of [A-Za-z0-9_.:-]")
+    return name
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """A store node: where to reach it and what it holds."""
+
+    name: str
+    endpoint: str  # admin/control address
+    tiers: dict[str, int] = field(default_factory=dict)  # tier -> capacity bytes
+    host: str = ""
+    version: str = "0.1.0"
+
+    def encode(self) -> bytes:
+        check_name("node", self.name)
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "NodeRecord":
+        try:
+            data = json.loads(raw)
+            return cls(name=data["name"], endpoint=data["endpoint"], tiers=dict(data.get("tiers", {})),
+                       host=data.get("host", ""), version=data.get("version", ""))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidRecord(f"bad node record: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRecord:
+    """Where one replica of a block sits on its node."""
+
+    tier: str
+    region: int
+    offset: int
+    size: int
+    checksum: int
+
+    def encode(self) -> bytes:
+        try:
+            return _BLOCK.pack(BLOCK_RECORD_VERSION, TIERS.index(self.tier), self.region, self.offset, self.size,
+                               self.checksum)
+        except (ValueError, struct.error) as exc:
+            raise InvalidRecord(f"cannot encode {self!r}: {exc}") from exc
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "BlockRecord":
+        if len(raw) != _BLOCK.size:
+            raise InvalidRecord(f"block record of {len(raw)} bytes, expected {_BLOCK.size}")
+        version, tier, region, offset, size, checksum = _BLOCK.unpack(raw)
+        if version != BLOCK_RECORD_VERSION or tier >= len(TIERS):
+            raise InvalidRecord(f"block record version {version} tier {tier} not understood")
+        return cls(TIERS[tier], region, offset, size, checksum)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Key names of one cluster."""
+
+    cluster: str = "default"
+
+    def __post_init__(self) -> None:
+        check_name("cluster", self.cluster)
+
+    @property
+    def root(self) -> str:
+        return f"/kvstore/{self.cluster}/"
+
+    def node_key(self, node: str) -> str:
+        return f"{self.root}nodes/{check_name('node', node)}"
+
+    def segment_key(self, node: str) -> str:
+        return f"{self.root}segments/{check_name('node', node)}"
+
+    def blocks_prefix(self, fingerprint: str | None = None) -> str:
+        return f"{self.root}blocks/" + (f"{fingerprint}/" if fingerprint else "")
+
+    def block_key(self, fingerprint: str, block_hash: bytes, node: str) -> str:
+        if len(block_hash) != HASH_BYTES:
+            raise InvalidRecord(f"block hash must be {HASH_BYTES} bytes, got {len(block_hash)}")
+        return f"{self.root}blocks/{fingerprint}/{block_hash.hex()}/{check_name('node', node)}"

@@ -1,0 +1,176 @@
+"""The metadata interface: a small subset of etcd's API that both backends implement identically.
+
+Keys and values are bytes (str is UTF-8 encoded). Every write bumps the store's revision once (a
+transaction counts as one write). Keys bound to a lease vanish when the lease expires or is revoked,
+and watchers see those deletions like any other.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Literal, Sequence
+
+from ..errors import InvalidKey, InvalidValue, ValueTooLarge
+
+MAX_KEY_BYTES = 4096
+MAX_VALUE_BYTES = 1 << 20  # below etcd's 1.5 MiB request limit
+MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    key: bytes
+    value: bytes
+    mod_revision: int
+    version: int
+    lease: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    kind: Literal["put", "delete"]
+    key: bytes
+    value: bytes
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    id: int
+    ttl: int
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    key: bytes
+    value: bytes
+    lease: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Compare:
+    """`target` of `key` compared with `value`; a missing key has version 0 and value b""."""
+
+    key: bytes
+    target: Literal["version", "value", "mod_revision"]
+    op: Literal["==", "!=", "<", ">"]
+    value: int | bytes
+
+
+@dataclass
+class TxnResult:
+    succeeded: bool
+    revision: int
+    responses: list = field(default_factory=list)
+
+
+def as_key(key: bytes | str) -> bytes:
+    if isinstance(key, str):
+        key = key.encode()
+    if not isinstance(key, (bytes, bytearray)):
+        raise InvalidKey(f"keys are str or bytes, not {type(key).__name__}")
+    if not key or len(key) > MAX_KEY_BYTES:
+        raise InvalidKey(f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+    return bytes(key)
+
+
+def as_value(value: bytes | str) -> bytes:
+    if isinstance(value, str):
+        value = value.encode()
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise InvalidValue(f"values are str or bytes, not {type(value).__name__}")
+    value = bytes(value)
+    if len(value) > MAX_VALUE_BYTES:
+        raise ValueTooLarge(f"value of {len(value)} bytes exceeds {MAX_VALUE_BYTES}")
+    return value
+
+
+def compare_holds(cmp: Compare, current: KeyValue | None) -> bool:
+    actual: int | bytes
+    if cmp.target == "version":
+        actual = current.version if current else 0
+    elif cmp.target == "mod_revision":
+        actual = current.mod_revision if current else 0
+    else:
+        actual = current.value if current else b""
+    return {"==": actual == cmp.value, "!=": actual != cmp.value,
+            "<": actual < cmp.value, ">": actual > cmp.value}[cmp.op]  # type: ignore[operator]
+
+
+class Watch(abc.ABC):
+    """An async iterator of WatchEvents; raises MetadataUnavailable or WatchCompacted when it ends
+    for a reason other than cancel()."""
+
+    def __aiter__(self) -> AsyncIterator[WatchEvent]:
+        return self._events()
+
+    @abc.abstractmethod
+    def _events(self) -> AsyncIterator[WatchEvent]: ...
+
+    @abc.abstractmethod
+    async def cancel(self) -> None: ...
+
+
+class Metadata(abc.ABC):
+    """Backend-blind metadata store (see module docstring)."""
+
+    url: str
+
+    @abc.abstractmethod
+    async def get(self, key: bytes | str) -> KeyValue | None: ...
+
+    @abc.abstractmethod
+    async def put(self, key: bytes | str, value: bytes | str, lease: Lease | int = 0) -> int:
+        """Returns the new revision."""
+
+    @abc.abstractmethod
+    async def delete(self, key: bytes | str) -> bool: ...
+
+    @abc.abstractmethod
+    async def range(self, prefix: bytes | str) -> tuple[list[KeyValue], int]:
+        """Every key under `prefix`, and the revision of that snapshot."""
+
+    @abc.abstractmethod
+    async def txn(self, compare: Sequence[Compare], success: Sequence[Put | Delete],
+                  failure: Sequence[Put | Delete] = ()) -> TxnResult: ...
+
+    @abc.abstractmethod
+    async def lease_grant(self, ttl: int) -> Lease: ...
+
+    @abc.abstractmethod
+    async def lease_keepalive(self, lease: Lease | int) -> int:
+        """Refresh; returns the remaining TTL or raises LeaseExpired."""
+
+    @abc.abstractmethod
+    async def lease_revoke(self, lease: Lease | int) -> None: ...
+
+    @abc.abstractmethod
+    async def watch(self, prefix: bytes | str, start_revision: int | None = None) -> Watch: ...
+
+    @abc.abstractmethod
+    async def compact(self, revision: int) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    async def put_many(self, items: Sequence[Put], chunk: int = MAX_TXN_OPS) -> int:
+        """Write many keys in as few transactions as etcd allows (`chunk` ops each)."""
+        revision = 0
+        for start in range(0, len(items), chunk):
+            revision = (await self.txn([], items[start : start + chunk])).revision
+        return revision
+
+    async def delete_many(self, keys: Sequence[bytes | str], chunk: int = MAX_TXN_OPS) -> int:
+        revision = 0
+        for start in range(0, len(keys), chunk):
+            revision = (await self.txn([], [Delete(as_key(k)) for k in keys[start : start + chunk]])).revision
+        return revision
+
+
+def lease_id(lease: Lease | int) -> int:
+    return lease.id if isinstance(lease, Lease) else int(lease)

@@ -1,0 +1,175 @@
+"""`etcd://host:port`: the metadata interface over a real etcd (v3 API, through aetcd).
+
+Every call carries a timeout; gRPC and etcd errors come back as kvstore.errors types. Ranges are
+read in pages pinned to one revision, so a snapshot of a million keys stays consistent and under
+gRPC's message limit.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Sequence
+
+import aetcd
+import aetcd.exceptions as aetcd_errors
+from aetcd import rpc
+from aetcd.utils import prefix_range_end
+
+from ..errors import (InvalidKey, LeaseExpired, MetadataError, MetadataTimeout, MetadataUnavailable, ValueTooLarge,
+                      WatchCompacted)
+from .base import (Compare, Delete, KeyValue, Lease, Metadata, Put, TxnResult, Watch, WatchEvent, as_key,
+                   as_value, lease_id)
+
+PAGE = 10_000
+_TARGETS = {"version": rpc.Compare.VERSION, "value": rpc.Compare.VALUE, "mod_revision": rpc.Compare.MOD}
+_OPS = {"==": rpc.Compare.EQUAL, "!=": rpc.Compare.NOT_EQUAL, "<": rpc.Compare.LESS, ">": rpc.Compare.GREATER}
+
+
+def _translate(exc: BaseException) -> MetadataError:
+    """An aetcd/gRPC failure as a typed kvstore error."""
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, aetcd_errors.RevisionCompactedError):
+        return WatchCompacted(exc.compacted_revision)
+    if isinstance(exc, (aetcd_errors.ConnectionTimeoutError, asyncio.TimeoutError)):
+        return MetadataTimeout(f"etcd did not answer in time: {text}")
+    if isinstance(exc, aetcd_errors.ConnectionFailedError):
+        return MetadataUnavailable(f"etcd unreachable: {text}")
+    if "lease not found" in text:
+        return LeaseExpired(text)
+    if "too large" in text or "too many operations" in text:
+        return ValueTooLarge(text)
+    if "key is not provided" in text:
+        return InvalidKey(text)
+    if isinstance(exc, rpc.AioRpcError):
+        return _translate(_from_rpc(exc))
+    return MetadataUnavailable(f"etcd error: {text}")
+
+
+def _from_rpc(exc: "rpc.AioRpcError") -> Exception:
+    try:
+        aetcd_errors._handle_exception(exc)
+    except Exception as translated:  # noqa: BLE001 - aetcd raises the mapped type
+        return translated
+    return exc
+
+
+def _kv(raw) -> KeyValue:
+    return KeyValue(raw.key, raw.value, raw.mod_revision, raw.version, raw.lease)
+
+
+class _EtcdWatch(Watch):
+    def __init__(self, raw) -> None:
+        self._raw = raw
+
+    async def _events(self) -> AsyncIterator[WatchEvent]:
+        try:
+            async for event in self._raw:
+                kind = "put" if event.kind == "PUT" else "delete"
+                yield WatchEvent(kind, event.kv.key, event.kv.value, event.kv.mod_revision)
+        except (aetcd_errors.ClientError, rpc.AioRpcError) as exc:
+            raise _translate(exc) from exc
+
+    async def cancel(self) -> None:
+        try:
+            await self._raw.cancel()
+        except (aetcd_errors.ClientError, rpc.AioRpcError):
+            pass  # the stream is gone already
+
+
+class EtcdMetadata(Metadata):
+    """etcd backend (see module docstring)."""
+
+    def __init__(self, host: str, port: int, timeout: float = 5.0) -> None:
+        self.url = f"etcd://{host}:{port}"
+        self.timeout = timeout
+        self._client = aetcd.Client(host, port, timeout=timeout,
+                                    options={"grpc.max_receive_message_length": 256 << 20})
+
+    async def _call(self, coro):
+        try:
+            return await asyncio.wait_for(coro, self.timeout * 2)
+        except MetadataError:
+            raise
+        except (aetcd_errors.ClientError, rpc.AioRpcError, asyncio.TimeoutError) as exc:
+            raise _translate(exc) from exc
+
+    async def get(self, key: bytes | str) -> KeyValue | None:
+        result = await self._call(self._client.get(as_key(key)))
+        return None if result is None else KeyValue(result.key, result.value, result.mod_revision, result.version,
+                                                    result.lease)
+
+    async def put(self, key: bytes | str, value: bytes | str, lease: Lease | int = 0) -> int:
+        result = await self._call(self._client.put(as_key(key), as_value(value), lease=lease_id(lease) or None))
+        return result.header.revision
+
+    async def delete(self, key: bytes | str) -> bool:
+        result = await self._call(self._client.delete(as_key(key)))
+        return result is not None and result.deleted > 0
+
+    async def range(self, prefix: bytes | str) -> tuple[list[KeyValue], int]:
+        prefix = as_key(prefix)
+        end = prefix_range_end(prefix)
+        await self._call(self._client.connect())
+        out: list[KeyValue] = []
+        start, revision = prefix, 0
+        while True:
+            request = rpc.RangeRequest(key=start, range_end=end, limit=PAGE, revision=revision)
+            response = await self._call(self._client.kvstub.Range(request, timeout=self.timeout))
+            revision = revision or response.header.revision
+            out.extend(_kv(raw) for raw in response.kvs)
+            if not response.more or not response.kvs:
+                return out, revision
+            start = response.kvs[-1].key + b"\0"
+
+    async def txn(self, compare: Sequence[Compare], success: Sequence[Put | Delete],
+                  failure: Sequence[Put | Delete] = ()) -> TxnResult:
+        await self._call(self._client.connect())
+        request = rpc.TxnRequest(compare=[self._compare(c) for c in compare],
+                                 success=[self._op(o) for o in success], failure=[self._op(o) for o in failure])
+        response = await self._call(self._client.kvstub.Txn(request, timeout=self.timeout))
+        return TxnResult(response.succeeded, response.header.revision, list(response.responses))
+
+    @staticmethod
+    def _compare(c: Compare) -> "rpc.Compare":
+        msg = rpc.Compare(key=as_key(c.key), target=_TARGETS[c.target], result=_OPS[c.op])
+        if c.target == "value":
+            msg.value = as_value(c.value)  # type: ignore[arg-type]
+        elif c.target == "version":
+            msg.version = int(c.value)
+        else:
+            msg.mod_revision = int(c.value)
+        return msg
+
+    @staticmethod
+    def _op(op: Put | Delete) -> "rpc.RequestOp":
+        if isinstance(op, Put):
+            return rpc.RequestOp(request_put=rpc.PutRequest(key=as_key(op.key), value=as_value(op.value), lease=op.lease))
+        return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=as_key(op.key)))
+
+    async def lease_grant(self, ttl: int) -> Lease:
+        lease = await self._call(self._client.lease(int(ttl)))
+        return Lease(lease.id, lease.ttl)
+
+    async def lease_keepalive(self, lease: Lease | int) -> int:
+        reply = await self._call(self._client.refresh_lease(lease_id(lease)))
+        if reply is None or reply.TTL <= 0:
+            raise LeaseExpired(f"lease {lease_id(lease):x} expired or was revoked")
+        return reply.TTL
+
+    async def lease_revoke(self, lease: Lease | int) -> None:
+        try:
+            await self._call(self._client.revoke_lease(lease_id(lease)))
+        except LeaseExpired:
+            pass  # already gone: the goal is reached
+
+    async def watch(self, prefix: bytes | str, start_revision: int | None = None) -> Watch:
+        raw = await self._call(self._client.watch_prefix(as_key(prefix), start_revision=start_revision))
+        return _EtcdWatch(raw)
+
+    async def compact(self, revision: int) -> None:
+        await self._call(self._client.compact(revision, physical=True))
+
+    async def close(self) -> None:
+        try:
+            await self._client.close()
+        except (aetcd_errors.ClientError, rpc.AioRpcError):
+            pass

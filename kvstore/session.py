@@ -1,0 +1,77 @@
+"""A node's presence in the metadata service: one lease, kept alive in the background, carrying the
+node record, its Transfer Engine descriptor and every block record it publishes. When the node
+dies, the lease expires and all of it disappears from every index mirror by itself."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable, Iterable, Sequence
+
+from .errors import LeaseExpired, MetadataUnavailable
+from .layout import BlockRecord, Layout, NodeRecord
+from .metadata import Lease, Metadata, Put
+
+log = logging.getLogger(__name__)
+
+
+class NodeSession:
+    """Register a node under a lease; publish and unpublish its blocks in batched transactions."""
+
+    def __init__(self, metadata: Metadata, layout: Layout, node: NodeRecord, segment: str = "",
+                 ttl: int = 10, on_lease_lost: Callable[[], None] | None = None) -> None:
+        self.metadata, self.layout, self.node = metadata, layout, node
+        self.segment, self.ttl = segment, ttl
+        self.on_lease_lost = on_lease_lost
+        self.lease: Lease | None = None
+        self._keepalive: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Grant the lease, write node and segment records, start the keep-alive."""
+        self.lease = await self.metadata.lease_grant(self.ttl)
+        await self.metadata.put_many([
+            Put(self.layout.node_key(self.node.name).encode(), self.node.encode(), self.lease.id),
+            Put(self.layout.segment_key(self.node.name).encode(), self.segment.encode(), self.lease.id),
+        ])
+        self._keepalive = asyncio.create_task(self._keep_alive())
+
+    async def _keep_alive(self) -> None:
+        while True:
+            await asyncio.sleep(max(self.ttl / 3, 0.2))
+            try:
+                await self.metadata.lease_keepalive(self.lease)
+            except LeaseExpired:
+                log.warning("node %s lost its lease: its records are gone", self.node.name)
+                if self.on_lease_lost is not None:
+                    self.on_lease_lost()
+                return
+            except MetadataUnavailable as exc:  # etcd down or slow: keep trying until the TTL runs out
+                log.info("lease keep-alive for %s failed: %s", self.node.name, exc)
+
+    def _lease_id(self) -> int:
+        if self.lease is None:
+            raise LeaseExpired("session not started")
+        return self.lease.id
+
+    async def publish(self, fingerprint: str, blocks: Sequence[tuple[bytes, BlockRecord]]) -> int:
+        """Make sealed blocks visible: one transaction per 128 records, never one per block."""
+        lease = self._lease_id()
+        puts = [Put(self.layout.block_key(fingerprint, h, self.node.name).encode(), record.encode(), lease)
+                for h, record in blocks]
+        return await self.metadata.put_many(puts)
+
+    async def unpublish(self, fingerprint: str, hashes: Iterable[bytes]) -> int:
+        keys = [self.layout.block_key(fingerprint, h, self.node.name) for h in hashes]
+        return await self.metadata.delete_many(keys)
+
+    async def close(self, revoke: bool = True) -> None:
+        """Stop the keep-alive; revoke the lease (drop every record) unless told not to."""
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            try:
+                await self._keepalive
+            except asyncio.CancelledError:
+                pass
+            self._keepalive = None
+        if revoke and self.lease is not None:
+            await self.metadata.lease_revoke(self.lease)
+            self.lease = None

@@ -1,0 +1,90 @@
+"""Runs Debian's etcd on free loopback ports with a temporary data dir (tests and benchmarks)."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EtcdServer:
+    """One etcd member. `start()` waits until it reports healthy; `kill()`/`start()` restart it on
+    the same ports and data, like a crashed and recovered server."""
+
+    def __init__(self, data_dir: str | None = None) -> None:
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise RuntimeError("etcd not found: install Debian's etcd-server (see README)")
+        self.binary = binary
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvstore-etcd-")
+        self.client_port, self.peer_port = free_port(), free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"etcd://127.0.0.1:{self.client_port}"
+
+    def start(self, timeout: float = 20.0) -> "EtcdServer":
+        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        self.proc = subprocess.Popen(
+            [self.binary, "--name", "kvstore-test", "--data-dir", self.data_dir,
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"kvstore-test={peer}", "--logger", "zap", "--log-level", "error"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"{client}/health", timeout=1) as reply:
+                    if b'"health":"true"' in reply.read():
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("etcd did not become healthy")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> "EtcdServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+if __name__ == "__main__":  # a scratch etcd for manual runs
+    with EtcdServer() as server:
+        print(server.url, flush=True)
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+    os._exit(0)

@@ -1,0 +1,155 @@
+"""The index against a real etcd: killed nodes vanish from every mirror, etcd restarts resync."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from kvstore.index import IndexMirror
+from kvstore.keys import ModelFingerprint, chain_hashes
+from kvstore.layout import BlockRecord, Layout, NodeRecord
+from kvstore.metadata import open_metadata
+from kvstore.session import NodeSession
+from node_process import node_fingerprint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def spawn_node(url, cluster, node, blocks=200, ttl=2, seed=1):
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "helpers", "node_process.py"), "--url", url,
+                             "--cluster", cluster, "--node", node, "--blocks", str(blocks), "--ttl", str(ttl),
+                             "--seed", str(seed)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    hello = json.loads(proc.stdout.readline())
+    return proc, hello["revision"], [bytes.fromhex(h) for h in hello["hashes"]]
+
+
+def test_killed_node_disappears_from_every_mirror(etcd_server):
+    cluster = uuid.uuid4().hex[:8]
+    fp = node_fingerprint()
+    mirrors = [IndexMirror(etcd_server.url, cluster).start() for _ in range(2)]
+    victim, rev1, hashes = spawn_node(etcd_server.url, cluster, "victim", blocks=300, seed=1)
+    keeper, rev2, kept_hashes = spawn_node(etcd_server.url, cluster, "keeper", blocks=50, seed=2)
+    try:
+        for mirror in mirrors:
+            assert mirror.wait_for_revision(max(rev1, rev2), 10)
+            assert mirror.match(fp, hashes).length == 300 and mirror.block_count == 350
+            assert set(mirror.nodes) == {"victim", "keeper"} and set(mirror.segments) == {"victim", "keeper"}
+        victim.kill()
+        victim.wait()
+        started = time.monotonic()
+        for mirror in mirrors:
+            assert mirror.wait_until(lambda m: m.block_count == 50 and set(m.nodes) == {"keeper"}, 10)
+            assert mirror.match(fp, hashes).length == 0
+            assert mirror.match(fp, kept_hashes).length == 50
+        assert time.monotonic() - started < 2 + 6  # TTL plus etcd's lease check slack
+    finally:
+        for mirror in mirrors:
+            mirror.stop()
+        for proc in (victim, keeper):
+            proc.kill()
+            proc.wait()
+
+
+def test_etcd_restart_resyncs_the_mirror(fresh_etcd):
+    cluster = uuid.uuid4().hex[:8]
+    fp = ModelFingerprint("m", "float16", 4, 2, 2, 64)
+    hashes = chain_hashes(fp, list(range(4 * 100)))
+    layout = Layout(cluster)
+
+    async def session(name):
+        s = NodeSession(open_metadata(fresh_etcd.url), layout, NodeRecord(name, "x"), ttl=60)
+        await s.start()
+        return s
+
+    async def scenario():
+        a = await session("a")
+        rev = await a.publish(fp.digest, [(h, BlockRecord("dram", 1, i, 1, i)) for i, h in enumerate(hashes[:60])])
+        mirror = IndexMirror(fresh_etcd.url, cluster, stale_after=1.0, timeout=2.0).start()
+        try:
+            assert await asyncio.to_thread(mirror.wait_for_revision, rev)
+            assert mirror.match(fp, hashes).length == 60 and not mirror.stale
+            fresh_etcd.kill()
+            assert await asyncio.to_thread(mirror.wait_until, lambda m: m.stale, 10), "never reported stale"
+            assert mirror.match(fp, hashes).stale
+            fresh_etcd.start()
+            # Changes the mirror has not seen: more blocks, some removed, a new node.
+            writer = open_metadata(fresh_etcd.url)
+            b = NodeSession(writer, layout, NodeRecord("b", "y"), ttl=60)
+            await b.start()
+            await b.publish(fp.digest, [(h, BlockRecord("nvme", 2, i, 1, i)) for i, h in enumerate(hashes[:80])])
+            await a.unpublish(fp.digest, hashes[:10])
+            items, revision = await writer.range(layout.root)
+            assert await asyncio.to_thread(mirror.wait_for_revision, revision, 15)
+            assert await asyncio.to_thread(mirror.wait_until, lambda m: not m.stale, 10)
+            assert mirror.resyncs >= 2
+            assert set(mirror.nodes) == {"a", "b"}
+            assert mirror.block_count == 80
+            assert mirror.node_prefix_lengths(fp, hashes) == {"b": 80}
+            assert mirror.lookup(fp, hashes[20]).keys() == {"a", "b"}
+            assert mirror.lookup(fp, hashes[5]).keys() == {"b"}
+            block_keys = {i.key for i in items if b"/blocks/" in i.key}
+            assert len(block_keys) == 80 + 50  # etcd and mirror agree replica for replica
+            await b.close()
+            await a.close()
+        finally:
+            mirror.stop()
+
+    asyncio.run(scenario())
+
+
+def test_concurrent_publishers_of_the_same_block_end_consistent(etcd_server):
+    cluster = uuid.uuid4().hex[:8]
+    fp = ModelFingerprint("m", "float16", 4, 2, 2, 64)
+    hashes = chain_hashes(fp, list(range(4 * 64)))
+    layout = Layout(cluster)
+
+    async def scenario():
+        mirror = IndexMirror(etcd_server.url, cluster).start()
+        sessions = []
+        for name in ("x", "y"):
+            s = NodeSession(open_metadata(etcd_server.url), layout, NodeRecord(name, name), ttl=30)
+            await s.start()
+            sessions.append(s)
+        # Both nodes store and publish the same 64 blocks at the same time, twice over.
+        await asyncio.gather(*[s.publish(fp.digest, [(h, BlockRecord("dram", k, i, 1, i)) for i, h in enumerate(hashes)])
+                               for k in (1, 2) for s in sessions])
+        items, revision = await open_metadata(etcd_server.url).range(layout.blocks_prefix(fp.digest))
+        assert mirror.wait_for_revision(revision, 10)
+        assert len(items) == 128
+        assert mirror.match(fp, hashes).length == 64
+        for item in items:
+            _, hash_hex, node = item.key.decode().rsplit("/", 2)
+            assert mirror.lookup(fp, bytes.fromhex(hash_hex))[node] == BlockRecord.decode(item.value)
+        for s in sessions:
+            await s.close()
+        mirror.stop()
+
+    asyncio.run(scenario())
+
+
+def test_oversize_and_wrong_type_input_gets_typed_errors(etcd_server):
+    from kvstore.errors import InvalidKey, InvalidRecord, InvalidValue, ValueTooLarge
+
+    async def scenario():
+        md = open_metadata(etcd_server.url)
+        layout = Layout(uuid.uuid4().hex[:8])
+        with pytest.raises(ValueTooLarge):
+            await md.put(layout.root + "big", b"x" * (3 << 20))
+        with pytest.raises(InvalidValue):
+            await md.put(layout.root + "k", {"not": "bytes"})  # type: ignore[arg-type]
+        with pytest.raises(InvalidKey):
+            await md.get(b"")
+        with pytest.raises(InvalidRecord):
+            layout.block_key("fp", b"\0" * 15, "n")
+        with pytest.raises(InvalidRecord):
+            Layout("bad cluster name")
+        assert (await md.range(layout.root))[0] == []
+        await md.close()
+
+    asyncio.run(scenario())
