@@ -286,6 +286,7 @@ class IndexMirror:
     async def _sync_and_watch(self, metadata: Metadata) -> None:
         items, revision = await metadata.range(self._root)
         snapshot = self._load(items)
+        del items  # this frame lives as long as the watch: do not pin the raw snapshot
         watch = await metadata.watch(self._root, start_revision=revision + 1)
         with self._changed:
             self._snapshot, self._revision = snapshot, revision

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -55,18 +56,27 @@ class ModelFingerprint:
         if not self.model_id or not self.dtype:
             raise InvalidFingerprint("model_id and dtype are required")
 
-    def canonical(self) -> bytes:
-        """Deterministic encoding: sorted-key JSON of every field."""
+    # Computed once per instance (frozen fields never change); cached_property bypasses __setattr__.
+    @cached_property
+    def _canonical(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
 
-    @property
+    def canonical(self) -> bytes:
+        """Deterministic encoding: sorted-key JSON of every field."""
+        return self._canonical
+
+    @cached_property
     def digest(self) -> str:
         """32 hex chars naming this fingerprint in metadata keys."""
-        return xxhash.xxh3_128_hexdigest(self.canonical())
+        return xxhash.xxh3_128_hexdigest(self._canonical)
+
+    @cached_property
+    def _root(self) -> BlockHash:
+        return xxhash.xxh3_128_digest(self._canonical)
 
     def root_hash(self) -> BlockHash:
         """h_0 of every chain under this fingerprint."""
-        return xxhash.xxh3_128_digest(self.canonical())
+        return self._root
 
     def check_compatible(self, other: "ModelFingerprint") -> None:
         """Raise FingerprintMismatch naming every field that differs."""

@@ -13,10 +13,11 @@ from typing import Iterator
 import numpy as np
 import pytest
 
+from kvstore.etcd_server import EtcdServer
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
-from etcd_server import EtcdServer  # noqa: E402
 from peer_process import pattern  # noqa: E402
 
 

@@ -1,4 +1,5 @@
-"""Runs Debian's etcd on free loopback ports with a temporary data dir (tests and benchmarks)."""
+"""Runs a local etcd (Debian's etcd-server) on free loopback ports with a temporary data dir:
+for tests, benchmarks and trying a cluster on one machine."""
 from __future__ import annotations
 
 import os
@@ -24,7 +25,7 @@ class EtcdServer:
     def __init__(self, data_dir: str | None = None) -> None:
         binary = shutil.which("etcd")
         if binary is None:
-            raise RuntimeError("etcd not found: install Debian's etcd-server (see README)")
+            raise RuntimeError("etcd not found: install Debian's etcd-server (scripts/install-test-deps.sh)")
         self.binary = binary
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvstore-etcd-")
         self.client_port, self.peer_port = free_port(), free_port()

@@ -1,0 +1,175 @@
+"""Metadata benchmark against a real local etcd: batched vs one-per-block publishing, index
+mirror convergence after a publish, match() latency against a large index, mirror memory per block.
+
+    python -m benchmarks.metadata [--json PATH] [--blocks 1000000] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import tracemalloc
+
+from kvstore.etcd_server import EtcdServer
+from kvstore.index import IndexMirror
+from kvstore.keys import ModelFingerprint, external_hashes
+from kvstore.layout import BlockRecord, Layout, NodeRecord
+from kvstore.metadata import open_metadata
+from kvstore.session import NodeSession
+
+FP = ModelFingerprint("bench-model", "float16", 128, 32, 8, 128)
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+def records(start: int, count: int) -> list[tuple[bytes, BlockRecord]]:
+    hashes = external_hashes(range(start, start + count), FP)
+    return [(h, BlockRecord("dram", 1, (start + i) * 4096, 4096, start + i)) for i, h in enumerate(hashes)]
+
+
+async def publish_rates(url: str, layout: Layout, batched_blocks: int, single_blocks: int) -> dict:
+    session = NodeSession(open_metadata(url), layout, NodeRecord("rate", "x"), ttl=60)
+    await session.start()
+    batch = records(10_000_000, batched_blocks)
+    started = time.perf_counter()
+    await session.publish(FP.digest, batch)
+    batched = batched_blocks / (time.perf_counter() - started)
+    singles = records(20_000_000, single_blocks)
+    started = time.perf_counter()
+    for item in singles:
+        await session.publish(FP.digest, [item])
+    single = single_blocks / (time.perf_counter() - started)
+    await session.close()
+    return {"publish_batched_blocks_per_s": batched, "publish_single_blocks_per_s": single,
+            "publish_batched_over_single": batched / single}
+
+
+async def fill(url: str, layout: Layout, total: int, node: str) -> NodeSession:
+    """Publish `total` blocks with a few transactions in flight at once."""
+    session = NodeSession(open_metadata(url), layout, NodeRecord(node, "x"), ttl=600)
+    await session.start()
+    chunk, in_flight = 128 * 8, 8
+    starts = list(range(0, total, chunk))
+    for i in range(0, len(starts), in_flight):
+        await asyncio.gather(*[session.publish(FP.digest, records(s, min(chunk, total - s)))
+                               for s in starts[i : i + in_flight]])
+    return session
+
+
+def convergence(url: str, layout: Layout, mirror: IndexMirror, samples: int) -> dict:
+    async def run() -> tuple[list[float], list[float]]:
+        session = NodeSession(open_metadata(url), layout, NodeRecord("conv", "x"), ttl=60)
+        await session.start()
+        after_ack, end_to_end = [], []
+        for i in range(samples):
+            item = records(30_000_000 + i, 1)
+            started = time.perf_counter()
+            revision = await session.publish(FP.digest, item)
+            acked = time.perf_counter()
+            await asyncio.to_thread(mirror.wait_for_revision, revision, 5)
+            done = time.perf_counter()
+            after_ack.append((done - acked) * 1e3)
+            end_to_end.append((done - started) * 1e3)
+        await session.close()
+        return after_ack, end_to_end
+
+    after_ack, end_to_end = asyncio.run(run())
+    return {"convergence_p50_ms": percentile(after_ack, 0.5), "convergence_p99_ms": percentile(after_ack, 0.99),
+            "publish_to_visible_p50_ms": percentile(end_to_end, 0.5),
+            "publish_to_visible_p99_ms": percentile(end_to_end, 0.99)}
+
+
+def match_latency(mirror: IndexMirror, total: int) -> dict:
+    out = {}
+    for length in (16, 256, 4096):
+        hashes = external_hashes(range(total // 2, total // 2 + length), FP)  # all present
+        for _ in range(50):
+            mirror.match(FP, hashes)
+        samples = []
+        for _ in range(400 if length < 4096 else 100):
+            started = time.perf_counter()
+            result = mirror.match(FP, hashes)
+            samples.append((time.perf_counter() - started) * 1e6)
+        assert result.length == length, (result.length, length)
+        out[f"match_{length}_p50_us"] = percentile(samples, 0.5)
+        out[f"match_{length}_p99_us"] = percentile(samples, 0.99)
+        samples = []
+        for _ in range(100 if length < 4096 else 30):
+            started = time.perf_counter()
+            mirror.node_prefix_lengths(FP, hashes)
+            samples.append((time.perf_counter() - started) * 1e6)
+        out[f"node_prefix_{length}_p50_us"] = percentile(samples, 0.5)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.metadata", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--blocks", type=int, default=1_000_000, help="index size for match() and memory")
+    parser.add_argument("--quick", action="store_true", help="smaller index and fewer samples")
+    args = parser.parse_args(argv)
+    total = min(args.blocks, 100_000) if args.quick else args.blocks
+    results: dict = {}
+    with EtcdServer() as etcd:
+        layout = Layout("bench")
+        print(f"etcd {etcd.url}; publishing rates ...", flush=True)
+        results.update(asyncio.run(publish_rates(etcd.url, layout, 5_000 if args.quick else 20_000,
+                                                 300 if args.quick else 1_000)))
+        print(f"filling the index with {total:,} blocks ...", flush=True)
+        started = time.perf_counter()
+
+        async def do_fill():
+            await fill(etcd.url, layout, total, "bulk")
+
+        asyncio.run(do_fill())
+        results["fill_seconds"] = time.perf_counter() - started
+        gc.collect()
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        started = time.perf_counter()
+        mirror = IndexMirror(etcd.url, "bench", timeout=120).start()
+        results["snapshot_load_seconds"] = time.perf_counter() - started
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+        blocks = mirror.block_count
+        results["mirror_blocks"] = blocks
+        results["mirror_bytes_per_block"] = held / max(blocks, 1)
+        print("match() latency ...", flush=True)
+        results.update(match_latency(mirror, total))
+        print("convergence ...", flush=True)
+        results.update(convergence(etcd.url, layout, mirror, 100 if args.quick else 300))
+        mirror.stop()
+
+    targets = [
+        ("batched publish / one-per-block (>= 20)", results["publish_batched_over_single"], 20, True),
+        ("match() 256 blocks p50 us (<= 50)", results["match_256_p50_us"], 50, False),
+        ("convergence p99 ms (<= 50)", results["convergence_p99_ms"], 50, False),
+        ("mirror bytes per block (<= 300)", results["mirror_bytes_per_block"], 300, False),
+    ]
+    print()
+    for key, value in results.items():
+        print(f"  {key:<34}{value:>14,.2f}" if isinstance(value, float) else f"  {key:<34}{value:>14,}")
+    print("\n  targets")
+    for label, value, bound, higher in targets:
+        met = value >= bound if higher else value <= bound
+        print(f"  {label:<42}{value:>10.2f}  {'met' if met else 'NOT met'}")
+    if args.json:
+        meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count(),
+                "index_blocks": total}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
