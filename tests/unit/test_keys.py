@@ -1,6 +1,7 @@
 """Block keys: deterministic everywhere, and bound to everything that makes KV interchangeable."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -55,13 +56,13 @@ def test_fingerprint_binds_every_field():
     for change in ({"dtype": "bfloat16"}, {"block_size": 16, "tp_rank": 1, "tp_world_size": 2},
                    {"cache_salt": "tenant-secret"}, {"adapter_id": "lora-1"}, {"revision": "v2"},
                    {"kv_layout": "NHD"}, {"tenant": "acme"}):
-        other = ModelFingerprint(**{**FP.__dict__, **change})
+        other = dataclasses.replace(FP, **change)
         assert other.digest != FP.digest
         assert chain_hashes(other, list(range(16))) != base
         with pytest.raises(FingerprintMismatch) as info:
             FP.check_compatible(other)
         assert set(info.value.differences) == {k for k, v in change.items() if getattr(FP, k) != v}
-    FP.check_compatible(ModelFingerprint(**FP.__dict__))
+    FP.check_compatible(dataclasses.replace(FP))
 
 
 def test_bad_fingerprints_and_tokens_are_refused():
@@ -82,7 +83,7 @@ def test_bad_fingerprints_and_tokens_are_refused():
 
 
 def test_external_chains_are_salted_by_fingerprint():
-    other = ModelFingerprint(**{**FP.__dict__, "model_id": "other"})
+    other = dataclasses.replace(FP, model_id="other")
     assert external_hashes([0, 1], FP) != external_hashes([0, 1], other)
     assert external_hashes([0, 1], FP) == external_hashes([0, 1], FP)
     assert len(set(external_hashes(range(1000), FP))) == 1000
