@@ -2,7 +2,62 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+
+
+def add_serve(commands) -> None:
+    serve = commands.add_parser("serve", help="run a store daemon")
+    serve.add_argument("--node", required=True, help="node name, unique in the cluster")
+    serve.add_argument("--metadata", default="memory://default", help="etcd://host:port or memory://name")
+    serve.add_argument("--cluster", default="default")
+    serve.add_argument("--listen", default="127.0.0.1:0", help="control (gRPC) address")
+    serve.add_argument("--engine-listen", default="127.0.0.1:0", help="Transfer Engine address")
+    serve.add_argument("--dram", default="1GiB", help="DRAM tier capacity")
+    serve.add_argument("--disk-dir", help="NVMe tier directory (no NVMe tier without it)")
+    serve.add_argument("--disk", default="4GiB", help="NVMe tier capacity")
+    serve.add_argument("--secret-file", help="cluster secret file (or set KVSTORE_SECRET)")
+    serve.add_argument("--replicas", type=int, default=1, help="default replicas for clients of this cluster")
+    serve.add_argument("--eviction", default="lru", choices=["lru", "lfu"])
+    serve.add_argument("--high-watermark", type=float, default=0.95)
+    serve.add_argument("--low-watermark", type=float, default=0.85)
+    serve.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = any free port)")
+    serve.add_argument("--lease-ttl", type=int, default=10, help="seconds a dead daemon's blocks stay listed")
+    serve.add_argument("--timeout", type=float, default=5.0, help="timeout of every remote call")
+
+
+def read_secret(path: str | None) -> str | None:
+    if path:
+        with open(path) as f:
+            return f.read().strip()
+    return os.environ.get("KVSTORE_SECRET") or None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from transfer import TransferError
+
+    from .daemon import Daemon, DaemonConfig
+    from .errors import KVStoreError
+    from .library import parse_size
+
+    config = DaemonConfig(node=args.node, metadata=args.metadata, cluster=args.cluster, listen=args.listen,
+                          engine_listen=args.engine_listen, dram_bytes=parse_size(args.dram), disk_dir=args.disk_dir,
+                          disk_bytes=parse_size(args.disk) if args.disk_dir else 0, secret=read_secret(args.secret_file),
+                          replicas=args.replicas, eviction=args.eviction, high_watermark=args.high_watermark,
+                          low_watermark=args.low_watermark, metrics_port=args.metrics_port, lease_ttl=args.lease_ttl,
+                          timeout=args.timeout)
+    try:
+        daemon = Daemon(config).start()
+    except (KVStoreError, TransferError, OSError, ValueError) as exc:
+        print(f"kvstore serve: cannot start {config.node}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    daemon.enable_reflection([])
+    daemon.serve()
+    print(json.dumps({"node": config.node, "control": daemon.address, "metrics_port": daemon.metrics_port,
+                      "engine": daemon.engine.export().to_json()}), flush=True)
+    daemon.wait()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -10,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run the quick-start demo on the embedded default")
     demo.add_argument("what", nargs="?", default="transfer", choices=["transfer"])
+    add_serve(commands)
     bench = commands.add_parser("bench", help="run a benchmark (same as python -m benchmarks.NAME)")
-    bench.add_argument("what", choices=["transfer"])
+    bench.add_argument("what", choices=["transfer", "metadata", "store"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     args = parser.parse_args(argv)
 
@@ -19,10 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         from transfer.demo import run
 
         return run()
+    if args.command == "serve":
+        return run_serve(args)
     if args.command == "bench":
-        from benchmarks.transfer import main as bench_main
+        import importlib
 
-        return bench_main(args.rest)
+        return importlib.import_module(f"benchmarks.{args.what}").main(args.rest)
     return 2
 
 

@@ -38,6 +38,8 @@ class NodeRecord:
     tiers: dict[str, int] = field(default_factory=dict)  # tier -> capacity bytes
     host: str = ""
     version: str = "0.1.0"
+    used: dict[str, int] = field(default_factory=dict)  # tier -> bytes used (refreshed periodically)
+    draining: bool = False  # accepts no new puts
 
     def encode(self) -> bytes:
         check_name("node", self.name)
@@ -48,7 +50,8 @@ class NodeRecord:
         try:
             data = json.loads(raw)
             return cls(name=data["name"], endpoint=data["endpoint"], tiers=dict(data.get("tiers", {})),
-                       host=data.get("host", ""), version=data.get("version", ""))
+                       host=data.get("host", ""), version=data.get("version", ""), used=dict(data.get("used", {})),
+                       draining=bool(data.get("draining", False)))
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidRecord(f"bad node record: {exc}") from exc
 

@@ -106,3 +106,65 @@ def metadata_url(request) -> str:
 
         return f"memory://{uuid.uuid4().hex[:12]}"
     return request.getfixturevalue("etcd_server").url
+
+
+@dataclass
+class DaemonProcess:
+    """A `kvstore serve` daemon in its own process."""
+
+    name: str
+    proc: subprocess.Popen
+    control: str
+    metrics_port: int | None
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def terminate(self) -> int:
+        self.proc.terminate()
+        return self.proc.wait(15)
+
+    def pause(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def spawn_daemon(tmp_path) -> Iterator:
+    """Start store daemons as separate processes; all are killed at the end of the test."""
+    started: list[DaemonProcess] = []
+
+    def spawn(name: str, metadata: str, cluster: str, *, dram: str = "64MiB", disk: str | None = None,
+              secret: str | None = None, extra: list[str] | None = None, lease_ttl: int = 3,
+              env: dict | None = None) -> DaemonProcess:
+        cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--node", name, "--metadata", metadata,
+               "--cluster", cluster, "--dram", dram, "--lease-ttl", str(lease_ttl), "--timeout", "2",
+               "--metrics-port", "0"]
+        if disk:
+            cmd += ["--disk-dir", str(tmp_path / f"nvme-{name}"), "--disk", disk]
+        if secret:
+            secret_file = tmp_path / f"secret-{name}"
+            secret_file.write_text(secret)
+            cmd += ["--secret-file", str(secret_file)]
+        proc = subprocess.Popen(cmd + (extra or []), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=ROOT, env=env)
+        line = proc.stdout.readline()
+        if not line:
+            proc.wait(10)
+            raise RuntimeError(f"daemon {name} failed to start: {proc.stderr.read()[-2000:]}")
+        hello = json.loads(line)
+        daemon = DaemonProcess(name, proc, hello["control"], hello["metrics_port"])
+        started.append(daemon)
+        return daemon
+
+    yield spawn
+    for daemon in started:
+        if daemon.proc.poll() is None:
+            try:
+                daemon.resume()
+            except OSError:
+                pass
+            daemon.kill()

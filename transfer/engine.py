@@ -66,7 +66,10 @@ class Engine:
         """A new zeroed shared-memory region; same-host peers map it and copy directly."""
         if size <= 0:
             raise UnsupportedBuffer(f"cannot allocate {size} bytes")
-        fd, mapping = anonymous_shared(size, self.name)
+        try:
+            fd, mapping = anonymous_shared(size, self.name)
+        except OSError as exc:
+            raise TransferIOError(f"cannot allocate {size} bytes of shared memory: {exc}") from exc
         region = self._register_view(mapping, size, readonly=False, remote_access=remote_access, kind="shm")
         region._shm_fd = fd
         return region

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from .auth import client_handshake, recv_frame, send_frame
 from .descriptor import EngineDescriptor, host_id
-from .errors import EngineClosed, PeerUnreachable, ProtocolError, TransferError, UnknownRegion
+from .errors import EngineClosed, PeerUnreachable, ProtocolError, TransferError, TransferTimeout, UnknownRegion
 from .listener import FDS_PER_MESSAGE
 from .regions import Region, RemoteRegion, map_shared
 
@@ -46,6 +46,18 @@ def _connect_unix(name: str, timeout: float) -> socket.socket | None:
         return None  # another network namespace or host: no shared memory
 
 
+def _handshake(sock: socket.socket, secret: bytes, role: str, name: str, peer: str) -> None:
+    """client_handshake with socket failures as typed errors."""
+    try:
+        client_handshake(sock, secret, role, name)
+    except TransferError:
+        raise  # AuthenticationFailed and ProtocolError say it better already
+    except TimeoutError as exc:
+        raise TransferTimeout(f"{peer} did not finish the handshake in time") from exc
+    except OSError as exc:
+        raise PeerUnreachable(f"handshake with {peer} failed: {exc}") from exc
+
+
 class Peer:
     """Handle on a remote engine; obtain one with `Engine.connect`."""
 
@@ -68,7 +80,7 @@ class Peer:
                 sock = _connect_tcp(descriptor.host, descriptor.port, timeout)
                 fds.append(sock.fileno())
                 try:
-                    client_handshake(sock, engine.secret, "data", engine.name)
+                    _handshake(sock, engine.secret, "data", engine.name, descriptor.name)
                 except BaseException:
                     sock.close()
                     fds.pop()
@@ -94,7 +106,7 @@ class Peer:
         if sock is None:
             sock = _connect_tcp(d.host, d.port, self._timeout)
         try:
-            client_handshake(sock, self._engine.secret, "ctl", self._engine.name)
+            _handshake(sock, self._engine.secret, "ctl", self._engine.name, d.name)
         except BaseException:
             sock.close()
             raise

@@ -1,0 +1,75 @@
+"""Prometheus metrics of one daemon, in a registry of its own (several daemons may share a
+process in library mode and tests). Names are documented in the README."""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+OPS = ("reserve", "commit", "abort", "touch", "remove", "stats")
+
+
+class DaemonMetrics:
+    """Counters live in the BlockStore's dict; this turns them (and tier and engine state) into
+    Prometheus families at scrape time."""
+
+    def __init__(self, node: str, store_counters: dict[str, float], tiers: Callable[[], list],
+                 engine_stats: Callable[[], dict[str, int]]) -> None:
+        self.node = node
+        self.registry = CollectorRegistry()
+        self.latency = Histogram("kvstore_op_latency_seconds", "Control RPC latency", ["op"], registry=self.registry,
+                                 buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0))
+        self._counters, self._tiers, self._engine_stats = store_counters, tiers, engine_stats
+        self.registry.register(self)
+
+    def collect(self):
+        c = self._counters
+        tiers = self._tiers()
+        hits = CounterMetricFamily("kvstore_hits", "Blocks clients read from this node, per tier", labels=["tier"])
+        evictions = CounterMetricFamily("kvstore_evictions", "Blocks evicted, per tier", labels=["tier"])
+        failures = CounterMetricFamily("kvstore_allocation_failures", "Reservations refused for lack of room",
+                                       labels=["tier"])
+        corrupt = CounterMetricFamily("kvstore_corrupt_blocks", "Blocks found corrupt and dropped", labels=["tier"])
+        capacity = GaugeMetricFamily("kvstore_capacity_bytes", "Tier capacity", labels=["tier"])
+        used = GaugeMetricFamily("kvstore_used_bytes", "Tier bytes in use", labels=["tier"])
+        blocks = GaugeMetricFamily("kvstore_blocks", "Sealed blocks held, per tier", labels=["tier"])
+        for tier in tiers:
+            hits.add_metric([tier.name], c.get(f"hits_{tier.name}", 0))
+            evictions.add_metric([tier.name], c.get(f"evictions_{tier.name}", 0))
+            failures.add_metric([tier.name], c.get(f"allocation_failures_{tier.name}", 0))
+            corrupt.add_metric([tier.name], c.get(f"corrupt_blocks_{tier.name}", 0))
+            capacity.add_metric([tier.name], tier.capacity)
+            used.add_metric([tier.name], tier.used)
+            blocks.add_metric([tier.name], len(tier.sealed))
+        yield from (hits, evictions, failures, corrupt, capacity, used, blocks)
+        misses = CounterMetricFamily("kvstore_misses", "Reads that found no usable copy here (reported by clients)")
+        misses.add_metric([], c.get("client_reported_corrupt", 0))
+        yield misses
+        for name, help_text in (("demotions", "Blocks moved DRAM -> NVMe on eviction"),
+                                ("promotions", "Blocks moved NVMe -> DRAM on a hit"),
+                                ("corrupt_writes", "Commits refused because the bytes did not match")):
+            family = CounterMetricFamily(f"kvstore_{name}", help_text)
+            family.add_metric([], c.get(name, 0))
+            yield family
+        moved = CounterMetricFamily("kvstore_transfer_bytes", "Bytes moved by this node's engine", labels=["transport"])
+        stats = self._engine_stats()
+        moved.add_metric(["tcp_out"], stats.get("tcp_tx_bytes", 0))
+        moved.add_metric(["tcp_in"], stats.get("tcp_rx_bytes", 0))
+        moved.add_metric(["shm"], stats.get("local_bytes", 0))
+        moved.add_metric(["file"], stats.get("file_bytes", 0))
+        yield moved
+
+    def describe(self):
+        return []
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Expose /metrics; returns the bound port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return server.server_address[1]
+
+    def close(self) -> None:
+        server = getattr(self, "_http", None)
+        if server is not None:
+            server.shutdown()

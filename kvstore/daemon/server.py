@@ -1,0 +1,216 @@
+"""`kvstore serve`: one store daemon — engine, tiers, control service, metrics and node session.
+
+Threads: gRPC handlers call the BlockStore and hand index updates to an asyncio loop thread that
+owns the metadata session (lease keep-alive, batched publishes).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from transfer import Engine
+from transfer.descriptor import host_id
+
+from ..errors import MetadataError, MetadataUnavailable
+from ..layout import Layout, NodeRecord, check_name
+from ..metadata import open_metadata
+from ..session import NodeSession
+from ..store.v1 import store_pb2, store_pb2_grpc
+from .metrics import DaemonMetrics
+from .service import StoreControlService, TokenCheck
+from .store import BlockStore, Update
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DaemonConfig:
+    node: str
+    metadata: str = "memory://default"
+    cluster: str = "default"
+    listen: str = "127.0.0.1:0"  # control (gRPC)
+    engine_listen: str = "127.0.0.1:0"  # Transfer Engine
+    dram_bytes: int = 1 << 30
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+    secret: str | None = None
+    replicas: int = 1
+    eviction: str = "lru"
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    metrics_port: int | None = None  # None: no HTTP endpoint; 0: any free port
+    lease_ttl: int = 10
+    timeout: float = 5.0
+
+
+class Daemon:
+    """A running store node (see module docstring)."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        check_name("node", config.node)
+        self.config = config
+        self.layout = Layout(config.cluster)
+        self.engine: Engine | None = None
+        self.store: BlockStore | None = None
+        self.session: NodeSession | None = None
+        self.server: grpc.Server | None = None
+        self.metrics: DaemonMetrics | None = None
+        self.address = ""
+        self.metrics_port: int | None = None
+        self.draining = False
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name=f"kvstore-{config.node}", daemon=True)
+        self._stopped = threading.Event()
+        self._published_usage: dict[str, int] = {}
+
+    # --- start -----------------------------------------------------------------------------
+    def start(self) -> "Daemon":
+        c = self.config
+        secret = (c.secret or "").encode()
+        self.engine = Engine(c.node, listen=c.engine_listen, secret=c.secret, stall_timeout=c.timeout)
+        dram = self.engine.allocate(c.dram_bytes)
+        nvme = None
+        if c.disk_dir and c.disk_bytes > 0:
+            os.makedirs(c.disk_dir, exist_ok=True)
+            nvme = self.engine.register_file(os.path.join(c.disk_dir, f"{c.node}.tier"), c.disk_bytes)
+        self.store = BlockStore(self.engine, dram, nvme, policy=c.eviction, high=c.high_watermark, low=c.low_watermark)
+        self.metrics = DaemonMetrics(c.node, self.store.counters, lambda: self.store.tiers, self.engine.stats)
+        if c.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(c.metrics_port)
+
+        interceptors = [TokenCheck(secret)] if secret else []
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), interceptors=interceptors)
+        store_pb2_grpc.add_StoreControlServicer_to_server(
+            StoreControlService(c.node, self.store, self.publish, self.metrics, lambda: not self.draining), self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.extra_services: list[str] = []
+        port = self.server.add_insecure_port(c.listen)
+        if port == 0:
+            raise OSError(f"cannot listen on {c.listen}")
+        self.address = f"{c.listen.rpartition(':')[0]}:{port}"
+        self._loop_thread.start()
+        self._call(self._register())
+        return self
+
+    def enable_reflection(self, service_names: list[str]) -> None:
+        names = [store_pb2.DESCRIPTOR.services_by_name["StoreControl"].full_name, health.SERVICE_NAME,
+                 reflection.SERVICE_NAME, *service_names]
+        reflection.enable_server_reflection(names, self.server)
+
+    def serve(self) -> None:
+        """Start answering RPCs (after optional extra services were added)."""
+        self.server.start()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._usage_timer()
+
+    def node_record(self) -> NodeRecord:
+        tiers = {t.name: t.capacity for t in self.store.tiers}
+        used = {t.name: t.used for t in self.store.tiers}
+        return NodeRecord(self.config.node, self.address, tiers, host=host_id(), used=used, draining=self.draining)
+
+    async def _register(self) -> None:
+        metadata = open_metadata(self.config.metadata, timeout=self.config.timeout)
+        self.session = NodeSession(metadata, self.layout, self.node_record(), self.engine.export().to_json(),
+                                   ttl=self.config.lease_ttl, on_lease_lost=self._lease_lost)
+        await self.session.start()
+
+    def _lease_lost(self) -> None:
+        """Our lease expired (etcd unreachable too long): register again and republish every block."""
+        async def again() -> None:
+            try:
+                await self.session.start()
+                await self._apply(self.store.all_records())
+                log.warning("node %s re-registered and republished its blocks", self.config.node)
+            except MetadataError as exc:
+                log.error("node %s could not re-register: %s", self.config.node, exc)
+                self._loop.call_later(1.0, self._lease_lost)
+
+        asyncio.ensure_future(again(), loop=self._loop)
+
+    # --- publishing --------------------------------------------------------------------------
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout or self.config.timeout * 3)
+
+    def publish(self, updates: list[Update]) -> None:
+        """Apply index updates (put records, delete the None ones), batched per fingerprint."""
+        try:
+            self._call(self._apply(updates))
+        except TimeoutError as exc:
+            raise MetadataUnavailable("publishing to the metadata service timed out") from exc
+
+    async def _apply(self, updates: list[Update]) -> None:
+        latest: dict[tuple[str, bytes], object] = {}
+        for fingerprint, block_hash, record in updates:  # the last word on a block wins
+            latest[(fingerprint, block_hash)] = record
+        by_fp_put: dict[str, list] = {}
+        by_fp_del: dict[str, list] = {}
+        for (fingerprint, block_hash), record in latest.items():
+            if record is None:
+                by_fp_del.setdefault(fingerprint, []).append(block_hash)
+            else:
+                by_fp_put.setdefault(fingerprint, []).append((block_hash, record))
+        for fingerprint, items in by_fp_put.items():
+            await self.session.publish(fingerprint, items)
+        for fingerprint, hashes in by_fp_del.items():
+            await self.session.unpublish(fingerprint, hashes)
+
+    def _usage_timer(self) -> None:
+        """Refresh the node record's usage every 2 s when it changed (clients place puts by it)."""
+        if self._stopped.is_set():
+            return
+        record = self.node_record()
+        if record.used != self._published_usage:
+            try:
+                self._call(self._put_node(record))
+                self._published_usage = record.used
+            except (MetadataError, TimeoutError) as exc:
+                log.info("usage refresh failed: %s", exc)
+        timer = threading.Timer(2.0, self._usage_timer)
+        timer.daemon = True
+        timer.start()
+
+    async def _put_node(self, record: NodeRecord) -> None:
+        await self.session.metadata.put(self.layout.node_key(record.name), record.encode(), lease=self.session.lease)
+
+    def set_draining(self, draining: bool) -> None:
+        self.draining = draining
+        self._call(self._put_node(self.node_record()))
+
+    # --- stop --------------------------------------------------------------------------------
+    def stop(self, grace: float = 2.0) -> None:
+        """Graceful: stop taking RPCs, revoke the lease (every record goes at once), close."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self.server is not None:
+            self.health.enter_graceful_shutdown()
+            self.server.stop(grace).wait(grace + 1)
+        if self.session is not None:
+            try:
+                self._call(self.session.close(revoke=True))
+            except (MetadataError, TimeoutError) as exc:
+                log.warning("could not revoke the lease of %s (it will expire): %s", self.config.node, exc)
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.engine is not None:
+            self.engine.close()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join(timeout=5)
+
+    def wait(self) -> None:
+        """Block until SIGTERM/SIGINT, then stop gracefully."""
+        done = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: done.set())
+        done.wait()
+        self.stop()

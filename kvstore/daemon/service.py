@@ -1,0 +1,132 @@
+"""The StoreControl gRPC service: thin handlers over BlockStore, errors as proper status codes."""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from typing import Callable
+
+import grpc
+
+from ..errors import KVStoreError, MetadataError
+from ..store.v1 import store_pb2, store_pb2_grpc
+from .metrics import DaemonMetrics
+from .store import AllocationFailed, BlockStore, Update, WrongSize
+
+
+def control_token(secret: bytes) -> str:
+    """What clients put in the `authorization` header: derived from the secret, never the secret."""
+    return "Bearer " + hmac.new(secret, b"kvstore-store-control", hashlib.sha256).hexdigest()
+
+
+class TokenCheck(grpc.ServerInterceptor):
+    """Refuses every call without the cluster's control token (when a secret is set)."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._expected = control_token(secret)
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, details):
+        token = dict(details.invocation_metadata).get("authorization", "")
+        if hmac.compare_digest(token, self._expected):
+            return continuation(details)
+        return self._deny
+
+
+class StoreControlService(store_pb2_grpc.StoreControlServicer):
+    def __init__(self, node: str, store: BlockStore, publish: Callable[[list[Update]], None],
+                 metrics: DaemonMetrics, accepting: Callable[[], bool]) -> None:
+        self.node, self.store, self.publish, self.metrics = node, store, publish, metrics
+        self.accepting = accepting
+
+    def _run(self, op: str, context, fn):
+        started = time.perf_counter()
+        try:
+            return fn()
+        except WrongSize as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except AllocationFailed as exc:
+            if exc.updates:
+                self.publish(exc.updates)  # evictions made on the way are real: keep the index true
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except MetadataError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata service: {exc}")
+        except KVStoreError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        finally:
+            self.metrics.latency.labels(op).observe(time.perf_counter() - started)
+
+    @staticmethod
+    def _check_hashes(hashes, context) -> None:
+        for h in hashes:
+            if len(h) != 16:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hashes: every hash is 16 bytes, got {len(h)}")
+
+    def Reserve(self, request, context):
+        self._check_hashes(request.hashes, context)
+        if not self.accepting():
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.node} is draining: it takes no new blocks")
+
+        def run():
+            slots, updates = self.store.reserve(request.fingerprint, list(request.hashes), list(request.sizes))
+            if updates:
+                self.publish(updates)
+            return store_pb2.ReserveResponse(slots=[
+                store_pb2.Slot(hash=h, exists=True) if slot is None else
+                store_pb2.Slot(hash=h, region=slot.tier.region.id, offset=slot.offset, size=slot.size, token=token)
+                for h, (token, slot) in zip(request.hashes, slots)])
+
+        return self._run("reserve", context, run)
+
+    def Commit(self, request, context):
+        if len(request.tokens) != len(request.checksums):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "checksums: one per token")
+
+        def run():
+            errors, updates = self.store.commit(request.fingerprint, list(request.tokens), list(request.checksums))
+            if updates:
+                self.publish(updates)  # visible before we answer: sealed means findable
+            return store_pb2.CommitResponse(sealed=[not e for e in errors], errors=errors)
+
+        return self._run("commit", context, run)
+
+    def Abort(self, request, context):
+        return self._run("abort", context, lambda: (self.store.abort(request.tokens), store_pb2.Empty())[1])
+
+    def Touch(self, request, context):
+        self._check_hashes(request.hashes, context)
+
+        def run():
+            updates = self.store.touch(request.fingerprint, list(request.hashes), list(request.corrupt))
+            if updates:
+                self.publish(updates)
+            return store_pb2.Empty()
+
+        return self._run("touch", context, run)
+
+    def Remove(self, request, context):
+        self._check_hashes(request.hashes, context)
+
+        def run():
+            removed, updates = self.store.remove(request.fingerprint, list(request.hashes))
+            if updates:
+                self.publish(updates)
+            return store_pb2.RemoveResponse(removed=removed)
+
+        return self._run("remove", context, run)
+
+    def Stats(self, request, context):
+        def run():
+            with self.store.lock:
+                tiers = [store_pb2.TierStats(name=t.name, capacity=t.capacity, used=t.used, blocks=len(t.sealed),
+                                             high_watermark=t.high, low_watermark=t.low) for t in self.store.tiers]
+                counters = dict(self.store.counters)
+            return store_pb2.StatsResponse(node=self.node, tiers=tiers, counters=counters,
+                                           eviction_policy=self.store.dram.policy.name)
+
+        return self._run("stats", context, run)
+

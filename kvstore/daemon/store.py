@@ -1,0 +1,320 @@
+"""A daemon's blocks: a DRAM tier (shared-memory arena) and an optional NVMe tier (preallocated
+file), reservations for blocks being written, sealing with checksum verification, and watermark
+eviction that demotes DRAM victims to NVMe and promotes NVMe hits back.
+
+Every method returns the index updates it implies — (fingerprint, hash, record or None) — for the
+daemon to publish; nothing here talks to the metadata service. One lock guards everything.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from transfer import Engine, Read, Region, TransferError, Write
+
+from ..errors import KVStoreError
+from ..integrity import block_checksum
+from ..layout import BlockRecord
+from ..tiers import ExtentAllocator, EvictionPolicy, make_policy
+
+Key = tuple[str, bytes]  # (fingerprint, block hash)
+Update = tuple[str, bytes, BlockRecord | None]
+MAX_BLOCK_BYTES = 64 << 20
+
+
+class AllocationFailed(KVStoreError):
+    """No room for the block even after evicting everything evictable. `updates` lists the
+    evictions done on the way, which still have to be published."""
+
+    def __init__(self, message: str, updates: list | None = None) -> None:
+        super().__init__(message)
+        self.updates = updates or []
+
+
+class WrongSize(KVStoreError, ValueError):
+    """A block size is zero, too large, or does not match the buffer it goes to."""
+
+
+@dataclass
+class Slot:
+    key: Key
+    tier: "Tier"
+    offset: int
+    size: int
+    checksum: int = 0
+    reserved_at: float = field(default_factory=time.monotonic)
+
+    def record(self) -> BlockRecord:
+        return BlockRecord(self.tier.name, self.tier.region.id, self.offset, self.size, self.checksum)
+
+
+class Tier:
+    """One tier: an engine region, its allocator, sealed slots and their eviction order."""
+
+    def __init__(self, name: str, region: Region, policy: str, high: float, low: float) -> None:
+        self.name, self.region = name, region
+        self.allocator = ExtentAllocator(region.size)
+        self.policy: EvictionPolicy = make_policy(policy)
+        self.high, self.low = high, low
+        self.sealed: dict[Key, Slot] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    @property
+    def used(self) -> int:
+        return self.allocator.used
+
+
+class BlockStore:
+    """See module docstring."""
+
+    def __init__(self, engine: Engine, dram: Region, nvme: Region | None = None, *, policy: str = "lru",
+                 high: float = 0.95, low: float = 0.85, reservation_timeout: float = 30.0,
+                 counters: dict[str, float] | None = None) -> None:
+        if not 0 < low <= high <= 1:
+            raise ValueError(f"watermarks need 0 < low <= high <= 1, got low={low} high={high}")
+        self.engine = engine
+        self.dram = Tier("dram", dram, policy, high, low)
+        self.nvme = Tier("nvme", nvme, policy, high, low) if nvme is not None else None
+        self.reservation_timeout = reservation_timeout
+        self.counters = counters if counters is not None else {}
+        self._pending: dict[int, Slot] = {}
+        self._tokens = itertools.count(1)
+        self.lock = threading.RLock()
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return [self.dram] + ([self.nvme] if self.nvme else [])
+
+    def _count(self, name: str, by: float = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + by
+
+    def find(self, key: Key) -> Slot | None:
+        for tier in self.tiers:
+            slot = tier.sealed.get(key)
+            if slot is not None:
+                return slot
+        return None
+
+    # --- writes -------------------------------------------------------------------------------
+    def reserve(self, fingerprint: str, hashes: Sequence[bytes], sizes: Sequence[int]) -> tuple[list[tuple[int, Slot | None]], list[Update]]:
+        """A (token, slot) per block to write; token 0 and slot None where it is already sealed here."""
+        if len(hashes) != len(sizes):
+            raise WrongSize(f"{len(hashes)} hashes but {len(sizes)} sizes")
+        for size in sizes:
+            if not 0 < size <= MAX_BLOCK_BYTES:
+                raise WrongSize(f"block size {size} outside 1..{MAX_BLOCK_BYTES}")
+        if sum(sizes) > self.dram.capacity:  # could never fit: refuse before evicting anything
+            self._count("allocation_failures_dram")
+            raise AllocationFailed(f"{sum(sizes)} bytes of blocks cannot fit in {self.dram.capacity} bytes of DRAM")
+        out: list[tuple[int, Slot | None]] = []
+        updates: list[Update] = []
+        with self.lock:
+            self._expire_reservations()
+            for block_hash, size in zip(hashes, sizes):
+                key = (fingerprint, bytes(block_hash))
+                if self.find(key) is not None:
+                    self._touch(key)
+                    out.append((0, None))
+                    continue
+                offset = self._allocate(self.dram, size, updates)
+                if offset is None:
+                    for token, slot in out:  # all or nothing
+                        if slot is not None:
+                            self._pending.pop(token, None)
+                            self.dram.allocator.release(slot.offset, slot.size)
+                    self._count("allocation_failures_dram")
+                    raise AllocationFailed(f"no room for a {size}-byte block in {self.dram.capacity} bytes of DRAM",
+                                           updates)
+                slot = Slot(key, self.dram, offset, size)
+                token = next(self._tokens)
+                self._pending[token] = slot
+                out.append((token, slot))
+        return out, updates
+
+    def commit(self, fingerprint: str, tokens: Sequence[int], checksums: Sequence[int]) -> tuple[list[str], list[Update]]:
+        """Seal reserved slots whose bytes match their checksum; '' where sealed, else the reason."""
+        errors: list[str] = []
+        updates: list[Update] = []
+        with self.lock:
+            for token, checksum in zip(tokens, checksums):
+                slot = self._pending.pop(token, None)
+                if slot is None or slot.key[0] != fingerprint:
+                    errors.append("unknown or expired reservation")
+                    continue
+                if self.find(slot.key) is not None:  # another writer sealed it first: keep theirs
+                    self.dram.allocator.release(slot.offset, slot.size)
+                    errors.append("")
+                    continue
+                view = self.dram.region.buffer[slot.offset : slot.offset + slot.size]
+                if block_checksum(slot.key[1], view) != checksum:
+                    self.dram.allocator.release(slot.offset, slot.size)
+                    self._count("corrupt_writes")
+                    errors.append("checksum mismatch: the bytes that arrived are not the bytes sent")
+                    continue
+                slot.checksum = checksum
+                self.dram.sealed[slot.key] = slot
+                self.dram.policy.insert(slot.key)
+                updates.append((slot.key[0], slot.key[1], slot.record()))
+                errors.append("")
+        return errors, updates
+
+    def abort(self, tokens: Iterable[int]) -> None:
+        with self.lock:
+            for token in tokens:
+                slot = self._pending.pop(token, None)
+                if slot is not None:
+                    self.dram.allocator.release(slot.offset, slot.size)
+
+    def _expire_reservations(self) -> None:
+        cutoff = time.monotonic() - self.reservation_timeout
+        for token in [t for t, s in self._pending.items() if s.reserved_at < cutoff]:
+            slot = self._pending.pop(token)
+            self.dram.allocator.release(slot.offset, slot.size)
+
+    # --- space --------------------------------------------------------------------------------
+    def _allocate(self, tier: Tier, size: int, updates: list[Update]) -> int | None:
+        """Room for `size` bytes in `tier`, evicting down to the low watermark when above the high one."""
+        if size > tier.capacity:
+            return None  # evicting would lose everything and still not fit
+        if tier.used + size > tier.high * tier.capacity:
+            self._evict(tier, lambda: tier.used + size <= tier.low * tier.capacity, updates)
+        offset = tier.allocator.allocate(size)
+        while offset is None and self._evict(tier, lambda: True, updates, limit=1):
+            offset = tier.allocator.allocate(size)
+        return offset
+
+    def _evict(self, tier: Tier, enough, updates: list[Update], limit: int | None = None) -> int:
+        evicted = 0
+        for key in tier.policy.victims():
+            if enough() or (limit is not None and evicted >= limit):
+                break
+            slot = tier.sealed.get(key)
+            if slot is None:
+                tier.policy.remove(key)
+                continue
+            self._drop(slot)
+            if not (tier is self.dram and self.nvme is not None and self._demote(slot, updates)):
+                updates.append((key[0], key[1], None))
+            self._count(f"evictions_{tier.name}")
+            evicted += 1
+        return evicted
+
+    def _drop(self, slot: Slot) -> None:
+        tier = slot.tier
+        tier.sealed.pop(slot.key, None)
+        tier.policy.remove(slot.key)
+        tier.allocator.release(slot.offset, slot.size)
+
+    def _move(self, slot: Slot, target: Tier, updates: list[Update]) -> Slot | None:
+        """Copy a (just dropped) slot into `target`; the new slot, or None when it cannot go there."""
+        offset = self._allocate(target, slot.size, updates)
+        if offset is None:
+            return None
+        moved = Slot(slot.key, target, offset, slot.size, slot.checksum)
+        try:
+            if target is self.nvme:
+                self.engine.transfer([Write(slot.tier.region, slot.offset, target.region, offset, slot.size)])
+            else:
+                self.engine.transfer([Read(target.region, offset, slot.tier.region, slot.offset, slot.size)])
+        except TransferError:
+            target.allocator.release(offset, slot.size)
+            self._count("io_errors")
+            return None
+        target.sealed[slot.key] = moved
+        target.policy.insert(slot.key)
+        updates.append((slot.key[0], slot.key[1], moved.record()))
+        return moved
+
+    def _demote(self, slot: Slot, updates: list[Update]) -> bool:
+        moved = self._move(slot, self.nvme, updates)
+        if moved is not None:
+            self._count("demotions")
+        return moved is not None
+
+    def _promote(self, slot: Slot, updates: list[Update]) -> None:
+        """Move an NVMe block that was hit back to DRAM, checking its bytes on the way. Only into
+        free DRAM: a promotion never pushes other blocks down."""
+        dram = self.dram
+        if dram.used + slot.size > dram.high * dram.capacity:
+            return
+        offset = dram.allocator.allocate(slot.size)
+        if offset is None:
+            return
+        try:
+            self.engine.transfer([Read(dram.region, offset, slot.tier.region, slot.offset, slot.size)])
+        except TransferError:
+            dram.allocator.release(offset, slot.size)
+            self._count("io_errors")
+            return
+        self._drop(slot)
+        view = dram.region.buffer[offset : offset + slot.size]
+        if block_checksum(slot.key[1], view) != slot.checksum:
+            dram.allocator.release(offset, slot.size)
+            self._count("corrupt_blocks_nvme")
+            updates.append((slot.key[0], slot.key[1], None))
+            return
+        moved = Slot(slot.key, dram, offset, slot.size, slot.checksum)
+        dram.sealed[slot.key] = moved
+        dram.policy.insert(slot.key)
+        updates.append((slot.key[0], slot.key[1], moved.record()))
+        self._count("promotions")
+
+    # --- reads and removal ----------------------------------------------------------------------
+    def _touch(self, key: Key) -> Slot | None:
+        slot = self.find(key)
+        if slot is not None:
+            slot.tier.policy.touch(key)
+        return slot
+
+    def touch(self, fingerprint: str, hashes: Sequence[bytes], corrupt: Sequence[bytes] = ()) -> list[Update]:
+        """Record client hits (promoting NVMe hits) and check blocks a client found corrupt."""
+        updates: list[Update] = []
+        with self.lock:
+            for block_hash in hashes:
+                slot = self._touch((fingerprint, bytes(block_hash)))
+                if slot is None:
+                    continue
+                self._count(f"hits_{slot.tier.name}")
+                if slot.tier is self.nvme:
+                    self._promote(slot, updates)
+            for block_hash in corrupt:
+                slot = self.find((fingerprint, bytes(block_hash)))
+                self._count("client_reported_corrupt")
+                if slot is not None and not self._verify(slot):
+                    self._drop(slot)
+                    self._count(f"corrupt_blocks_{slot.tier.name}")
+                    updates.append((fingerprint, bytes(block_hash), None))
+        return updates
+
+    def _verify(self, slot: Slot) -> bool:
+        if slot.tier is self.dram:
+            data = self.dram.region.buffer[slot.offset : slot.offset + slot.size]
+        else:
+            scratch = self.engine.register(bytearray(slot.size), remote_access=False)
+            try:
+                self.engine.transfer([Read(scratch, 0, slot.tier.region, slot.offset, slot.size)])
+                data = bytes(scratch.buffer)
+            finally:
+                self.engine.unregister(scratch)
+        return block_checksum(slot.key[1], data) == slot.checksum
+
+    def remove(self, fingerprint: str, hashes: Sequence[bytes]) -> tuple[int, list[Update]]:
+        updates: list[Update] = []
+        with self.lock:
+            for block_hash in hashes:
+                slot = self.find((fingerprint, bytes(block_hash)))
+                if slot is not None:
+                    self._drop(slot)
+                    updates.append((fingerprint, bytes(block_hash), None))
+        return len(updates), updates
+
+    def all_records(self) -> list[Update]:
+        """Every sealed block as an update (republishing after a lost lease)."""
+        with self.lock:
+            return [(k[0], k[1], s.record()) for tier in self.tiers for k, s in tier.sealed.items()]

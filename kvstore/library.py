@@ -1,0 +1,60 @@
+"""Library mode: `kvstore.open(...)` runs a store daemon inside this process and returns a client
+of it — the embedded default for the quick start and a single vLLM instance offloading to
+DRAM/NVMe. Same client API as a cluster."""
+from __future__ import annotations
+
+import re
+import tempfile
+import uuid
+from typing import Any
+
+from .client import Client
+from .daemon import Daemon, DaemonConfig
+from .keys import ModelFingerprint
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_size(value: int | str) -> int:
+    """'2GiB', '512 MB', '4096' or an int -> bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {value!r} (try '512MiB' or '2GiB')")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+class EmbeddedStore(Client):
+    """A Client whose store daemon runs in this process; closing it stops the daemon."""
+
+    def __init__(self, daemon: Daemon, **client_args: Any) -> None:
+        self.daemon = daemon
+        super().__init__(daemon.config.metadata, cluster=daemon.config.cluster, **client_args)
+
+    def close(self) -> None:
+        super().close()
+        self.daemon.stop()
+
+
+def open(url: str = "memory://", *, dram: int | str = "1GiB", disk: str | None = None, disk_size: int | str = "4GiB",
+         fingerprint: ModelFingerprint | None = None, node: str = "local", eviction: str = "lru",
+         secret: str | None = None, metrics_port: int | None = None, timeout: float = 5.0) -> EmbeddedStore:
+    """Start an in-process daemon on `url` ("memory://" = a private in-process index) and connect."""
+    if url.rstrip("/") == "memory:":
+        url = f"memory://embedded-{uuid.uuid4().hex[:8]}"
+    config = DaemonConfig(node=node, metadata=url, dram_bytes=parse_size(dram), disk_dir=disk,
+                          disk_bytes=parse_size(disk_size) if disk else 0, eviction=eviction, secret=secret,
+                          metrics_port=metrics_port, timeout=timeout, engine_listen="127.0.0.1:0")
+    daemon = Daemon(config).start()
+    daemon.serve()
+    try:
+        return EmbeddedStore(daemon, fingerprint=fingerprint, secret=secret, timeout=timeout)
+    except BaseException:
+        daemon.stop()
+        raise
+
+
+def scratch_dir() -> str:
+    return tempfile.mkdtemp(prefix="kvstore-nvme-")

@@ -1,0 +1,203 @@
+"""The store as deployed: real etcd, three daemons in their own processes, clients here."""
+from __future__ import annotations
+
+import resource
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore import Client
+from kvstore.daemon.store import AllocationFailed, WrongSize
+from kvstore.errors import AuthenticationFailed, FingerprintMismatch
+from kvstore.keys import ModelFingerprint, chain_hashes, external_hashes
+from kvstore.store.v1 import store_pb2, store_pb2_grpc
+
+FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64)
+BLOCK = 256 * 1024
+
+
+def content(h: bytes, size: int = BLOCK) -> np.ndarray:
+    return np.random.default_rng(int.from_bytes(h[:8], "little")).integers(0, 256, size, dtype=np.uint8)
+
+
+@pytest.fixture
+def cluster(etcd_server, spawn_daemon):
+    name = uuid.uuid4().hex[:8]
+    daemons = [spawn_daemon(f"node{i}", etcd_server.url, name) for i in range(3)]
+    client = Client(etcd_server.url, cluster=name, fingerprint=FP, timeout=2.0)
+    assert client.mirror.wait_until(lambda m: len(m.nodes) == 3, 10)
+    yield name, daemons, client
+    client.close()
+
+
+def stats(daemon) -> store_pb2.StatsResponse:
+    with grpc.insecure_channel(daemon.control) as channel:
+        return store_pb2_grpc.StoreControlStub(channel).Stats(store_pb2.StatsRequest(), timeout=5)
+
+
+def test_put_get_across_daemons_byte_for_byte(cluster):
+    _, daemons, client = cluster
+    hashes = chain_hashes(FP, list(range(16 * 40)))
+    assert client.put_many([(h, content(h)) for h in hashes]) == 40
+    assert client.mirror.wait_until(lambda m: m.block_count == 40, 10)
+    outs = [np.zeros(BLOCK, np.uint8) for _ in hashes]
+    assert all(client.get_many(hashes, outs))
+    assert all(np.array_equal(o, content(h)) for o, h in zip(outs, hashes))
+    assert client.match_prefix(hashes + external_hashes([1], FP)) == 40
+    assert client.contains(hashes[3]) and not client.contains(external_hashes([7], FP)[0])
+    assert sum(t.blocks for d in daemons for t in stats(d).tiers) == 40
+    # A second client in another process reads what this one wrote.
+    name = cluster[0]
+    script = f"""
+import numpy as np, sys
+from kvstore import Client
+from kvstore.keys import ModelFingerprint, chain_hashes
+fp = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64)
+hashes = chain_hashes(fp, list(range(16 * 40)))
+with Client({client.mirror.url!r}, cluster={name!r}, fingerprint=fp) as c:
+    outs = [np.zeros({BLOCK}, np.uint8) for _ in hashes]
+    ok = c.get_many(hashes, outs)
+    print(sum(ok), sum(int(o.sum()) for o in outs))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["40", str(sum(int(content(h).sum()) for h in hashes))], done.stderr[-2000:]
+    assert client.remove(hashes[:5]) == 5
+    assert client.mirror.wait_until(lambda m: m.block_count == 35, 10)
+    assert client.get(hashes[0], outs[0]) is False
+
+
+def test_replicas_survive_kill_9(cluster):
+    _, daemons, client = cluster
+    hashes = external_hashes(range(50), FP)
+    client.put_many([(h, content(h)) for h in hashes], replicas=2)
+    assert client.mirror.wait_until(lambda m: m.block_count == 50, 10)
+    assert all(len(client.mirror.lookup(FP, h)) == 2 for h in hashes)
+    victim = max(daemons, key=lambda d: stats(d).tiers[0].blocks)
+    victim.kill()
+    started = time.monotonic()
+    outs = [np.zeros(BLOCK, np.uint8) for _ in hashes]
+    assert all(client.get_many(hashes, outs))  # fails over at once, before the lease even expires
+    assert time.monotonic() - started < 5
+    assert all(np.array_equal(o, content(h)) for o, h in zip(outs, hashes))
+    assert client.mirror.wait_until(lambda m: victim.name not in m.nodes, 15)
+    assert all(client.get_many(hashes, outs))
+
+
+def test_get_from_a_stalled_only_holder_misses_within_timeout(cluster, etcd_server, spawn_daemon):
+    name, daemons, client = cluster
+    h = external_hashes([42], FP)[0]
+    client.put(h, content(h))
+    assert client.mirror.wait_until(lambda m: m.block_count == 1, 10)
+    (holder_name,) = client.mirror.lookup(FP, h)
+    holder = next(d for d in daemons if d.name == holder_name)
+    holder.pause()
+    client.transport = "tcp"  # on this host shared memory would be read without the holder's help
+    client._nodes.clear()
+    try:
+        started = time.monotonic()
+        assert client.get(h, np.zeros(BLOCK, np.uint8)) is False
+        assert time.monotonic() - started < 2.0 * 2 + 2  # stall timeout (2 s) plus slack
+        other = external_hashes([43], FP)[0]
+        client.put(other, content(other))  # puts go around the stalled node
+        assert client.mirror.wait_until(lambda m: m.block_count >= 1 and client.contains(other), 10)
+        out = np.zeros(BLOCK, np.uint8)
+        assert client.get(other, out) and np.array_equal(out, content(other))
+    finally:
+        holder.resume()
+
+
+def test_capacity_is_never_exceeded_and_errors_are_typed(etcd_server, spawn_daemon, tmp_path):
+    name = uuid.uuid4().hex[:8]
+    daemon = spawn_daemon("small", etcd_server.url, name, dram="2MiB", disk="4MiB")
+    with Client(etcd_server.url, cluster=name, fingerprint=FP, timeout=2.0) as client:
+        assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
+        hashes = external_hashes(range(3 * 24), FP)  # 3x (2 + 4) MiB of 256 KiB blocks
+        for i in range(0, len(hashes), 6):
+            client.put_many([(h, content(h)) for h in hashes[i : i + 6]])
+            for tier in stats(daemon).tiers:
+                assert tier.used <= tier.capacity, tier
+        counters = stats(daemon).counters
+        assert counters["demotions"] > 0 and counters["evictions_nvme"] > 0
+        # What the index lists is readable and intact.
+        assert client.mirror.wait_until(lambda m: m.block_count == sum(t.blocks for t in stats(daemon).tiers), 10)
+        listed = [h for h in hashes if client.contains(h)]
+        outs = [np.zeros(BLOCK, np.uint8) for _ in listed]
+        assert all(client.get_many(listed, outs))
+        assert all(np.array_equal(o, content(h)) for o, h in zip(outs, listed))
+        # A block bigger than the whole DRAM tier: a clear error, and nothing already stored is lost.
+        big = external_hashes([10_000], FP)[0]
+        with pytest.raises(AllocationFailed):
+            client.put(big, np.zeros(3 << 20, np.uint8))
+        assert all(client.get_many(listed, outs))
+        with pytest.raises(WrongSize):
+            client.get(listed[0], np.zeros(BLOCK - 1, np.uint8))
+        with pytest.raises(WrongSize):
+            client.put(b"short", b"x")
+        with pytest.raises(WrongSize):
+            client.put(big, b"")
+        other = ModelFingerprint("other-model", "float32", 16, 2, 2, 64)
+        with pytest.raises(FingerprintMismatch) as info:
+            client.get(listed[0], outs[0], fingerprint=other)
+        assert "model_id" in str(info.value)
+        assert client.get(external_hashes([99_999], FP)[0], outs[0]) is False  # unknown key: a miss
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
+        for family in ("kvstore_evictions_total", "kvstore_demotions_total", "kvstore_used_bytes",
+                       "kvstore_op_latency_seconds_bucket", "kvstore_transfer_bytes_total"):
+            assert family in metrics, family
+
+
+def test_full_disk_fails_daemon_start_with_a_clear_error(etcd_server, spawn_daemon):
+    def small_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # the "disk" holds 1 MiB
+
+    name = uuid.uuid4().hex[:8]
+    import os
+    import tempfile
+
+    folder = tempfile.mkdtemp()
+    done = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--node", "full", "--metadata",
+                           etcd_server.url, "--cluster", name, "--dram", "512KiB", "--disk-dir", folder, "--disk", "8MiB"],
+                          capture_output=True, text=True, timeout=60, preexec_fn=small_disk)
+    assert done.returncode == 1
+    assert "cannot start full: TransferIOError" in done.stderr and "allocate" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not os.path.exists(os.path.join(folder, "full.tier")) or os.path.getsize(os.path.join(folder, "full.tier")) <= 1 << 20
+
+
+def test_secret_is_required(etcd_server, spawn_daemon):
+    name = uuid.uuid4().hex[:8]
+    guarded = spawn_daemon("guarded", etcd_server.url, name, secret="s3cret")
+    h = external_hashes([1], FP)[0]
+    with Client(etcd_server.url, cluster=name, fingerprint=FP, secret="s3cret") as good:
+        assert good.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
+        assert good.put(h, content(h)) == 1
+    for secret in ("wrong", None):
+        with Client(etcd_server.url, cluster=name, fingerprint=FP, secret=secret) as bad:
+            with pytest.raises(AuthenticationFailed):
+                bad.put(h, content(h))
+            with pytest.raises(AuthenticationFailed):
+                bad.get(h, np.zeros(BLOCK, np.uint8))
+    with grpc.insecure_channel(guarded.control) as channel:  # the control service refuses too
+        with pytest.raises(grpc.RpcError) as info:
+            store_pb2_grpc.StoreControlStub(channel).Stats(store_pb2.StatsRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_sigterm_unpublishes_at_once(cluster):
+    _, daemons, client = cluster
+    hashes = external_hashes(range(30), FP)
+    client.put_many([(h, content(h)) for h in hashes], replicas=3)
+    assert client.mirror.wait_until(lambda m: m.block_count == 30, 10)
+    started = time.monotonic()
+    assert daemons[0].terminate() == 0
+    assert client.mirror.wait_until(lambda m: daemons[0].name not in m.nodes
+                                    and all(daemons[0].name not in client.mirror.lookup(FP, h) for h in hashes), 10)
+    assert time.monotonic() - started < 2.5  # well before the 3 s lease would have expired

@@ -1,0 +1,154 @@
+"""The daemon's BlockStore in one process: sealing, capacity, demotion, corruption, concurrency."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import kvstore
+from kvstore.daemon.store import AllocationFailed, BlockStore, WrongSize
+from kvstore.integrity import block_checksum
+from kvstore.keys import ModelFingerprint, external_hashes
+from transfer import Engine
+
+FP = ModelFingerprint("m", "float16", 16, 2, 2, 64)
+BLOCK = 64 * 1024
+
+
+def content(block_hash: bytes, size: int = BLOCK) -> np.ndarray:
+    return np.random.default_rng(int.from_bytes(block_hash[:8], "little")).integers(0, 256, size, dtype=np.uint8)
+
+
+@pytest.fixture
+def engine():
+    with Engine("store-unit", listen=None) as e:
+        yield e
+
+
+def write(store: BlockStore, block_hash: bytes, data: np.ndarray, checksum: int | None = None):
+    slots, updates = store.reserve(FP.digest, [block_hash], [data.nbytes])
+    token, slot = slots[0]
+    if slot is None:
+        return [], updates
+    store.dram.region.buffer[slot.offset : slot.offset + data.nbytes] = data.tobytes()
+    errors, more = store.commit(FP.digest, [token], [block_checksum(block_hash, data) if checksum is None else checksum])
+    return errors, updates + more
+
+
+def test_commit_verifies_bytes_and_publishes(engine):
+    store = BlockStore(engine, engine.allocate(1 << 20))
+    h = external_hashes([1], FP)[0]
+    errors, updates = write(store, h, content(h))
+    assert errors == [""] and updates[0][2].tier == "dram"
+    h2 = external_hashes([2], FP)[0]
+    errors, updates = write(store, h2, content(h2), checksum=12345)
+    assert errors[0].startswith("checksum mismatch") and updates == []
+    assert store.dram.used == 65536  # the refused slot went back
+    again, _ = store.reserve(FP.digest, [h], [BLOCK])
+    assert again == [(0, None)]  # already sealed: nothing to write
+    with pytest.raises(WrongSize):
+        store.reserve(FP.digest, [h2], [0])
+    with pytest.raises(AllocationFailed):
+        store.reserve(FP.digest, [h2], [2 << 20])
+    assert store.commit(FP.digest, [999], [0])[0] == ["unknown or expired reservation"]
+
+
+def test_three_times_capacity_never_exceeds_any_tier(engine, tmp_path):
+    dram, disk = 1 << 20, 2 << 20
+    store = BlockStore(engine, engine.allocate(dram), engine.register_file(tmp_path / "t", disk))
+    hashes = external_hashes(range(3 * (dram + disk) // BLOCK), FP)
+    deleted = 0
+    for h in hashes:
+        errors, updates = write(store, h, content(h))
+        assert errors == [""]
+        assert store.dram.used <= dram and store.nvme.used <= disk
+        deleted += sum(1 for u in updates if u[2] is None)
+    assert store.counters["demotions"] > 0 and store.counters["evictions_nvme"] > 0
+    held = len(store.dram.sealed) + len(store.nvme.sealed)
+    assert held + deleted == len(hashes)  # every block is either held or was unpublished
+    for tier in store.tiers:  # what is held is intact
+        for (fp, h), slot in tier.sealed.items():
+            assert store._verify(slot)
+
+
+def test_corrupt_nvme_block_is_dropped_on_promotion(engine, tmp_path):
+    path = tmp_path / "tier"
+    store = BlockStore(engine, engine.allocate(256 * 1024), engine.register_file(path, 1 << 20), high=1.0, low=0.5)
+    hashes = external_hashes(range(8), FP)
+    for h in hashes:
+        write(store, h, content(h))
+    victim = next(iter(store.nvme.sealed.values()))
+    with open(path, "r+b") as f:
+        f.seek(victim.offset + 100)
+        f.write(b"\xff" * 16)
+    store.remove(FP.digest, [h for h in hashes if (FP.digest, h) in store.dram.sealed])  # make room to promote
+    updates = store.touch(FP.digest, [victim.key[1]])
+    assert updates == [(FP.digest, victim.key[1], None)]
+    assert store.find(victim.key) is None and store.counters["corrupt_blocks_nvme"] == 1
+    healthy = next(iter(store.nvme.sealed.values()))
+    updates = store.touch(FP.digest, [healthy.key[1]])
+    assert updates[-1][2].tier == "dram" and store.counters["promotions"] == 1
+
+
+def test_reads_never_return_another_blocks_bytes_under_churn():
+    """Writers, readers and eviction over a 16-slot arena: every byte a get returns is checked."""
+    with kvstore.open(dram=16 * BLOCK, fingerprint=FP) as store:
+        hashes = external_hashes(range(400), FP)
+        stop = threading.Event()
+        bad, hits, errors = [], [0], []
+
+        def writer(offset: int) -> None:
+            try:
+                for h in hashes[offset::2]:
+                    store.put(h, content(h))
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        def reader(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            out = np.zeros(BLOCK, np.uint8)
+            try:
+                while not stop.is_set():
+                    h = hashes[int(rng.integers(0, len(hashes)))]
+                    if store.get(h, out):
+                        hits[0] += 1
+                        if not np.array_equal(out, content(h)):
+                            bad.append(h)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        readers = [threading.Thread(target=reader, args=(i,)) for i in range(3)]
+        writers = [threading.Thread(target=writer, args=(i,)) for i in range(2)]
+        for t in readers + writers:
+            t.start()
+        for t in writers:
+            t.join(120)
+        stop.set()
+        for t in readers:
+            t.join(30)
+        assert not errors, errors[:3]
+        assert bad == []
+        assert hits[0] > 0 and store.daemon.store.counters.get("evictions_dram", 0) > 300
+
+
+def test_stale_locations_of_reused_slots_never_verify():
+    """A reader whose index lags reads slots that now hold other blocks: every such read is refused."""
+    with kvstore.open(dram=16 * BLOCK, fingerprint=FP) as store:
+        first = external_hashes(range(12), FP)  # fits under the high watermark
+        for h in first:
+            store.put(h, content(h))
+        assert store.mirror.wait_until(lambda m: m.block_count == 12)
+        stale = [(h, store.mirror.lookup(FP, h)) for h in first]  # what a lagging mirror would say
+        for h in external_hashes(range(12, 200), FP):  # churn: every early slot is reused many times
+            store.put(h, content(h))
+        buffers = [store.engine.register(bytearray(BLOCK), remote_access=False) for _ in first]
+        refused = 0
+        for i, (h, replicas) in enumerate(stale):
+            (name, record), = replicas.items()
+            good = store._read_from(name, [h], [(0, record)], [buffers[i]])
+            if good:
+                assert bytes(buffers[i].buffer) == content(h).tobytes()
+            else:
+                refused += 1
+        assert refused == len(first)  # the first 12 blocks were all evicted: no stale read may pass
