@@ -18,7 +18,7 @@ constexpr uint64_t kLocalPiece = 4ull << 20;   // large local copies split for t
 int32_t copy_between(Region& dst, uint64_t dst_off, Region& src, uint64_t src_off, uint64_t len) {
   if (dst.kind == RegionKind::kMemory) return region_read(src, src_off, dst.base + dst_off, len);
   if (src.kind == RegionKind::kMemory) return region_write(dst, dst_off, src.base + src_off, len);
-  std::vector<uint8_t> bounce(std::min<uint64_t>(len, 4ull << 20));
+  AlignedBuffer bounce(std::min<uint64_t>(len, 4ull << 20));
   for (uint64_t done = 0; done < len;) {
     uint64_t n = std::min<uint64_t>(bounce.size(), len - done);
     if (int32_t st = region_read(src, src_off + done, bounce.data(), n); st != kOk) return st;

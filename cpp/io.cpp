@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 
 namespace kvt {
 
@@ -29,6 +31,14 @@ bool direct_ok(const Region& r, uint64_t off, const void* mem, uint64_t len) {
 }
 
 }  // namespace
+
+AlignedBuffer::AlignedBuffer(size_t n) : data_(nullptr), size_(n) {
+  void* p = nullptr;
+  if (::posix_memalign(&p, kDirectAlign, n ? n : 1) != 0) throw std::bad_alloc();
+  data_ = static_cast<uint8_t*>(p);
+}
+
+AlignedBuffer::~AlignedBuffer() { std::free(data_); }
 
 void set_stream_options(int fd, uint64_t stall_ms) {
   int one = 1;
@@ -171,7 +181,7 @@ int32_t Reader::discard(size_t n) {
 
 int32_t Reader::read_into_region(Region& r, uint64_t off, uint64_t len) {
   if (r.kind == RegionKind::kMemory) return read(r.base + off, len);
-  std::vector<uint8_t> bounce(len);
+  AlignedBuffer bounce(len);
   if (int32_t st = read(bounce.data(), len); st != kOk) return st;
   return region_write(r, off, bounce.data(), len);
 }
@@ -188,7 +198,7 @@ void Writer::payload(const void* p, size_t n, RegionPtr pin) {
   pending_ += n;
 }
 
-void Writer::owned_payload(std::vector<uint8_t>&& bytes) {
+void Writer::owned_payload(AlignedBuffer&& bytes) {
   owned_.push_back(std::move(bytes));
   iov_.push_back({owned_.back().data(), owned_.back().size()});
   pending_ += owned_.back().size();

@@ -11,6 +11,22 @@
 
 namespace kvt {
 
+// A 4 KiB-aligned heap buffer: file bounces through it can use O_DIRECT.
+class AlignedBuffer {
+ public:
+  explicit AlignedBuffer(size_t n);
+  AlignedBuffer(AlignedBuffer&& other) noexcept : data_(other.data_), size_(other.size_) { other.data_ = nullptr; }
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+  ~AlignedBuffer();
+  uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  uint8_t* data_;
+  size_t size_;
+};
+
 void set_stream_options(int fd, uint64_t stall_ms);
 int32_t send_all(int fd, const void* data, size_t n);
 int32_t writev_all(int fd, std::vector<iovec>& iov);
@@ -46,7 +62,7 @@ class Writer {
   explicit Writer(int fd) : fd_(fd) {}
   void header(const RespHeader& h);
   void payload(const void* p, size_t n, RegionPtr pin);
-  void owned_payload(std::vector<uint8_t>&& bytes);
+  void owned_payload(AlignedBuffer&& bytes);
   size_t pending_bytes() const { return pending_; }
   size_t pending_iov() const { return iov_.size(); }
   int32_t flush();
@@ -54,7 +70,7 @@ class Writer {
  private:
   int fd_;
   std::deque<RespHeader> headers_;  // deque: stable addresses for the iovecs
-  std::deque<std::vector<uint8_t>> owned_;
+  std::deque<AlignedBuffer> owned_;
   std::vector<iovec> iov_;
   std::vector<RegionPtr> pins_;
   size_t pending_ = 0;

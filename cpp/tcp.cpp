@@ -129,7 +129,7 @@ void Stream::send_batch(std::vector<SubReq>& batch) {
   std::vector<ReqHeader> headers;
   std::vector<iovec> iov;
   std::vector<RegionPtr> pins;  // keep local memory alive until writev is done with it
-  std::deque<std::vector<uint8_t>> bounces;
+  std::deque<AlignedBuffer> bounces;
   headers.reserve(batch.size());  // iovecs point into it: no reallocation below
   std::vector<SubReq> sending;
   sending.reserve(batch.size());
@@ -307,7 +307,7 @@ void serve_connection(int fd, const RegionTable& regions, uint64_t stall_ms, Cou
       if (st == kOk && r->kind == RegionKind::kMemory) {
         if (reader.read(r->base + h.offset, h.length) != kOk) break;
       } else if (st == kOk) {
-        std::vector<uint8_t> bounce(h.length);
+        AlignedBuffer bounce(h.length);
         if (reader.read(bounce.data(), h.length) != kOk) break;
         st = region_write(*r, h.offset, bounce.data(), h.length);
       } else {
@@ -316,7 +316,7 @@ void serve_connection(int fd, const RegionTable& regions, uint64_t stall_ms, Cou
       if (st == kOk) counters->tcp_rx.fetch_add(h.length, std::memory_order_relaxed);
       writer.header(RespHeader{st, 0, 0});
     } else if (st == kOk && r->kind == RegionKind::kFile) {
-      std::vector<uint8_t> bounce(h.length);
+      AlignedBuffer bounce(h.length);
       st = region_read(*r, h.offset, bounce.data(), h.length);
       writer.header(RespHeader{st, 0, st == kOk ? h.length : 0});
       if (st == kOk) writer.owned_payload(std::move(bounce));

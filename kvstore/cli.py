@@ -25,6 +25,7 @@ def add_serve(commands) -> None:
     serve.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = any free port)")
     serve.add_argument("--lease-ttl", type=int, default=10, help="seconds a dead daemon's blocks stay listed")
     serve.add_argument("--timeout", type=float, default=5.0, help="timeout of every remote call")
+    serve.add_argument("--no-promote", action="store_true", help="leave NVMe blocks on NVMe when they are hit")
 
 
 def read_secret(path: str | None) -> str | None:
@@ -46,7 +47,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           disk_bytes=parse_size(args.disk) if args.disk_dir else 0, secret=read_secret(args.secret_file),
                           replicas=args.replicas, eviction=args.eviction, high_watermark=args.high_watermark,
                           low_watermark=args.low_watermark, metrics_port=args.metrics_port, lease_ttl=args.lease_ttl,
-                          timeout=args.timeout)
+                          timeout=args.timeout, promote=not args.no_promote)
     try:
         daemon = Daemon(config).start()
     except (KVStoreError, TransferError, OSError, ValueError) as exc:

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from .aio import shared_loop
 from .errors import InvalidRecord, KVStoreError, MetadataError, MetadataUnavailable
 from .keys import ModelFingerprint
 from .layout import TIERS, BlockRecord, Layout, NodeRecord
@@ -62,7 +63,7 @@ def _fingerprint_id(fingerprint: ModelFingerprint | str) -> str:
 
 
 class IndexMirror:
-    """Mirror of one cluster's index, kept current by a background thread."""
+    """Mirror of one cluster's index, kept current by a task on the shared background loop."""
 
     def __init__(self, metadata_url: str, cluster: str = "default", *, stale_after: float = 3.0,
                  timeout: float = 5.0) -> None:
@@ -80,15 +81,14 @@ class IndexMirror:
         self._changed = threading.Condition()
         self._synced = threading.Event()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._future = None
+        self._stopping: asyncio.Event | None = None
         self.resyncs = 0
 
     # --- lifetime -----------------------------------------------------------------------------
     def start(self, wait: float | None = None) -> "IndexMirror":
         """Start following; wait (default `timeout`) for the first snapshot, else MetadataUnavailable."""
-        self._thread = threading.Thread(target=self._thread_main, name="kvstore-index", daemon=True)
-        self._thread.start()
+        self._future = asyncio.run_coroutine_threadsafe(self._follow(), shared_loop())
         if not self._synced.wait(self.timeout if wait is None else wait):
             self.stop()
             raise MetadataUnavailable(f"index mirror could not load a snapshot from {self.url}")
@@ -96,13 +96,16 @@ class IndexMirror:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._loop is not None and not self._loop.is_closed():
+        shared_loop().call_soon_threadsafe(self._wake)
+        if self._future is not None:
             try:
-                self._loop.call_soon_threadsafe(self._stopping.set)
-            except RuntimeError:
-                pass  # the loop finished in between
-        if self._thread is not None:
-            self._thread.join(timeout=self.timeout + 2)
+                self._future.result(self.timeout + 2)
+            except Exception as exc:  # noqa: BLE001 - stopping: report, do not raise
+                log.debug("index mirror ended with %r", exc)
+
+    def _wake(self) -> None:
+        if self._stopping is not None:
+            self._stopping.set()
 
     def __enter__(self) -> "IndexMirror":
         return self.start()
@@ -250,18 +253,10 @@ class IndexMirror:
         return snap
 
     # --- the follower loop ----------------------------------------------------------------------
-    def _thread_main(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._stopping = asyncio.Event()
-        self._loop = loop
-        if self._stop.is_set():
-            self._stopping.set()
-        try:
-            loop.run_until_complete(self._follow())
-        finally:
-            loop.close()
-
     async def _follow(self) -> None:
+        self._stopping = asyncio.Event()
+        if self._stop.is_set():
+            return
         backoff = 0.1
         while not self._stop.is_set():
             metadata = open_metadata(self.url, timeout=self.timeout)

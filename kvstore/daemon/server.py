@@ -1,7 +1,7 @@
 """`kvstore serve`: one store daemon — engine, tiers, control service, metrics and node session.
 
-Threads: gRPC handlers call the BlockStore and hand index updates to an asyncio loop thread that
-owns the metadata session (lease keep-alive, batched publishes).
+Threads: gRPC handlers call the BlockStore and hand index updates to the process's shared asyncio
+loop, which runs the metadata session (lease keep-alive, batched publishes).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from transfer import Engine
 from transfer.descriptor import host_id
 
+from ..aio import shared_loop
 from ..errors import MetadataError, MetadataUnavailable
 from ..layout import Layout, NodeRecord, check_name
 from ..metadata import open_metadata
@@ -50,6 +51,7 @@ class DaemonConfig:
     metrics_port: int | None = None  # None: no HTTP endpoint; 0: any free port
     lease_ttl: int = 10
     timeout: float = 5.0
+    promote: bool = True
 
 
 class Daemon:
@@ -67,8 +69,7 @@ class Daemon:
         self.address = ""
         self.metrics_port: int | None = None
         self.draining = False
-        self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self._loop.run_forever, name=f"kvstore-{config.node}", daemon=True)
+        self._loop = shared_loop()
         self._stopped = threading.Event()
         self._published_usage: dict[str, int] = {}
 
@@ -82,7 +83,8 @@ class Daemon:
         if c.disk_dir and c.disk_bytes > 0:
             os.makedirs(c.disk_dir, exist_ok=True)
             nvme = self.engine.register_file(os.path.join(c.disk_dir, f"{c.node}.tier"), c.disk_bytes)
-        self.store = BlockStore(self.engine, dram, nvme, policy=c.eviction, high=c.high_watermark, low=c.low_watermark)
+        self.store = BlockStore(self.engine, dram, nvme, policy=c.eviction, high=c.high_watermark, low=c.low_watermark,
+                                promote=c.promote)
         self.metrics = DaemonMetrics(c.node, self.store.counters, lambda: self.store.tiers, self.engine.stats)
         if c.metrics_port is not None:
             self.metrics_port = self.metrics.serve(c.metrics_port)
@@ -98,7 +100,6 @@ class Daemon:
         if port == 0:
             raise OSError(f"cannot listen on {c.listen}")
         self.address = f"{c.listen.rpartition(':')[0]}:{port}"
-        self._loop_thread.start()
         self._call(self._register())
         return self
 
@@ -202,10 +203,13 @@ class Daemon:
                 log.warning("could not revoke the lease of %s (it will expire): %s", self.config.node, exc)
         if self.metrics is not None:
             self.metrics.close()
+        if self.session is not None:
+            try:
+                self._call(self.session.metadata.close())
+            except (MetadataError, TimeoutError):
+                pass
         if self.engine is not None:
             self.engine.close()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._loop_thread.join(timeout=5)
 
     def wait(self) -> None:
         """Block until SIGTERM/SIGINT, then stop gracefully."""

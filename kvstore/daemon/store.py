@@ -75,13 +75,14 @@ class BlockStore:
 
     def __init__(self, engine: Engine, dram: Region, nvme: Region | None = None, *, policy: str = "lru",
                  high: float = 0.95, low: float = 0.85, reservation_timeout: float = 30.0,
-                 counters: dict[str, float] | None = None) -> None:
+                 counters: dict[str, float] | None = None, promote: bool = True) -> None:
         if not 0 < low <= high <= 1:
             raise ValueError(f"watermarks need 0 < low <= high <= 1, got low={low} high={high}")
         self.engine = engine
         self.dram = Tier("dram", dram, policy, high, low)
         self.nvme = Tier("nvme", nvme, policy, high, low) if nvme is not None else None
         self.reservation_timeout = reservation_timeout
+        self.promote = promote  # move NVMe blocks back to DRAM when clients hit them
         self.counters = counters if counters is not None else {}
         self._pending: dict[int, Slot] = {}
         self._tokens = itertools.count(1)
@@ -281,7 +282,7 @@ class BlockStore:
                 if slot is None:
                     continue
                 self._count(f"hits_{slot.tier.name}")
-                if slot.tier is self.nvme:
+                if slot.tier is self.nvme and self.promote:
                     self._promote(slot, updates)
             for block_hash in corrupt:
                 slot = self.find((fingerprint, bytes(block_hash)))

@@ -1,0 +1,378 @@
+"""Store benchmark: our daemon and client in separate processes, side by side in one run with
+Mooncake Store and Redis on loopback, and our NVMe tier against a direct O_DIRECT read.
+
+    python -m benchmarks.store [--json PATH] [--quick]
+
+Records: system, path (shm|tcp|nvme), op (put|get), block_bytes, batch, gbps, p50_us, p99_us.
+A batch of 32 is one put_many/get_many (Mooncake: batch_put_from/batch_get_into; Redis: a pipeline);
+gbps counts the batch's bytes over its median time; p50/p99 are of whole calls.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import numpy as np
+
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+
+from kvstore import Client  # noqa: E402
+from kvstore.etcd_server import EtcdServer  # noqa: E402
+from kvstore.keys import ModelFingerprint, external_hashes  # noqa: E402
+
+KIB, MIB = 1024, 1 << 20
+BLOCKS = [64 * KIB, 1 * MIB, 4 * MIB]
+BATCH = 32
+FP = ModelFingerprint("bench-model", "float16", 128, 32, 8, 128)
+
+
+@dataclass
+class Record:
+    system: str
+    path: str
+    op: str
+    block_bytes: int
+    batch: int
+    gbps: float
+    p50_us: float
+    p99_us: float
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+def timed(fn: Callable[[int], None], reps: int) -> list[float]:
+    """Seconds per call of fn(rep), after one warm-up call (rep -1)."""
+    fn(-1)
+    samples = []
+    for rep in range(reps):
+        started = time.perf_counter()
+        fn(rep)
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+def record(out: list[Record], system: str, path: str, op: str, block: int, batch: int, samples: list[float]) -> None:
+    r = Record(system, path, op, block, batch, batch * block / statistics.median(samples) / 1e9,
+               percentile(samples, 0.5) * 1e6, percentile(samples, 0.99) * 1e6)
+    out.append(r)
+    print(f"  {system:<9}{path:<6}{op:<5}{block // KIB:>6}K{batch:>4}{r.gbps:9.2f}{r.p50_us:11.0f}{r.p99_us:11.0f}",
+          flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reps_for(block: int, batch: int, quick: bool) -> int:
+    base = 10 if batch > 1 else (40 if block <= MIB else 20)
+    return max(3, base // 3) if quick else base
+
+
+# --- ours --------------------------------------------------------------------------------------
+def start_daemon(etcd: EtcdServer, name: str, dram: str, disk_dir: str | None, disk: str, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--node", name, "--metadata", etcd.url, "--cluster", "bench",
+           "--dram", dram, "--lease-ttl", "30", *extra]
+    if disk_dir:
+        cmd += ["--disk-dir", disk_dir, "--disk", disk]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc.stdout.readline()
+    return proc
+
+
+def bench_ours(etcd: EtcdServer, args: argparse.Namespace, out: list[Record]) -> None:
+    daemon = start_daemon(etcd, "bench-dram", "1536MiB", None, "0")
+    counter = itertools.count()
+    try:
+        for path in ("shm", "tcp"):
+            with Client(etcd.url, cluster="bench", fingerprint=FP, transport="auto" if path == "shm" else "tcp") as client:
+                client.mirror.wait_until(lambda m: "bench-dram" in m.nodes, 10)
+                for block in BLOCKS:
+                    data = [np.random.default_rng(i).integers(0, 256, block, dtype=np.uint8) for i in range(BATCH)]
+                    outs = [np.zeros(block, np.uint8) for _ in range(BATCH)]
+                    for batch in (1, BATCH):
+                        reps = reps_for(block, batch, args.quick)
+                        written: list[list[bytes]] = []
+
+                        def put(rep: int) -> None:
+                            first = next(counter) * BATCH
+                            hashes = external_hashes(range(first, first + batch), FP)
+                            client.put_many(list(zip(hashes, data[:batch])))
+                            written.append(hashes)
+
+                        record(out, "kvstore", path, "put", block, batch, timed(put, reps))
+                        target = written[-1]
+                        client.mirror.wait_until(lambda m: all(client.contains(h) for h in target), 10)
+
+                        def get(rep: int) -> None:
+                            if not all(client.get_many(target, outs[:batch])):
+                                raise RuntimeError("benchmark get missed")
+
+                        record(out, "kvstore", path, "get", block, batch, timed(get, reps))
+                        assert all(np.array_equal(outs[i], data[i]) for i in range(batch))
+                        for hashes in written:
+                            client.remove(hashes)
+    finally:
+        daemon.terminate()
+        daemon.wait(15)
+
+
+def dd_direct_read(path: str, nbytes: int) -> float:
+    """GB/s of `dd iflag=direct` reading `nbytes` of `path` sequentially."""
+    done = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=1M", f"count={nbytes // MIB}", "iflag=direct"],
+                          capture_output=True, text=True, check=True)
+    match = re.search(r"copied, ([0-9.]+) s", done.stderr)
+    return nbytes / float(match.group(1)) / 1e9
+
+
+def bench_nvme(etcd: EtcdServer, args: argparse.Namespace, out: list[Record]) -> dict:
+    """Gets served from the NVMe tier (no promotion), O_DIRECT at the daemon, vs dd O_DIRECT."""
+    folder = tempfile.mkdtemp(prefix="kvstore-bench-nvme-", dir=args.disk_dir)
+    daemon = start_daemon(etcd, "bench-nvme", "16MiB", folder, "1GiB", "--no-promote")
+    baseline: dict = {}
+    try:
+        fp = ModelFingerprint("bench-nvme", "float16", 128, 32, 8, 128)
+        with Client(etcd.url, cluster="bench", fingerprint=fp, transport="tcp") as client:
+            client.mirror.wait_until(lambda m: "bench-nvme" in m.nodes, 10)
+            for block in (1 * MIB, 4 * MIB):
+                hashes = external_hashes(range(block * 1000, block * 1000 + 4 * BATCH), fp)
+                data = [np.random.default_rng(i).integers(0, 256, block, dtype=np.uint8) for i in range(len(hashes))]
+                client.put_many(list(zip(hashes, data)), fingerprint=fp)
+                client.mirror.wait_until(lambda m: sum(m.lookup(fp, h).get("bench-nvme", None) is not None
+                                                       for h in hashes) == len(hashes), 10)
+                on_nvme = [h for h in hashes if client.mirror.lookup(fp, h)["bench-nvme"].tier == "nvme"][:BATCH]
+                outs = [np.zeros(block, np.uint8) for _ in on_nvme]
+
+                def get(rep: int) -> None:
+                    if not all(client.get_many(on_nvme, outs, fingerprint=fp)):
+                        raise RuntimeError("nvme get missed")
+
+                record(out, "kvstore", "nvme", "get", block, len(on_nvme), timed(get, reps_for(block, BATCH, args.quick)))
+                client.remove(hashes, fingerprint=fp)
+        tier = os.path.join(folder, "bench-nvme.tier")
+        samples = [dd_direct_read(tier, 512 * MIB) for _ in range(3)]
+        baseline = {"dd_direct_read_gbps": statistics.median(samples)}
+        print(f"  dd iflag=direct bs=1M on the same file system: {baseline['dd_direct_read_gbps']:.2f} GB/s", flush=True)
+    finally:
+        daemon.terminate()
+        daemon.wait(15)
+        shutil.rmtree(folder, ignore_errors=True)
+    return baseline
+
+
+# --- Mooncake Store ----------------------------------------------------------------------------
+MOONCAKE_OWNER = """
+import os, sys
+os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+from mooncake.store import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+rc = store.setup("127.0.0.1", sys.argv[1], 2 << 30, 16 << 20, "tcp", "", sys.argv[2])
+print(rc, flush=True)
+sys.stdin.readline()
+"""
+
+
+def bench_mooncake(args: argparse.Namespace, out: list[Record]) -> None:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        print(f"  mooncake: not measured ({exc})")
+        return
+    master_bin = shutil.which("mooncake_master")
+    if master_bin is None:
+        print("  mooncake: not measured (mooncake_master not on PATH)")
+        return
+    rpc, http = free_port(), free_port()
+    master = subprocess.Popen([master_bin, "--rpc_port", str(rpc), "--rpc_address", "127.0.0.1",
+                               "--enable_http_metadata_server", "--http_metadata_server_port", str(http),
+                               "--metrics_port", str(free_port())], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    owner = None
+    try:
+        time.sleep(1.5)
+        metadata, master_addr = f"http://127.0.0.1:{http}/metadata", f"127.0.0.1:{rpc}"
+        owner = subprocess.Popen([sys.executable, "-c", MOONCAKE_OWNER, metadata, master_addr], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        if owner.stdout.readline().strip() != "0":
+            print("  mooncake: segment owner failed to start")
+            return
+        store = MooncakeDistributedStore()
+        if store.setup("127.0.0.1", metadata, 0, 16 << 20, "tcp", "", master_addr) != 0:
+            print("  mooncake: client setup failed")
+            return
+        counter = itertools.count()
+        for block in BLOCKS:
+            src = np.random.default_rng(0).integers(0, 256, BATCH * block, dtype=np.uint8)
+            dst = np.zeros(BATCH * block, np.uint8)
+            store.register_buffer(src.ctypes.data, src.nbytes)
+            store.register_buffer(dst.ctypes.data, dst.nbytes)
+            for batch in (1, BATCH):
+                written: list[list[str]] = []
+
+                def put(rep: int) -> None:
+                    keys = [f"k{next(counter)}" for _ in range(batch)]
+                    codes = store.batch_put_from(keys, [src.ctypes.data + i * block for i in range(batch)], [block] * batch)
+                    if any(c != 0 for c in codes):
+                        raise RuntimeError(f"mooncake put failed: {codes[:4]}")
+                    written.append(keys)
+
+                record(out, "mooncake", "tcp", "put", block, batch, timed(put, reps_for(block, batch, args.quick)))
+                target = written[-1]
+
+                def get(rep: int) -> None:
+                    sizes = store.batch_get_into(target, [dst.ctypes.data + i * block for i in range(batch)], [block] * batch)
+                    if any(s != block for s in sizes):
+                        raise RuntimeError(f"mooncake get failed: {sizes[:4]}")
+
+                record(out, "mooncake", "tcp", "get", block, batch, timed(get, reps_for(block, batch, args.quick)))
+                assert np.array_equal(dst[: batch * block], src[: batch * block])
+                for keys in written:
+                    store.batch_remove(keys)
+            store.unregister_buffer(src.ctypes.data)
+            store.unregister_buffer(dst.ctypes.data)
+        store.close()
+    finally:
+        if owner is not None:
+            owner.stdin.write("\n")
+            owner.stdin.flush()
+            owner.wait(15)
+        master.kill()
+        master.wait(10)
+
+
+# --- Redis -------------------------------------------------------------------------------------
+def bench_redis(args: argparse.Namespace, out: list[Record]) -> None:
+    server_bin = shutil.which("redis-server")
+    try:
+        import redis
+    except ImportError:
+        redis = None
+    if server_bin is None or redis is None:
+        print("  redis: not measured (needs redis-server and the redis package)")
+        return
+    port = free_port()
+    server = subprocess.Popen([server_bin, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                               "--protected-mode", "yes"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(port=port, socket_timeout=30)
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        counter = itertools.count()
+        for block in BLOCKS:
+            value = np.random.default_rng(0).integers(0, 256, block, dtype=np.uint8).tobytes()
+            for batch in (1, BATCH):
+                written: list[list[str]] = []
+
+                def put(rep: int) -> None:
+                    keys = [f"k{next(counter)}" for _ in range(batch)]
+                    pipe = client.pipeline(transaction=False)
+                    for key in keys:
+                        pipe.set(key, value)
+                    pipe.execute()
+                    written.append(keys)
+
+                record(out, "redis", "tcp", "put", block, batch, timed(put, reps_for(block, batch, args.quick)))
+                target = written[-1]
+
+                def get(rep: int) -> None:
+                    if batch == 1:
+                        got = [client.get(target[0])]
+                    else:
+                        pipe = client.pipeline(transaction=False)
+                        for key in target:
+                            pipe.get(key)
+                        got = pipe.execute()
+                    if any(g is None or len(g) != block for g in got):
+                        raise RuntimeError("redis get failed")
+
+                record(out, "redis", "tcp", "get", block, batch, timed(get, reps_for(block, batch, args.quick)))
+                client.delete(*[k for keys in written for k in keys])
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+# --- report ------------------------------------------------------------------------------------
+def ratios(records: list[Record], nvme: dict) -> list[tuple[str, float | None]]:
+    def get(system, path, op, block, batch):
+        for r in records:
+            if (r.system, r.path, r.op, r.block_bytes, r.batch) == (system, path, op, block, batch):
+                return r.gbps
+        return None
+
+    def ratio(a, b):
+        return None if a is None or not b else a / b
+
+    rows = [
+        ("tcp batch get / mooncake batch_get_into 1M (>=1.5)", ratio(get("kvstore", "tcp", "get", MIB, BATCH),
+                                                                   get("mooncake", "tcp", "get", MIB, BATCH))),
+        ("tcp batch put / mooncake batch_put_from 1M (>=1.5)", ratio(get("kvstore", "tcp", "put", MIB, BATCH),
+                                                                   get("mooncake", "tcp", "put", MIB, BATCH))),
+        ("tcp single get / redis GET 1M (>=1.5)", ratio(get("kvstore", "tcp", "get", MIB, 1),
+                                                       get("redis", "tcp", "get", MIB, 1))),
+        ("shm batch get / mooncake batch get 1M (>=3)", ratio(get("kvstore", "shm", "get", MIB, BATCH),
+                                                             get("mooncake", "tcp", "get", MIB, BATCH))),
+        ("shm batch put / mooncake batch put 1M (>=3)", ratio(get("kvstore", "shm", "put", MIB, BATCH),
+                                                             get("mooncake", "tcp", "put", MIB, BATCH))),
+    ]
+    direct = nvme.get("dd_direct_read_gbps")
+    for block in (MIB, 4 * MIB):
+        nvme_get = next((r.gbps for r in records if r.path == "nvme" and r.block_bytes == block), None)
+        rows.append((f"nvme batch get {block // MIB}M / dd O_DIRECT (>=0.7)", ratio(nvme_get, direct)))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.store", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--systems", default="kvstore,nvme,mooncake,redis")
+    parser.add_argument("--disk-dir", default=None, help="where the NVMe tier lives (default: the temp dir)")
+    args = parser.parse_args(argv)
+    systems = args.systems.split(",")
+    records: list[Record] = []
+    nvme: dict = {}
+    print(f"  {'system':<9}{'path':<6}{'op':<5}{'block':>7}{'n':>4}{'GB/s':>9}{'p50 us':>11}{'p99 us':>11}")
+    with EtcdServer() as etcd:
+        if "kvstore" in systems:
+            bench_ours(etcd, args, records)
+        if "nvme" in systems:
+            nvme = bench_nvme(etcd, args, records)
+    if "mooncake" in systems:
+        bench_mooncake(args, records)
+    if "redis" in systems:
+        bench_redis(args, records)
+    summary = ratios(records, nvme)
+    print("\n  targets (ratios in this run)")
+    for label, value in summary:
+        print(f"  {label:<52}{'n/a' if value is None else f'{value:.2f}':>8}")
+    if args.json:
+        meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count()}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "records": [asdict(r) for r in records], "nvme_baseline": nvme,
+                       "ratios": dict(summary)}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
