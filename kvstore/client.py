@@ -34,6 +34,7 @@ from .store.v1 import store_pb2, store_pb2_grpc
 log = logging.getLogger(__name__)
 TOUCH_INTERVAL = 0.1  # seconds between hit reports to a node
 TOUCH_BACKLOG = 10_000  # hashes kept per node between reports
+STRIPE_BYTES = 2 << 20  # blocks up to 4 MiB go to one stream each
 
 
 class NoStoreNodes(KVStoreError):
@@ -76,8 +77,10 @@ class Client:
         self.transport = transport  # "auto" (shared memory on the same host, else TCP) or "tcp"
         self._own_mirror = mirror is None
         self.mirror = mirror or IndexMirror(metadata, cluster, timeout=timeout).start()
+        # Batches of blocks already spread over the streams; striping a block further only turns
+        # one large (O_DIRECT) read on the node into several small ones.
         self.engine = Engine(f"client-{os.getpid()}-{uuid.uuid4().hex[:6]}", listen=None, secret=secret,
-                             stall_timeout=timeout)
+                             stall_timeout=timeout, stripe_bytes=STRIPE_BYTES)
         self._metadata = [("authorization", control_token(secret.encode()))] if secret else []
         self._nodes: dict[str, _Node] = {}
         self._down: dict[str, float] = {}  # node -> time until which we do not try it
