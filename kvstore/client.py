@@ -34,7 +34,7 @@ from .store.v1 import store_pb2, store_pb2_grpc
 log = logging.getLogger(__name__)
 TOUCH_INTERVAL = 0.1  # seconds between hit reports to a node
 TOUCH_BACKLOG = 10_000  # hashes kept per node between reports
-STRIPE_BYTES = 2 << 20  # blocks up to 4 MiB go to one stream each
+STRIPE_BYTES = 512 << 10  # a 1 MiB block goes out as two 512 KiB pieces in parallel
 
 
 class NoStoreNodes(KVStoreError):

@@ -1,0 +1,148 @@
+"""Routing policies behind one interface, used by the simulator and the live router alike.
+
+A policy sees, per prefill instance, how long its queue is and how many leading blocks of the
+prompt it holds locally, plus how many the global pool holds, and picks where to prefill.
+"""
+from __future__ import annotations
+
+import abc
+import itertools
+from dataclasses import dataclass
+
+from .cost import CostModel
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    """What a policy knows about one prefill instance."""
+
+    name: str
+    queue_ms: float  # until it could start this prefill
+    local_prefix_tokens: int  # leading prompt tokens in its own cache
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    prompt_tokens: int
+    output_tokens: int = 0
+    global_prefix_tokens: int = 0  # leading prompt tokens anywhere in the pool
+    session: str | None = None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Where to prefill and what it will cost."""
+
+    instance: str
+    cached_tokens: int  # prompt tokens not recomputed
+    loaded_tokens: int  # of those, fetched from the pool (transfer cost paid)
+    predicted_ttft_ms: float
+
+
+class Policy(abc.ABC):
+    name: str
+    uses_global_pool = False
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+
+    def estimate(self, req: RouteRequest, inst: InstanceView) -> Choice:
+        """TTFT if `req` prefills on `inst` (using the pool only if this policy does)."""
+        local = min(inst.local_prefix_tokens, req.prompt_tokens)
+        best = max(local, min(req.global_prefix_tokens, req.prompt_tokens)) if self.uses_global_pool else local
+        loaded = best - local
+        # Loading is only worth it when it beats recomputing those tokens.
+        if loaded and self.cost.transfer_ms(loaded) >= self.cost.prefill_ms(req.prompt_tokens - local, req.prompt_tokens) \
+                - self.cost.prefill_ms(req.prompt_tokens - best, req.prompt_tokens):
+            best, loaded = local, 0
+        ttft = inst.queue_ms + self.cost.transfer_ms(loaded) + self.cost.prefill_ms(req.prompt_tokens - best, req.prompt_tokens)
+        return Choice(inst.name, best, loaded, ttft)
+
+    @abc.abstractmethod
+    def choose(self, req: RouteRequest, instances: list[InstanceView]) -> Choice: ...
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self, cost: CostModel) -> None:
+        super().__init__(cost)
+        self._next = itertools.count()
+
+    def choose(self, req, instances):
+        return self.estimate(req, instances[next(self._next) % len(instances)])
+
+
+class LeastLoaded(Policy):
+    name = "least_loaded"
+
+    def choose(self, req, instances):
+        return self.estimate(req, min(instances, key=lambda i: (i.queue_ms, i.name)))
+
+
+class CacheAwareLocal(Policy):
+    """Min over instances of queue + prefill of what its own cache lacks."""
+
+    name = "cache_local"
+
+    def choose(self, req, instances):
+        return min((self.estimate(req, i) for i in instances), key=lambda c: (c.predicted_ttft_ms, c.instance))
+
+
+class CacheAwareGlobal(CacheAwareLocal):
+    """Mooncake's Algorithm 1: queue + transfer of pool blocks + prefill of the rest, minimised."""
+
+    name = "cache_global"
+    uses_global_pool = True
+
+
+class SessionSticky(Policy):
+    """Keep a session on the instance that served it (its cache is warm) unless that instance's
+    queue is more than `slack_ms` longer than the inner policy's pick."""
+
+    def __init__(self, inner: Policy, slack_ms: float = 2000.0) -> None:
+        super().__init__(inner.cost)
+        self.inner, self.slack_ms = inner, slack_ms
+        self.name = f"{inner.name}+sticky"
+        self.uses_global_pool = inner.uses_global_pool
+        self._home: dict[str, str] = {}
+
+    def choose(self, req, instances):
+        pick = self.inner.choose(req, instances)
+        home = self._home.get(req.session) if req.session else None
+        if home is not None and home != pick.instance:
+            inst = next((i for i in instances if i.name == home), None)
+            if inst is not None:
+                stay = self.estimate(req, inst)
+                if stay.predicted_ttft_ms <= pick.predicted_ttft_ms + self.slack_ms:
+                    pick = stay
+        if req.session:
+            self._home[req.session] = pick.instance
+        return pick
+
+
+POLICIES = {p.name: p for p in (RoundRobin, LeastLoaded, CacheAwareLocal, CacheAwareGlobal)}
+
+
+def make_policy(name: str, cost: CostModel) -> Policy:
+    """'cache_global', 'round_robin', ..., with '+sticky' for session stickiness."""
+    base, _, sticky = name.partition("+")
+    if base not in POLICIES or sticky not in ("", "sticky"):
+        raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)} (optionally +sticky)")
+    policy = POLICIES[base](cost)
+    return SessionSticky(policy) if sticky else policy
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_ms: float = 30_000.0
+    tbt_ms: float = 200.0
+
+
+def admit(choice: Choice, predicted_tbt_ms: float, slo: Slo) -> str | None:
+    """None to accept, else why the request is refused (a 429-style early rejection)."""
+    if choice.predicted_ttft_ms > slo.ttft_ms:
+        return f"predicted TTFT {choice.predicted_ttft_ms:.0f} ms exceeds the {slo.ttft_ms:.0f} ms SLO"
+    if predicted_tbt_ms > slo.tbt_ms:
+        return f"predicted TBT {predicted_tbt_ms:.0f} ms exceeds the {slo.tbt_ms:.0f} ms SLO"
+    return None
