@@ -1,1 +1,4 @@
-"""Conductor: routing, simulation and planning (see issue 6)."""
+"""Conductor: cost model, routing policies, discrete-event simulator, pool planner, live router.
+
+Reads the kvstore block index; never imported by kvstore's core.
+"""

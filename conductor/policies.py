@@ -55,7 +55,8 @@ class Policy(abc.ABC):
         if loaded and self.cost.transfer_ms(loaded) >= self.cost.prefill_ms(req.prompt_tokens - local, req.prompt_tokens) \
                 - self.cost.prefill_ms(req.prompt_tokens - best, req.prompt_tokens):
             best, loaded = local, 0
-        ttft = inst.queue_ms + self.cost.transfer_ms(loaded) + self.cost.prefill_ms(req.prompt_tokens - best, req.prompt_tokens)
+        ttft = (inst.queue_ms + self.cost.transfer_ms(loaded) + self.cost.prefill_ms(req.prompt_tokens - best, req.prompt_tokens)
+                + self.cost.transfer_ms(req.prompt_tokens))  # the whole KV then moves to the decode instance
         return Choice(inst.name, best, loaded, ttft)
 
     @abc.abstractmethod
