@@ -26,6 +26,9 @@ def add_serve(commands) -> None:
     serve.add_argument("--lease-ttl", type=int, default=10, help="seconds a dead daemon's blocks stay listed")
     serve.add_argument("--timeout", type=float, default=5.0, help="timeout of every remote call")
     serve.add_argument("--no-promote", action="store_true", help="leave NVMe blocks on NVMe when they are hit")
+    serve.add_argument("--admin-token-file", help="admin bearer token for mutating admin calls (or KVSTORE_ADMIN_TOKEN)")
+    serve.add_argument("--tls-cert", help="PEM certificate: serve gRPC over TLS (with --tls-key)")
+    serve.add_argument("--tls-key", help="PEM private key")
 
 
 def read_secret(path: str | None) -> str | None:
@@ -33,6 +36,13 @@ def read_secret(path: str | None) -> str | None:
         with open(path) as f:
             return f.read().strip()
     return os.environ.get("KVSTORE_SECRET") or None
+
+
+def read_token(path: str | None) -> str | None:
+    if path:
+        with open(path) as f:
+            return f.read().strip()
+    return os.environ.get("KVSTORE_ADMIN_TOKEN") or None
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -47,13 +57,14 @@ def run_serve(args: argparse.Namespace) -> int:
                           disk_bytes=parse_size(args.disk) if args.disk_dir else 0, secret=read_secret(args.secret_file),
                           replicas=args.replicas, eviction=args.eviction, high_watermark=args.high_watermark,
                           low_watermark=args.low_watermark, metrics_port=args.metrics_port, lease_ttl=args.lease_ttl,
-                          timeout=args.timeout, promote=not args.no_promote)
+                          timeout=args.timeout, promote=not args.no_promote,
+                          admin_token=read_token(args.admin_token_file), tls_cert=args.tls_cert, tls_key=args.tls_key)
     try:
         daemon = Daemon(config).start()
     except (KVStoreError, TransferError, OSError, ValueError) as exc:
         print(f"kvstore serve: cannot start {config.node}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    daemon.enable_reflection([])
+    daemon.enable_reflection()
     daemon.serve()
     print(json.dumps({"node": config.node, "control": daemon.address, "metrics_port": daemon.metrics_port,
                       "engine": daemon.engine.export().to_json()}), flush=True)
@@ -67,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="run the quick-start demo on the embedded default")
     demo.add_argument("what", nargs="?", default="transfer", choices=["transfer"])
     add_serve(commands)
+    from .admin.cli import add_parser as add_admin
+
+    add_admin(commands)
     bench = commands.add_parser("bench", help="run a benchmark (same as python -m benchmarks.NAME)")
     bench.add_argument("what", choices=["transfer", "metadata", "store"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
@@ -78,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         return run()
     if args.command == "serve":
         return run_serve(args)
+    if args.command == "admin":
+        from .admin.cli import run as run_admin
+
+        return run_admin(args)
     if args.command == "bench":
         import importlib
 

@@ -22,7 +22,7 @@ import grpc
 from transfer import Engine, Peer, Read, Region, TransferError, Write
 from transfer.descriptor import host_id
 
-from .daemon.service import control_token
+from .access import control_token
 from .daemon.store import AllocationFailed, WrongSize
 from .errors import AuthenticationFailed, FingerprintMismatch, KVStoreError
 from .index import IndexMirror

@@ -12,25 +12,30 @@ import signal
 import threading
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from transfer import Engine
+from transfer import Engine, TransferError
 from transfer.descriptor import host_id
 
 from ..aio import shared_loop
-from ..errors import MetadataError, MetadataUnavailable
+from ..errors import KVStoreError, MetadataError, MetadataUnavailable
 from ..layout import Layout, NodeRecord, check_name
 from ..metadata import open_metadata
 from ..session import NodeSession
+from ..access import AccessRules
+from ..admin.service import AdminService
+from ..admin.v1 import admin_pb2, admin_pb2_grpc
 from ..store.v1 import store_pb2, store_pb2_grpc
 from .metrics import DaemonMetrics
-from .service import StoreControlService, TokenCheck
+from .service import StoreControlService
 from .store import BlockStore, Update
 
 log = logging.getLogger(__name__)
+DRAIN_BATCH = 32  # blocks moved per round of a drain
 
 
 @dataclass
@@ -52,6 +57,9 @@ class DaemonConfig:
     lease_ttl: int = 10
     timeout: float = 5.0
     promote: bool = True
+    admin_token: str | None = None  # required by mutating admin calls when set
+    tls_cert: str | None = None  # PEM files: serve gRPC over TLS when both are given
+    tls_key: str | None = None
 
 
 class Daemon:
@@ -69,6 +77,7 @@ class Daemon:
         self.address = ""
         self.metrics_port: int | None = None
         self.draining = False
+        self.drain_in_progress = False
         self._loop = shared_loop()
         self._stopped = threading.Event()
         self._published_usage: dict[str, int] = {}
@@ -89,23 +98,29 @@ class Daemon:
         if c.metrics_port is not None:
             self.metrics_port = self.metrics.serve(c.metrics_port)
 
-        interceptors = [TokenCheck(secret)] if secret else []
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), interceptors=interceptors)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
+                                  interceptors=[AccessRules(secret, c.admin_token)])
         store_pb2_grpc.add_StoreControlServicer_to_server(
             StoreControlService(c.node, self.store, self.publish, self.metrics, lambda: not self.draining), self.server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.extra_services: list[str] = []
-        port = self.server.add_insecure_port(c.listen)
+        if c.tls_cert and c.tls_key:
+            with open(c.tls_key, "rb") as key, open(c.tls_cert, "rb") as cert:
+                credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+            port = self.server.add_secure_port(c.listen, credentials)
+        else:
+            port = self.server.add_insecure_port(c.listen)
         if port == 0:
             raise OSError(f"cannot listen on {c.listen}")
         self.address = f"{c.listen.rpartition(':')[0]}:{port}"
         self._call(self._register())
         return self
 
-    def enable_reflection(self, service_names: list[str]) -> None:
-        names = [store_pb2.DESCRIPTOR.services_by_name["StoreControl"].full_name, health.SERVICE_NAME,
-                 reflection.SERVICE_NAME, *service_names]
+    def enable_reflection(self) -> None:
+        """Let generic tools (grpcurl, grpc_cli) list and call the services."""
+        names = [store_pb2.DESCRIPTOR.services_by_name["StoreControl"].full_name,
+                 admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
 
     def serve(self) -> None:
@@ -186,6 +201,71 @@ class Daemon:
     def set_draining(self, draining: bool) -> None:
         self.draining = draining
         self._call(self._put_node(self.node_record()))
+
+    def registered_nodes(self) -> list[str]:
+        """Every node the metadata service lists for this cluster."""
+        async def names() -> list[str]:
+            items, _ = await self.session.metadata.range(self.layout.root + "nodes/")
+            return sorted(kv.key.decode().rsplit("/", 1)[-1] for kv in items)
+
+        return self._call(names())
+
+    def drain(self, move: bool, is_active=lambda: True) -> Iterator[admin_pb2.DrainProgress]:
+        """Stop taking puts, then move (or drop) every block, yielding progress as it goes."""
+        self.drain_in_progress = True
+        client = None
+        try:
+            self.set_draining(True)
+            blocks = self.store.keys()
+            progress = admin_pb2.DrainProgress(total=len(blocks))
+            yield admin_pb2.DrainProgress(total=len(blocks))
+            if move and blocks:
+                from ..client import Client
+
+                client = Client(self.config.metadata, cluster=self.config.cluster, secret=self.config.secret,
+                                timeout=self.config.timeout)
+                client.mirror.wait_until(lambda m: getattr(m.nodes.get(self.config.node), "draining", True), 10)
+                if not [n for n in client.mirror.nodes.values() if not n.draining]:
+                    client.close()
+                    client = None  # nowhere to move to: drop instead
+            for start in range(0, len(blocks), DRAIN_BATCH):
+                if not is_active():
+                    return
+                chunk = blocks[start : start + DRAIN_BATCH]
+                self._drain_chunk(chunk, client, progress)
+                yield admin_pb2.DrainProgress(total=progress.total, moved=progress.moved, dropped=progress.dropped,
+                                              failed=progress.failed)
+            progress.done = True
+            yield progress
+        finally:
+            self.drain_in_progress = False
+            if client is not None:
+                client.close()
+
+    def _drain_chunk(self, chunk, client, progress) -> None:
+        by_fp: dict[str, list[tuple[bytes, bytes]]] = {}
+        for (fingerprint, block_hash), _ in chunk:
+            data = self.store.read_block((fingerprint, block_hash)) if client is not None else None
+            if data is not None:
+                by_fp.setdefault(fingerprint, []).append((block_hash, data))
+        copied: set[tuple[str, bytes]] = set()
+        for fingerprint, items in by_fp.items():
+            try:
+                client.put_many(items, fingerprint=fingerprint)
+                copied.update((fingerprint, h) for h, _ in items)
+            except (KVStoreError, TransferError) as exc:
+                log.warning("drain: could not move %d blocks: %s", len(items), exc)
+                progress.failed += len(items)
+        if copied:  # readers see the new copy before the old one goes
+            client.mirror.wait_until(lambda m: all(len(m.lookup(fp, h)) > 1 for fp, h in copied), 5)
+        for (fingerprint, block_hash), _ in chunk:
+            _, updates = self.store.remove(fingerprint, [block_hash])
+            if updates:
+                self.publish(updates)
+            if (fingerprint, block_hash) in copied:
+                progress.moved += 1
+            else:
+                progress.dropped += 1
 
     # --- stop --------------------------------------------------------------------------------
     def stop(self, grace: float = 2.0) -> None:

@@ -1,8 +1,6 @@
 """The StoreControl gRPC service: thin handlers over BlockStore, errors as proper status codes."""
 from __future__ import annotations
 
-import hashlib
-import hmac
 import time
 from typing import Callable
 
@@ -12,29 +10,6 @@ from ..errors import KVStoreError, MetadataError
 from ..store.v1 import store_pb2, store_pb2_grpc
 from .metrics import DaemonMetrics
 from .store import AllocationFailed, BlockStore, Update, WrongSize
-
-
-def control_token(secret: bytes) -> str:
-    """What clients put in the `authorization` header: derived from the secret, never the secret."""
-    return "Bearer " + hmac.new(secret, b"kvstore-store-control", hashlib.sha256).hexdigest()
-
-
-class TokenCheck(grpc.ServerInterceptor):
-    """Refuses every call without the cluster's control token (when a secret is set)."""
-
-    def __init__(self, secret: bytes) -> None:
-        self._expected = control_token(secret)
-
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation, details):
-        token = dict(details.invocation_metadata).get("authorization", "")
-        if hmac.compare_digest(token, self._expected):
-            return continuation(details)
-        return self._deny
 
 
 class StoreControlService(store_pb2_grpc.StoreControlServicer):

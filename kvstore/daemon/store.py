@@ -305,6 +305,45 @@ class BlockStore:
                 self.engine.unregister(scratch)
         return block_checksum(slot.key[1], data) == slot.checksum
 
+    def read_block(self, key: Key) -> bytes | None:
+        """A copy of a sealed block's bytes, checked against its checksum (None if gone or corrupt)."""
+        with self.lock:
+            slot = self.find(key)
+            if slot is None:
+                return None
+            if slot.tier is self.dram:
+                data = bytes(self.dram.region.buffer[slot.offset : slot.offset + slot.size])
+            else:
+                scratch = self.engine.register(bytearray(slot.size), remote_access=False)
+                try:
+                    self.engine.transfer([Read(scratch, 0, slot.tier.region, slot.offset, slot.size)])
+                    data = bytes(scratch.buffer)
+                finally:
+                    self.engine.unregister(scratch)
+            return data if block_checksum(key[1], data) == slot.checksum else None
+
+    def keys(self, fingerprint: str | None = None) -> list[tuple[Key, Slot]]:
+        """Sealed blocks (of one fingerprint), sorted by (fingerprint, hash)."""
+        with self.lock:
+            found = [(k, s) for tier in self.tiers for k, s in tier.sealed.items()
+                     if fingerprint is None or k[0] == fingerprint]
+        return sorted(found, key=lambda item: item[0])
+
+    def set_policy(self, name: str | None, high: float | None, low: float | None) -> None:
+        """Change the eviction policy and watermarks at run time (keeps every block)."""
+        with self.lock:
+            new_high = high if high else self.dram.high
+            new_low = low if low else self.dram.low
+            if not 0 < new_low <= new_high <= 1:
+                raise ValueError(f"watermarks need 0 < low <= high <= 1, got low={new_low} high={new_high}")
+            policies = {t.name: make_policy(name) for t in self.tiers} if name else None
+            for tier in self.tiers:
+                tier.high, tier.low = new_high, new_low
+                if policies:
+                    tier.policy = policies[tier.name]
+                    for key in tier.sealed:  # old order is lost; every block starts equal
+                        tier.policy.insert(key)
+
     def remove(self, fingerprint: str, hashes: Sequence[bytes]) -> tuple[int, list[Update]]:
         updates: list[Update] = []
         with self.lock:

@@ -1,0 +1,1 @@
+"""Admin API (gRPC, kvstore.admin.v1) and the `kvstore admin` command."""

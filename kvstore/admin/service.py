@@ -1,0 +1,118 @@
+"""The Admin gRPC service of one daemon (proto/kvstore/admin/v1/admin.proto)."""
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Iterator
+
+import grpc
+
+from ..errors import KVStoreError
+from ..layout import NodeRecord
+from .v1 import admin_pb2, admin_pb2_grpc
+
+if TYPE_CHECKING:
+    from ..daemon.server import Daemon
+
+_FINGERPRINT = re.compile(r"^[0-9a-f]{32}$")
+_HEX = re.compile(r"^[0-9a-f]{0,32}$")
+
+
+def _check_fingerprint(value: str, context) -> str:
+    if not _FINGERPRINT.match(value):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fingerprint: must be the 32 hex chars of a model fingerprint")
+    return value
+
+
+class AdminService(admin_pb2_grpc.AdminServicer):
+    def __init__(self, daemon: "Daemon") -> None:
+        self.daemon = daemon
+        self.store = daemon.store
+
+    def _status(self) -> admin_pb2.NodeStatus:
+        store = self.store
+        with store.lock:
+            counters = dict(store.counters)
+            tiers = [admin_pb2.TierStatus(name=t.name, capacity_bytes=t.capacity, used_bytes=t.used, blocks=len(t.sealed),
+                                          high_watermark=t.high, low_watermark=t.low,
+                                          hits=int(counters.get(f"hits_{t.name}", 0)),
+                                          evictions=int(counters.get(f"evictions_{t.name}", 0))) for t in store.tiers]
+            fingerprints = len({k[0] for t in store.tiers for k in t.sealed})
+        hits = sum(counters.get(f"hits_{t.name}", 0) for t in store.tiers)
+        misses = counters.get("client_reported_corrupt", 0)
+        return admin_pb2.NodeStatus(name=self.daemon.config.node, control_endpoint=self.daemon.address,
+                                    version=NodeRecord.__dataclass_fields__["version"].default,
+                                    draining=self.daemon.draining, eviction_policy=store.dram.policy.name, tiers=tiers,
+                                    counters=counters, hit_ratio=hits / (hits + misses) if hits + misses else 0.0,
+                                    fingerprints=fingerprints)
+
+    def ClusterStatus(self, request, context):
+        try:
+            nodes = self.daemon.registered_nodes()
+        except KVStoreError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata service: {exc}")
+        return admin_pb2.ClusterStatusResponse(cluster=self.daemon.config.cluster, nodes=nodes, self=self._status())
+
+    def GetNodeStatus(self, request, context):
+        return self._status()
+
+    def ListBlocks(self, request, context):
+        fingerprint = _check_fingerprint(request.fingerprint, context)
+        if request.page_size > 10_000:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "page_size: at most 10000")
+        if request.page_token and not _HEX.match(request.page_token):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "page_token: not a token this API returned")
+        size = request.page_size or 100
+        blocks = self.store.keys(fingerprint)
+        start = 0
+        if request.page_token:
+            start = next((i for i, (k, _) in enumerate(blocks) if k[1].hex() > request.page_token), len(blocks))
+        page = blocks[start : start + size]
+        more = start + size < len(blocks)
+        return admin_pb2.ListBlocksResponse(
+            blocks=[admin_pb2.BlockInfo(fingerprint=k[0], hash=k[1].hex(), tier=s.tier.name, size=s.size, checksum=s.checksum)
+                    for k, s in page],
+            next_page_token=page[-1][0][1].hex() if more and page else "", total=len(blocks))
+
+    def Query(self, request, context):
+        fingerprint = _check_fingerprint(request.fingerprint, context)
+        tiers = []
+        for h in request.hashes:
+            if len(h) != 16:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hashes: 16 bytes each, got {len(h)}")
+            slot = self.store.find((fingerprint, bytes(h)))
+            if slot is None:
+                break
+            tiers.append(slot.tier.name)
+        return admin_pb2.QueryResponse(leading_blocks=len(tiers), tiers=tiers)
+
+    def Evict(self, request, context):
+        fingerprint = _check_fingerprint(request.fingerprint, context)
+        prefix = request.hash_prefix.lower()
+        if not _HEX.match(prefix):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "hash_prefix: hex digits only, at most 32")
+        hashes = [k[1] for k, _ in self.store.keys(fingerprint) if k[1].hex().startswith(prefix)]
+        removed, updates = self.store.remove(fingerprint, hashes)
+        if updates:
+            self.daemon.publish(updates)
+        return admin_pb2.EvictResponse(evicted=removed)
+
+    def Drain(self, request, context) -> Iterator[admin_pb2.DrainProgress]:
+        if self.daemon.draining and self.daemon.drain_in_progress:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a drain of this node is already running")
+        yield from self.daemon.drain(move=request.mode == admin_pb2.DrainRequest.MOVE, is_active=context.is_active)
+
+    def SetPolicy(self, request, context):
+        if request.eviction_policy and request.eviction_policy not in ("lru", "lfu"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "eviction_policy: one of lru, lfu")
+        for field_name in ("high_watermark", "low_watermark"):
+            value = getattr(request, field_name)
+            if value and not 0 < value <= 1:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field_name}: must be in (0, 1]")
+        try:
+            self.store.set_policy(request.eviction_policy or None, request.high_watermark or None,
+                                  request.low_watermark or None)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"low_watermark: {exc}")
+        if request.set_accept_puts:
+            self.daemon.set_draining(not request.accept_puts)
+        return self._status()
