@@ -76,20 +76,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvstore", description="KV-cache store and transfer engine")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run the quick-start demo on the embedded default")
-    demo.add_argument("what", nargs="?", default="transfer", choices=["transfer"])
+    demo.add_argument("what", nargs="?", default="vllm", choices=["vllm", "transfer"],
+                      help="vllm (default): the connector on real vLLM; transfer: the Transfer Engine alone")
     add_serve(commands)
     from .admin.cli import add_parser as add_admin
 
     add_admin(commands)
     bench = commands.add_parser("bench", help="run a benchmark (same as python -m benchmarks.NAME)")
-    bench.add_argument("what", choices=["transfer", "metadata", "store"])
+    bench.add_argument("what", choices=["transfer", "metadata", "store", "conductor", "vllm_ttft"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
-        from transfer.demo import run
+        if args.what == "transfer":
+            from transfer.demo import run
 
-        return run()
+            return run()
+        from .integrations.vllm.demo import run as run_vllm
+
+        return run_vllm()
     if args.command == "serve":
         return run_serve(args)
     if args.command == "admin":

@@ -1,7 +1,8 @@
 """KVStoreConnector: vLLM's KV-connector API (v1) over the kvstore cluster.
 
 Scheduler side: for a new request it asks the index mirror how many leading full blocks of the
-prompt the store holds beyond what vLLM already has, and has them loaded asynchronously (the
+prompt the store holds beyond what vLLM already has, and has them loaded: inside the step when
+they are few (no scheduler round trip), asynchronously otherwise and for P/D hand-offs (the
 request waits in WAITING_FOR_REMOTE_KVS while others run). It plans which newly computed prompt
 blocks to save. A prefill instance (kv_producer) returns transfer parameters from
 request_finished; a decode instance (kv_consumer) checks them (fingerprint, block count) and
@@ -46,7 +47,8 @@ PARAMS_KEY = "kvstore"
 class KVStoreMetadata(KVConnectorMetadata):
     """Scheduler -> worker, once per step: blocks to load and to save, as (block id, hash)."""
 
-    loads: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)
+    loads: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)  # asynchronous
+    sync_loads: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)  # before this forward
     saves: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)
 
 
@@ -61,10 +63,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.save_enabled = bool(extra.get("save", self.kv_role in ("kv_both", "kv_producer")))
         self.load_enabled = bool(extra.get("load", True))
         self.remote_wait_s = float(extra.get("remote_wait_s", 5.0))
+        # Loads of up to this many blocks run inside the step (no scheduler round trip); larger ones
+        # and P/D hand-offs run asynchronously while other requests keep going.
+        self.sync_load_blocks = int(extra.get("sync_load_blocks", 64))
         # scheduler side
         self._requests: dict[str, RequestState] = {}
-        self._matched: dict[str, tuple[int, int]] = {}
+        self._matched: dict[str, tuple[int, int, bool]] = {}
         self._loads: dict[str, list[tuple[int, bytes]]] = {}
+        self._sync_loads: dict[str, list[tuple[int, bytes]]] = {}
         self._loading: set[str] = set()
         self._waiting_since: dict[str, float] = {}
         # worker side
@@ -131,13 +137,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         external = matched * self.block_size - num_computed_tokens
         if external <= 0:
             return 0, False
-        self._matched[request.request_id] = (num_computed_tokens, matched)
-        return external, True
+        load_async = remote is not None or matched - num_computed_tokens // self.block_size > self.sync_load_blocks
+        self._matched[request.request_id] = (num_computed_tokens, matched, load_async)
+        return external, load_async
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if num_external_tokens <= 0 or request.request_id not in self._matched:
             return
-        computed, matched = self._matched.pop(request.request_id)
+        computed, matched, load_async = self._matched.pop(request.request_id)
         state = self._state(request)
         ids = list(blocks.get_block_ids()[0])
         first = computed // self.block_size
@@ -145,13 +152,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             chosen = ids[first:matched]
         else:  # only the newly allocated ones
             chosen = ids[: matched - first]
-        self._loads[request.request_id] = list(zip(chosen, state.hashes[first:matched]))
+        plan = list(zip(chosen, state.hashes[first:matched]))
+        (self._loads if load_async else self._sync_loads)[request.request_id] = plan
         state.saved_blocks = max(state.saved_blocks, matched)  # loaded blocks need no saving
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = KVStoreMetadata(loads=self._loads)
+        meta = KVStoreMetadata(loads=self._loads, sync_loads=self._sync_loads)
         self._loading.update(self._loads)
-        self._loads = {}
+        self._loads, self._sync_loads = {}, {}
         if not self.save_enabled:
             return meta
         stored = lambda h: bool(self.store.mirror.lookup(self.fingerprint, h))  # noqa: E731
@@ -190,6 +198,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         state = self._requests.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
+        self._sync_loads.pop(request.request_id, None)
         self._waiting_since.pop(request.request_id, None)
         # A load still writing into these blocks: vLLM must not reuse them until the worker says so.
         delay = request.request_id in self._loading
@@ -221,8 +230,10 @@ class KVStoreConnector(KVConnectorBase_V1):
             with self._lock:
                 self._in_flight.add(req_id)
             self._pool.submit(self._load, req_id, blocks)
+        for req_id, blocks in meta.sync_loads.items():
+            self._load(req_id, blocks, report=False)  # failures surface in this step's load errors
 
-    def _load(self, req_id: str, blocks: list[tuple[int, bytes]]) -> None:
+    def _load(self, req_id: str, blocks: list[tuple[int, bytes]], report: bool = True) -> None:
         started = time.perf_counter()
         failed: set[int] = set()
         loaded = 0
@@ -246,6 +257,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._count(hit_tokens=loaded * self.block_size, loaded_blocks=loaded,
                             load_bytes=loaded * self._block_bytes, load_seconds=time.perf_counter() - started,
                             load_failures=len(failed))
+            if not report:
+                return
             self._in_flight.discard(req_id)
             if req_id in self._abandoned:  # aborted while loading: its blocks can be freed now
                 self._abandoned.discard(req_id)
@@ -254,7 +267,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._received.add(req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish before their request is scheduled (asynchronous loading)
+        return  # synchronous loads finish in start_load_kv; asynchronous ones before scheduling
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -23,7 +23,8 @@ def engine(model: str, connector: dict | None, kv_space_gib: int = 1):
     if connector is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm.connector",
-            kv_role=connector.get("role", "kv_both"), kv_connector_extra_config=connector.get("extra", {}))
+            kv_role=connector.get("role", "kv_both"), kv_connector_extra_config=connector.get("extra", {}),
+            kv_load_failure_policy="recompute")  # a failed load costs a recompute, never a failed request
     return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=4096, max_num_seqs=4,
                max_num_batched_tokens=4096, disable_log_stats=True, **kwargs)
 
