@@ -1,11 +1,12 @@
 #!/bin/sh
-# System packages the tests need (Debian/Ubuntu): a real etcd for the integration tests.
-# Idempotent: installs only what is missing.
+# Everything the tests need on a fresh Debian/Ubuntu machine: a real etcd for the integration
+# tests, then kvstore with its test and vLLM extras. Idempotent.
 set -eu
-missing=""
-command -v etcd >/dev/null 2>&1 || missing="$missing etcd-server"
-[ -z "$missing" ] && exit 0
-sudo=""
-[ "$(id -u)" -eq 0 ] || sudo="sudo"
-$sudo apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $missing
+cd "$(dirname "$0")/.."
+if ! command -v etcd >/dev/null 2>&1; then
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq etcd-server
+fi
+sh scripts/install.sh test
