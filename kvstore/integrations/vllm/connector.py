@@ -72,6 +72,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._loads: dict[str, list[tuple[int, bytes]]] = {}
         self._sync_loads: dict[str, list[tuple[int, bytes]]] = {}
         self._loading: set[str] = set()
+        self._load_plans: dict[str, set[int]] = {}  # block ids each request was told to load
+        self._load_failed: set[str] = set()  # requests that must not be offered store blocks again
         self._waiting_since: dict[str, float] = {}
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
@@ -114,8 +116,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         return state
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self.load_enabled:
-            return 0, False
+        if not self.load_enabled or request.request_id in self._load_failed:
+            return 0, False  # after a failed load, recompute rather than fail again
         state = self._state(request)
         usable = loadable_blocks(state.prompt_tokens, self.block_size)
         remote = (getattr(request, "kv_transfer_params", None) or {}).get(PARAMS_KEY)
@@ -157,6 +159,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         state.saved_blocks = max(state.saved_blocks, matched)  # loaded blocks need no saving
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        for req_id, plan in list(self._loads.items()) + list(self._sync_loads.items()):
+            self._load_plans[req_id] = {block_id for block_id, _ in plan}
         meta = KVStoreMetadata(loads=self._loads, sync_loads=self._sync_loads)
         self._loading.update(self._loads)
         self._loads, self._sync_loads = {}, {}
@@ -189,6 +193,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if invalid:
+            for req_id, plan in self._load_plans.items():
+                if plan & invalid:
+                    self._load_failed.add(req_id)
         for req_id in getattr(connector_output, "finished_recving", None) or ():
             self._loading.discard(req_id)
         for req_id in getattr(connector_output, "finished_sending", None) or ():
@@ -200,6 +209,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._loads.pop(request.request_id, None)
         self._sync_loads.pop(request.request_id, None)
         self._waiting_since.pop(request.request_id, None)
+        self._load_plans.pop(request.request_id, None)
+        self._load_failed.discard(request.request_id)
         # A load still writing into these blocks: vLLM must not reuse them until the worker says so.
         delay = request.request_id in self._loading
         params = None
