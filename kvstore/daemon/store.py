@@ -293,17 +293,19 @@ class BlockStore:
                     updates.append((fingerprint, bytes(block_hash), None))
         return updates
 
-    def _verify(self, slot: Slot) -> bool:
+    def _slot_bytes(self, slot: Slot) -> bytes:
+        """A copy of a slot's bytes, wherever it lives (call with the lock held)."""
         if slot.tier is self.dram:
-            data = self.dram.region.buffer[slot.offset : slot.offset + slot.size]
-        else:
-            scratch = self.engine.register(bytearray(slot.size), remote_access=False)
-            try:
-                self.engine.transfer([Read(scratch, 0, slot.tier.region, slot.offset, slot.size)])
-                data = bytes(scratch.buffer)
-            finally:
-                self.engine.unregister(scratch)
-        return block_checksum(slot.key[1], data) == slot.checksum
+            return bytes(self.dram.region.buffer[slot.offset : slot.offset + slot.size])
+        scratch = self.engine.register(bytearray(slot.size), remote_access=False)
+        try:
+            self.engine.transfer([Read(scratch, 0, slot.tier.region, slot.offset, slot.size)])
+            return bytes(scratch.buffer)
+        finally:
+            self.engine.unregister(scratch)
+
+    def _verify(self, slot: Slot) -> bool:
+        return block_checksum(slot.key[1], self._slot_bytes(slot)) == slot.checksum
 
     def read_block(self, key: Key) -> bytes | None:
         """A copy of a sealed block's bytes, checked against its checksum (None if gone or corrupt)."""
@@ -311,15 +313,7 @@ class BlockStore:
             slot = self.find(key)
             if slot is None:
                 return None
-            if slot.tier is self.dram:
-                data = bytes(self.dram.region.buffer[slot.offset : slot.offset + slot.size])
-            else:
-                scratch = self.engine.register(bytearray(slot.size), remote_access=False)
-                try:
-                    self.engine.transfer([Read(scratch, 0, slot.tier.region, slot.offset, slot.size)])
-                    data = bytes(scratch.buffer)
-                finally:
-                    self.engine.unregister(scratch)
+            data = self._slot_bytes(slot)
             return data if block_checksum(key[1], data) == slot.checksum else None
 
     def keys(self, fingerprint: str | None = None) -> list[tuple[Key, Slot]]:
