@@ -11,7 +11,6 @@ import json
 import os
 import platform
 import re
-import statistics
 import sys
 import time
 from dataclasses import replace

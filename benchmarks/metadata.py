@@ -11,7 +11,6 @@ import gc
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import tracemalloc

@@ -5,6 +5,9 @@ from __future__ import annotations
 from transfer.errors import (AuthenticationFailed, OutOfBounds, PeerUnreachable, TransferError,  # noqa: F401
                              TransferTimeout, UnknownRegion)
 
+__all__ = ["AuthenticationFailed", "OutOfBounds", "PeerUnreachable", "TransferError", "TransferTimeout",
+           "UnknownRegion"]  # extended below by the kvstore errors
+
 
 class KVStoreError(Exception):
     """Base class of every kvstore error."""
@@ -66,3 +69,9 @@ class WatchCompacted(MetadataError):
 
 class InvalidRecord(MetadataError, ValueError):
     """A stored record cannot be decoded (wrong version, truncated, corrupt)."""
+
+__all__ += [
+    "KVStoreError", "InvalidFingerprint", "FingerprintMismatch", "InvalidTokens", "MetadataError",
+    "MetadataUnavailable", "MetadataTimeout", "InvalidKey", "InvalidValue", "ValueTooLarge", "LeaseExpired",
+    "WatchCompacted", "InvalidRecord"
+]

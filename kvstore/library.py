@@ -4,7 +4,6 @@ DRAM/NVMe. Same client API as a cluster."""
 from __future__ import annotations
 
 import re
-import tempfile
 import uuid
 from typing import Any
 
@@ -54,7 +53,3 @@ def open(url: str = "memory://", *, dram: int | str = "1GiB", disk: str | None =
     except BaseException:
         daemon.stop()
         raise
-
-
-def scratch_dir() -> str:
-    return tempfile.mkdtemp(prefix="kvstore-nvme-")

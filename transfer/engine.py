@@ -172,12 +172,12 @@ class Engine:
                         cuda_reads.append(op)
         except OverflowError as exc:
             raise InvalidOp(f"offsets and lengths must be non-negative 64-bit integers: {exc}") from exc
-        on_done = None
-        if cuda_reads:
-            def on_done() -> None:
-                for op in cuda_reads:
-                    op.local.sync_to_device(op.local_offset, op.length)
-        return Batch(self._native.submit(flat), ops, on_done, default_timeout=self.stall_timeout * 2 + 5)
+        def stage_in() -> None:  # CUDA destinations: staged host bytes -> device, once the reads landed
+            for op in cuda_reads:
+                op.local.sync_to_device(op.local_offset, op.length)
+
+        return Batch(self._native.submit(flat), ops, stage_in if cuda_reads else None,
+                     default_timeout=self.stall_timeout * 2 + 5)
 
     def _encode(self, op: Op) -> tuple[int, ...]:
         if not isinstance(op, (Read, Write)):

@@ -125,7 +125,7 @@ def assert_empty(h: Harness) -> None:
 def test_async_load_lands_in_the_kv_cache_then_everything_drains(model):
     h = Harness(model, sync_load_blocks=0)  # force the asynchronous path
     prompt = list(range(3, 3 + 4 * BLOCK + 5))
-    data = h.seed_store(prompt, 4)
+    h.seed_store(prompt, 4)
     request = h.add("r1", prompt)
     h.step()
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS

@@ -54,7 +54,7 @@ def admin_cluster(etcd_server, spawn_daemon, tmp_path):
 
 def test_every_rpc_with_errors_and_access(admin_cluster, etcd_server):
     cluster, a, client, spawn = admin_cluster
-    b = spawn("node-b")
+    spawn("node-b")
     hashes = chain_hashes(FP, list(range(16 * 25)))
     client.put_many([(h, content(h)) for h in hashes], replicas=2)
     assert client.mirror.wait_until(lambda m: m.block_count == 25 and len(m.nodes) == 2, 10)
@@ -114,7 +114,7 @@ def test_drain_while_clients_read(admin_cluster, etcd_server):
     hashes = external_hashes(range(60), FP)
     client.put_many([(h, content(h)) for h in hashes])
     assert client.mirror.wait_until(lambda m: m.block_count == 60, 10)
-    b = spawn("node-b")
+    spawn("node-b")
     assert client.mirror.wait_until(lambda m: len(m.nodes) == 2, 10)
     stop, failures, reads = threading.Event(), [], [0]
 

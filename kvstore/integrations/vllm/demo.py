@@ -119,7 +119,7 @@ def run(max_tokens: int = 16) -> int:
     for r in rows:
         same = "-" if r.identical is None else ("yes" if r.identical else "NO")
         print(f"{r.step:<30}{r.prompt_tokens:>14}{r.loaded_tokens:>19}{r.ttft_ms:>10.1f}  {same}")
-    print(f"\nbaseline TTFT without the connector: "
+    print("\nbaseline TTFT without the connector: "
           + ", ".join(f"{name} {ms:.1f} ms" for name, ms in baseline_ttft.items()))
     print("(the decode engine's row times the whole decode of the handed-over prompt: it never ran its prefill)")
     ok = all(r.identical is not False for r in rows) and rows[2].loaded_tokens > 0 and rows[-1].loaded_tokens > 0
