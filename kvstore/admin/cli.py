@@ -111,6 +111,21 @@ class AdminClient:
         self.mirror.stop()
 
 
+def _per_node(client: AdminClient, args, method: str, request) -> dict:
+    """Call `method` on every node (or --node): a node holding nothing of the fingerprint answers
+    NOT_FOUND, which only matters when that node was named."""
+    names = [args.node] if getattr(args, "node", None) else sorted(client.nodes())
+    replies = {}
+    for name in names:
+        try:
+            replies[name] = client.call(name, method, request)
+        except Fail as exc:
+            if exc.code != 3 or getattr(args, "node", None):
+                raise
+            replies[name] = None
+    return replies
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024:
@@ -205,11 +220,13 @@ def cmd_node(client: AdminClient, args, console) -> int:
 
 
 def cmd_blocks(client: AdminClient, args, console) -> int:
-    names = [args.node] if args.node else sorted(client.nodes())
+    replies = _per_node(client, args, "ListBlocks", admin_pb2.ListBlocksRequest(
+        fingerprint=args.fingerprint, page_size=args.page_size, page_token=args.page_token))
     out = []
-    for name in names:
-        reply = client.call(name, "ListBlocks", admin_pb2.ListBlocksRequest(
-            fingerprint=args.fingerprint, page_size=args.page_size, page_token=args.page_token))
+    for name, reply in replies.items():
+        if reply is None:
+            out.append({"node": name, "total": 0, "next_page_token": "", "blocks": []})
+            continue
         out.append({"node": name, "total": reply.total, "next_page_token": reply.next_page_token,
                     "blocks": [MessageToDict(b, preserving_proto_field_name=True) for b in reply.blocks]})
     if args.json:
@@ -242,9 +259,8 @@ def cmd_query(client: AdminClient, args, console) -> int:
             raise Fail(f"--hashes: {exc}", 2) from exc
         digest = args.fingerprint
     result = {}
-    for name in sorted(client.nodes()):
-        reply = client.call(name, "Query", admin_pb2.QueryRequest(fingerprint=digest, hashes=hashes))
-        result[name] = {"leading_blocks": reply.leading_blocks, "tiers": list(reply.tiers)}
+    for name, reply in _per_node(client, args, "Query", admin_pb2.QueryRequest(fingerprint=digest, hashes=hashes)).items():
+        result[name] = {"leading_blocks": reply.leading_blocks if reply else 0, "tiers": list(reply.tiers) if reply else []}
     cluster = client.mirror.match(digest, hashes)
     summary = {"fingerprint": digest, "blocks": len(hashes), "cluster_leading_blocks": cluster.length, "nodes": result}
     if args.json:
@@ -263,12 +279,17 @@ def cmd_query(client: AdminClient, args, console) -> int:
 def cmd_evict(client: AdminClient, args, console) -> int:
     names = [args.node] if args.node else sorted(client.nodes())
     evicted = {}
+    request = admin_pb2.EvictRequest(fingerprint=args.fingerprint, hash_prefix=args.prefix)
     with Progress(TextColumn("evicting"), BarColumn(), TextColumn("{task.completed}/{task.total} nodes"),
                   disable=args.json, console=Console(stderr=True)) as progress:
         task = progress.add_task("evict", total=len(names))
         for name in names:
-            reply = client.call(name, "Evict", admin_pb2.EvictRequest(fingerprint=args.fingerprint, hash_prefix=args.prefix))
-            evicted[name] = reply.evicted
+            try:
+                evicted[name] = client.call(name, "Evict", request).evicted
+            except Fail as exc:
+                if exc.code != 3 or args.node:  # NOT_FOUND: that node held none of it
+                    raise
+                evicted[name] = 0
             progress.advance(task)
     if args.json:
         print(json.dumps({"evicted": evicted, "total": sum(evicted.values())}, indent=1))

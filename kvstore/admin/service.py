@@ -23,6 +23,14 @@ def _check_fingerprint(value: str, context) -> str:
     return value
 
 
+def _held(store, fingerprint: str, node: str, context) -> list:
+    """This node's blocks of `fingerprint`; NOT_FOUND when it holds none."""
+    blocks = store.keys(fingerprint)
+    if not blocks:
+        context.abort(grpc.StatusCode.NOT_FOUND, f"fingerprint: {node} holds no blocks of {fingerprint}")
+    return blocks
+
+
 class AdminService(admin_pb2_grpc.AdminServicer):
     def __init__(self, daemon: "Daemon") -> None:
         self.daemon = daemon
@@ -62,7 +70,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if request.page_token and not _HEX.match(request.page_token):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "page_token: not a token this API returned")
         size = request.page_size or 100
-        blocks = self.store.keys(fingerprint)
+        blocks = _held(self.store, fingerprint, self.daemon.config.node, context)
         start = 0
         if request.page_token:
             start = next((i for i, (k, _) in enumerate(blocks) if k[1].hex() > request.page_token), len(blocks))
@@ -75,6 +83,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     def Query(self, request, context):
         fingerprint = _check_fingerprint(request.fingerprint, context)
+        _held(self.store, fingerprint, self.daemon.config.node, context)
         tiers = []
         for h in request.hashes:
             if len(h) != 16:
@@ -90,7 +99,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         prefix = request.hash_prefix.lower()
         if not _HEX.match(prefix):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "hash_prefix: hex digits only, at most 32")
-        hashes = [k[1] for k, _ in self.store.keys(fingerprint) if k[1].hex().startswith(prefix)]
+        hashes = [k[1] for k, _ in _held(self.store, fingerprint, self.daemon.config.node, context)
+                  if k[1].hex().startswith(prefix)]
         removed, updates = self.store.remove(fingerprint, hashes)
         if updates:
             self.daemon.publish(updates)

@@ -73,6 +73,9 @@ def test_every_rpc_with_errors_and_access(admin_cluster, etcd_server):
                 break
             token = page.next_page_token
         assert sorted(seen) == sorted(h.hex() for h in hashes) and len(set(seen)) == 25
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ListBlocks(admin_pb2.ListBlocksRequest(fingerprint="f" * 32), timeout=5)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND and info.value.details().startswith("fingerprint")
         query = stub.Query(admin_pb2.QueryRequest(fingerprint=FP.digest, hashes=hashes + external_hashes([5], FP)), timeout=5)
         assert query.leading_blocks == 25 and set(query.tiers) <= {"dram", "nvme"}
         for bad, field_name in ((admin_pb2.ListBlocksRequest(fingerprint="xyz"), "fingerprint"),
@@ -162,6 +165,9 @@ def test_cli_commands_and_exit_codes(admin_cluster, etcd_server):
     blocks = json.loads(admin(["--json", "blocks", "--fingerprint", FP.digest], url, cluster).stdout)
     assert blocks[0]["total"] == 10
     assert admin(["blocks", "--fingerprint", "zz"], url, cluster).returncode == 2
+    assert admin(["blocks", "--fingerprint", "f" * 32, "--node", "node-a"], url, cluster).returncode == 3
+    unknown = admin(["--json", "evict", "--fingerprint", "f" * 32], url, cluster)
+    assert unknown.returncode == 0 and json.loads(unknown.stdout)["total"] == 0
     tokens_file = f"/tmp/tokens-{cluster}.json"
     with open(tokens_file, "w") as f:
         json.dump(tokens + [1, 2, 3], f)
@@ -192,3 +198,21 @@ def test_dashboard_charts_only_metrics_that_exist(admin_cluster):
     families = {n.removesuffix("_total").removesuffix("_bucket").removesuffix("_count").removesuffix("_sum")
                 .removesuffix("_created") for n in names if n.startswith("kvstore_")}
     assert all(f"`{f}" in readme for f in families), [f for f in families if f"`{f}" not in readme]
+
+
+def test_tls_is_served_and_verified(etcd_server, spawn_daemon, tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=kvstore-test", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    cluster = uuid.uuid4().hex[:8]
+    node = spawn_daemon("tls-node", etcd_server.url, cluster, extra=["--tls-cert", str(cert), "--tls-key", str(key)])
+    credentials = grpc.ssl_channel_credentials(cert.read_bytes())
+    with grpc.secure_channel(node.control, credentials) as channel:
+        status = admin_pb2_grpc.AdminStub(channel).GetNodeStatus(admin_pb2.NodeStatusRequest(), timeout=10)
+        assert status.name == "tls-node"
+    with grpc.insecure_channel(node.control) as channel:  # plaintext is refused
+        with pytest.raises(grpc.RpcError):
+            admin_pb2_grpc.AdminStub(channel).GetNodeStatus(admin_pb2.NodeStatusRequest(), timeout=5)
+    done = admin(["--json", "--tls-ca", str(cert), "node", "tls-node"], etcd_server.url, cluster)
+    assert done.returncode == 0 and json.loads(done.stdout)["name"] == "tls-node"
