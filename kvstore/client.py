@@ -245,17 +245,30 @@ class Client:
             ranked = sorted(replicas.items(), key=lambda kv: (kv[1].tier != "dram",
                                                               getattr(nodes.get(kv[0]), "host", "") != here, kv[0]))
             candidates.append([c for c in ranked if self._usable(c[0])] or ranked)
-        views = [host_bytes(o) if not isinstance(o, Region) else o.buffer for o in outs]
-        for view, options in zip(views, candidates):
-            if view.readonly:
-                raise WrongSize("output buffers must be writable")
-            if options and options[0][1].size > view.nbytes:
-                raise WrongSize(f"buffer of {view.nbytes} bytes for a block of {options[0][1].size}")
-        found = [False] * len(hashes)
-        hits: dict[str, list[bytes]] = {}
-        corrupt: dict[str, list[bytes]] = {}
-        regions = [self.engine.register(v, remote_access=False) for v in views]
+        # Every destination becomes segments (region, offset, length): a plain buffer is one
+        # segment of a region registered for this call; a list of segments (e.g. one block's layers
+        # in registered KV-cache tensors) is read into place with one op per segment.
+        temporary: list[Region] = []
+        targets: list[list[tuple[Region, int, int]]] = []
         try:
+            for out in outs:
+                if isinstance(out, list):
+                    targets.append(out)
+                    continue
+                view = out.host_view() if isinstance(out, Region) else host_bytes(out)
+                if view.readonly:
+                    raise WrongSize("output buffers must be writable")
+                region = out if isinstance(out, Region) else self.engine.register(view, remote_access=False)
+                if region is not out:
+                    temporary.append(region)
+                targets.append([(region, 0, view.nbytes)])
+            for segments, options in zip(targets, candidates):
+                room = sum(length for _, _, length in segments)
+                if options and options[0][1].size > room:
+                    raise WrongSize(f"buffer of {room} bytes for a block of {options[0][1].size}")
+            found = [False] * len(hashes)
+            hits: dict[str, list[bytes]] = {}
+            corrupt: dict[str, list[bytes]] = {}
             for attempt in range(max((len(c) for c in candidates), default=0)):
                 by_node: dict[str, list[tuple[int, BlockRecord]]] = {}
                 for i, options in enumerate(candidates):
@@ -263,35 +276,52 @@ class Client:
                         name, record = options[attempt]
                         by_node.setdefault(name, []).append((i, record))
                 for name, wanted in by_node.items():
-                    for i in self._read_from(name, hashes, wanted, regions):
+                    for i in self._read_from(name, hashes, wanted, targets):
                         found[i] = True
                         hits.setdefault(name, []).append(bytes(hashes[i]))
                     for i, record in wanted:
                         if not found[i] and self._usable(name):
                             corrupt.setdefault(name, []).append(bytes(hashes[i]))
         finally:
-            for region in regions:
+            for region in temporary:
                 self.engine.unregister(region)
         self._report(fp, hits, corrupt)
         return found
 
     def _read_from(self, name: str, hashes: Sequence[bytes], wanted: list[tuple[int, BlockRecord]],
-                   regions: list[Region]) -> list[int]:
+                   targets: list[list[tuple[Region, int, int]]]) -> list[int]:
         """Indexes of `wanted` read from `name` whose bytes match their checksum."""
+        ops, owners = [], []
         try:
             node = self._node(name)
-            batch = self.engine.submit([Read(regions[i], 0, node.peer.region(r.region), r.offset, r.size)
-                                        for i, r in wanted])
-            results = batch.wait(self.timeout, raise_on_error=False)
+            for i, record in wanted:
+                remote, done = node.peer.region(record.region), 0
+                for region, offset, length in targets[i]:
+                    take = min(length, record.size - done)
+                    if take <= 0:
+                        break
+                    ops.append(Read(region, offset, remote, record.offset + done, take))
+                    owners.append(i)
+                    done += take
+            results = self.engine.submit(ops).wait(self.timeout, raise_on_error=False)
         except AuthenticationFailed:
             raise
         except (TransferError, NoStoreNodes) as exc:
             self._mark_down(name, exc)
             return []
+        failed = {owner for owner, result in zip(owners, results) if not result.ok}
         good = []
-        for (i, record), result in zip(wanted, results):
-            view = regions[i].buffer[: record.size]
-            if result.ok and block_checksum(bytes(hashes[i]), view) == record.checksum:
+        for i, record in wanted:
+            if i in failed:
+                continue
+            parts, done = [], 0
+            for region, offset, length in targets[i]:
+                take = min(length, record.size - done)
+                if take <= 0:
+                    break
+                parts.append(region.host_view()[offset : offset + take])
+                done += take
+            if block_checksum(bytes(hashes[i]), parts) == record.checksum:
                 good.append(i)
         return good
 

@@ -6,5 +6,11 @@ import xxhash
 
 
 def block_checksum(block_hash: bytes, data) -> int:
-    """Checksum of `data` (any buffer) as the content of block `block_hash`."""
-    return xxhash.xxh3_64_intdigest(data, seed=int.from_bytes(block_hash[:8], "little"))
+    """Checksum of `data` (a buffer, or a list of buffers taken in order) as block `block_hash`."""
+    seed = int.from_bytes(block_hash[:8], "little")
+    if not isinstance(data, list):
+        return xxhash.xxh3_64_intdigest(data, seed=seed)
+    state = xxhash.xxh3_64(seed=seed)
+    for part in data:
+        state.update(part)
+    return state.intdigest()

@@ -70,6 +70,16 @@ class Region:
     _cuda_tensor: Any = field(default=None, repr=False)
     _shm_fd: int | None = field(default=None, repr=False)
 
+    def host_view(self) -> memoryview:
+        """The region's host bytes (the staging copy for CUDA regions); file regions have none."""
+        if self.buffer is not None:
+            return self.buffer
+        if self.kind == "file" or self._keepalive is None:
+            raise UnsupportedBuffer(f"region {self.id} ({self.kind}) has no host memory view")
+        import torch
+
+        return memoryview(self._keepalive.reshape(-1).view(torch.uint8).numpy())
+
     def sync_to_device(self, offset: int = 0, length: int | None = None) -> None:
         """CUDA regions: copy staged host bytes to the tensor (after reads land)."""
         if self._cuda_tensor is None:

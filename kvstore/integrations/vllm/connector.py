@@ -222,6 +222,9 @@ class KVStoreConnector(KVConnectorBase_V1):
     # ============================== worker side ==============================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
+        # Registered once with the store's Transfer Engine: loads land straight in the KV cache.
+        self._kv_regions = [self.store.engine.register(t, remote_access=False) if self._block_major(t) else None
+                            for t in self._kv_caches.values()]
         offset = 0
         for i, (name, tensor) in enumerate(self._kv_caches.items()):
             self._layer_index[name] = i
@@ -229,6 +232,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             offset += tensor[0].numel() * tensor.element_size()
         self._layer_offsets.append(offset)
         self._block_bytes = offset
+
+    @staticmethod
+    def _block_major(t: torch.Tensor) -> bool:
+        """A CPU tensor whose blocks are contiguous and back to back: blocks can be read in place."""
+        return t.device.type == "cpu" and t.is_contiguous() and t.stride(0) == t[0].numel()
 
     def _layer_slice(self, i: int) -> slice:
         return slice(self._layer_offsets[i], self._layer_offsets[i + 1])
@@ -249,16 +257,23 @@ class KVStoreConnector(KVConnectorBase_V1):
         failed: set[int] = set()
         loaded = 0
         try:
-            buffers = [np.empty(self._block_bytes, np.uint8) for _ in blocks]
-            found = self.store.get_many([h for _, h in blocks], buffers, fingerprint=self.fingerprint)
-            for (block_id, _), ok, buf in zip(blocks, found, buffers):
-                if not ok:
+            if all(r is not None for r in self._kv_regions):  # CPU KV cache: read into place
+                targets = [[(region, block_id * (self._layer_offsets[i + 1] - self._layer_offsets[i]),
+                             self._layer_offsets[i + 1] - self._layer_offsets[i])
+                            for i, region in enumerate(self._kv_regions)] for block_id, _ in blocks]
+                found = self.store.get_many([h for _, h in blocks], targets, fingerprint=self.fingerprint)
+            else:  # device KV cache: through host staging
+                buffers = [np.empty(self._block_bytes, np.uint8) for _ in blocks]
+                found = self.store.get_many([h for _, h in blocks], buffers, fingerprint=self.fingerprint)
+                for (block_id, _), ok, buf in zip(blocks, found, buffers):
+                    for i, tensor in enumerate(self._kv_caches.values()):
+                        if ok:
+                            tensor[block_id].reshape(-1).view(torch.uint8).copy_(torch.from_numpy(buf[self._layer_slice(i)]))
+            for (block_id, _), ok in zip(blocks, found):
+                if ok:
+                    loaded += 1
+                else:
                     failed.add(block_id)
-                    continue
-                for i, tensor in enumerate(self._kv_caches.values()):
-                    dst = tensor[block_id].reshape(-1).view(torch.uint8)
-                    dst.copy_(torch.from_numpy(buf[self._layer_slice(i)]))
-                loaded += 1
         except (KVStoreError, OSError, RuntimeError, ValueError) as exc:
             log.warning("kvstore load for %s failed: %s", req_id, exc)
             failed = {block_id for block_id, _ in blocks}
