@@ -238,10 +238,10 @@ class Client:
         if len(hashes) != len(outs):
             raise WrongSize(f"{len(hashes)} hashes but {len(outs)} buffers")
         here = host_id()
+        nodes = self.mirror.nodes  # a copy: take it once per call
         candidates: list[list[tuple[str, BlockRecord]]] = []
         for h in hashes:
             replicas = self.mirror.lookup(fp, bytes(h))
-            nodes = self.mirror.nodes
             ranked = sorted(replicas.items(), key=lambda kv: (kv[1].tier != "dram",
                                                               getattr(nodes.get(kv[0]), "host", "") != here, kv[0]))
             candidates.append([c for c in ranked if self._usable(c[0])] or ranked)
@@ -353,7 +353,7 @@ class Client:
 
     # --- queries -------------------------------------------------------------------------------
     def contains(self, block_hash: bytes, fingerprint: ModelFingerprint | str | None = None) -> bool:
-        return bool(self.mirror.lookup(self._fp(fingerprint), bytes(block_hash)))
+        return self.mirror.contains(self._fp(fingerprint), bytes(block_hash))
 
     def match_prefix(self, hashes: Sequence[bytes], fingerprint: ModelFingerprint | str | None = None) -> int:
         """How many leading blocks of a prompt the cluster holds."""

@@ -175,6 +175,11 @@ class IndexMirror:
             lengths[node] = count
         return lengths
 
+    def contains(self, fingerprint: ModelFingerprint | str, block_hash: bytes) -> bool:
+        """Whether any node holds the block (no record decoding)."""
+        table = self._snapshot.blocks.get(_fingerprint_id(fingerprint))
+        return bool(table) and block_hash in table
+
     def lookup(self, fingerprint: ModelFingerprint | str, block_hash: bytes) -> dict[str, BlockRecord]:
         """Every replica of one block: node -> record."""
         table = self._snapshot.blocks.get(_fingerprint_id(fingerprint)) or {}

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 from . import _native
 from .batch import Batch
 from .descriptor import EngineDescriptor, host_id
-from .errors import EngineClosed, InvalidOp, TransferIOError, UnknownRegion, UnsupportedBuffer
+from .errors import EngineClosed, InvalidOp, PeerUnreachable, TransferIOError, UnknownRegion, UnsupportedBuffer
 from .listener import Listener
 from .ops import Op, OpResult, Read, Write
 from .peer import Peer
@@ -162,9 +162,13 @@ class Engine:
         self._check_open()
         flat = array("Q")
         cuda_reads: list[Read] = []
+        shm_peers: set[Peer] = set()
         try:
             for op in ops:
-                flat.extend(self._encode(op))
+                encoded = self._encode(op)
+                flat.extend(encoded)
+                if encoded[1] == 0 and isinstance(op.remote, RemoteRegion):
+                    shm_peers.add(op.remote.peer)
                 if op.local._cuda_tensor is not None:
                     if isinstance(op, Write):
                         op.local.sync_from_device(op.local_offset, op.length)
@@ -172,6 +176,10 @@ class Engine:
                         cuda_reads.append(op)
         except OverflowError as exc:
             raise InvalidOp(f"offsets and lengths must be non-negative 64-bit integers: {exc}") from exc
+        for peer in shm_peers:  # copies into a dead peer's memory would "succeed" unseen
+            if not peer.alive:
+                raise PeerUnreachable(f"{peer.name} is gone")
+
         def stage_in() -> None:  # CUDA destinations: staged host bytes -> device, once the reads landed
             for op in cuda_reads:
                 op.local.sync_to_device(op.local_offset, op.length)

@@ -45,6 +45,8 @@ async def test_match_prefix_lengths_and_lookup(url):
         assert mirror.node_prefix_lengths(FP, HASHES) == {"a": 8, "b": 3}
         assert mirror.node_prefix_lengths(FP.digest, HASHES[1:]) == {"a": 7, "b": 2}
         assert mirror.lookup(FP, HASHES[0])["b"] == BlockRecord("nvme", 3, 0, 4096, 1000)
+        assert mirror.contains(FP, HASHES[7]) and not mirror.contains(FP, HASHES[8])
+        assert not mirror.contains(ModelFingerprint("other", "float16", 4, 2, 2, 64), HASHES[0])
         assert mirror.match(FP, HASHES[8:]).length == 0
         other = ModelFingerprint("other", "float16", 4, 2, 2, 64)
         assert mirror.match(other, HASHES).length == 0  # same hashes, other model: no hit

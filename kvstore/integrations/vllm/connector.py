@@ -166,7 +166,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._loads, self._sync_loads = {}, {}
         if not self.save_enabled:
             return meta
-        stored = lambda h: bool(self.store.mirror.lookup(self.fingerprint, h))  # noqa: E731
+        stored = lambda h: self.store.mirror.contains(self.fingerprint, h)  # noqa: E731
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
