@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
 from peer_process import pattern  # noqa: E402
+from tests_support import wait_until_stopped  # noqa: E402
 
 
 @dataclass
@@ -127,6 +128,7 @@ class DaemonProcess:
 
     def pause(self) -> None:
         os.kill(self.proc.pid, signal.SIGSTOP)
+        wait_until_stopped(self.proc.pid)
 
     def resume(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from tests_support import sha
+from tests_support import sha, wait_until_stopped
 from transfer import (AuthenticationFailed, Engine, OutOfBounds, PeerUnreachable, Read, ReadOnlyRegion,
                       RemoteRegion, TransferTimeout, UnknownRegion, Write)
 
@@ -136,6 +136,7 @@ def test_stalled_peer_times_out_within_the_stall_timeout(spawn_peer):
         remote = peer.region(peer_proc.regions["numpy"])
         dst = engine.allocate(peer_proc.size)
         os.kill(peer_proc.proc.pid, signal.SIGSTOP)
+        wait_until_stopped(peer_proc.proc.pid)  # the signal is only queued: the peer may still serve
         try:
             started = time.monotonic()
             with pytest.raises(TransferTimeout):
