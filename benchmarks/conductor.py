@@ -22,7 +22,7 @@ from conductor.sim.scenario import Scenario, colocated, disaggregated
 from conductor.sim.trace import Fleet, infinite_cache_hit_ratio, load_trace, simulate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRACE = os.path.join(ROOT, "..", "shared", "traces", "conversation_trace.jsonl")
+TRACE = os.path.join(ROOT, "tests", "data", "mooncake_conversation_trace.jsonl.xz")
 SCENARIO = os.path.join(ROOT, "tests", "data", "textbook_scenario.json")
 FLEETS = [(4, 2), (8, 4), (12, 6)]
 TOTAL_CACHE = 50_000_000
@@ -115,7 +115,7 @@ def markdown(rows: list[dict], ceiling: float, sweep: dict, route: dict, trace_r
     lines = [BEGIN, "", "## Conductor (issue 6)", "",
              "`python -m benchmarks.conductor --write` (simulated: no hardware is exercised; figures depend only on",
              f"the cost model in `conductor/cost.py` and the trace). {time.strftime('%Y-%m-%d')}, same machine.", "",
-             f"Trace: `shared/traces/conversation_trace.jsonl`, {trace_requests:,} requests; total cache 50M tokens",
+             f"Trace: `tests/data/mooncake_conversation_trace.jsonl.xz`, {trace_requests:,} requests; total cache 50M tokens",
              "(each prefill instance caches 50M/N locally; the global pool holds 50M). SLOs: TTFT ≤ 30 s,",
              f"TBT ≤ 200 ms. Infinite-cache prefix hit ratio: **{ceiling:.3f}**. `+local<2048` = conditional",
              "disaggregation (prompts with fewer than 2,048 uncached tokens prefill on the decode instance).", "",

@@ -10,11 +10,14 @@ breaks the SLO.
 """
 from __future__ import annotations
 
+import gzip
 import heapq
 import json
+import lzma
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import IO
 
 from ..cost import CostModel
 from ..policies import InstanceView, Policy, RouteRequest, Slo, admit
@@ -30,9 +33,18 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
 
+def open_trace(path: str) -> IO[str]:
+    """Open a JSONL trace, plain or compressed (.xz, .gz), as text."""
+    if path.endswith(".xz"):
+        return lzma.open(path, "rt")
+    if path.endswith(".gz"):
+        return gzip.open(path, "rt")
+    return open(path)
+
+
 def load_trace(path: str, limit: int | None = None) -> list[TraceRequest]:
     out = []
-    with open(path) as f:
+    with open_trace(path) as f:
         for line in f:
             if not line.strip():
                 continue

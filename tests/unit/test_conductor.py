@@ -16,7 +16,7 @@ from conductor.sim.trace import Fleet, infinite_cache_hit_ratio, load_trace, sim
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIO = os.path.join(HERE, "..", "data", "textbook_scenario.json")
-TRACE = os.path.join(HERE, "..", "..", "..", "shared", "traces", "conversation_trace.jsonl")
+TRACE = os.path.join(HERE, "..", "data", "mooncake_conversation_trace.jsonl.xz")
 
 
 def test_scenario_reproduces_the_textbook_table_exactly(tmp_path):
