@@ -262,10 +262,12 @@ class Client:
                 if region is not out:
                     temporary.append(region)
                 targets.append([(region, 0, view.nbytes)])
-            for segments, options in zip(targets, candidates):
+            for i, (segments, options) in enumerate(zip(targets, candidates)):
                 room = sum(length for _, _, length in segments)
                 if options and options[0][1].size > room:
                     raise WrongSize(f"buffer of {room} bytes for a block of {options[0][1].size}")
+                # A stored block smaller than its destination would fill it only partly: not a hit.
+                candidates[i] = [c for c in options if c[1].size == room]
             found = [False] * len(hashes)
             hits: dict[str, list[bytes]] = {}
             corrupt: dict[str, list[bytes]] = {}

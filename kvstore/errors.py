@@ -75,3 +75,15 @@ __all__ += [
     "MetadataUnavailable", "MetadataTimeout", "InvalidKey", "InvalidValue", "ValueTooLarge", "LeaseExpired",
     "WatchCompacted", "InvalidRecord"
 ]
+
+
+# --- integrations -----------------------------------------------------------------------------
+class UnsupportedDeployment(KVStoreError):
+    """A serving setup the store cannot serve correctly (refused at start-up, never silently wrong)."""
+
+
+class UnsupportedKVLayout(UnsupportedDeployment):
+    """KV cache tensors whose shape or layout the connector cannot copy blocks of."""
+
+
+__all__ += ["UnsupportedDeployment", "UnsupportedKVLayout"]

@@ -39,6 +39,10 @@ class ModelFingerprint:
     adapter_id: str = ""
     tenant: str = ""
     cache_salt: str = ""
+    # Pipeline stage: two stages hold different layers under otherwise equal fingerprints.
+    pp_rank: int = 0
+    pp_world_size: int = 1
+    layer_start: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -48,18 +52,26 @@ class ModelFingerprint:
                     raise InvalidFingerprint(f"{f.name} must be an int, not {type(value).__name__}")
             elif not isinstance(value, str):
                 raise InvalidFingerprint(f"{f.name} must be a str, not {type(value).__name__}")
-        for name in ("block_size", "num_layers", "num_kv_heads", "head_size", "tp_world_size"):
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_size", "tp_world_size", "pp_world_size"):
             if getattr(self, name) <= 0:
                 raise InvalidFingerprint(f"{name} must be positive")
         if not 0 <= self.tp_rank < self.tp_world_size:
             raise InvalidFingerprint(f"tp_rank {self.tp_rank} outside a world of {self.tp_world_size}")
+        if not 0 <= self.pp_rank < self.pp_world_size:
+            raise InvalidFingerprint(f"pp_rank {self.pp_rank} outside a world of {self.pp_world_size}")
+        if self.layer_start < 0:
+            raise InvalidFingerprint("layer_start must not be negative")
         if not self.model_id or not self.dtype:
             raise InvalidFingerprint("model_id and dtype are required")
 
     # Computed once per instance (frozen fields never change); cached_property bypasses __setattr__.
     @cached_property
     def _canonical(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        fields_ = asdict(self)
+        for name, default in _OPTIONAL_FIELDS.items():  # absent at their default: older digests stay valid
+            if fields_[name] == default:
+                del fields_[name]
+        return json.dumps(fields_, sort_keys=True, separators=(",", ":")).encode()
 
     def canonical(self) -> bytes:
         """Deterministic encoding: sorted-key JSON of every field."""
@@ -87,6 +99,9 @@ class ModelFingerprint:
             raise FingerprintMismatch(f"incompatible model fingerprints ({listed})", diffs)
 
 
+_OPTIONAL_FIELDS = {"pp_rank": 0, "pp_world_size": 1, "layer_start": 0}
+
+
 def token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     """Token ids as a little-endian u32 array; raises InvalidTokens on anything else."""
     arr = np.asarray(tokens)
@@ -100,18 +115,24 @@ def token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 def chain_hashes(fingerprint: ModelFingerprint, tokens: Sequence[int] | np.ndarray,
-                 parent: BlockHash | None = None) -> list[BlockHash]:
+                 parent: BlockHash | None = None, extras: Sequence[bytes | None] | None = None) -> list[BlockHash]:
     """Hashes of every full block of `tokens` (a trailing partial block gets none).
 
-    `parent` continues an existing chain (the hash of the block before `tokens`)."""
+    `parent` continues an existing chain (the hash of the block before `tokens`). `extras[i]`, when
+    given, is folded into block i's hash: whatever besides tokens decides its KV (LoRA adapter,
+    multimodal inputs, prompt embeddings, cache salt)."""
     size = fingerprint.block_size
     data = token_array(tokens).tobytes()
     step = size * 4
     previous = fingerprint.root_hash() if parent is None else parent
     digest = xxhash.xxh3_128_digest
     out = []
-    for start in range(0, len(data) - step + 1, step):
-        previous = digest(previous + data[start : start + step])
+    for i, start in enumerate(range(0, len(data) - step + 1, step)):
+        extra = extras[i] if extras is not None and i < len(extras) else None
+        block = data[start : start + step]
+        if extra:  # length-prefixed, so tokens and extras can never be confused with each other
+            block += b"\xffEXTRA" + len(extra).to_bytes(8, "little") + extra
+        previous = digest(previous + block)
         out.append(previous)
     return out
 

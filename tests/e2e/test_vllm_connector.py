@@ -73,9 +73,12 @@ def test_prefill_decode_handoff(model, store_cluster):
     prompt = SHARED + list(range(400, 500))  # 396 tokens (ids inside the 512-token vocabulary): 3 full blocks
     baseline = run_engine({"model": model, "connector": None, "prompts": [prompt], "max_tokens": 12})["results"][0]
     prefill = run_engine({"model": model, "connector": {"role": "kv_producer", "extra": store_cluster},
-                          "prompts": [prompt], "max_tokens": 1})
+                          "prompts": [prompt, prompt[:-1]], "max_tokens": 1,
+                          "kv_transfer_params": [{"do_remote_decode": True}, None]})
     params = prefill["results"][0]["kv_transfer_params"]
     assert params["kvstore"]["num_blocks"] == 3 and prefill["stats"]["saved_blocks"] == 3
+    assert params["kvstore"]["prompt_token_ids"] == prompt
+    assert prefill["results"][1]["kv_transfer_params"] is None  # no remote decode asked: nothing promised
     decode = run_engine({"model": model, "connector": {"role": "kv_consumer", "extra": store_cluster},
                          "prompts": [prompt], "max_tokens": 12, "kv_transfer_params": [params]})
     assert decode["stats"]["loaded_blocks"] == 3  # every full prompt block came from the prefill instance

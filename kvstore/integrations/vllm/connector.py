@@ -1,16 +1,16 @@
 """KVStoreConnector: vLLM's KV-connector API (v1) over the kvstore cluster.
 
 Scheduler side: for a new request it asks the index mirror how many leading full blocks of the
-prompt the store holds beyond what vLLM already has, and has them loaded: inside the step when
-they are few (no scheduler round trip), asynchronously otherwise and for P/D hand-offs (the
-request waits in WAITING_FOR_REMOTE_KVS while others run). It plans which newly computed prompt
-blocks to save. A prefill instance (kv_producer) returns transfer parameters from
-request_finished; a decode instance (kv_consumer) checks them (fingerprint, block count) and
-loads the prompt's blocks instead of recomputing them.
+prompt every rank's store holds beyond what vLLM already has, and has them loaded: inside the step
+when they are few, asynchronously otherwise and for P/D hand-offs (the request waits in
+WAITING_FOR_REMOTE_KVS while others run). It plans which newly computed prompt blocks to save. A
+prefill instance returns transfer parameters for successful prefills that asked for a remote
+decode; a decode instance checks them (fingerprint, token ids) and loads the prompt's blocks,
+its worker waiting on the index mirror's watch for blocks still on their way.
 
-Worker side: loads run on a thread (store -> staging -> paged KV cache) and report completion
-and failed block ids; saves copy each layer's blocks into staging as the forward pass produces
-them and put them to the store in wait_for_save. One store block = one vLLM block, all layers.
+Worker side: loads run on a thread (store -> paged KV cache, in place on the CPU); saves copy each
+layer's blocks into staging as the forward pass produces them, and a bounded background writer
+puts them to the store, off the step. One store block = one vLLM block, all of this rank's layers.
 """
 from __future__ import annotations
 
@@ -19,18 +19,23 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole)
 
-from ...errors import FingerprintMismatch, KVStoreError
-from .fingerprint import fingerprint_from_vllm
-from .plan import RequestState, loadable_blocks, prompt_hashes
-from .stats import KVStoreConnectorStats
-from .store import store_for
+from ...errors import FingerprintMismatch, KVStoreError, UnsupportedDeployment, UnsupportedKVLayout
+from ...keys import ModelFingerprint
+from .events import StoreEvents
+from .fingerprint import all_rank_fingerprints, fingerprint_from_vllm, required_layout, uses_mla
+from .kv_cache_io import KVCacheIO
+from .plan import RequestState, common_prefix, loadable_blocks
+from .request_keys import request_hashes
+from .stats import KVStoreConnectorStats, KVStorePromMetrics
+from .store import check_deployment, store_for
+from .writer import SaveBatch, SaveWriter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,6 +55,8 @@ class KVStoreMetadata(KVConnectorMetadata):
     loads: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)  # asynchronous
     sync_loads: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)  # before this forward
     saves: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)
+    handoffs: set[str] = field(default_factory=set)  # saves a decode instance waits for
+    remote_waits: dict[str, float] = field(default_factory=dict)  # P/D loads: seconds to wait for blocks
 
 
 class KVStoreConnector(KVConnectorBase_V1):
@@ -58,7 +65,23 @@ class KVStoreConnector(KVConnectorBase_V1):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.block_size = int(vllm_config.cache_config.block_size)
         self.kv_role = str(self._kv_transfer_config.kv_role)
-        self.fingerprint = fingerprint_from_vllm(vllm_config, self._tp_rank(role), extra)
+        parallel = vllm_config.parallel_config
+        world = int(getattr(parallel, "tensor_parallel_size", 1)) * int(getattr(parallel, "pipeline_parallel_size", 1))
+        check_deployment(extra, world, self.kv_role)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) > 1:
+            raise UnsupportedDeployment(
+                f"kvstore stores one KV cache group, this model has {len(groups)} (hybrid memory: sliding-window or "
+                "mamba layers); start vLLM with --disable-hybrid-kv-cache-manager")
+        self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
+        self._mla = uses_mla(vllm_config)
+        tp_rank, pp_rank = self._ranks(role)
+        self.fingerprint = fingerprint_from_vllm(vllm_config, tp_rank, extra, pp_rank)
+        # MLA's latent cache is identical on every TP rank: rank 0 stores the one copy.
+        self._saves_here = not (self._mla and tp_rank > 0)
+        self._rank_fingerprints = all_rank_fingerprints(vllm_config, extra)
+        self._required_layout = required_layout(vllm_config)
+        self._vllm_config = vllm_config
         self.store = store_for(extra)
         self.save_enabled = bool(extra.get("save", self.kv_role in ("kv_both", "kv_producer")))
         self.load_enabled = bool(extra.get("load", True))
@@ -66,21 +89,20 @@ class KVStoreConnector(KVConnectorBase_V1):
         # Loads of up to this many blocks run inside the step (no scheduler round trip); larger ones
         # and P/D hand-offs run asynchronously while other requests keep going.
         self.sync_load_blocks = int(extra.get("sync_load_blocks", 64))
+        self._epoch = 0  # bumped by reset_cache: blocks saved before are never matched again
         # scheduler side
         self._requests: dict[str, RequestState] = {}
         self._matched: dict[str, tuple[int, int, bool]] = {}
         self._loads: dict[str, list[tuple[int, bytes]]] = {}
         self._sync_loads: dict[str, list[tuple[int, bytes]]] = {}
+        self._remote_waits: dict[str, float] = {}
         self._loading: set[str] = set()
         self._load_plans: dict[str, set[int]] = {}  # block ids each request was told to load
         self._load_failed: set[str] = set()  # requests that must not be offered store blocks again
-        self._waiting_since: dict[str, float] = {}
+        self._events = StoreEvents(self.block_size)
         # worker side
-        self._kv_caches: dict[str, torch.Tensor] = {}
-        self._layer_index: dict[str, int] = {}
-        self._layer_offsets: list[int] = []
-        self._block_bytes = 0
-        self._staged: dict[bytes, tuple[np.ndarray, set[int]]] = {}
+        self._io: KVCacheIO | None = None
+        self._staged: dict[bytes, tuple[np.ndarray, set[int], bool]] = {}
         self._lock = threading.Lock()
         self._received: set[str] = set()
         self._in_flight: set[str] = set()
@@ -88,60 +110,123 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._sent: set[str] = set()
         self._load_errors: set[int] = set()
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvstore-load")
+        self._writer: SaveWriter | None = None
+        self._save_queue_bytes = int(float(extra.get("save_queue_mib", 256)) * (1 << 20))
         self._stats = KVStoreConnectorStats()  # since the last get_kv_connector_stats()
         self.totals = KVStoreConnectorStats()  # since start (the demo and tests read it)
 
     def _count(self, **values: float) -> None:
-        self._stats.add(**values)
-        self.totals.add(**values)
+        with self._lock:
+            self._stats.add(**values)
+            self.totals.add(**values)
 
     @staticmethod
-    def _tp_rank(role: KVConnectorRole) -> int:
+    def _ranks(role: KVConnectorRole) -> tuple[int, int]:
+        """(tensor rank, pipeline rank) of this worker; the scheduler speaks for rank (0, 0)."""
         if role != KVConnectorRole.WORKER:
-            return 0
+            return 0, 0
         try:
-            from vllm.distributed import get_tensor_model_parallel_rank
+            from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
-            return int(get_tensor_model_parallel_rank())
-        except Exception:  # noqa: BLE001 - no TP group (tests, single process)
-            return 0
+            return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
+        except Exception:  # noqa: BLE001 - no parallel groups (tests, single process)
+            return 0, 0
+
+    # ============================== class-level hooks ==============================
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        return required_layout(vllm_config)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # save_kv_layer runs per layer: a full CUDA graph would replay the forward without it.
+        return True
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStoreConnectorStats:
+        return KVStoreConnectorStats(data=data) if data else KVStoreConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVStorePromMetrics:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ============================== scheduler side ==============================
     def _state(self, request: "Request") -> RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
             prompt = list(request.prompt_token_ids or [])
-            state = RequestState(prompt_hashes(self.fingerprint, prompt, getattr(request, "cache_salt", None)), len(prompt))
+            remote = self._remote_params(request)
+            tokens = prompt
+            if remote is not None and remote.get("prompt_token_ids") is not None:
+                # Hash exactly what the prefill hashed, as far as it agrees with this prompt.
+                tokens = common_prefix(prompt, list(remote["prompt_token_ids"]))
+            fingerprint = self._chain_fingerprint()
+            state = RequestState(request_hashes(fingerprint, request, tokens), len(prompt), tokens=prompt)
+            state.handoff = bool((getattr(request, "kv_transfer_params", None) or {}).get("do_remote_decode"))
             self._requests[request.request_id] = state
         return state
 
+    def _chain_fingerprint(self) -> ModelFingerprint:
+        if not self._epoch:
+            return self.fingerprint
+        from dataclasses import replace
+
+        return replace(self.fingerprint, cache_salt=f"{self.fingerprint.cache_salt}#epoch{self._epoch}")
+
+    @staticmethod
+    def _remote_params(request: "Request") -> dict | None:
+        return (getattr(request, "kv_transfer_params", None) or {}).get(PARAMS_KEY)
+
+    def _stored_prefix(self, hashes: list[bytes]) -> int | None:
+        """Leading blocks every rank's store holds; None when the index cannot be trusted now."""
+        length = len(hashes)
+        for fingerprint in self._rank_fingerprints:
+            match = self.store.mirror.match(fingerprint, hashes[:length])
+            if match.stale:
+                return None
+            length = min(length, match.length)
+            if not length:
+                break
+        return length
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        state = self._state(request)  # also when loading is off: saves need the request's keys
         if not self.load_enabled or request.request_id in self._load_failed:
             return 0, False  # after a failed load, recompute rather than fail again
-        state = self._state(request)
-        usable = loadable_blocks(state.prompt_tokens, self.block_size)
-        remote = (getattr(request, "kv_transfer_params", None) or {}).get(PARAMS_KEY)
+        usable = min(loadable_blocks(state.prompt_tokens, self.block_size), len(state.hashes))
+        remote = self._remote_params(request)
         if remote is not None:
             if remote.get("fingerprint") != self.fingerprint.digest:
                 log.error("%s", FingerprintMismatch(f"request {request.request_id} carries KV of fingerprint "
                                                     f"{remote.get('fingerprint')}, this engine is {self.fingerprint.digest}:"
                                                     " recomputing instead"))
                 return 0, False
-        match = self.store.mirror.match(self.fingerprint, state.hashes[:usable])
-        if match.stale:
-            return 0, False  # an index we cannot confirm is no reason to wait on a load
-        matched = match.length
-        if remote is not None and matched < min(int(remote.get("num_blocks", 0)), usable):
-            started = self._waiting_since.setdefault(request.request_id, time.monotonic())
-            if time.monotonic() - started < self.remote_wait_s:
-                return None, False  # the producer's blocks are still on their way: ask again later
-        self._waiting_since.pop(request.request_id, None)
+            # The producer promised these blocks; the worker waits on the index for any still in flight.
+            matched = min(int(remote.get("num_blocks", 0)), usable)
+            self._remote_waits[request.request_id] = self.remote_wait_s
+        else:
+            stored = self._stored_prefix(state.hashes[:usable])
+            if stored is None:
+                return 0, False  # an index we cannot confirm is no reason to wait on a load
+            self._events.check_missing(state.hashes[stored:usable])
+            matched = stored
         external = matched * self.block_size - num_computed_tokens
         if external <= 0:
+            self._remote_waits.pop(request.request_id, None)
             return 0, False
         load_async = remote is not None or matched - num_computed_tokens // self.block_size > self.sync_load_blocks
         self._matched[request.request_id] = (num_computed_tokens, matched, load_async)
         return external, load_async
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        if num_external_tokens == 0:
+            return {}
+        # A P/D hand-off is KV from a peer; otherwise it comes from the store pool (DRAM or NVMe).
+        source = CacheHitSource.P2P if self._remote_params(request) is not None else CacheHitSource.HOST
+        return {source: num_external_tokens}
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if num_external_tokens <= 0 or request.request_id not in self._matched:
@@ -161,35 +246,37 @@ class KVStoreConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         for req_id, plan in list(self._loads.items()) + list(self._sync_loads.items()):
             self._load_plans[req_id] = {block_id for block_id, _ in plan}
-        meta = KVStoreMetadata(loads=self._loads, sync_loads=self._sync_loads)
+        meta = KVStoreMetadata(loads=self._loads, sync_loads=self._sync_loads,
+                               remote_waits={r: w for r, w in self._remote_waits.items() if r in self._loads})
         self._loading.update(self._loads)
+        for req_id in self._loads:
+            self._remote_waits.pop(req_id, None)
         self._loads, self._sync_loads = {}, {}
         if not self.save_enabled:
             return meta
         stored = lambda h: self.store.mirror.contains(self.fingerprint, h)  # noqa: E731
         scheduled = scheduler_output.num_scheduled_tokens
+        progress: list[tuple[str, list[int] | None, int, bool]] = []
         for new in scheduler_output.scheduled_new_reqs:
-            state = self._requests.get(new.req_id)
-            if state is None:
-                prompt = list(new.prompt_token_ids or [])
-                state = self._requests[new.req_id] = RequestState(prompt_hashes(self.fingerprint, prompt), len(prompt))
-            state.block_ids = list(new.block_ids[0])
-            saves = state.blocks_to_save(new.num_computed_tokens + scheduled.get(new.req_id, 0), self.block_size, stored)
-            if saves:
-                meta.saves[new.req_id] = saves
+            progress.append((new.req_id, list(new.block_ids[0]), new.num_computed_tokens, True))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            resumed = req_id in cached.resumed_req_ids  # after preemption: the whole new list
+            progress.append((req_id, None if new_ids is None else list(new_ids[0]), cached.num_computed_tokens[i],
+                             resumed))
+        for req_id, block_ids, computed, replace_ids in progress:
             state = self._requests.get(req_id)
             if state is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids and new_ids is not None:
-                state.block_ids = list(new_ids[0])  # after preemption: the whole new list
-            elif new_ids is not None:
-                state.block_ids.extend(new_ids[0])
-            saves = state.blocks_to_save(cached.num_computed_tokens[i] + scheduled.get(req_id, 0), self.block_size, stored)
+                continue  # never seen by get_num_new_matched_tokens: no keys to save it under
+            if block_ids is not None:
+                state.block_ids = block_ids if replace_ids else state.block_ids + block_ids
+            saves = state.blocks_to_save(computed + scheduled.get(req_id, 0), self.block_size, stored)
             if saves:
                 meta.saves[req_id] = saves
+                self._events.saving(state, saves)
+                if state.handoff:
+                    meta.handoffs.add(req_id)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -205,41 +292,46 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         state = self._requests.pop(request.request_id, None)
-        self._matched.pop(request.request_id, None)
-        self._loads.pop(request.request_id, None)
-        self._sync_loads.pop(request.request_id, None)
-        self._waiting_since.pop(request.request_id, None)
-        self._load_plans.pop(request.request_id, None)
+        for table in (self._matched, self._loads, self._sync_loads, self._remote_waits, self._load_plans):
+            table.pop(request.request_id, None)
         self._load_failed.discard(request.request_id)
         # A load still writing into these blocks: vLLM must not reuse them until the worker says so.
         delay = request.request_id in self._loading
         params = None
-        if self.kv_role in ("kv_producer", "kv_both") and state is not None:
-            params = {PARAMS_KEY: {"fingerprint": self.fingerprint.digest, "prompt_tokens": state.prompt_tokens,
-                                   "num_blocks": loadable_blocks(state.prompt_tokens, self.block_size)}}
+        if state is not None and state.handoff and self.save_enabled and self._prefill_succeeded(request):
+            params = {PARAMS_KEY: {"fingerprint": self.fingerprint.digest, "prompt_token_ids": state.tokens,
+                                   "num_blocks": min(loadable_blocks(state.prompt_tokens, self.block_size),
+                                                     len(state.hashes))}}
         return delay, params
+
+    @staticmethod
+    def _prefill_succeeded(request: "Request") -> bool:
+        from vllm.v1.request import RequestStatus
+
+        # A remote-decode prefill ends at its max_tokens (usually 1); an abort or error promises nothing.
+        return request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+    def take_events(self) -> Iterable[Any]:
+        return self._events.take(self.store.mirror, self.fingerprint)
+
+    def reset_cache(self) -> bool:
+        # After an in-place weight update the stored KV is stale: start a new key chain.
+        self._epoch += 1
+        self._requests.clear()
+        return True
 
     # ============================== worker side ==============================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._kv_caches = dict(kv_caches)
-        # Registered once with the store's Transfer Engine: loads land straight in the KV cache.
-        self._kv_regions = [self.store.engine.register(t, remote_access=False) if self._block_major(t) else None
-                            for t in self._kv_caches.values()]
-        offset = 0
-        for i, (name, tensor) in enumerate(self._kv_caches.items()):
-            self._layer_index[name] = i
-            self._layer_offsets.append(offset)
-            offset += tensor[0].numel() * tensor.element_size()
-        self._layer_offsets.append(offset)
-        self._block_bytes = offset
-
-    @staticmethod
-    def _block_major(t: torch.Tensor) -> bool:
-        """A CPU tensor whose blocks are contiguous and back to back: blocks can be read in place."""
-        return t.device.type == "cpu" and t.is_contiguous() and t.stride(0) == t[0].numel()
-
-    def _layer_slice(self, i: int) -> slice:
-        return slice(self._layer_offsets[i], self._layer_offsets[i + 1])
+        resolved = getattr(self._vllm_config.cache_config, "kv_cache_layout", None)
+        if self._required_layout and resolved and str(resolved) != self._required_layout \
+                and "kv_layout" not in (self._kv_transfer_config.kv_connector_extra_config or {}):
+            raise UnsupportedKVLayout(
+                f"vLLM chose the {resolved} KV cache layout, not {self._required_layout} which kvstore keys its "
+                f"blocks under; set VLLM_KV_CACHE_LAYOUT={self._required_layout}, or name the layout in "
+                f"kv_connector_extra_config.kv_layout (every engine sharing blocks must use the same)")
+        self._io = KVCacheIO(self.store.engine, kv_caches, self._num_blocks)
+        self._writer = SaveWriter(lambda blocks: self.store.put_many(blocks, fingerprint=self.fingerprint),
+                                  self._save_queue_bytes, self._saved, handoff_wait_s=self.remote_wait_s)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -248,27 +340,35 @@ class KVStoreConnector(KVConnectorBase_V1):
         for req_id, blocks in meta.loads.items():
             with self._lock:
                 self._in_flight.add(req_id)
-            self._pool.submit(self._load, req_id, blocks)
+            self._pool.submit(self._load, req_id, blocks, True, meta.remote_waits.get(req_id, 0.0))
         for req_id, blocks in meta.sync_loads.items():
             self._load(req_id, blocks, report=False)  # failures surface in this step's load errors
 
-    def _load(self, req_id: str, blocks: list[tuple[int, bytes]], report: bool = True) -> None:
+    def _wait_for_blocks(self, hashes: list[bytes], seconds: float) -> None:
+        """P/D: block on the index mirror's watch until the producer's blocks are published."""
+        mirror, fingerprint = self.store.mirror, self.fingerprint
+        mirror.wait_until(lambda m: all(m.contains(fingerprint, h) for h in hashes), seconds)
+
+    def _load(self, req_id: str, blocks: list[tuple[int, bytes]], report: bool = True, wait_s: float = 0.0) -> None:
         started = time.perf_counter()
         failed: set[int] = set()
         loaded = 0
+        io = self._io
         try:
-            if all(r is not None for r in self._kv_regions):  # CPU KV cache: read into place
-                targets = [[(region, block_id * (self._layer_offsets[i + 1] - self._layer_offsets[i]),
-                             self._layer_offsets[i + 1] - self._layer_offsets[i])
-                            for i, region in enumerate(self._kv_regions)] for block_id, _ in blocks]
-                found = self.store.get_many([h for _, h in blocks], targets, fingerprint=self.fingerprint)
+            if io is None:
+                raise UnsupportedDeployment("no KV cache registered")
+            hashes = [h for _, h in blocks]
+            if wait_s > 0:
+                self._wait_for_blocks(hashes, wait_s)
+            if io.on_host:  # read straight into the KV cache
+                found = self.store.get_many(hashes, [io.targets(block_id) for block_id, _ in blocks],
+                                            fingerprint=self.fingerprint)
             else:  # device KV cache: through host staging
-                buffers = [np.empty(self._block_bytes, np.uint8) for _ in blocks]
-                found = self.store.get_many([h for _, h in blocks], buffers, fingerprint=self.fingerprint)
+                buffers = [np.empty(io.block_bytes, np.uint8) for _ in blocks]
+                found = self.store.get_many(hashes, buffers, fingerprint=self.fingerprint)
                 for (block_id, _), ok, buf in zip(blocks, found, buffers):
-                    for i, tensor in enumerate(self._kv_caches.values()):
-                        if ok:
-                            tensor[block_id].reshape(-1).view(torch.uint8).copy_(torch.from_numpy(buf[self._layer_slice(i)]))
+                    if ok:
+                        io.write_block(block_id, buf)
             for (block_id, _), ok in zip(blocks, found):
                 if ok:
                     loaded += 1
@@ -278,11 +378,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             log.warning("kvstore load for %s failed: %s", req_id, exc)
             failed = {block_id for block_id, _ in blocks}
             loaded = 0
+        block_bytes = io.block_bytes if io is not None else 0
+        self._count(hit_tokens=loaded * self.block_size, loaded_blocks=loaded, load_bytes=loaded * block_bytes,
+                    load_seconds=time.perf_counter() - started, load_failures=len(failed))
         with self._lock:
             self._load_errors |= failed
-            self._count(hit_tokens=loaded * self.block_size, loaded_blocks=loaded,
-                            load_bytes=loaded * self._block_bytes, load_seconds=time.perf_counter() - started,
-                            load_failures=len(failed))
             if not report:
                 return
             self._in_flight.discard(req_id)
@@ -297,35 +397,39 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KVStoreMetadata) or not meta.saves or layer_name not in self._layer_index:
+        io = self._io
+        if not isinstance(meta, KVStoreMetadata) or not meta.saves or io is None or not self._saves_here:
             return
-        i = self._layer_index[layer_name]
-        part = self._layer_slice(i)
-        for blocks in meta.saves.values():
+        layer = io.layer_index.get(layer_name)
+        if layer is None:
+            return
+        for req_id, blocks in meta.saves.items():
+            handoff = req_id in meta.handoffs
             for block_id, block_hash in blocks:
                 staged = self._staged.get(block_hash)
                 if staged is None:
-                    staged = self._staged[block_hash] = (np.empty(self._block_bytes, np.uint8), set())
-                source = kv_layer[block_id].reshape(-1).view(torch.uint8)
-                staged[0][part] = source.cpu().numpy() if source.device.type != "cpu" else source.numpy()
-                staged[1].add(i)
+                    staged = self._staged[block_hash] = (np.empty(io.block_bytes, np.uint8), set(), handoff)
+                io.stage_layer(layer, block_id, staged[0])
+                staged[1].add(layer)
 
     def wait_for_save(self) -> None:
-        if not self._staged:
+        if not self._staged or self._io is None or self._writer is None:
             return
-        complete = [(h, buf) for h, (buf, layers) in self._staged.items() if len(layers) == len(self._kv_caches)]
+        layers = len(self._io.names)
+        batches: dict[bool, list[tuple[bytes, np.ndarray]]] = {True: [], False: []}
+        for block_hash, (buf, done, handoff) in self._staged.items():
+            if len(done) == layers:
+                batches[handoff].append((block_hash, buf))
         self._staged.clear()
-        if not complete:
+        for handoff, blocks in batches.items():
+            if blocks and not self._writer.submit(SaveBatch(blocks, handoff)):
+                self._count(dropped_blocks=len(blocks))
+
+    def _saved(self, batch: SaveBatch, seconds: float, error: Exception | None) -> None:
+        if error is not None:
+            self._count(save_failures=len(batch.blocks))
             return
-        started = time.perf_counter()
-        try:
-            self.store.put_many(complete, fingerprint=self.fingerprint)
-        except (KVStoreError, OSError, RuntimeError) as exc:  # saving is best effort: a miss later
-            log.warning("kvstore save of %d blocks failed: %s", len(complete), exc)
-            return
-        with self._lock:
-            self._count(saved_blocks=len(complete), save_bytes=len(complete) * self._block_bytes,
-                        save_seconds=time.perf_counter() - started)
+        self._count(saved_blocks=len(batch.blocks), save_bytes=batch.nbytes, save_seconds=seconds)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:
@@ -351,9 +455,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             stats, self._stats = self._stats, KVStoreConnectorStats()
         return stats
 
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStoreConnectorStats:
-        return KVStoreConnectorStats(data=data) if data else KVStoreConnectorStats()
+    def flush_saves(self, timeout: float = 30.0) -> bool:
+        """Wait until every save handed to the background writer is stored (tests, shutdown)."""
+        return self._writer.flush(timeout) if self._writer is not None else True
 
     def shutdown(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
         self._pool.shutdown(wait=True)
+        if self._io is not None:
+            self._io.close()

@@ -34,7 +34,9 @@ def connector_stats() -> dict:
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        return dict(get_kv_transfer_group().totals.data)
+        connector = get_kv_transfer_group()
+        connector.flush_saves()  # saves run in the background: count them once they are stored
+        return dict(connector.totals.data)
     except Exception:  # noqa: BLE001 - no connector in this engine
         return {}
 

@@ -21,6 +21,16 @@ def loadable_blocks(prompt_tokens: int, block_size: int) -> int:
     return max(0, (prompt_tokens - 1) // block_size)
 
 
+def common_prefix(a: list[int], b: list[int]) -> list[int]:
+    """The longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return a[:n]
+
+
 @dataclass
 class RequestState:
     """What the scheduler-side connector remembers about one running request."""
@@ -29,6 +39,8 @@ class RequestState:
     prompt_tokens: int
     block_ids: list[int] = field(default_factory=list)
     saved_blocks: int = 0  # prompt blocks before this index are saved or known to be stored
+    tokens: list[int] = field(default_factory=list)  # the prompt (P/D parameters and KV events carry it)
+    handoff: bool = False  # a prefill whose KV a remote decode instance will load
 
     def blocks_to_save(self, computed_tokens: int, block_size: int, stored) -> list[tuple[int, bytes]]:
         """(vLLM block id, hash) of prompt blocks that became full and are not in the store yet."""

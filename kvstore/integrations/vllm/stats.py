@@ -1,13 +1,27 @@
-"""Connector statistics through vLLM's connector-stats hooks."""
+"""Connector statistics through vLLM's connector-stats hooks, and their Prometheus series."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 FIELDS = ("hit_tokens", "loaded_blocks", "load_bytes", "load_seconds", "load_failures", "saved_blocks",
-          "save_bytes", "save_seconds")
+          "save_bytes", "save_seconds", "save_failures", "dropped_blocks")
+
+# Counters exported as vllm:kvstore_<field>_total by vLLM's /metrics (the seconds as sums).
+PROM_HELP = {
+    "hit_tokens": "Prompt tokens whose KV was loaded from kvstore",
+    "loaded_blocks": "Blocks loaded from kvstore",
+    "load_bytes": "Bytes loaded from kvstore",
+    "load_seconds": "Seconds spent loading from kvstore",
+    "load_failures": "Blocks that failed to load (recomputed instead)",
+    "saved_blocks": "Blocks saved to kvstore",
+    "save_bytes": "Bytes saved to kvstore",
+    "save_seconds": "Seconds the background writer spent saving",
+    "save_failures": "Blocks whose save failed",
+    "dropped_blocks": "Blocks not saved because the save queue was full (back-pressure)",
+}
 
 
 @dataclass
@@ -35,3 +49,22 @@ class KVStoreConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.get(k) for k in FIELDS)
+
+
+class KVStorePromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per statistic, per engine."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for name, help_text in PROM_HELP.items():
+            counter = self._counter_cls(name=f"vllm:kvstore_{name}", documentation=help_text, labelnames=labelnames)
+            self._counters[name] = {engine: counter.labels(*values)
+                                    for engine, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, children in self._counters.items():
+            value = transfer_stats_data.get(name, 0)
+            if value and engine_idx in children:
+                children[engine_idx].inc(value)

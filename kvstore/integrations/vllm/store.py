@@ -5,7 +5,9 @@
      "dram": "2GiB", "disk": "/path", "disk_size": "16GiB", "secret": "...", "timeout": 5}
 
 "embedded" (the default) and memory:// URLs start an in-process store daemon the first time a
-process asks (library mode); etcd:// URLs connect to running `kvstore serve` daemons.
+process asks (library mode); etcd:// URLs connect to running `kvstore serve` daemons. A
+process-local store cannot serve engines split over processes (TP/PP workers) or a P/D pair in two
+processes: such deployments are refused at start-up instead of silently never hitting.
 """
 from __future__ import annotations
 
@@ -14,10 +16,28 @@ import threading
 from typing import Any
 
 from ...client import Client
+from ...errors import UnsupportedDeployment
 from ...library import open as open_embedded
 
 _clients: dict[tuple[str, str], Client] = {}
 _lock = threading.Lock()
+
+
+def check_deployment(config: dict[str, Any], world_size: int, kv_role: str) -> None:
+    """Refuse a process-local store where the parties that must share it live in other processes."""
+    url = str(config.get("metadata", "embedded"))
+    if not (url == "embedded" or url.startswith("memory://")):
+        return
+    if world_size > 1:
+        raise UnsupportedDeployment(
+            f"kv_connector_extra_config.metadata={url!r} is a store private to one process, but this engine's "
+            f"{world_size} TP/PP workers run in separate processes: set metadata to etcd://HOST:PORT and run "
+            "`kvstore serve` daemons")
+    if kv_role in ("kv_producer", "kv_consumer") and not config.get("process_local"):
+        raise UnsupportedDeployment(
+            f"kv_role={kv_role} hands KV to another engine, but metadata={url!r} is private to this process: "
+            "set metadata to etcd://HOST:PORT (with `kvstore serve` daemons), or process_local: true when the "
+            "prefill and decode engines share this process")
 
 
 def store_for(config: dict[str, Any]) -> Client:
