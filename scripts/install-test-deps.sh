@@ -9,4 +9,4 @@ if ! command -v etcd >/dev/null 2>&1; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq etcd-server
 fi
-sh scripts/install.sh test
+sh scripts/install.sh test gateway

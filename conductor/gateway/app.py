@@ -1,0 +1,282 @@
+"""The gateway's HTTP app: OpenAI endpoints in front, engines behind."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+
+from kvstore.keys import ModelFingerprint, chain_hashes
+
+from ..cost import CostModel
+from ..policies import Slo
+from .config import GatewayConfig
+from .errors import ApiError, UpstreamFailed
+from .fingerprint import gateway_fingerprint
+from .flow import PassThrough, Timing, open_decode, run_prefill, sse_error
+from .kv_events import KVEventFollower
+from .metrics import GatewayMetrics
+from .pool import Engine, Pool
+from .prefix import PrefixTracker
+from .route import Route, Router
+from .tokens import Tokens
+
+log = logging.getLogger("conductor.gateway")
+KINDS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+class Gateway:
+    """`await Gateway(config).start(host, port)`; `await stop()`."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config.validate()
+        self.pool = Pool(config.prefill, config.decode, interval=config.health_interval_s,
+                         timeout=config.connect_timeout_s)
+        self.tracker = PrefixTracker()
+        self.metrics = GatewayMetrics(self.pool)
+        self.tokens = Tokens(config.model_dir)
+        self.fingerprint: ModelFingerprint = gateway_fingerprint(config)
+        self.mirror = None
+        self.router: Router | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        if self.config.metadata:
+            from kvstore.index import IndexMirror
+
+            self.mirror = await asyncio.to_thread(lambda: IndexMirror(self.config.metadata, self.config.cluster).start())
+        self.router = Router(self.pool, self.tracker, self.fingerprint, mirror=self.mirror, policy=self.config.policy,
+                             cost=CostModel.from_dict(self.config.cost) if self.config.cost else None,
+                             slo=Slo(self.config.slo_ttft_ms, self.config.slo_tbt_ms),
+                             block_tokens=self.config.block_tokens,
+                             local_prefill_tokens=self.config.local_prefill_tokens)
+        # Connection reuse matters: a fresh TCP connection per call would cost more than routing.
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+                                             timeout=aiohttp.ClientTimeout(sock_connect=self.config.connect_timeout_s))
+        await self.pool.check_all(self.session)
+        self._tasks.append(asyncio.create_task(self.pool.run(self.session)))
+        for url, endpoint in self.config.kv_events.items():
+            follower = KVEventFollower(url.rstrip("/"), endpoint, self.tracker, self.fingerprint)
+            self._tasks.append(asyncio.create_task(follower.run()))
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.session is not None:
+            await self.session.close()
+        if self.mirror is not None:
+            await asyncio.to_thread(self.mirror.stop)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes,
+                              middlewares=[self._errors, self._auth])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        return app
+
+    # ------------------------------------------------------------ middleware
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        endpoint = request.path if request.path in KINDS or request.path in ("/health", "/metrics", "/v1/models") \
+            else "other"
+        try:
+            resp = await handler(request)
+        except ApiError as exc:
+            resp = exc.response()
+        except PassThrough as exc:
+            resp = exc.response()
+        except web.HTTPRequestEntityTooLarge:
+            resp = ApiError(413, f"request body over {self.config.max_body_bytes} bytes").response()
+        except web.HTTPException as exc:
+            resp = ApiError(exc.status, exc.reason or "error").response()
+        except asyncio.CancelledError:
+            self.metrics.cancelled.inc()
+            raise
+        except Exception:  # a bug must cost one request, not the gateway
+            log.exception("unhandled error on %s", request.path)
+            resp = ApiError(500, "internal gateway error").response()
+        self.metrics.requests.labels(endpoint, str(resp.status)).inc()
+        return resp
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
+        if self.config.api_keys and request.path != "/health":
+            given = request.headers.get("Authorization", "")
+            token = given[7:].encode() if given.startswith("Bearer ") else b""
+            # Compare against every key in constant time: no early exit that times the match.
+            if not any([hmac.compare_digest(token, k.encode()) for k in self.config.api_keys]):
+                raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+        return await handler(request)
+
+    # ------------------------------------------------------------ plain endpoints
+    async def health(self, request: web.Request) -> web.Response:
+        engines = [{"url": e.url, "role": e.role, "healthy": e.healthy, "inflight": e.inflight,
+                    "running": e.running, "waiting": e.waiting} for e in self.pool.engines]
+        ok = bool(self.pool.role("decode"))
+        return web.json_response({"status": "ok" if ok else "unavailable", "engines": engines,
+                                  "index_stale": None if self.mirror is None else self.mirror.stale},
+                                 status=200 if ok else 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def models(self, request: web.Request) -> web.Response:
+        now = int(time.time())
+        return web.json_response({"object": "list", "data": [
+            {"id": m, "object": "model", "created": now, "owned_by": "vllm"} for m in self.pool.models()]})
+
+    # ------------------------------------------------------------ generation
+    async def _body(self, request: web.Request, kind: str) -> dict:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        need = "prompt" if kind == "completions" else "messages"
+        if need not in body:
+            raise ApiError(400, f"missing required field {need!r}", param=need)
+        if kind == "chat" and (not isinstance(body["messages"], list) or not body["messages"]):
+            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+        if "model" not in body or not isinstance(body["model"], str):
+            raise ApiError(400, "missing required field 'model'", param="model")
+        models = self.pool.models()
+        if models and body["model"] not in models:
+            raise ApiError(404, f"the model {body['model']!r} does not exist; served: {models}", param="model",
+                           code="model_not_found")
+        if not isinstance(body.get("stream", False), bool):
+            raise ApiError(400, "'stream' must be a boolean", param="stream")
+        return body
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        kind = KINDS[request.path]
+        timing = Timing()
+        body = await self._body(request, kind)
+        any_engine = next(iter(self.pool.role("decode") + self.pool.role("prefill")), None)
+        t = time.perf_counter()
+        ids = await self.tokens.ids(kind, body, self.session, None if any_engine is None else any_engine.url,
+                                    self.config.connect_timeout_s)
+        if not self.tokens.local:
+            timing.upstream += time.perf_counter() - t  # the engine's /tokenize, not gateway work
+        hashes = chain_hashes(self.fingerprint, ids) if ids else []
+        prompt_tokens = len(ids) if ids else 0
+        session = request.headers.get(self.config.session_header) or body.get("user")
+        output_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+        route = self.router.route(hashes, prompt_tokens, output_tokens, session)
+        single = kind == "chat" or not isinstance(body.get("prompt"), list) or ids is not None
+        kv_params, route = await self._prefill(kind, body, route, hashes, prompt_tokens, output_tokens, session,
+                                               single and int(body.get("n") or 1) == 1, timing)
+        self.metrics.routes.labels("pd" if route.prefill else "colocated").inc()
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.cached_tokens.inc(route.cached_tokens)
+        return await self._decode(request, kind, body, route, kv_params, hashes, timing)
+
+    async def _prefill(self, kind: str, body: dict, route: Route, hashes: list[bytes], prompt_tokens: int,
+                       output_tokens: int, session: str | None, disaggregate: bool,
+                       timing: Timing) -> tuple[dict | None, Route]:
+        """Run the prefill (moving to other prefill engines on failure); None params: colocated."""
+        tried: set[str] = set()
+        while route.prefill is not None and disaggregate:
+            engine = route.prefill
+            try:
+                params = await run_prefill(self.session, engine, kind, body, prompt_tokens - route.cached_tokens,
+                                           self.config.prefill_timeout_s, timing)
+            except UpstreamFailed as exc:
+                log.warning("prefill failed, trying elsewhere: %s", exc)
+                self.metrics.upstream_failures.labels("prefill").inc()
+                self.metrics.retries.labels("prefill").inc()
+                engine.fail(str(exc))
+                tried.add(engine.url)
+                route = self.router.route(hashes, prompt_tokens, output_tokens, session, exclude=frozenset(tried))
+                continue
+            self.tracker.add(engine.url, hashes)
+            self._check_fingerprint(params)
+            return params, route
+        return None, Route(None, route.decode, route.cached_tokens, route.store_tokens, route.predicted_ttft_ms)
+
+    def _check_fingerprint(self, params: dict | None) -> None:
+        theirs = ((params or {}).get("kvstore") or {}).get("fingerprint")
+        if theirs and theirs != self.fingerprint.digest and self.router.store_enabled:
+            log.warning("engines key the store under fingerprint %s, the gateway under %s: store hits ignored "
+                        "(pass the engines' fingerprint in the gateway config)", theirs, self.fingerprint.digest)
+            self.router.store_enabled = False
+
+    async def _decode(self, request: web.Request, kind: str, body: dict, route: Route, kv_params: dict | None,
+                      hashes: list[bytes], timing: Timing) -> web.StreamResponse:
+        engine = route.decode
+        tried: set[str] = set()
+        for attempt in (0, 1):
+            engine.inflight += 1
+            try:
+                try:
+                    resp, first = await open_decode(self.session, engine, kind, body, kv_params,
+                                                    self.config.prefill_timeout_s, self.config.decode_timeout_s,
+                                                    timing)
+                except UpstreamFailed as exc:
+                    self.metrics.upstream_failures.labels("decode").inc()
+                    engine.fail(str(exc))
+                    tried.add(engine.url)
+                    others = [e for e in self.pool.role("decode") if e.url not in tried]
+                    if attempt or not others:
+                        raise ApiError(502, f"decode failed: {exc}", code="upstream_failed") from exc
+                    log.warning("decode failed before its first token, retrying elsewhere: %s", exc)
+                    self.metrics.retries.labels("decode").inc()
+                    engine = min(others, key=lambda e: (e.inflight + e.running, e.url))
+                    continue
+                if route.prefill is None:
+                    self.tracker.add(engine.url, hashes)
+                return await self._answer(request, body, resp, first, engine, timing)
+            finally:
+                engine.inflight -= 1
+        raise AssertionError("unreachable")
+
+    async def _answer(self, request: web.Request, body: dict, resp: aiohttp.ClientResponse, first: bytes,
+                      engine: Engine, timing: Timing) -> web.StreamResponse:
+        try:
+            if not body.get("stream"):
+                self._observe(timing)
+                return web.Response(body=first, status=resp.status, content_type="application/json")
+            out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                          "Cache-Control": "no-cache"})
+            await out.prepare(request)
+            await out.write(first)
+            self._observe(timing)
+            try:
+                async for chunk in resp.content.iter_any():
+                    await out.write(chunk)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                # Tokens already went out: the client gets an error event, not a silent cut.
+                self.metrics.upstream_failures.labels("decode").inc()
+                engine.fail(f"stream broke: {exc}")
+                await out.write(sse_error(f"decode engine failed mid-stream: {type(exc).__name__}"))
+            await out.write_eof()
+            return out
+        finally:
+            resp.release()  # also on cancellation: closes an unfinished upstream stream
+
+    def _observe(self, timing: Timing) -> None:
+        now = time.perf_counter()
+        timing.first_byte = now
+        self.metrics.ttft.observe(now - timing.start)
+        self.metrics.observe_overhead(now - timing.start - timing.upstream)

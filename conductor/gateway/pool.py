@@ -1,0 +1,109 @@
+"""The engines behind the gateway: health, live load scraped from each engine's `/metrics`, and
+what the gateway itself has in flight there. Dead engines leave the rotation until healthy again."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger("conductor.gateway")
+
+# vLLM's gauges (per engine; summed over its data-parallel ranks).
+_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+           "vllm:kv_cache_usage_perc": "kv_usage"}
+
+
+@dataclass
+class Engine:
+    url: str
+    role: str  # "prefill" | "decode"
+    healthy: bool = False
+    running: int = 0  # scraped
+    waiting: int = 0
+    kv_usage: float = 0.0
+    models: list[str] = field(default_factory=list)
+    inflight: int = 0  # this gateway's requests there now
+    inflight_tokens: int = 0  # their uncached prompt tokens (the prefill queue it caused)
+    failures: int = 0
+    checked_at: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.url
+
+    def fail(self, why: str) -> None:
+        """Out of the rotation now; the health loop brings it back."""
+        if self.healthy:
+            log.warning("engine %s left the rotation: %s", self.url, why)
+        self.healthy = False
+        self.failures += 1
+
+
+def parse_load(text: str) -> dict[str, float]:
+    out = {v: 0.0 for v in _GAUGES.values()}
+    for family in text_string_to_metric_families(text):
+        key = _GAUGES.get(family.name)
+        if key:
+            for sample in family.samples:
+                out[key] += sample.value
+    return out
+
+
+class Pool:
+    """All engines; `run()` polls `/health` and `/metrics` every `interval` seconds."""
+
+    def __init__(self, prefill: list[str], decode: list[str], *, interval: float = 1.0,
+                 timeout: float = 2.0) -> None:
+        self.engines = [Engine(u.rstrip("/"), "prefill") for u in prefill] + \
+                       [Engine(u.rstrip("/"), "decode") for u in decode]
+        self.interval, self.timeout = interval, timeout
+        self.ready = asyncio.Event()
+
+    def role(self, role: str, healthy: bool = True) -> list[Engine]:
+        return [e for e in self.engines if e.role == role and (e.healthy or not healthy)]
+
+    def get(self, url: str) -> Engine | None:
+        return next((e for e in self.engines if e.url == url), None)
+
+    def models(self) -> list[str]:
+        seen: list[str] = []
+        for e in self.engines:
+            seen += [m for m in e.models if m not in seen]
+        return seen
+
+    async def check(self, session: aiohttp.ClientSession, engine: Engine) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
+        try:
+            async with session.get(engine.url + "/health", timeout=timeout) as resp:
+                ok = resp.status == 200
+            if ok and not engine.models:
+                async with session.get(engine.url + "/v1/models", timeout=timeout) as resp:
+                    engine.models = [m["id"] for m in (await resp.json()).get("data", [])]
+            if ok:
+                async with session.get(engine.url + "/metrics", timeout=timeout) as resp:
+                    load = parse_load(await resp.text())
+                engine.running, engine.waiting = int(load["running"]), int(load["waiting"])
+                engine.kv_usage = load["kv_usage"]
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as exc:
+            ok = False
+            why = f"health check failed: {type(exc).__name__}: {exc}"
+        else:
+            why = "health check answered non-200"
+        if ok and not engine.healthy:
+            log.info("engine %s (%s) is in the rotation", engine.url, engine.role)
+        if not ok:
+            engine.fail(why)
+        engine.healthy, engine.checked_at = ok, time.monotonic()
+
+    async def check_all(self, session: aiohttp.ClientSession) -> None:
+        await asyncio.gather(*(self.check(session, e) for e in self.engines))
+        self.ready.set()
+
+    async def run(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await self.check_all(session)
+            await asyncio.sleep(self.interval)

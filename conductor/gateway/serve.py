@@ -1,0 +1,64 @@
+"""`conductor serve --prefill URL ... --decode URL ...`: run the gateway until SIGTERM/SIGINT."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+
+from .app import Gateway
+from .config import GatewayConfig, read_api_keys
+
+
+def add_arguments(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("--prefill", nargs="*", default=None, metavar="URL", help="prefill engines (vllm serve)")
+    serve.add_argument("--decode", nargs="*", default=None, metavar="URL", help="decode (or colocated) engines")
+    serve.add_argument("--config", help="JSON file with GatewayConfig fields (flags override it)")
+    serve.add_argument("--model-dir", help="the engines' model dir: local tokenizer and store fingerprint")
+    serve.add_argument("--api-key-file", help="client bearer tokens, one a line")
+    serve.add_argument("--local-prefill-tokens", type=int, default=None,
+                       help="prompts with fewer uncached tokens skip disaggregation")
+    serve.add_argument("--slo-ttft-ms", type=float, default=None, help="429 above this predicted TTFT")
+    serve.add_argument("--kv-events", action="append", default=[], metavar="URL=tcp://HOST:PORT",
+                       help="an engine's ZMQ KV-event endpoint (repeat per engine)")
+
+
+def config_from(args: argparse.Namespace) -> GatewayConfig:
+    overrides = {"prefill": args.prefill, "decode": args.decode, "metadata": args.metadata,
+                 "model_dir": args.model_dir, "local_prefill_tokens": args.local_prefill_tokens,
+                 "slo_ttft_ms": args.slo_ttft_ms}
+    if args.policy is not None:
+        overrides["policy"] = args.policy
+    if args.cluster is not None:
+        overrides["cluster"] = args.cluster
+    if args.block_tokens is not None:
+        overrides["block_tokens"] = args.block_tokens
+    if args.fingerprint:
+        overrides["fingerprint"] = json.loads(args.fingerprint)
+    if args.api_key_file:
+        overrides["api_keys"] = read_api_keys(args.api_key_file)
+    if args.kv_events:
+        overrides["kv_events"] = dict(item.split("=", 1) for item in args.kv_events)
+    if args.config:
+        return GatewayConfig.from_file(args.config, **overrides).validate()
+    return GatewayConfig(**{k: v for k, v in overrides.items() if v is not None}).validate()
+
+
+async def _run(config: GatewayConfig, listen: str) -> None:
+    host, _, port = listen.rpartition(":")
+    gateway = Gateway(config)
+    bound = await gateway.start(host or "127.0.0.1", int(port or 0))
+    print(json.dumps({"listen": f"{host}:{bound}"}), flush=True)
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, done.set)
+    await done.wait()
+    await gateway.stop()
+
+
+def serve_gateway(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_run(config_from(args), args.listen))
+    return 0

@@ -1,0 +1,97 @@
+"""Fake vLLM engines (aiohttp, in-process) for the gateway's unit tests: they answer like
+`vllm serve` and can be told to fail, hang or die mid-stream."""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+MODEL = "tiny"
+
+
+@dataclass
+class FakeEngine:
+    name: str
+    fail_status: int | None = None  # answer generation requests with this status
+    hang: bool = False  # never answer generation requests
+    die_after_chunks: int | None = None  # streaming: drop the connection after this many events
+    healthy: bool = True
+    stream_delay: float = 0.0
+    requests: list[dict] = field(default_factory=list)
+    cancelled: int = 0
+    url: str = ""
+    waiting: int = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        return app
+
+    async def health(self, request):
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def metrics(self, request):
+        return web.Response(text=f'vllm:num_requests_running{{engine="0"}} 0.0\n'
+                                 f'vllm:num_requests_waiting{{engine="0"}} {self.waiting}.0\n'
+                                 f'vllm:kv_cache_usage_perc{{engine="0"}} 0.25\n')
+
+    async def tokenize(self, request):
+        body = await request.json()
+        text = body.get("prompt") or json.dumps(body.get("messages"))
+        return web.json_response({"tokens": [ord(c) % 500 for c in text], "count": len(text)})
+
+    async def generate(self, request):
+        body = await request.json()
+        self.requests.append(body)
+        try:
+            if self.hang:
+                await asyncio.sleep(3600)
+            if self.fail_status:
+                return web.json_response({"error": {"message": "boom", "type": "internal"}}, status=self.fail_status)
+            text = f"from-{self.name}"
+            params = {"kvstore": {"fingerprint": "f", "num_blocks": 1, "by": self.name}} \
+                if (body.get("kv_transfer_params") or {}).get("do_remote_decode") else None
+            if not body.get("stream"):
+                return web.json_response({"id": "cmpl-1", "object": "text_completion", "model": body["model"],
+                                          "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                                          "kv_transfer_params": params})
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            chat = "messages" in body
+            events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}] if chat else []
+            for i, piece in enumerate(text.split("-")):
+                choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+                events.append({"id": "cmpl-1", "choices": [choice]})
+            for n, event in enumerate(events):
+                if self.die_after_chunks is not None and n >= self.die_after_chunks:
+                    request.transport.close()  # a crash: no [DONE], the socket just goes
+                    return resp
+                await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                await asyncio.sleep(self.stream_delay)
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+async def start_fakes(*engines: FakeEngine) -> list[web.AppRunner]:
+    runners = []
+    for engine in engines:
+        runner = web.AppRunner(engine.app(), handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        engine.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        runners.append(runner)
+    return runners

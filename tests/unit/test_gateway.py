@@ -1,0 +1,258 @@
+"""The OpenAI gateway against fake engines: the P/D flow, routing, streaming, bad input, auth."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from conductor.gateway import Gateway, GatewayConfig
+from conductor.gateway.kv_events import KVEventFollower
+from conductor.gateway.pool import parse_load
+from conductor.gateway.prefix import PrefixTracker
+from gateway_fakes import MODEL, FakeEngine, start_fakes
+from kvstore.keys import ModelFingerprint, chain_hashes
+
+BLOCK = 16
+
+
+class Rig:
+    """Fake engines + a gateway, all in this event loop."""
+
+    def __init__(self, prefill: list[FakeEngine], decode: list[FakeEngine], **config) -> None:
+        self.prefill, self.decode, self.config = prefill, decode, config
+
+    async def __aenter__(self) -> "Rig":
+        self.runners = await start_fakes(*self.prefill, *self.decode)
+        config = GatewayConfig(prefill=[e.url for e in self.prefill], decode=[e.url for e in self.decode],
+                               block_tokens=BLOCK, health_interval_s=0.1, prefill_timeout_s=2.0,
+                               **{"local_prefill_tokens": 0, **self.config})
+        self.gateway = Gateway(config)
+        port = await self.gateway.start()
+        self.url = f"http://127.0.0.1:{port}"
+        self.http = aiohttp.ClientSession()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.http.close()
+        await self.gateway.stop()
+        for runner in self.runners:
+            await runner.cleanup()
+
+    async def post(self, path: str, body, headers: dict | None = None) -> tuple[int, dict | str]:
+        data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        async with self.http.post(self.url + path, data=data, headers=headers or {}) as resp:
+            text = await resp.text()
+            try:
+                return resp.status, json.loads(text)
+            except ValueError:
+                return resp.status, text
+
+
+def completion(prompt, **kw) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 8, **kw}
+
+
+async def test_pd_handoff_passes_kv_transfer_params():
+    p, d = FakeEngine("p0"), FakeEngine("d0")
+    async with Rig([p], [d]) as rig:
+        status, body = await rig.post("/v1/completions", completion(list(range(40))))
+    assert status == 200 and body["choices"][0]["text"] == "from-d0"
+    (pre,) = p.requests
+    assert pre["max_tokens"] == 1 and pre["stream"] is False
+    assert pre["kv_transfer_params"] == {"do_remote_decode": True}
+    (dec,) = d.requests
+    assert dec["kv_transfer_params"]["kvstore"]["by"] == "p0"  # the prefill's answer, passed whole
+    assert dec["max_tokens"] == 8 and dec["prompt"] == list(range(40))
+
+
+async def test_streaming_chat_passes_events_through():
+    p, d = FakeEngine("p0"), FakeEngine("d0")
+    async with Rig([p], [d]) as rig:
+        async with rig.http.post(rig.url + "/v1/chat/completions",
+                                 json={"model": MODEL, "messages": [{"role": "user", "content": "hi " * 30}],
+                                       "stream": True, "max_tokens": 4}) as resp:
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+            raw = await resp.read()
+    events = [e[6:] for e in raw.decode().split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    pieces = [json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1]]
+    assert "".join(pieces) == "fromd0"
+    assert p.requests[0]["stream"] is False and d.requests[0]["stream"] is True
+
+
+async def test_short_uncached_prompt_skips_disaggregation():
+    p, d = FakeEngine("p0"), FakeEngine("d0")
+    async with Rig([p], [d], local_prefill_tokens=64) as rig:
+        status, _ = await rig.post("/v1/completions", completion(list(range(20))))
+        assert status == 200 and not p.requests and "kv_transfer_params" not in d.requests[0]
+        status, _ = await rig.post("/v1/completions", completion(list(range(100, 300))))
+        assert status == 200 and len(p.requests) == 1  # a long one is disaggregated
+
+
+async def test_shared_prefix_goes_where_it_was_prefilled():
+    engines = [FakeEngine(f"p{i}") for i in range(3)]
+    async with Rig(engines, [FakeEngine("d0")]) as rig:
+        prefix = list(range(1000, 1000 + 8 * BLOCK))
+        await rig.post("/v1/completions", completion(prefix + [1, 2, 3]))
+        home = [e.name for e in engines if e.requests]
+        for tail in range(5):
+            await rig.post("/v1/completions", completion(prefix + [7, tail]))
+        assert [e.name for e in engines if e.requests] == home  # every follow-up hit the warm engine
+        # An unrelated prompt is free to go elsewhere: the least loaded, not necessarily home.
+        assert len(home) == 1
+
+
+async def test_session_sticks_by_header_and_user():
+    engines = [FakeEngine(f"p{i}") for i in range(3)]
+    async with Rig(engines, [FakeEngine("d0")], policy="round_robin+sticky") as rig:
+        for i in range(4):
+            await rig.post("/v1/completions", completion([i] * 40), headers={"x-session-id": "alice"})
+        assert sorted(len(e.requests) for e in engines) == [0, 0, 4]
+        for i in range(3):
+            await rig.post("/v1/completions", completion([50 + i] * 40, user="bob"))
+        assert sum(1 for e in engines if any(r.get("user") == "bob" for r in e.requests)) == 1
+
+
+async def test_load_aware_routes_away_from_a_busy_engine():
+    engines = [FakeEngine(f"p{i}", hang=True) for i in range(2)]
+    async with Rig(engines, [FakeEngine("d0")]) as rig:
+        first = asyncio.create_task(rig.post("/v1/completions", completion([1] * 64)))
+        while not any(e.requests for e in engines):
+            await asyncio.sleep(0.01)
+        busy = next(e for e in engines if e.requests)
+        for e in engines:
+            e.hang = False  # the first request stays stuck where it is: that engine's queue is longer
+        status, _ = await rig.post("/v1/completions", completion([2] * 64))
+        assert status == 200 and len(busy.requests) == 1
+        first.cancel()
+
+
+async def test_bad_input_gets_openai_errors_and_the_gateway_keeps_serving():
+    async with Rig([FakeEngine("p0")], [FakeEngine("d0")], max_body_bytes=4096) as rig:
+        cases = [
+            (b"{not json", 400, None),
+            (b"[1, 2]", 400, None),
+            (json.dumps({"model": MODEL}), 400, "prompt"),
+            (json.dumps({"prompt": "x"}), 400, "model"),
+            (json.dumps(completion("x", model="gpt-nope")), 404, "model"),
+            (json.dumps(completion("x", stream="yes")), 400, "stream"),
+            (json.dumps(completion("x" * 10_000)), 413, None),
+        ]
+        for data, want, param in cases:
+            status, body = await rig.post("/v1/completions", data)
+            assert status == want, (data[:40], body)
+            assert set(body["error"]) >= {"message", "type", "param", "code"} and body["error"]["message"]
+            if param:
+                assert body["error"]["param"] == param
+        status, body = await rig.post("/v1/chat/completions", {"model": MODEL, "messages": []})
+        assert status == 400 and body["error"]["param"] == "messages"
+        async with rig.http.get(rig.url + "/v1/nowhere") as resp:
+            assert resp.status == 404 and "error" in await resp.json()
+        status, body = await rig.post("/v1/completions", completion("still here"))
+        assert status == 200
+
+
+async def test_engine_4xx_passes_through_unchanged():
+    p, d = FakeEngine("p0"), FakeEngine("d0", fail_status=400)
+    async with Rig([p], [d], local_prefill_tokens=10_000) as rig:
+        status, body = await rig.post("/v1/completions", completion("x"))
+    assert status == 400 and body["error"]["message"] == "boom"
+    assert len(d.requests) == 1  # a client error is not retried
+
+
+async def test_api_key_required_when_configured(tmp_path):
+    async with Rig([], [FakeEngine("d0")], api_keys=["s3cret", "other"]) as rig:
+        status, body = await rig.post("/v1/completions", completion("x"))
+        assert status == 401 and body["error"]["type"] == "authentication_error"
+        status, _ = await rig.post("/v1/completions", completion("x"), headers={"Authorization": "Bearer wrong"})
+        assert status == 401
+        status, _ = await rig.post("/v1/completions", completion("x"), headers={"Authorization": "s3cret"})
+        assert status == 401
+        for path in ("/v1/models", "/metrics"):
+            async with rig.http.get(rig.url + path) as resp:
+                assert resp.status == 401
+        status, _ = await rig.post("/v1/completions", completion("x"), headers={"Authorization": "Bearer other"})
+        assert status == 200
+        async with rig.http.get(rig.url + "/health") as resp:  # probes need no key
+            assert resp.status == 200
+
+
+async def test_slo_admission_rejects_with_429_and_a_reason():
+    async with Rig([FakeEngine("p0")], [FakeEngine("d0")], slo_ttft_ms=50.0) as rig:
+        status, body = await rig.post("/v1/completions", completion(list(range(2000))))
+        assert status == 429 and "TTFT" in body["error"]["message"]
+        status, _ = await rig.post("/v1/completions", completion([1, 2]))  # tiny: fits the bound
+        assert status == 200
+
+
+async def test_models_health_and_metrics():
+    async with Rig([FakeEngine("p0")], [FakeEngine("d0", )]) as rig:
+        async with rig.http.get(rig.url + "/v1/models") as resp:
+            assert [m["id"] for m in (await resp.json())["data"]] == [MODEL]
+        async with rig.http.get(rig.url + "/health") as resp:
+            health = await resp.json()
+            assert resp.status == 200 and all(e["healthy"] for e in health["engines"])
+        await rig.post("/v1/completions", completion(list(range(40))))
+        async with rig.http.get(rig.url + "/metrics") as resp:
+            text = await resp.text()
+        assert 'conductor_gateway_requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
+        assert 'conductor_gateway_routes_total{mode="pd"} 1.0' in text
+        assert "conductor_gateway_overhead_p50_seconds" in text
+
+
+def test_parse_load_sums_engine_gauges():
+    text = ('vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+            'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 5.0\n'
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
+            'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 9.0\n')
+    assert parse_load(text) == {"running": 3.0, "waiting": 5.0, "kv_usage": 0.5}
+
+
+def test_kv_events_rekey_blocks_by_our_chain():
+    fp = ModelFingerprint("m", "float32", 4, 2, 2, 8)
+    tracker = PrefixTracker()
+    follower = KVEventFollower("http://e0", "tcp://x", tracker, fp)
+    tokens = list(range(12))
+    ours = chain_hashes(fp, tokens)
+    follower.apply({"type": "BlockStored", "block_hashes": [101, 102], "parent_block_hash": None,
+                    "token_ids": tokens[:8], "block_size": 4})
+    follower.apply({"type": "BlockStored", "block_hashes": [103], "parent_block_hash": 102,
+                    "token_ids": tokens[8:], "block_size": 4})
+    assert tracker.prefix_blocks("http://e0", ours) == 3
+    follower.apply({"type": "BlockStored", "block_hashes": [200], "parent_block_hash": 999,  # unknown parent
+                    "token_ids": [9, 9, 9, 9], "block_size": 4})
+    assert 200 not in follower.ours
+    follower.apply({"type": "BlockRemoved", "block_hashes": [102]})
+    assert tracker.prefix_blocks("http://e0", ours) == 1
+    follower.apply({"type": "AllBlocksCleared"})
+    assert tracker.prefix_blocks("http://e0", ours) == 0
+
+
+async def test_kv_events_over_zmq_feed_routing():
+    import msgspec
+    import zmq
+    import zmq.asyncio
+
+    fp = ModelFingerprint("m", "float32", BLOCK, 2, 2, 8)
+    ctx = zmq.asyncio.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    tracker = PrefixTracker()
+    follower = KVEventFollower("http://e0", f"tcp://127.0.0.1:{port}", tracker, fp)
+    task = asyncio.create_task(follower.run())
+    tokens = list(range(2 * BLOCK))
+    event = {"type": "BlockStored", "block_hashes": [b"a" * 8, b"b" * 8], "parent_block_hash": None,
+             "token_ids": tokens, "block_size": BLOCK}
+    try:
+        for _ in range(100):  # a SUB misses what was sent before it connected: resend until seen
+            await pub.send_multipart([b"", (0).to_bytes(8, "big"), msgspec.msgpack.encode([0.0, [event], None])])
+            await asyncio.sleep(0.02)
+            if tracker.prefix_blocks("http://e0", chain_hashes(fp, tokens)) == 2:
+                break
+        assert tracker.prefix_blocks("http://e0", chain_hashes(fp, tokens)) == 2
+    finally:
+        task.cancel()
+        pub.close(linger=0)
