@@ -6,9 +6,13 @@ import asyncio
 import json
 from dataclasses import dataclass, field
 
+import aiohttp
 from aiohttp import web
 
+from conductor.gateway import Gateway, GatewayConfig
+
 MODEL = "tiny"
+BLOCK = 16
 
 
 @dataclass
@@ -95,3 +99,40 @@ async def start_fakes(*engines: FakeEngine) -> list[web.AppRunner]:
         engine.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         runners.append(runner)
     return runners
+
+
+class Rig:
+    """Fake engines + a gateway, all in this event loop."""
+
+    def __init__(self, prefill: list[FakeEngine], decode: list[FakeEngine], **config) -> None:
+        self.prefill, self.decode, self.config = prefill, decode, config
+
+    async def __aenter__(self) -> "Rig":
+        self.runners = await start_fakes(*self.prefill, *self.decode)
+        config = GatewayConfig(prefill=[e.url for e in self.prefill], decode=[e.url for e in self.decode],
+                               **{"block_tokens": BLOCK, "health_interval_s": 0.1, "prefill_timeout_s": 2.0,
+                                  "local_prefill_tokens": 0, **self.config})
+        self.gateway = Gateway(config)
+        port = await self.gateway.start()
+        self.url = f"http://127.0.0.1:{port}"
+        self.http = aiohttp.ClientSession()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.http.close()
+        await self.gateway.stop()
+        for runner in self.runners:
+            await runner.cleanup()
+
+    async def post(self, path: str, body, headers: dict | None = None) -> tuple[int, dict | str]:
+        data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        async with self.http.post(self.url + path, data=data, headers=headers or {}) as resp:
+            text = await resp.text()
+            try:
+                return resp.status, json.loads(text)
+            except ValueError:
+                return resp.status, text
+
+
+def completion(prompt, **kw) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 8, **kw}

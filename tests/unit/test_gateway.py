@@ -4,54 +4,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-import aiohttp
-import pytest
-
-from conductor.gateway import Gateway, GatewayConfig
 from conductor.gateway.kv_events import KVEventFollower
 from conductor.gateway.pool import parse_load
 from conductor.gateway.prefix import PrefixTracker
-from gateway_fakes import MODEL, FakeEngine, start_fakes
+from gateway_fakes import BLOCK, MODEL, FakeEngine, Rig, completion
 from kvstore.keys import ModelFingerprint, chain_hashes
-
-BLOCK = 16
-
-
-class Rig:
-    """Fake engines + a gateway, all in this event loop."""
-
-    def __init__(self, prefill: list[FakeEngine], decode: list[FakeEngine], **config) -> None:
-        self.prefill, self.decode, self.config = prefill, decode, config
-
-    async def __aenter__(self) -> "Rig":
-        self.runners = await start_fakes(*self.prefill, *self.decode)
-        config = GatewayConfig(prefill=[e.url for e in self.prefill], decode=[e.url for e in self.decode],
-                               block_tokens=BLOCK, health_interval_s=0.1, prefill_timeout_s=2.0,
-                               **{"local_prefill_tokens": 0, **self.config})
-        self.gateway = Gateway(config)
-        port = await self.gateway.start()
-        self.url = f"http://127.0.0.1:{port}"
-        self.http = aiohttp.ClientSession()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.http.close()
-        await self.gateway.stop()
-        for runner in self.runners:
-            await runner.cleanup()
-
-    async def post(self, path: str, body, headers: dict | None = None) -> tuple[int, dict | str]:
-        data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-        async with self.http.post(self.url + path, data=data, headers=headers or {}) as resp:
-            text = await resp.text()
-            try:
-                return resp.status, json.loads(text)
-            except ValueError:
-                return resp.status, text
-
-
-def completion(prompt, **kw) -> dict:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": 8, **kw}
 
 
 async def test_pd_handoff_passes_kv_transfer_params():
