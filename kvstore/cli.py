@@ -17,7 +17,10 @@ def add_serve(commands) -> None:
     serve.add_argument("--dram", default="1GiB", help="DRAM tier capacity")
     serve.add_argument("--disk-dir", help="NVMe tier directory (no NVMe tier without it)")
     serve.add_argument("--disk", default="4GiB", help="NVMe tier capacity")
-    serve.add_argument("--secret-file", help="cluster secret file (or set KVSTORE_SECRET)")
+    serve.add_argument("--secret-file", help="cluster secret file (or set KVSTORE_SECRET); created (0600) with a "
+                       "fresh secret if missing; default ~/.kvstore/<cluster>.secret")
+    serve.add_argument("--insecure", action="store_true",
+                       help="no cluster secret: anyone who reaches this node may read and write its memory")
     serve.add_argument("--replicas", type=int, default=1, help="default replicas for clients of this cluster")
     serve.add_argument("--eviction", default="lru", choices=["lru", "lfu"])
     serve.add_argument("--high-watermark", type=float, default=0.95)
@@ -38,6 +41,32 @@ def read_secret(path: str | None) -> str | None:
     return os.environ.get("KVSTORE_SECRET") or None
 
 
+def ensure_secret(path: str | None, cluster: str) -> tuple[str, str]:
+    """(secret, where it came from): KVSTORE_SECRET, else the secret file, created 0600 with a fresh
+    random secret when it does not exist yet (other nodes of the cluster are given the same file)."""
+    if not path and os.environ.get("KVSTORE_SECRET"):
+        return os.environ["KVSTORE_SECRET"], "KVSTORE_SECRET"
+    path = path or os.path.join(os.path.expanduser("~"), ".kvstore", f"{cluster}.secret")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        secret = read_secret(path) or ""
+        if not secret:
+            raise ValueError(f"secret file {path} is empty")
+        return secret, path
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        return ensure_secret(path, cluster)
+    import secrets
+
+    secret = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    print(f"kvstore serve: generated a cluster secret in {path} (mode 0600); give it to clients and other "
+          "nodes of this cluster", file=sys.stderr)
+    return secret, path
+
+
 def read_token(path: str | None) -> str | None:
     if path:
         with open(path) as f:
@@ -52,9 +81,17 @@ def run_serve(args: argparse.Namespace) -> int:
     from .errors import KVStoreError
     from .library import parse_size
 
+    secret = None
+    if not args.insecure:
+        try:
+            secret, _ = ensure_secret(args.secret_file, args.cluster)
+        except (OSError, ValueError) as exc:
+            print(f"kvstore serve: no cluster secret: {exc} (or pass --insecure)", file=sys.stderr)
+            return 1
     config = DaemonConfig(node=args.node, metadata=args.metadata, cluster=args.cluster, listen=args.listen,
                           engine_listen=args.engine_listen, dram_bytes=parse_size(args.dram), disk_dir=args.disk_dir,
-                          disk_bytes=parse_size(args.disk) if args.disk_dir else 0, secret=read_secret(args.secret_file),
+                          disk_bytes=parse_size(args.disk) if args.disk_dir else 0, secret=secret,
+                          insecure=args.insecure,
                           replicas=args.replicas, eviction=args.eviction, high_watermark=args.high_watermark,
                           low_watermark=args.low_watermark, metrics_port=args.metrics_port, lease_ttl=args.lease_ttl,
                           timeout=args.timeout, promote=not args.no_promote,
@@ -78,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="run the quick-start demo on the embedded default")
     demo.add_argument("what", nargs="?", default="vllm", choices=["vllm", "transfer"],
                       help="vllm (default): the connector on real vLLM; transfer: the Transfer Engine alone")
+    demo.add_argument("--verbose", action="store_true", help="keep vLLM's own logging (errors only otherwise)")
     add_serve(commands)
     from .admin.cli import add_parser as add_admin
 
@@ -94,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             return run()
         from .integrations.vllm.demo import run as run_vllm
 
-        return run_vllm()
+        return run_vllm(verbose=args.verbose)
     if args.command == "serve":
         return run_serve(args)
     if args.command == "admin":
