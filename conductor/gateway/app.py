@@ -10,6 +10,7 @@ import time
 import aiohttp
 from aiohttp import web
 
+from kvstore.integrations.vllm.request_keys import encode_extra_keys
 from kvstore.keys import ModelFingerprint, chain_hashes
 
 from ..cost import CostModel
@@ -27,6 +28,12 @@ from .tokens import Tokens
 
 log = logging.getLogger("conductor.gateway")
 KINDS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+def salt_extras(body: dict) -> list[bytes | None] | None:
+    """A request's `cache_salt` starts its own chain, as vLLM and the connector key it (first block)."""
+    salt = body.get("cache_salt")
+    return [encode_extra_keys((("cache_salt", salt),))] if isinstance(salt, str) and salt else None
 
 
 class Gateway:
@@ -179,7 +186,7 @@ class Gateway:
                                     self.config.connect_timeout_s)
         if not self.tokens.local:
             timing.upstream += time.perf_counter() - t  # the engine's /tokenize, not gateway work
-        hashes = chain_hashes(self.fingerprint, ids) if ids else []
+        hashes = chain_hashes(self.fingerprint, ids, extras=salt_extras(body)) if ids else []
         prompt_tokens = len(ids) if ids else 0
         session = request.headers.get(self.config.session_header) or body.get("user")
         output_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)

@@ -10,6 +10,7 @@ import asyncio
 import logging
 from typing import Any
 
+from kvstore.integrations.vllm.request_keys import encode_extra_keys
 from kvstore.keys import ModelFingerprint, chain_hashes
 
 from .prefix import PrefixTracker
@@ -28,11 +29,12 @@ class KVEventFollower:
         if kind == "BlockStored":
             size = int(event.get("block_size") or self.fingerprint.block_size)
             parent = event.get("parent_block_hash")
-            if size != self.fingerprint.block_size or event.get("lora_id") or event.get("extra_keys"):
+            if size != self.fingerprint.block_size or event.get("lora_id"):
                 return  # not a chain the gateway's hashes can name
             if parent is not None and parent not in self.ours:
                 return  # its prefix was never seen (events before we subscribed)
-            ours = chain_hashes(self.fingerprint, event["token_ids"], parent=self.ours.get(parent))
+            extras = [encode_extra_keys(k) if k else None for k in event.get("extra_keys") or ()]
+            ours = chain_hashes(self.fingerprint, event["token_ids"], parent=self.ours.get(parent), extras=extras or None)
             for theirs, mine in zip(event["block_hashes"], ours):
                 self.ours[theirs] = mine
             self.tracker.add(self.engine, ours)

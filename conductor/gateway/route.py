@@ -61,7 +61,9 @@ class Router:
         picked = next(e for e in candidates if e.url == choice.instance)
         if prefills:
             decode = min(decodes, key=lambda e: (e.inflight + e.running, e.url))
-            local = prompt_tokens - choice.cached_tokens < self.local_prefill_tokens
+            # What the decode engine would not have to compute: its own cache, or the store's blocks.
+            reusable = max(store, min(self.tracker.prefix_blocks(decode.url, hashes) * self.block_tokens, prompt_tokens))
+            local = prompt_tokens - reusable < self.local_prefill_tokens
         else:
             decode, local = picked, True
         tbt = self.cost.decode_step_ms(decode.running + decode.inflight + 1, 0)

