@@ -29,6 +29,7 @@ native = Pybind11Extension(
     cxx_std=17,
     extra_compile_args=["-O3", "-pthread", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
     extra_link_args=["-pthread"],
+    libraries=["crypto"],  # AES-GCM of encrypted TCP streams (OpenSSL libcrypto)
 )
 
 setup(ext_modules=[native], cmdclass={"build_ext": build_ext})

@@ -89,7 +89,7 @@ def reps_for(block: int, batch: int, quick: bool) -> int:
 # --- ours --------------------------------------------------------------------------------------
 def start_daemon(etcd: EtcdServer, name: str, dram: str, disk_dir: str | None, disk: str, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--node", name, "--metadata", etcd.url, "--cluster", "bench",
-           "--dram", dram, "--lease-ttl", "30", *extra]
+           "--dram", dram, "--lease-ttl", "30", "--insecure", *extra]
     if disk_dir:
         cmd += ["--disk-dir", disk_dir, "--disk", disk]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import platform
 import shutil
 import socket
@@ -77,7 +78,7 @@ def latency_iters(block: int, quick: bool) -> int:
 # --- the target process -------------------------------------------------------------------
 def serve(size: int) -> None:
     """Owns the target memory: our engine exports it; Mooncake (if installed) registers it too."""
-    engine = Engine("bench-target")
+    engine = Engine("bench-target", secret=os.environ["KVT_BENCH_SECRET"], wire="plain")  # initiators pick
     region = engine.allocate(size)
     hello: dict = {"descriptor": engine.export().to_json(), "region": region.id}
     try:
@@ -103,11 +104,14 @@ def _address_of(buffer: memoryview) -> int:
 
 # --- systems ------------------------------------------------------------------------------
 def bench_ours(hello: dict, args: argparse.Namespace, out: list[Record]) -> None:
-    with Engine("bench-initiator", streams=args.streams) as engine:
-        local = engine.allocate(args.batch)
-        np.frombuffer(local.buffer, np.uint8)[:] = 1
-        for transport in ("shm", "tcp"):
-            peer = engine.connect(hello["descriptor"], transport=transport, streams=args.streams)
+    # "tcp" is plaintext (trusted network); "tcp-aead" authenticates and encrypts every frame.
+    for transport in ("shm", "tcp", "tcp-aead"):
+        wire = "aead" if transport == "tcp-aead" else "plain"
+        with Engine("bench-initiator", listen=None, secret=os.environ["KVT_BENCH_SECRET"], wire=wire,
+                    streams=args.streams) as engine:
+            local = engine.allocate(args.batch)
+            np.frombuffer(local.buffer, np.uint8)[:] = 1
+            peer = engine.connect(hello["descriptor"], transport=transport.split("-")[0], streams=args.streams)
             remote = peer.region(hello["region"])
             for block in args.blocks:
                 for name, op in (("write", Write), ("read", Read)):
@@ -313,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     systems = args.systems.split(",")
     os.environ["MC_TCP_LANES_PER_PEER"] = str(args.streams)  # same parallelism as ours (both processes)
+    os.environ.setdefault("KVT_BENCH_SECRET", secrets.token_hex(16))  # inherited by the target process
     child = subprocess.Popen([sys.executable, "-m", "benchmarks.transfer", "--serve", "--batch-mib", str(args.batch_mib)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     records: list[Record] = []

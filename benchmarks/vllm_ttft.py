@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with EtcdServer() as etcd:
         daemon = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--node", "ttft", "--metadata",
-                                   etcd.url, "--dram", "4GiB"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+                                   etcd.url, "--dram", "4GiB", "--insecure"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
         daemon.stdout.readline()
         try:
             systems = {

@@ -26,6 +26,7 @@ enum Status : int32_t {
   kClosed = 8,
   kProtocol = 9,
   kInvalid = 10,
+  kBusy = 11,  // the serving engine's bounce-buffer budget stayed full for the stall time
 };
 
 enum Opcode : uint8_t { kRead = 1, kWrite = 2 };

@@ -41,7 +41,11 @@ WorkerPool::WorkerPool(int n) {
           task = std::move(tasks_.front());
           tasks_.pop_front();
         }
-        task();
+        try {
+          task();
+        } catch (...) {
+          // Tasks report their own failures; nothing may unwind out of a worker thread.
+        }
       }
     });
   }
@@ -67,8 +71,8 @@ void WorkerPool::stop() {
     if (t.joinable()) t.join();
 }
 
-Engine::Engine(uint64_t stall_ms, uint64_t stripe_bytes, int local_workers)
-    : stall_ms_(stall_ms), stripe_bytes_(stripe_bytes), pool_(std::max(1, local_workers)) {}
+Engine::Engine(uint64_t stall_ms, uint64_t stripe_bytes, int local_workers, uint64_t bounce_limit)
+    : stall_ms_(stall_ms), stripe_bytes_(stripe_bytes), budget_(bounce_limit), pool_(std::max(1, local_workers)) {}
 
 Engine::~Engine() { close(); }
 
@@ -117,14 +121,27 @@ bool Engine::unregister(uint64_t id, double wait_s) {
   if (!r) return true;
   auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_s);
   while (r.use_count() > 1) {
-    if (std::chrono::steady_clock::now() > deadline) return false;
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::lock_guard<std::mutex> lock(graveyard_mu_);
+      graveyard_[id] = r;
+      return false;
+    }
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
   return true;
 }
 
-uint32_t Engine::add_peer(const std::vector<int>& fds) {
-  auto peer = std::make_shared<Peer>(fds, stall_ms_, stripe_bytes_, &counters_);
+bool Engine::released(uint64_t id) {
+  std::lock_guard<std::mutex> lock(graveyard_mu_);
+  auto it = graveyard_.find(id);
+  if (it == graveyard_.end()) return true;
+  if (!it->second.expired()) return false;
+  graveyard_.erase(it);
+  return true;
+}
+
+uint32_t Engine::add_peer(const std::vector<int>& fds, const std::vector<WireKeys>& keys) {
+  auto peer = std::make_shared<Peer>(fds, keys, stall_ms_, stripe_bytes_, &counters_);
   std::lock_guard<std::mutex> lock(peers_mu_);
   uint32_t id = next_peer_++;
   peers_[id] = std::move(peer);
@@ -135,6 +152,12 @@ bool Engine::peer_alive(uint32_t id) {
   std::lock_guard<std::mutex> lock(peers_mu_);
   auto it = peers_.find(id);
   return it != peers_.end() && it->second->alive();
+}
+
+std::vector<uint64_t> Engine::peer_stream_bytes(uint32_t id) {
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  auto it = peers_.find(id);
+  return it == peers_.end() ? std::vector<uint64_t>{} : it->second->stream_bytes();
 }
 
 void Engine::remove_peer(uint32_t id) {
@@ -149,44 +172,44 @@ void Engine::remove_peer(uint32_t id) {
   peer->shutdown();  // its streams join when `peer` goes out of scope here
 }
 
-void Engine::reap_connections(bool all) {
-  std::vector<std::unique_ptr<Conn>> finished;
-  {
-    std::lock_guard<std::mutex> lock(conns_mu_);
-    auto keep = conns_.begin();
-    for (auto& c : conns_) {
-      if (all) ::shutdown(c->fd, SHUT_RDWR);
-      if (all || c->done.load()) {
-        finished.push_back(std::move(c));
-      } else {
-        *keep++ = std::move(c);
-      }
-    }
-    conns_.erase(keep, conns_.end());
-  }
-  for (auto& c : finished) {
-    if (c->thread.joinable()) c->thread.join();
-    ::close(c->fd);
-  }
+void Engine::stop_connections() {
+  std::unique_lock<std::mutex> lock(conns_->mu);
+  for (int fd : conns_->fds) ::shutdown(fd, SHUT_RDWR);
+  conns_->cv.wait(lock, [this] { return conns_->active == 0; });
 }
 
-void Engine::serve(int fd) {
-  reap_connections(false);
+int Engine::serving() const {
+  std::lock_guard<std::mutex> lock(conns_->mu);
+  return conns_->active;
+}
+
+void Engine::serve(int fd, const WireKeys& keys) {
+  // closing_ is checked under the lock close() takes to stop connections: a connection is either
+  // refused here or registered before close() looks, never added after it finished waiting.
+  std::lock_guard<std::mutex> lock(conns_->mu);
   if (closing_.load()) {
     ::close(fd);
     return;
   }
-  auto conn = std::make_unique<Conn>();
-  conn->fd = fd;
-  Conn* c = conn.get();
-  {
-    std::lock_guard<std::mutex> lock(conns_mu_);
-    conns_.push_back(std::move(conn));
+  conns_->fds.insert(fd);
+  ++conns_->active;
+  try {
+    std::thread([this, fd, keys, conns = conns_] {
+      try {
+        serve_connection(fd, keys, regions_, stall_ms_, &counters_, &budget_, closing_);
+      } catch (...) {
+        // e.g. bad_alloc: this connection ends, the process goes on
+      }
+      std::lock_guard<std::mutex> done(conns->mu);
+      conns->fds.erase(fd);
+      ::close(fd);
+      if (--conns->active == 0) conns->cv.notify_all();
+    }).detach();
+  } catch (...) {  // no thread to serve it (e.g. out of threads): refuse the connection
+    conns_->fds.erase(fd);
+    --conns_->active;
+    ::close(fd);
   }
-  c->thread = std::thread([this, c] {
-    serve_connection(c->fd, regions_, stall_ms_, &counters_, closing_);
-    c->done.store(true);
-  });
 }
 
 BatchPtr Engine::submit(const std::vector<OpSpec>& ops) {
@@ -267,7 +290,12 @@ BatchPtr Engine::submit(const std::vector<OpSpec>& ops) {
 void Engine::run_pieces(const BatchPtr& batch, std::vector<Piece>& pieces, uint64_t total) {
   auto run = [this](const BatchPtr& b, Piece* first, Piece* last) {
     for (Piece* p = first; p != last; ++p) {
-      int32_t st = copy_between(*p->dst, p->dst_off, *p->src, p->src_off, p->len);
+      int32_t st;
+      try {
+        st = copy_between(*p->dst, p->dst_off, *p->src, p->src_off, p->len);
+      } catch (...) {  // bounce allocation failed: this op fails, the batch still completes
+        st = kIoError;
+      }
       bool file = p->dst->kind == RegionKind::kFile || p->src->kind == RegionKind::kFile;
       (file ? counters_.file_bytes : counters_.local_bytes).fetch_add(st == kOk ? p->len : 0);
       b->part_done(p->op, st, st == kOk ? p->len : 0);
@@ -297,12 +325,16 @@ void Engine::run_pieces(const BatchPtr& batch, std::vector<Piece>& pieces, uint6
 std::map<std::string, uint64_t> Engine::stats() const {
   return {{"tcp_tx_bytes", counters_.tcp_tx.load()},       {"tcp_rx_bytes", counters_.tcp_rx.load()},
           {"local_bytes", counters_.local_bytes.load()},   {"file_bytes", counters_.file_bytes.load()},
-          {"served_ops", counters_.served_ops.load()},     {"refused_ops", counters_.refused_ops.load()}};
+          {"served_ops", counters_.served_ops.load()},     {"refused_ops", counters_.refused_ops.load()},
+          {"bounce_bytes", budget_.used()},                {"bounce_limit", budget_.limit()}};
 }
 
 void Engine::close() {
-  if (closing_.exchange(true)) return;
-  reap_connections(true);
+  {
+    std::lock_guard<std::mutex> lock(conns_->mu);
+    if (closing_.exchange(true)) return;
+  }
+  stop_connections();
   std::map<uint32_t, std::shared_ptr<Peer>> peers;
   {
     std::lock_guard<std::mutex> lock(peers_mu_);

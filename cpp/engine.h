@@ -5,9 +5,11 @@
 
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <thread>
 
+#include "aead.h"
 #include "common.h"
 #include "tcp.h"
 
@@ -31,7 +33,7 @@ class WorkerPool {
 
 class Engine {
  public:
-  Engine(uint64_t stall_ms, uint64_t stripe_bytes, int local_workers);
+  Engine(uint64_t stall_ms, uint64_t stripe_bytes, int local_workers, uint64_t bounce_limit);
   ~Engine();
 
   uint64_t register_memory(uintptr_t ptr, uint64_t size, bool readonly, bool remote_access);
@@ -39,11 +41,14 @@ class Engine {
   uint64_t register_file(const std::string& path, uint64_t size, bool readonly, bool remote_access,
                          std::string* err);
   bool unregister(uint64_t id, double wait_s);  // false: ops still hold it after wait_s
+  bool released(uint64_t id);  // after a timed-out unregister: true once no op holds the region
 
-  uint32_t add_peer(const std::vector<int>& fds);
+  uint32_t add_peer(const std::vector<int>& fds, const std::vector<WireKeys>& keys);
   bool peer_alive(uint32_t id);
+  std::vector<uint64_t> peer_stream_bytes(uint32_t id);
   void remove_peer(uint32_t id);
-  void serve(int fd);
+  void serve(int fd, const WireKeys& keys);
+  int serving() const;  // data connections being served now
 
   BatchPtr submit(const std::vector<OpSpec>& ops);
   std::map<std::string, uint64_t> stats() const;
@@ -55,13 +60,16 @@ class Engine {
     RegionPtr dst, src;
     uint64_t dst_off, src_off, len;
   };
-  struct Conn {
-    int fd;
-    std::thread thread;
-    std::atomic<bool> done{false};
+  // Served connections run on detached threads that close their own fd when they end; the
+  // state lives in a shared_ptr so a thread finishing during ~Engine never touches freed memory.
+  struct Conns {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::set<int> fds;
+    int active = 0;
   };
   void run_pieces(const BatchPtr& batch, std::vector<Piece>& pieces, uint64_t total);
-  void reap_connections(bool all);
+  void stop_connections();
 
   uint64_t stall_ms_, stripe_bytes_;
   RegionTable regions_;
@@ -69,9 +77,11 @@ class Engine {
   std::mutex peers_mu_;
   std::map<uint32_t, std::shared_ptr<Peer>> peers_;
   uint32_t next_peer_ = 1;
-  std::mutex conns_mu_;
-  std::vector<std::unique_ptr<Conn>> conns_;
+  std::shared_ptr<Conns> conns_ = std::make_shared<Conns>();
   std::atomic<bool> closing_{false};
+  BounceBudget budget_;
+  std::mutex graveyard_mu_;
+  std::map<uint64_t, std::weak_ptr<Region>> graveyard_;  // unregistered while ops held them
   WorkerPool pool_;
 };
 

@@ -198,7 +198,16 @@ void Writer::payload(const void* p, size_t n, RegionPtr pin) {
   pending_ += n;
 }
 
-void Writer::owned_payload(AlignedBuffer&& bytes) {
+void Writer::raw(const void* p, size_t n) {
+  raw_.emplace_back();
+  n = std::min(n, raw_.back().size());
+  std::memcpy(raw_.back().data(), p, n);
+  iov_.push_back({raw_.back().data(), n});
+  pending_ += n;
+}
+
+void Writer::owned_payload(AlignedBuffer&& bytes, std::unique_ptr<BudgetHold> hold) {
+  if (hold) holds_.push_back(std::move(hold));
   owned_.push_back(std::move(bytes));
   iov_.push_back({owned_.back().data(), owned_.back().size()});
   pending_ += owned_.back().size();
@@ -208,7 +217,9 @@ int32_t Writer::flush() {
   int32_t st = iov_.empty() ? kOk : writev_all(fd_, iov_);
   iov_.clear();
   headers_.clear();
+  raw_.clear();
   owned_.clear();
+  holds_.clear();
   pins_.clear();
   pending_ = 0;
   return st;

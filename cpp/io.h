@@ -4,9 +4,12 @@
 
 #include <sys/uio.h>
 
+#include <array>
 #include <deque>
+#include <memory>
 #include <vector>
 
+#include "aead.h"
 #include "common.h"
 
 namespace kvt {
@@ -62,7 +65,8 @@ class Writer {
   explicit Writer(int fd) : fd_(fd) {}
   void header(const RespHeader& h);
   void payload(const void* p, size_t n, RegionPtr pin);
-  void owned_payload(AlignedBuffer&& bytes);
+  void owned_payload(AlignedBuffer&& bytes, std::unique_ptr<BudgetHold> hold = nullptr);
+  void raw(const void* p, size_t n);  // a small sealed header (copied; at most 64 bytes)
   size_t pending_bytes() const { return pending_; }
   size_t pending_iov() const { return iov_.size(); }
   int32_t flush();
@@ -71,6 +75,8 @@ class Writer {
   int fd_;
   std::deque<RespHeader> headers_;  // deque: stable addresses for the iovecs
   std::deque<AlignedBuffer> owned_;
+  std::deque<std::array<uint8_t, 64>> raw_;
+  std::vector<std::unique_ptr<BudgetHold>> holds_;  // budget of owned_ buffers, released on flush
   std::vector<iovec> iov_;
   std::vector<RegionPtr> pins_;
   size_t pending_ = 0;

@@ -55,8 +55,8 @@ PYBIND11_MODULE(_native, m) {
       });
 
   py::class_<Engine>(m, "Engine")
-      .def(py::init<uint64_t, uint64_t, int>(), py::arg("stall_ms"), py::arg("stripe_bytes"),
-           py::arg("local_workers"))
+      .def(py::init<uint64_t, uint64_t, int, uint64_t>(), py::arg("stall_ms"), py::arg("stripe_bytes"),
+           py::arg("local_workers"), py::arg("bounce_limit"))
       .def("register_memory", &Engine::register_memory, py::arg("address"), py::arg("size"),
            py::arg("readonly"), py::arg("remote_access"))
       .def("register_file", [](Engine& e, const std::string& path, uint64_t size, bool readonly, bool remote) {
@@ -73,19 +73,25 @@ PYBIND11_MODULE(_native, m) {
         py::gil_scoped_release nogil;
         return e.unregister(id, wait_s);
       })
-      .def("add_peer", [](Engine& e, const std::vector<int>& fds) {
+      .def("add_peer", [](Engine& e, const std::vector<int>& fds, const std::vector<std::pair<py::bytes, py::bytes>>& keys) {
+        std::vector<kvt::WireKeys> wire;
+        for (auto& k : keys) wire.push_back(kvt::WireKeys{std::string(k.first), std::string(k.second)});
         py::gil_scoped_release nogil;
-        return e.add_peer(fds);
-      })
+        return e.add_peer(fds, wire);
+      }, py::arg("fds"), py::arg("keys"), "keys: (tx, rx) 32-byte keys per fd, or [] for plaintext streams.")
       .def("peer_alive", &Engine::peer_alive)
+      .def("peer_stream_bytes", &Engine::peer_stream_bytes, "Payload bytes each stream to the peer carried.")
+      .def("released", &Engine::released, "After a timed-out unregister: no op holds the region any more.")
+      .def("serving", &Engine::serving, "Data connections being served now.")
       .def("remove_peer", [](Engine& e, uint32_t id) {
         py::gil_scoped_release nogil;
         e.remove_peer(id);
       })
-      .def("serve", [](Engine& e, int fd) {
+      .def("serve", [](Engine& e, int fd, const py::bytes& tx, const py::bytes& rx) {
+        kvt::WireKeys keys{std::string(tx), std::string(rx)};
         py::gil_scoped_release nogil;
-        e.serve(fd);
-      })
+        e.serve(fd, keys);
+      }, py::arg("fd"), py::arg("tx"), py::arg("rx"))
       .def("submit", [](Engine& e, const py::buffer& flat) {
         std::vector<kvt::OpSpec> ops = parse_ops(flat);
         py::gil_scoped_release nogil;

@@ -19,8 +19,12 @@ constexpr size_t kFlushIov = 512;
 constexpr uint64_t kInlineSendBytes = 64 * 1024;
 }  // namespace
 
-Stream::Stream(int fd, uint64_t stall_ms, Counters* counters)
+Stream::Stream(int fd, uint64_t stall_ms, Counters* counters, const WireKeys& keys)
     : fd_(fd), stall_ms_(stall_ms), counters_(counters) {
+  if (keys.enabled()) {
+    tx_ = std::make_unique<Aead>(reinterpret_cast<const uint8_t*>(keys.tx.data()));
+    rx_ = std::make_unique<Aead>(reinterpret_cast<const uint8_t*>(keys.rx.data()));
+  }
   set_stream_options(fd_, stall_ms_);
   sender_ = std::thread([this] { send_loop(); });
   receiver_ = std::thread([this] { recv_loop(); });
@@ -89,7 +93,7 @@ bool Stream::enqueue(std::vector<SubReq>& reqs) {
     std::unique_lock<std::mutex> sending(send_mu_, std::try_to_lock);
     if (sending.owns_lock()) {
       lock.unlock();
-      send_batch(reqs);
+      send_guarded(reqs);
       return true;
     }
   }
@@ -97,6 +101,17 @@ bool Stream::enqueue(std::vector<SubReq>& reqs) {
   lock.unlock();
   send_cv_.notify_one();
   return true;
+}
+
+void Stream::send_guarded(std::vector<SubReq>& batch) {
+  try {
+    if (tx_) send_sealed(batch);
+    else send_batch(batch);
+  } catch (...) {  // e.g. bad_alloc: fail this stream's ops, keep the process
+    for (auto& r : batch)
+      if (r.batch) finish(r, kIoError);
+    mark_broken(kIoError);
+  }
 }
 
 void Stream::send_loop() {
@@ -121,8 +136,64 @@ void Stream::send_loop() {
       for (auto& r : to_send_) batch.push_back(std::move(r));
       to_send_.clear();
     }
-    if (!batch.empty()) send_batch(batch);
+    if (!batch.empty()) send_guarded(batch);
   }
+}
+
+void Stream::send_sealed(std::vector<SubReq>& batch) {
+  struct Out {
+    uint8_t opcode;
+    RegionPtr local;  // pinned here: the receiver may fail and drop its SubReq while we send
+    uint64_t local_off, remote_region, remote_off, len;
+  };
+  std::vector<Out> outs;
+  outs.reserve(batch.size());
+  for (auto& r : batch) outs.push_back(Out{r.opcode, r.local, r.local_off, r.remote_region, r.remote_off, r.len});
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (closing_ || broken_) {
+      int32_t st = closing_ ? kClosed : broken_status_;
+      lock.unlock();
+      for (auto& r : batch) finish(r, st);
+      return;
+    }
+    if (in_flight_.empty()) activity_ = std::chrono::steady_clock::now();
+    for (auto& r : batch) in_flight_.push_back(std::move(r));
+  }
+  // Requests are in flight in wire order (send_mu_ is held); each goes out as a sealed header and,
+  // for writes, a sealed payload. Output is gathered and sent every few MiB.
+  sealed_out_.clear();
+  uint64_t payload = 0;
+  auto flush = [&]() -> bool {
+    if (sealed_out_.empty()) return true;
+    int32_t st = send_all(fd_, sealed_out_.data(), sealed_out_.size());
+    sealed_out_.clear();
+    if (st != kOk) mark_broken(st);
+    return st == kOk;
+  };
+  for (auto& o : outs) {
+    ReqHeader h{kMagic, o.opcode, {0, 0, 0}, o.remote_region, o.remote_off, o.len};
+    size_t at = sealed_out_.size();
+    sealed_out_.resize(at + sizeof h + kTagBytes + (o.opcode == kWrite ? o.len + kTagBytes : 0));
+    uint8_t* p = sealed_out_.data() + at;
+    bool ok = tx_->seal(reinterpret_cast<uint8_t*>(&h), sizeof h, p, p + sizeof h);
+    if (ok && o.opcode == kWrite) {
+      uint8_t* body = p + sizeof h + kTagBytes;
+      if (o.local->kind == RegionKind::kMemory) {
+        ok = tx_->seal(o.local->base + o.local_off, o.len, body, body + o.len);
+      } else {
+        ok = region_read(*o.local, o.local_off, body, o.len) == kOk && tx_->seal(body, o.len, body, body + o.len);
+      }
+      payload += o.len;
+      moved_.fetch_add(o.len, std::memory_order_relaxed);
+    }
+    if (!ok) {  // the request is in flight already: the stream cannot go on
+      mark_broken(kIoError);
+      return;
+    }
+    if (sealed_out_.size() >= kFlushBytes && !flush()) return;
+  }
+  if (flush()) counters_->tcp_tx.fetch_add(payload, std::memory_order_relaxed);
 }
 
 void Stream::send_batch(std::vector<SubReq>& batch) {
@@ -173,6 +244,7 @@ void Stream::send_batch(std::vector<SubReq>& batch) {
     mark_broken(st);
   } else {
     counters_->tcp_tx.fetch_add(payload, std::memory_order_relaxed);
+    moved_.fetch_add(payload, std::memory_order_relaxed);
   }
 }
 
@@ -188,16 +260,44 @@ bool Stream::stalled() {
 }
 
 void Stream::recv_loop() {
+  int32_t st;
+  try {
+    st = recv_frames();
+  } catch (...) {  // e.g. bad_alloc: fail this stream's ops, keep the process
+    st = kIoError;
+  }
+  mark_broken(st);
+  std::deque<SubReq> left;
+  int32_t status;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    left.swap(in_flight_);
+    status = broken_status_;
+  }
+  fail(left, status);  // the sender fails anything it moves in after this (it checks broken_)
+}
+
+int32_t Stream::recv_frames() {
   Reader reader(fd_);
   int32_t st = kOk;
+  const size_t header_bytes = sizeof(RespHeader) + (rx_ ? kTagBytes : 0);
   while (st == kOk) {
-    while (st == kOk && reader.buffered() < sizeof(RespHeader)) {
-      st = reader.fill(next_is_large_read() ? sizeof(RespHeader) - reader.buffered() : Reader::kDefaultFill);
+    while (st == kOk && reader.buffered() < header_bytes) {
+      st = reader.fill(next_is_large_read() ? header_bytes - reader.buffered() : Reader::kDefaultFill);
       if (st == kTimeout && !stalled()) st = kOk;
     }
     if (st != kOk) break;
     RespHeader h{};
-    reader.read(&h, sizeof h);
+    if (rx_) {
+      uint8_t raw[sizeof(RespHeader) + kTagBytes];
+      reader.read(raw, sizeof raw);
+      if (!rx_->open(raw, sizeof h, reinterpret_cast<uint8_t*>(&h), raw + sizeof h)) {
+        st = kProtocol;  // forged or injected: nothing from this stream can be trusted now
+        break;
+      }
+    } else {
+      reader.read(&h, sizeof h);
+    }
     SubReq req;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -213,29 +313,39 @@ void Stream::recv_loop() {
     if (h.status == kOk && req.opcode == kRead) {
       if (h.length != req.len) {
         st = kProtocol;
+      } else if (rx_) {
+        // Into a staging buffer first: unauthenticated bytes never reach the destination.
+        sealed_in_.resize(req.len + kTagBytes);
+        st = reader.read(sealed_in_.data(), sealed_in_.size());
+        if (st == kOk && !rx_->open(sealed_in_.data(), req.len, sealed_in_.data(), sealed_in_.data() + req.len))
+          st = kProtocol;
+        if (st == kOk) st = region_write(*req.local, req.local_off, sealed_in_.data(), req.len);
       } else {
         st = reader.read_into_region(*req.local, req.local_off, req.len);
-        if (st == kOk) counters_->tcp_rx.fetch_add(req.len, std::memory_order_relaxed);
       }
-    } else if (h.length != 0 || h.status < kOk || h.status > kInvalid || h.status == kPending) {
+      if (st == kOk) {
+        counters_->tcp_rx.fetch_add(req.len, std::memory_order_relaxed);
+        moved_.fetch_add(req.len, std::memory_order_relaxed);
+      }
+    } else if (h.length != 0 || h.status < kOk || h.status > kBusy || h.status == kPending) {
       st = kProtocol;
     }
     finish(req, st == kOk ? result : st);
   }
-  mark_broken(st);
-  std::deque<SubReq> left;
-  int32_t status;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    left.swap(in_flight_);
-    status = broken_status_;
-  }
-  fail(left, status);  // the sender fails anything it moves in after this (it checks broken_)
+  return st;
 }
 
-Peer::Peer(const std::vector<int>& fds, uint64_t stall_ms, uint64_t stripe_bytes, Counters* counters)
+Peer::Peer(const std::vector<int>& fds, const std::vector<WireKeys>& keys, uint64_t stall_ms, uint64_t stripe_bytes,
+           Counters* counters)
     : stripe_bytes_(std::max<uint64_t>(stripe_bytes, 4096)) {
-  for (int fd : fds) streams_.push_back(std::make_unique<Stream>(fd, stall_ms, counters));
+  for (size_t i = 0; i < fds.size(); ++i)
+    streams_.push_back(std::make_unique<Stream>(fds[i], stall_ms, counters, i < keys.size() ? keys[i] : WireKeys{}));
+}
+
+std::vector<uint64_t> Peer::stream_bytes() const {
+  std::vector<uint64_t> out;
+  for (auto& s : streams_) out.push_back(s->bytes_moved());
+  return out;
 }
 
 bool Peer::alive() const {
@@ -274,13 +384,32 @@ void Peer::dispatch(std::vector<SubReq>& reqs) {
     if (!per_stream[i].empty()) streams_[i]->enqueue(per_stream[i]);
 }
 
-void serve_connection(int fd, const RegionTable& regions, uint64_t stall_ms, Counters* counters,
-                      const std::atomic<bool>& closing) {
+void serve_connection(int fd, const WireKeys& keys, const RegionTable& regions, uint64_t stall_ms,
+                      Counters* counters, BounceBudget* budget, const std::atomic<bool>& closing) {
   set_stream_options(fd, stall_ms);
+  std::unique_ptr<Aead> rx, tx;
+  if (keys.enabled()) {
+    rx = std::make_unique<Aead>(reinterpret_cast<const uint8_t*>(keys.rx.data()));
+    tx = std::make_unique<Aead>(reinterpret_cast<const uint8_t*>(keys.tx.data()));
+  }
+  const uint64_t tag = rx ? kTagBytes : 0;
+  const size_t header_bytes = sizeof(ReqHeader) + tag;
+  const auto budget_wait = std::chrono::milliseconds(stall_ms);
   Reader reader(fd);
   Writer writer(fd);
+  auto respond = [&](int32_t status, uint64_t length) -> bool {
+    RespHeader resp{status, 0, length};
+    if (!tx) {
+      writer.header(resp);
+      return true;
+    }
+    uint8_t sealed[sizeof resp + kTagBytes];
+    if (!tx->seal(reinterpret_cast<uint8_t*>(&resp), sizeof resp, sealed, sealed + sizeof resp)) return false;
+    writer.raw(sealed, sizeof sealed);
+    return true;
+  };
   while (!closing.load(std::memory_order_relaxed)) {
-    if (reader.buffered() < sizeof(ReqHeader)) {
+    if (reader.buffered() < header_bytes) {
       if (writer.flush() != kOk) break;
       bool idle = reader.buffered() == 0;
       int32_t st = reader.fill();
@@ -289,7 +418,14 @@ void serve_connection(int fd, const RegionTable& regions, uint64_t stall_ms, Cou
       continue;
     }
     ReqHeader h{};
-    if (reader.read(&h, sizeof h) != kOk) break;
+    if (rx) {
+      uint8_t raw[sizeof(ReqHeader) + kTagBytes];
+      if (reader.read(raw, sizeof raw) != kOk) break;
+      // Only the holder of this connection's key can have sent it: an injected frame ends the link.
+      if (!rx->open(raw, sizeof h, reinterpret_cast<uint8_t*>(&h), raw + sizeof h)) break;
+    } else if (reader.read(&h, sizeof h) != kOk) {
+      break;
+    }
     if (h.magic != kMagic || (h.opcode != kRead && h.opcode != kWrite)) break;
     RegionPtr r = regions.get(h.region);
     int32_t st = kOk;
@@ -299,32 +435,50 @@ void serve_connection(int fd, const RegionTable& regions, uint64_t stall_ms, Cou
       st = kOutOfBounds;
     } else if (h.opcode == kWrite && r->readonly) {
       st = kReadOnly;
-    } else if (r->kind == RegionKind::kFile && h.length > kMaxFileOp) {
-      st = kInvalid;
+    }
+    // File regions and encrypted streams go through a bounce buffer; its size is capped per op
+    // and its bytes come out of the engine-wide budget.
+    const bool bounce = st == kOk && (r->kind == RegionKind::kFile || rx);
+    if (bounce && h.length > kMaxFileOp) st = kInvalid;
+    std::unique_ptr<BudgetHold> hold;
+    if (st == kOk && bounce) {
+      if (writer.flush() != kOk) break;  // never wait for budget while holding some
+      if (budget->acquire(h.length + tag, budget_wait)) {
+        hold = std::make_unique<BudgetHold>(budget, h.length + tag);
+      } else {
+        st = kBusy;
+      }
     }
     if (st != kOk) counters->refused_ops.fetch_add(1, std::memory_order_relaxed);
     if (h.opcode == kWrite) {
-      if (st == kOk && r->kind == RegionKind::kMemory) {
+      if (st == kOk && !bounce) {
         if (reader.read(r->base + h.offset, h.length) != kOk) break;
       } else if (st == kOk) {
-        AlignedBuffer bounce(h.length);
-        if (reader.read(bounce.data(), h.length) != kOk) break;
-        st = region_write(*r, h.offset, bounce.data(), h.length);
+        AlignedBuffer buf(h.length + tag);
+        if (reader.read(buf.data(), h.length + tag) != kOk) break;
+        if (rx && !rx->open(buf.data(), h.length, buf.data(), buf.data() + h.length)) break;
+        st = region_write(*r, h.offset, buf.data(), h.length);
       } else {
-        if (h.length > kMaxDiscard || reader.discard(h.length) != kOk) break;
+        if (h.length > kMaxDiscard || reader.discard(h.length + tag) != kOk) break;
+        if (rx) rx->skip();  // the refused payload still used a nonce
       }
       if (st == kOk) counters->tcp_rx.fetch_add(h.length, std::memory_order_relaxed);
-      writer.header(RespHeader{st, 0, 0});
-    } else if (st == kOk && r->kind == RegionKind::kFile) {
-      AlignedBuffer bounce(h.length);
-      st = region_read(*r, h.offset, bounce.data(), h.length);
-      writer.header(RespHeader{st, 0, st == kOk ? h.length : 0});
-      if (st == kOk) writer.owned_payload(std::move(bounce));
+      if (!respond(st, 0)) break;
+    } else if (st == kOk && bounce) {
+      AlignedBuffer buf(h.length + tag);
+      const bool direct = tx && r->kind == RegionKind::kMemory;  // sealed straight from the region
+      if (!direct) st = region_read(*r, h.offset, buf.data(), h.length);
+      if (!respond(st, st == kOk ? h.length : 0)) break;  // the header takes the next nonce first
+      if (st == kOk && tx) {
+        const uint8_t* src = direct ? r->base + h.offset : buf.data();
+        if (!tx->seal(src, h.length, buf.data(), buf.data() + h.length)) break;
+      }
+      if (st == kOk) writer.owned_payload(std::move(buf), std::move(hold));
     } else if (st == kOk) {
       writer.header(RespHeader{kOk, 0, h.length});
       writer.payload(r->base + h.offset, h.length, r);
-    } else {
-      writer.header(RespHeader{st, 0, 0});
+    } else if (!respond(st, 0)) {
+      break;
     }
     if (st == kOk && h.opcode == kRead) counters->tcp_tx.fetch_add(h.length, std::memory_order_relaxed);
     counters->served_ops.fetch_add(1, std::memory_order_relaxed);

@@ -5,6 +5,7 @@
 #include <deque>
 #include <thread>
 
+#include "aead.h"
 #include "common.h"
 
 namespace kvt {
@@ -14,18 +15,22 @@ namespace kvt {
 // matches responses to in-flight requests in FIFO order.
 class Stream {
  public:
-  Stream(int fd, uint64_t stall_ms, Counters* counters);
+  Stream(int fd, uint64_t stall_ms, Counters* counters, const WireKeys& keys);
   ~Stream();
   // Queue requests; a small batch on an idle stream is written by the calling thread at once.
   bool enqueue(std::vector<SubReq>& reqs);  // false when the stream is broken
   uint64_t queued_bytes() const { return queued_.load(std::memory_order_relaxed); }
   bool broken() const;
   void shutdown();
+  uint64_t bytes_moved() const { return moved_.load(std::memory_order_relaxed); }
 
  private:
   void send_loop();
   void send_batch(std::vector<SubReq>& batch);  // caller holds send_mu_
+  void send_guarded(std::vector<SubReq>& batch);  // send_batch; a throw breaks the stream, never the process
+  void send_sealed(std::vector<SubReq>& batch);  // send_batch on an encrypted stream
   void recv_loop();
+  int32_t recv_frames();
   bool stalled();
   bool next_is_large_read();
   void fail(std::deque<SubReq>& reqs, int32_t status);
@@ -43,6 +48,9 @@ class Stream {
   int32_t broken_status_ = kOk;
   std::atomic<uint64_t> queued_{0};
   std::chrono::steady_clock::time_point activity_;  // last send into an empty pipe or response
+  std::unique_ptr<Aead> tx_, rx_;  // null: plaintext stream
+  std::vector<uint8_t> sealed_out_, sealed_in_;  // ciphertext staging (tx under send_mu_, rx receiver only)
+  std::atomic<uint64_t> moved_{0};  // payload bytes this stream carried
   std::thread sender_, receiver_;
 };
 
@@ -50,11 +58,14 @@ class Stream {
 // stream with the fewest queued bytes.
 class Peer {
  public:
-  Peer(const std::vector<int>& fds, uint64_t stall_ms, uint64_t stripe_bytes, Counters* counters);
+  // keys: one WireKeys per fd, or empty for plaintext streams.
+  Peer(const std::vector<int>& fds, const std::vector<WireKeys>& keys, uint64_t stall_ms, uint64_t stripe_bytes,
+       Counters* counters);
   // Split `reqs` (one per op, `op` set) into pieces and spread them over the streams.
   void dispatch(std::vector<SubReq>& reqs);
   bool alive() const;
   void shutdown();
+  std::vector<uint64_t> stream_bytes() const;
 
  private:
   std::vector<std::unique_ptr<Stream>> streams_;
@@ -62,8 +73,8 @@ class Peer {
 };
 
 // Serves one authenticated data connection until it closes; bounds-checks every op against the
-// regions this engine exports.
-void serve_connection(int fd, const RegionTable& regions, uint64_t stall_ms, Counters* counters,
-                      const std::atomic<bool>& closing);
+// regions this engine exports. Bounce buffers (file regions, encrypted streams) come out of `budget`.
+void serve_connection(int fd, const WireKeys& keys, const RegionTable& regions, uint64_t stall_ms,
+                      Counters* counters, BounceBudget* budget, const std::atomic<bool>& closing);
 
 }  // namespace kvt

@@ -4,6 +4,7 @@ DRAM/NVMe. Same client API as a cluster."""
 from __future__ import annotations
 
 import re
+import secrets
 import uuid
 from typing import Any
 
@@ -43,6 +44,8 @@ def open(url: str = "memory://", *, dram: int | str = "1GiB", disk: str | None =
     """Start an in-process daemon on `url` ("memory://" = a private in-process index) and connect."""
     if url.rstrip("/") == "memory:":
         url = f"memory://embedded-{uuid.uuid4().hex[:8]}"
+    if secret is None:  # a private secret: only this process (and whom it tells) can reach the daemon
+        secret = secrets.token_urlsafe(32)
     config = DaemonConfig(node=node, metadata=url, dram_bytes=parse_size(dram), disk_dir=disk,
                           disk_bytes=parse_size(disk_size) if disk else 0, eviction=eviction, secret=secret,
                           metrics_port=metrics_port, timeout=timeout, engine_listen="127.0.0.1:0")

@@ -61,9 +61,10 @@ class PeerProcess:
 def spawn_peer() -> Iterator:
     started: list[PeerProcess] = []
 
-    def spawn(size: int = 4 << 20, seed: int = 1, secret: str | None = None, stall: float = 10.0) -> PeerProcess:
+    def spawn(size: int = 4 << 20, seed: int = 1, secret: str | None = None, stall: float = 10.0,
+              extra: list[str] | None = None) -> PeerProcess:
         cmd = [sys.executable, str(ROOT / "tests" / "helpers" / "peer_process.py"), "--size", str(size),
-               "--seed", str(seed), "--stall", str(stall)]
+               "--seed", str(seed), "--stall", str(stall)] + (extra or [])
         if secret is not None:
             cmd += ["--secret", secret]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
@@ -151,6 +152,8 @@ def spawn_daemon(tmp_path) -> Iterator:
             secret_file = tmp_path / f"secret-{name}"
             secret_file.write_text(secret)
             cmd += ["--secret-file", str(secret_file)]
+        else:
+            cmd += ["--insecure"]
         proc = subprocess.Popen(cmd + (extra or []), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 cwd=ROOT, env=env)
         line = proc.stdout.readline()

@@ -8,16 +8,16 @@
 from .batch import Batch
 from .descriptor import EngineDescriptor
 from .engine import Engine
-from .errors import (AuthenticationFailed, EngineClosed, InvalidOp, OutOfBounds, PeerUnreachable,
-                     ProtocolError, ReadOnlyRegion, TransferError, TransferIOError, TransferTimeout,
-                     UnknownRegion, UnsupportedBuffer)
+from .errors import (AuthenticationFailed, EngineClosed, InvalidOp, MissingSecret, OutOfBounds, PeerBusy,
+                     PeerUnreachable, ProtocolError, ReadOnlyRegion, TransferError, TransferIOError,
+                     TransferTimeout, UnknownRegion, UnsupportedBuffer)
 from .ops import OpResult, Read, Write
 from .peer import Peer
 from .regions import Region, RemoteRegion
 
 __all__ = [
     "AuthenticationFailed", "Batch", "Engine", "EngineClosed", "EngineDescriptor", "InvalidOp",
-    "OpResult", "OutOfBounds", "Peer", "PeerUnreachable", "ProtocolError", "Read", "ReadOnlyRegion",
+    "MissingSecret", "OpResult", "OutOfBounds", "Peer", "PeerBusy", "PeerUnreachable", "ProtocolError", "Read", "ReadOnlyRegion",
     "Region", "RemoteRegion", "TransferError", "TransferIOError", "TransferTimeout", "UnknownRegion",
     "UnsupportedBuffer", "Write",
 ]

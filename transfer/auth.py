@@ -1,7 +1,11 @@
-"""Connection handshake: framing, an HMAC challenge both ways, and the peer's declared role.
+"""Connection handshake and authenticated control frames.
 
-Either side proves it knows the cluster secret without sending it; an engine without a secret
-uses the empty key, so a peer with a secret never authenticates against one without.
+Protocol 2: both hellos (role, names, nonces, wire mode) form a transcript; the client proves it
+knows the cluster secret over the transcript first, then the server does. Both derive per-direction
+session keys from the secret and the transcript, so a party that relays a handshake learns nothing
+it can use: every later frame (control frames here, data frames in the native engine when the wire
+mode is "aead") is authenticated with keys only the two ends hold. One deadline covers the whole
+handshake, however slowly the other side trickles its bytes.
 """
 from __future__ import annotations
 
@@ -11,22 +15,27 @@ import json
 import os
 import socket
 import struct
+import time
+from dataclasses import dataclass
 from typing import Any
 
-from .errors import AuthenticationFailed, ProtocolError
+from .errors import AuthenticationFailed, ProtocolError, TransferTimeout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME = 1 << 20
+MAX_HELLO = 4096  # before authentication a peer gets this much of our memory, no more
+WIRE_MODES = ("aead", "plain")  # per-frame AES-GCM on TCP data streams, or plaintext (trusted network)
+_MAC_BYTES = 32
 
 
-def send_frame(sock: socket.socket, message: dict[str, Any]) -> None:
-    payload = json.dumps(message, separators=(",", ":")).encode()
-    sock.sendall(struct.pack("<I", len(payload)) + payload)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
     chunks, got = [], 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout("handshake did not finish before its deadline")
+            sock.settimeout(left)
         chunk = sock.recv(n - got)
         if not chunk:
             raise ConnectionError("connection closed during handshake")
@@ -35,54 +44,155 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def recv_frame(sock: socket.socket) -> dict[str, Any]:
-    (length,) = struct.unpack("<I", _recv_exact(sock, 4))
-    if length > MAX_FRAME:
-        raise ProtocolError(f"control frame of {length} bytes exceeds {MAX_FRAME}")
+def _decode(payload: bytes) -> dict[str, Any]:
     try:
-        message = json.loads(_recv_exact(sock, length))
-    except ValueError as exc:
+        message = json.loads(payload)
+    except (ValueError, RecursionError) as exc:
         raise ProtocolError("control frame is not JSON") from exc
     if not isinstance(message, dict):
         raise ProtocolError("control frame is not a JSON object")
     return message
 
 
-def _mac(secret: bytes, label: bytes, first: bytes, second: bytes) -> str:
-    return hmac.new(secret, label + first + second, hashlib.sha256).hexdigest()
+def _encode(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode()
 
 
-def client_handshake(sock: socket.socket, secret: bytes, role: str, name: str) -> dict[str, Any]:
-    """Authenticate to a server as `role` ("ctl" | "data"); returns the server's hello."""
-    client_nonce = os.urandom(32)
-    send_frame(sock, {"hello": PROTOCOL_VERSION, "role": role, "name": name, "nonce": client_nonce.hex()})
-    hello = recv_frame(sock)
+def send_frame(sock: socket.socket, message: dict[str, Any]) -> None:
+    """One unauthenticated frame (handshake only)."""
+    payload = _encode(message)
+    sock.sendall(struct.pack("<I", len(payload)) + payload)
+
+
+def recv_raw(sock: socket.socket, limit: int = MAX_FRAME, deadline: float | None = None) -> bytes:
+    (length,) = struct.unpack("<I", _recv_exact(sock, 4, deadline))
+    if length > limit:
+        raise ProtocolError(f"control frame of {length} bytes exceeds {limit}")
+    return _recv_exact(sock, length, deadline)
+
+
+def recv_frame(sock: socket.socket, limit: int = MAX_FRAME, deadline: float | None = None) -> dict[str, Any]:
+    """One unauthenticated frame (handshake only)."""
+    return _decode(recv_raw(sock, limit, deadline))
+
+
+@dataclass(frozen=True)
+class Session:
+    """Outcome of a handshake: the peer's hello, the agreed wire mode and our two session keys."""
+
+    hello: dict[str, Any]
+    wire: str
+    tx: bytes
+    rx: bytes
+
+    @property
+    def native_keys(self) -> tuple[bytes, bytes]:
+        """(tx, rx) for the native data plane; empty keys mean plaintext."""
+        return (self.tx, self.rx) if self.wire == "aead" else (b"", b"")
+
+
+def _transcript(client_hello: bytes, server_hello: bytes) -> bytes:
+    h = hashlib.sha256(b"kvstore-transfer-2")
+    for part in (client_hello, server_hello):
+        h.update(struct.pack("<I", len(part)) + part)
+    return h.digest()
+
+
+def _mac(secret: bytes, label: bytes, transcript: bytes) -> bytes:
+    return hmac.new(secret, label + transcript, hashlib.sha256).digest()
+
+
+def _keys(secret: bytes, transcript: bytes) -> tuple[bytes, bytes]:
+    """(client->server, server->client) session keys."""
+    return _mac(secret, b"key c2s", transcript), _mac(secret, b"key s2c", transcript)
+
+
+def _agree(ours: str, theirs: Any) -> str:
+    if theirs not in WIRE_MODES:
+        raise ProtocolError(f"unknown wire mode {theirs!r}")
+    return "aead" if "aead" in (ours, theirs) else "plain"
+
+
+def _hex(value: Any, what: str) -> bytes:
+    try:
+        raw = bytes.fromhex(value) if isinstance(value, str) else b""
+    except ValueError:
+        raw = b""
+    if len(raw) != 32:
+        raise ProtocolError(f"{what} must be 32 bytes of hex")
+    return raw
+
+
+def client_handshake(sock: socket.socket, secret: bytes, role: str, name: str, *, wire: str = "aead",
+                     timeout: float = 5.0) -> Session:
+    """Authenticate to a server as `role` ("ctl" | "data"); returns the session."""
+    deadline = time.monotonic() + timeout
+    ours = _encode({"hello": PROTOCOL_VERSION, "role": role, "name": name, "nonce": os.urandom(32).hex(),
+                    "wire": wire})
+    sock.settimeout(timeout)
+    sock.sendall(struct.pack("<I", len(ours)) + ours)
+    raw = recv_raw(sock, MAX_HELLO, deadline)
+    hello = _decode(raw)
     if hello.get("hello") != PROTOCOL_VERSION:
         raise ProtocolError(f"peer speaks protocol {hello.get('hello')!r}, we speak {PROTOCOL_VERSION}")
-    server_nonce = bytes.fromhex(str(hello.get("nonce", "")))
-    expected = _mac(secret, b"server", client_nonce, server_nonce)
-    if not hmac.compare_digest(expected, str(hello.get("mac", ""))):
-        raise AuthenticationFailed("peer could not prove it knows the cluster secret")
-    send_frame(sock, {"mac": _mac(secret, b"client", server_nonce, client_nonce)})
-    verdict = recv_frame(sock)
+    _hex(hello.get("nonce"), "server nonce")
+    agreed = _agree(wire, hello.get("wire"))
+    transcript = _transcript(ours, raw)
+    send_frame(sock, {"mac": _mac(secret, b"client", transcript).hex()})
+    verdict = recv_frame(sock, MAX_HELLO, deadline)
     if not verdict.get("ok"):
-        raise AuthenticationFailed(str(verdict.get("error", "peer refused our credentials")))
-    return hello
+        raise AuthenticationFailed(str(verdict.get("error", "peer refused our credentials"))[:200])
+    if not hmac.compare_digest(_mac(secret, b"server", transcript).hex(), str(verdict.get("mac", ""))):
+        raise AuthenticationFailed("peer could not prove it knows the cluster secret")
+    c2s, s2c = _keys(secret, transcript)
+    return Session(hello, agreed, c2s, s2c)
 
 
-def server_handshake(sock: socket.socket, secret: bytes, name: str) -> dict[str, Any]:
-    """Challenge a connecting client; returns its hello (with its role) or raises."""
-    hello = recv_frame(sock)
+def server_handshake(sock: socket.socket, secret: bytes, name: str, *, wire: str = "aead",
+                     timeout: float = 5.0) -> Session:
+    """Challenge a connecting client within `timeout` in all; returns its session or raises."""
+    deadline = time.monotonic() + timeout
+    raw = recv_raw(sock, MAX_HELLO, deadline)
+    hello = _decode(raw)
     if hello.get("hello") != PROTOCOL_VERSION or hello.get("role") not in ("ctl", "data"):
-        send_frame(sock, {"hello": PROTOCOL_VERSION, "nonce": "", "mac": ""})
-        raise ProtocolError(f"bad hello {hello!r:.200}")
-    client_nonce = bytes.fromhex(str(hello.get("nonce", "")))
-    server_nonce = os.urandom(32)
-    send_frame(sock, {"hello": PROTOCOL_VERSION, "name": name, "nonce": server_nonce.hex(),
-                      "mac": _mac(secret, b"server", client_nonce, server_nonce)})
-    answer = recv_frame(sock)
-    if not hmac.compare_digest(_mac(secret, b"client", server_nonce, client_nonce), str(answer.get("mac", ""))):
+        raise ProtocolError(f"bad hello {raw[:200]!r}")
+    _hex(hello.get("nonce"), "client nonce")
+    agreed = _agree(wire, hello.get("wire"))
+    ours = _encode({"hello": PROTOCOL_VERSION, "name": name, "nonce": os.urandom(32).hex(), "wire": wire})
+    sock.sendall(struct.pack("<I", len(ours)) + ours)
+    transcript = _transcript(raw, ours)
+    answer = recv_frame(sock, MAX_HELLO, deadline)
+    # The client proves itself first, over both nonces: our proof is never an oracle for strangers.
+    if not hmac.compare_digest(_mac(secret, b"client", transcript).hex(), str(answer.get("mac", ""))):
         send_frame(sock, {"ok": False, "error": "authentication failed: wrong or missing cluster secret"})
-        raise AuthenticationFailed(f"client {hello.get('name')!r} failed the challenge")
-    send_frame(sock, {"ok": True})
-    return hello
+        raise AuthenticationFailed(f"client {str(hello.get('name'))[:64]!r} failed the challenge")
+    send_frame(sock, {"ok": True, "mac": _mac(secret, b"server", transcript).hex()})
+    c2s, s2c = _keys(secret, transcript)
+    return Session(hello, agreed, s2c, c2s)
+
+
+class Channel:
+    """Control frames after the handshake: each carries a MAC over (direction, sequence, payload)
+    under the session key, so frames cannot be injected, replayed or reordered."""
+
+    def __init__(self, sock: socket.socket, session: Session) -> None:
+        self.sock = sock
+        self._tx, self._rx = session.tx, session.rx
+        self._sent = self._received = 0
+
+    def _tag(self, key: bytes, seq: int, payload: bytes) -> bytes:
+        return hmac.new(key, struct.pack("<Q", seq) + payload, hashlib.sha256).digest()
+
+    def send(self, message: dict[str, Any]) -> None:
+        payload = _encode(message)
+        tag = self._tag(self._tx, self._sent, payload)
+        self._sent += 1
+        self.sock.sendall(struct.pack("<I", len(payload)) + payload + tag)
+
+    def recv(self) -> dict[str, Any]:
+        payload = recv_raw(self.sock)
+        tag = _recv_exact(self.sock, _MAC_BYTES, None)
+        if not hmac.compare_digest(tag, self._tag(self._rx, self._received, payload)):
+            raise AuthenticationFailed("control frame failed authentication (injected or replayed)")
+        self._received += 1
+        return _decode(payload)

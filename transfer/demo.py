@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import secrets
 import subprocess
 import sys
 import time
@@ -17,7 +19,7 @@ BLOCK = 1 << 20
 
 
 def _serve() -> None:
-    engine = Engine("demo-target")
+    engine = Engine("demo-target", secret=os.environ["KVT_DEMO_SECRET"])
     region = engine.allocate(SIZE)
     print(json.dumps({"descriptor": engine.export().to_json(), "region": region.id}), flush=True)
     for line in sys.stdin:
@@ -30,15 +32,16 @@ def _serve() -> None:
 
 def run() -> int:
     """Run the demo and print a table; returns a process exit code."""
+    secret = secrets.token_hex(16)  # both processes, nobody else
     child = subprocess.Popen([sys.executable, "-m", "transfer.demo", "--serve"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, KVT_DEMO_SECRET=secret))
     try:
         hello = json.loads(child.stdout.readline())
         data = np.random.default_rng(0).integers(0, 256, SIZE, dtype=np.uint8)
         expected = hashlib.sha256(data).hexdigest()
         print(f"{'transport':<10}{'op':<7}{'MiB':>6}{'GB/s':>8}  verified")
         ok = True
-        with Engine("demo-initiator") as engine:
+        with Engine("demo-initiator", listen=None, secret=secret) as engine:
             local = engine.register(data)
             back = engine.allocate(SIZE)
             for transport in ("shm", "tcp"):

@@ -10,7 +10,9 @@ from typing import Any, Sequence
 from . import _native
 from .batch import Batch
 from .descriptor import EngineDescriptor, host_id
-from .errors import EngineClosed, InvalidOp, PeerUnreachable, TransferIOError, UnknownRegion, UnsupportedBuffer
+from .auth import WIRE_MODES
+from .errors import (EngineClosed, InvalidOp, MissingSecret, PeerUnreachable, TransferIOError, UnknownRegion,
+                     UnsupportedBuffer)
 from .listener import Listener
 from .ops import Op, OpResult, Read, Write
 from .peer import Peer
@@ -18,6 +20,7 @@ from .regions import Region, RemoteRegion, anonymous_shared, buffer_view
 
 DEFAULT_STREAMS = 4
 DEFAULT_STRIPE = 256 * 1024
+DEFAULT_BOUNCE_LIMIT = 256 << 20  # bytes of bounce buffers the serving side may hold at once
 
 
 def _split_endpoint(listen: str) -> tuple[str, int]:
@@ -28,17 +31,31 @@ def _split_endpoint(listen: str) -> tuple[str, int]:
 
 
 class Engine:
-    """One per process. Listens on `listen` (loopback by default; None = initiator only)."""
+    """One per process. Listens on `listen` (loopback by default; None = initiator only).
+
+    A listening engine needs the cluster `secret` unless `insecure=True` says, explicitly, that
+    anyone who can reach it may read and write what it exports. `wire` picks how TCP data streams
+    travel: "aead" (authenticated and encrypted per frame; the default with a secret) or "plain"
+    (trusted networks only; the default when insecure). The stronger of both ends' choices wins.
+    An initiator-only engine without a secret can reach only insecure peers."""
 
     def __init__(self, name: str | None = None, *, listen: str | None = "127.0.0.1:0",
-                 secret: str | bytes | None = None, stall_timeout: float = 10.0,
-                 streams: int = DEFAULT_STREAMS, stripe_bytes: int = DEFAULT_STRIPE,
-                 local_workers: int = 2, handshake_timeout: float = 5.0) -> None:
+                 secret: str | bytes | None = None, insecure: bool = False, wire: str | None = None,
+                 stall_timeout: float = 10.0, streams: int = DEFAULT_STREAMS, stripe_bytes: int = DEFAULT_STRIPE,
+                 local_workers: int = 2, handshake_timeout: float = 5.0,
+                 bounce_limit: int = DEFAULT_BOUNCE_LIMIT) -> None:
         self.name = name or f"engine-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.secret = secret.encode() if isinstance(secret, str) else (secret or b"")
+        if not self.secret and listen is not None and not insecure:
+            raise MissingSecret(f"engine {self.name} listens on {listen} but has no cluster secret: pass "
+                                "secret=... (or insecure=True to let anyone who reaches it use its regions)")
+        self.insecure = not self.secret
+        self.wire = wire or ("plain" if self.insecure else "aead")
+        if self.wire not in WIRE_MODES:
+            raise ValueError(f"wire must be one of {WIRE_MODES}, not {wire!r}")
         self.stall_timeout = stall_timeout
         self.streams = streams
-        self._native = _native.Engine(int(stall_timeout * 1000), stripe_bytes, local_workers)
+        self._native = _native.Engine(int(stall_timeout * 1000), stripe_bytes, local_workers, bounce_limit)
         self._regions: dict[int, Region] = {}
         self._peers: list[Peer] = []
         self._graveyard: list[Region] = []  # unregistered while ops still used them
@@ -49,7 +66,7 @@ class Engine:
             host, port = _split_endpoint(listen)
             self._unix_name = f"kvstore-{uuid.uuid4().hex}"
             self._listener = Listener(host, port, self._unix_name, self.secret, self.name,
-                                      self._native.serve, self._export_table, handshake_timeout)
+                                      self._native.serve, self._export_table, handshake_timeout, wire=self.wire)
 
     # --- regions -------------------------------------------------------------------------
     def register(self, obj: Any, *, remote_access: bool = True) -> Region:
@@ -109,14 +126,30 @@ class Engine:
             if self._regions.get(region.id) is not region:
                 raise UnknownRegion(f"region {region.id} is not registered with {self.name}")
             del self._regions[region.id]
+        self._sweep_graveyard()
         if not self._native.unregister(region.id, self.stall_timeout if wait is None else wait):
-            # In-flight ops still point at it: keep the memory alive rather than free it under them.
+            # In-flight ops still point at it: keep the memory alive rather than free it under them
+            # (released by a later sweep once the native side lets go of it).
             with self._lock:
                 self._graveyard.append(region)
             return
-        if region._shm_fd is not None:
-            os.close(region._shm_fd)
-            region._shm_fd = None
+        self._release(region)
+
+    def _sweep_graveyard(self) -> None:
+        """Release regions whose timed-out unregister has since drained."""
+        with self._lock:
+            if not self._graveyard:
+                return
+            done = [r for r in self._graveyard if self._native.released(r.id)]
+            self._graveyard = [r for r in self._graveyard if r not in done]
+        for region in done:
+            self._release(region)
+
+    def _release(self, region: Region) -> None:
+        with self._lock:  # the export table dups fds under this lock: never a closed (reused) number
+            if region._shm_fd is not None:
+                os.close(region._shm_fd)
+                region._shm_fd = None
         if isinstance(region._keepalive, memoryview):
             try:
                 region._keepalive.release()
@@ -129,15 +162,22 @@ class Engine:
             return sorted(self._regions.values(), key=lambda r: r.id)
 
     def _export_table(self) -> tuple[list[dict[str, Any]], list[int]]:
+        """Exported regions and duplicates of their shared-memory fds (the caller closes them)."""
         table, fds = [], []
-        for region in self.regions():
-            if not region.remote_access:
-                continue
-            shm = region._shm_fd is not None
-            table.append({"id": region.id, "size": region.size, "kind": region.kind,
-                          "readonly": region.readonly, "shm": shm})
-            if shm:
-                fds.append(region._shm_fd)
+        with self._lock:
+            try:
+                for region in sorted(self._regions.values(), key=lambda r: r.id):
+                    if not region.remote_access:
+                        continue
+                    shm = region._shm_fd is not None
+                    table.append({"id": region.id, "size": region.size, "kind": region.kind,
+                                  "readonly": region.readonly, "shm": shm})
+                    if shm:
+                        fds.append(os.dup(region._shm_fd))
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
         return table, fds
 
     # --- peers -----------------------------------------------------------------------------
@@ -160,6 +200,8 @@ class Engine:
     def submit(self, ops: Sequence[Op]) -> Batch:
         """Start moving every op; returns at once (tiny local batches finish before it returns)."""
         self._check_open()
+        if self._graveyard:
+            self._sweep_graveyard()
         flat = array("Q")
         cuda_reads: list[Read] = []
         shm_peers: set[Peer] = set()
@@ -174,7 +216,7 @@ class Engine:
                         op.local.sync_from_device(op.local_offset, op.length)
                     else:
                         cuda_reads.append(op)
-        except OverflowError as exc:
+        except (OverflowError, TypeError) as exc:
             raise InvalidOp(f"offsets and lengths must be non-negative 64-bit integers: {exc}") from exc
         for peer in shm_peers:  # copies into a dead peer's memory would "succeed" unseen
             if not peer.alive:

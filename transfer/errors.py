@@ -53,6 +53,14 @@ class InvalidOp(TransferError, ValueError):
     """The op itself is malformed (bad opcode, negative length, ...)."""
 
 
+class MissingSecret(TransferError, ValueError):
+    """A listening engine was given no cluster secret and was not explicitly made insecure."""
+
+
+class PeerBusy(TransferError, TimeoutError):
+    """The peer's bounce-buffer budget stayed full for the stall time: retry later."""
+
+
 # Native status code -> exception class (codes from cpp/common.h).
 STATUS_ERRORS: dict[int, type[TransferError]] = {
     2: UnknownRegion,
@@ -64,6 +72,7 @@ STATUS_ERRORS: dict[int, type[TransferError]] = {
     8: EngineClosed,
     9: ProtocolError,
     10: InvalidOp,
+    11: PeerBusy,
 }
 
 STATUS_NAMES: dict[int, str] = {
@@ -78,4 +87,5 @@ STATUS_NAMES: dict[int, str] = {
     8: "engine closed",
     9: "protocol error",
     10: "invalid op",
+    11: "peer busy: its bounce-buffer budget is full",
 }

@@ -10,11 +10,11 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .auth import client_handshake, recv_frame, send_frame
+from .auth import Channel, Session, client_handshake
 from .descriptor import EngineDescriptor, host_id
 from .errors import EngineClosed, PeerUnreachable, ProtocolError, TransferError, TransferTimeout, UnknownRegion
 from .listener import FDS_PER_MESSAGE
-from .regions import Region, RemoteRegion, map_shared
+from .regions import Region, RemoteRegion, check_sealed, map_shared
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -46,10 +46,10 @@ def _connect_unix(name: str, timeout: float) -> socket.socket | None:
         return None  # another network namespace or host: no shared memory
 
 
-def _handshake(sock: socket.socket, secret: bytes, role: str, name: str, peer: str) -> None:
+def _handshake(sock: socket.socket, engine: "Engine", role: str, peer: str, timeout: float) -> Session:
     """client_handshake with socket failures as typed errors."""
     try:
-        client_handshake(sock, secret, role, name)
+        return client_handshake(sock, engine.secret, role, engine.name, wire=engine.wire, timeout=timeout)
     except TransferError:
         raise  # AuthenticationFailed and ProtocolError say it better already
     except TimeoutError as exc:
@@ -63,6 +63,7 @@ class Peer:
 
     def __init__(self, engine: "Engine", descriptor: EngineDescriptor, transport: str, streams: int,
                  timeout: float) -> None:
+        self._channel: Channel | None = None
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
         self.descriptor = descriptor
@@ -75,19 +76,22 @@ class Peer:
         self._ctl = self._open_control(transport)
         self.transport = "shm" if self._ctl.family == socket.AF_UNIX else "tcp"
         fds: list[int] = []
+        keys: list[tuple[bytes, bytes]] = []
         try:
             for _ in range(max(1, streams)):
                 sock = _connect_tcp(descriptor.host, descriptor.port, timeout)
                 fds.append(sock.fileno())
                 try:
-                    _handshake(sock, engine.secret, "data", engine.name, descriptor.name)
+                    session = _handshake(sock, engine, "data", descriptor.name, timeout)
                 except BaseException:
                     sock.close()
                     fds.pop()
                     raise
+                keys.append(session.native_keys)
                 sock.settimeout(None)
                 sock.detach()
-            self._native_id = engine._native.add_peer(fds)
+            self.wire = session.wire
+            self._native_id = engine._native.add_peer(fds, keys if session.wire == "aead" else [])
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -106,7 +110,7 @@ class Peer:
         if sock is None:
             sock = _connect_tcp(d.host, d.port, self._timeout)
         try:
-            _handshake(sock, self._engine.secret, "ctl", self._engine.name, d.name)
+            self._channel = Channel(sock, _handshake(sock, self._engine, "ctl", d.name, self._timeout))
         except BaseException:
             sock.close()
             raise
@@ -122,8 +126,8 @@ class Peer:
             self._check_open()
             try:
                 self._ctl.settimeout(self._timeout)
-                send_frame(self._ctl, {"op": "regions"})
-                reply = recv_frame(self._ctl)
+                self._channel.send({"op": "regions"})
+                reply = self._channel.recv()
                 fds: list[int] = []
                 while len(fds) < int(reply.get("fds", 0)):
                     _, got, _, _ = socket.recv_fds(self._ctl, 1, FDS_PER_MESSAGE)
@@ -145,6 +149,7 @@ class Peer:
             readonly = bool(entry.get("readonly"))
             fd = next(fd_iter) if shm and fds else None
             if rid not in self._mapped and fd is not None:
+                check_sealed(fd, size)  # an unsealed fd could be truncated under us (SIGBUS)
                 mapping = map_shared(fd, size, writable=not readonly)
                 local = self._engine._register_view(mapping, size, readonly=readonly, remote_access=False, kind="shm")
                 self._mapped[rid] = _Mapped(local, mapping)
@@ -170,6 +175,10 @@ class Peer:
         if mapped is not None:
             return 0, mapped.region.id
         return self._native_id, region.id
+
+    def stream_bytes(self) -> list[int]:
+        """Payload bytes each TCP stream to this peer has carried (how evenly ops were striped)."""
+        return list(self._engine._native.peer_stream_bytes(self._native_id))
 
     @property
     def alive(self) -> bool:

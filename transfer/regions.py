@@ -1,12 +1,14 @@
 """Registered regions: what a buffer, tensor, mmap or file looks like to the engine."""
 from __future__ import annotations
 
+import fcntl
 import mmap as _mmap
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import _native
-from .errors import UnsupportedBuffer
+from .errors import ProtocolError, UnsupportedBuffer
 
 if TYPE_CHECKING:
     from .peer import Peer
@@ -119,14 +121,31 @@ def map_shared(fd: int, size: int, *, writable: bool) -> _mmap.mmap:
     return _mmap.mmap(fd, size, _mmap.MAP_SHARED | getattr(_mmap, "MAP_POPULATE", 0), prot)
 
 
-def anonymous_shared(size: int, name: str) -> tuple[int, _mmap.mmap]:
-    """A shared-memory file (memfd) of `size` bytes and its mapping; the fd can be sent to peers."""
-    import os
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
-    fd = os.memfd_create(f"kvstore-{name}", os.MFD_CLOEXEC)
+
+def anonymous_shared(size: int, name: str) -> tuple[int, _mmap.mmap]:
+    """A shared-memory file (memfd) of `size` bytes and its mapping; the fd can be sent to peers.
+    Its size is sealed first: a peer that could shrink it would SIGBUS us on our next touch."""
+    fd = os.memfd_create(f"kvstore-{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
         return fd, map_shared(fd, size, writable=True)
     except BaseException:
         os.close(fd)
         raise
+
+
+def check_sealed(fd: int, size: int) -> None:
+    """Refuse a peer's shared-memory fd unless its size is sealed and covers `size` bytes: otherwise
+    the peer could truncate it under our mapping and kill us with SIGBUS."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        actual = os.fstat(fd).st_size
+    except OSError as exc:
+        raise ProtocolError(f"peer sent a descriptor that is not sealed shared memory: {exc}") from exc
+    if seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
+        raise ProtocolError("peer sent shared memory whose size is not sealed")
+    if actual < size:
+        raise ProtocolError(f"peer sent {actual} bytes of shared memory for a {size}-byte region")

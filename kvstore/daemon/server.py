@@ -49,6 +49,7 @@ class DaemonConfig:
     disk_dir: str | None = None
     disk_bytes: int = 0
     secret: str | None = None
+    insecure: bool = False  # no secret on purpose: anyone who reaches the node may use its memory
     replicas: int = 1
     eviction: str = "lru"
     high_watermark: float = 0.95
@@ -86,7 +87,8 @@ class Daemon:
     def start(self) -> "Daemon":
         c = self.config
         secret = (c.secret or "").encode()
-        self.engine = Engine(c.node, listen=c.engine_listen, secret=c.secret, stall_timeout=c.timeout)
+        self.engine = Engine(c.node, listen=c.engine_listen, secret=c.secret, insecure=c.insecure,
+                             stall_timeout=c.timeout)
         dram = self.engine.allocate(c.dram_bytes)
         nvme = None
         if c.disk_dir and c.disk_bytes > 0:

@@ -2,13 +2,16 @@
 
 Exports three regions filled with a seeded pattern (shared memory, a numpy array, a file) and a
 read-only one, prints one JSON line describing them, then answers JSON commands on stdin:
-{"cmd": "sha", "region": NAME, "offset": O, "length": N} -> {"sha": HEX}, {"cmd": "exit"}.
+{"cmd": "sha", "region": NAME, "offset": O, "length": N} -> {"sha": HEX}, {"cmd": "exit"},
+{"cmd": "limit_as", "extra_mib": N | null} -> {"ok": true} (caps the address space, for fault tests).
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import os
+import resource
 import sys
 import tempfile
 
@@ -27,9 +30,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--secret", default=None)
     parser.add_argument("--stall", type=float, default=10.0)
+    parser.add_argument("--handshake-timeout", type=float, default=5.0)
+    parser.add_argument("--bounce-limit", type=int, default=256 << 20)
+    parser.add_argument("--wire", default=None)
+    parser.add_argument("--spare-fds", type=int, default=None, help="cap open files at those in use plus this")
     args = parser.parse_args()
 
-    engine = Engine("peer", secret=args.secret, stall_timeout=args.stall)
+    engine = Engine("peer", secret=args.secret, insecure=args.secret is None, stall_timeout=args.stall,
+                    handshake_timeout=args.handshake_timeout, bounce_limit=args.bounce_limit, wire=args.wire)
     data = pattern(args.seed, args.size)
     shm = engine.allocate(args.size)
     np.frombuffer(shm.buffer, np.uint8)[:] = data
@@ -45,12 +53,25 @@ def main() -> None:
     regions = {"shm": shm, "numpy": arr, "file": file_region, "readonly": frozen, "private": private}
     views = {"shm": shm.buffer, "numpy": array, "readonly": frozen.buffer, "private": private.buffer}
 
+    if args.spare_fds is not None:
+        in_use = len(os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + args.spare_fds, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     print(json.dumps({"descriptor": engine.export().to_json(),
                       "regions": {name: r.id for name, r in regions.items()}}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "exit":
             break
+        if cmd["cmd"] == "limit_as":  # address-space cap: VmSize now + extra_mib (None lifts it)
+            extra = cmd.get("extra_mib")
+            hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+            if extra is None:
+                resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+            else:
+                with open("/proc/self/status") as f:
+                    vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) * 1024
+                resource.setrlimit(resource.RLIMIT_AS, (vm + (extra << 20), hard))
+            print(json.dumps({"ok": True}), flush=True)
         if cmd["cmd"] == "sha":
             name, offset, length = cmd["region"], cmd["offset"], cmd["length"]
             if name == "file":

@@ -12,13 +12,15 @@ import numpy as np
 import pytest
 
 from tests_support import sha, wait_until_stopped
-from transfer import (AuthenticationFailed, Engine, OutOfBounds, PeerUnreachable, Read, ReadOnlyRegion,
-                      RemoteRegion, TransferTimeout, UnknownRegion, Write)
+from transfer import (AuthenticationFailed, Engine, InvalidOp, MissingSecret, OutOfBounds, PeerUnreachable,
+                      ProtocolError, Read, ReadOnlyRegion, RemoteRegion, TransferTimeout, UnknownRegion, Write)
+from transfer.auth import Channel, client_handshake, recv_frame, send_frame
+from transfer.regions import anonymous_shared, check_sealed
 
 
 def test_right_secret_connects_and_moves_bytes(spawn_peer):
     peer_proc = spawn_peer(size=1 << 20, secret="cluster-secret")
-    with Engine("a", secret="cluster-secret") as engine:
+    with Engine("a", listen=None, secret="cluster-secret") as engine:
         peer = engine.connect(peer_proc.descriptor, transport="tcp")
         dst = engine.allocate(4096)
         engine.transfer([Read(dst, 0, peer.region(peer_proc.regions["numpy"]), 0, 4096)])
@@ -30,30 +32,55 @@ def test_right_secret_connects_and_moves_bytes(spawn_peer):
 def test_wrong_or_missing_secret_is_refused_and_touches_nothing(spawn_peer, secret, transport):
     peer_proc = spawn_peer(size=1 << 20, secret="cluster-secret")
     before = {name: peer_proc.sha(name) for name in ("shm", "numpy", "file")}
-    with Engine("intruder", secret=secret) as engine:
+    with Engine("intruder", listen=None, secret=secret) as engine:
         with pytest.raises(AuthenticationFailed):
             engine.connect(peer_proc.descriptor, transport=transport)
     assert {name: peer_proc.sha(name) for name in before} == before
 
 
-def test_raw_data_request_without_handshake_is_dropped(spawn_peer):
+def raw_write(region: int, offset: int = 0, length: int = 4096) -> bytes:
+    """A plaintext data-plane write request, as an attacker would forge it."""
+    return struct.pack("<IB3xQQQ", 0x4B565431, 2, region, offset, length) + b"\xff" * length
+
+
+def closed_by_server(sock: socket.socket, timeout: float = 5.0) -> bool:
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("proof", ["forged", "none"])
+def test_server_refuses_a_client_that_fails_the_challenge(spawn_peer, proof):
+    """A hand-made client that ignores the server's verdict: the server itself must refuse it
+    (the client-side check cannot save us here) and never serve its data requests."""
     peer_proc = spawn_peer(size=1 << 20, secret="cluster-secret")
     before = peer_proc.sha("numpy")
     desc = json.loads(peer_proc.descriptor)
     with socket.create_connection((desc["host"], desc["port"]), timeout=5) as sock:
-        header = struct.pack("<IB3xQQQ", 0x4B565431, 2, peer_proc.regions["numpy"], 0, 4096)
-        try:
-            sock.sendall(header + b"\xff" * 4096)
-            sock.recv(1)  # the server closes the connection
+        send_frame(sock, {"hello": 2, "role": "data", "name": "mallory", "nonce": os.urandom(32).hex(),
+                          "wire": "plain"})
+        recv_frame(sock)  # the server's hello
+        if proof == "forged":
+            send_frame(sock, {"mac": os.urandom(32).hex()})
+            assert recv_frame(sock).get("ok") is False
+        try:  # carry on as if accepted: raw data requests straight after
+            sock.sendall(raw_write(peer_proc.regions["numpy"]) * 4)
         except OSError:
             pass
+        assert closed_by_server(sock)
     assert peer_proc.sha("numpy") == before
 
 
 def test_out_of_bounds_and_unknown_regions_are_refused_by_the_owner(spawn_peer):
     peer_proc = spawn_peer(size=1 << 20)
     before = {name: peer_proc.sha(name) for name in ("shm", "numpy", "file", "readonly", "private")}
-    with Engine("a") as engine:
+    with Engine("a", listen=None) as engine:
         peer = engine.connect(peer_proc.descriptor, transport="tcp")
         src = engine.register(np.full(2 << 20, 0xAB, np.uint8))
         size = peer_proc.size
@@ -61,7 +88,9 @@ def test_out_of_bounds_and_unknown_regions_are_refused_by_the_owner(spawn_peer):
         for name in ("numpy", "file", "shm"):
             huge = RemoteRegion(peer, peer_proc.regions[name], size * 4)
             for op in (Write(src, 0, huge, size - 100, 200), Write(src, 0, huge, size + 1, 10),
-                       Write(src, 0, huge, 2**63, 1), Read(src, 0, huge, size, 1)):
+                       Write(src, 0, huge, 2**63, 1), Read(src, 0, huge, size, 1),
+                       # offset + length wraps past 2**64 to a small number: only an overflow-safe check stops it
+                       Write(src, 0, huge, 2**64 - 100, 200), Read(src, 0, huge, 2**64 - 4096, 8192)):
                 with pytest.raises(OutOfBounds):
                     engine.transfer([op])
         for rid in (999_999, peer_proc.regions["private"]):
@@ -80,7 +109,7 @@ def test_out_of_bounds_and_unknown_regions_are_refused_by_the_owner(spawn_peer):
 
 def test_mixed_batch_reports_each_op(spawn_peer):
     peer_proc = spawn_peer(size=1 << 20)
-    with Engine("a") as engine:
+    with Engine("a", listen=None) as engine:
         peer = engine.connect(peer_proc.descriptor, transport="tcp")
         dst = engine.allocate(8192)
         good = peer.region(peer_proc.regions["numpy"])
@@ -94,7 +123,7 @@ def test_mixed_batch_reports_each_op(spawn_peer):
 def test_peer_killed_mid_transfer_fails_fast_and_engine_survives(spawn_peer):
     victim = spawn_peer(size=16 << 20)
     survivor = spawn_peer(size=1 << 20, seed=2)
-    with Engine("a", stall_timeout=5.0) as engine:
+    with Engine("a", listen=None, stall_timeout=5.0) as engine:
         peer = engine.connect(victim.descriptor, transport="tcp", streams=2)
         remote = peer.region(victim.regions["numpy"])
         dst = engine.allocate(victim.size)
@@ -116,7 +145,7 @@ def test_peer_killed_mid_transfer_fails_fast_and_engine_survives(spawn_peer):
 
 def test_dead_shm_peer_is_reported(spawn_peer):
     victim = spawn_peer(size=1 << 20)
-    with Engine("a") as engine:
+    with Engine("a", listen=None) as engine:
         peer = engine.connect(victim.descriptor, transport="shm")
         remote = peer.region(victim.regions["shm"])
         dst = engine.allocate(4096)
@@ -131,7 +160,7 @@ def test_dead_shm_peer_is_reported(spawn_peer):
 
 def test_stalled_peer_times_out_within_the_stall_timeout(spawn_peer):
     peer_proc = spawn_peer(size=1 << 20)
-    with Engine("a", stall_timeout=1.0) as engine:
+    with Engine("a", listen=None, stall_timeout=1.0) as engine:
         peer = engine.connect(peer_proc.descriptor, transport="tcp", streams=1)
         remote = peer.region(peer_proc.regions["numpy"])
         dst = engine.allocate(peer_proc.size)
@@ -147,7 +176,7 @@ def test_stalled_peer_times_out_within_the_stall_timeout(spawn_peer):
 
 
 def test_unreachable_peer_gets_a_typed_error():
-    with Engine("a") as engine:
+    with Engine("a", listen=None) as engine:
         listener = socket.create_server(("127.0.0.1", 0))
         port = listener.getsockname()[1]
         listener.close()

@@ -164,7 +164,8 @@ def test_full_disk_fails_daemon_start_with_a_clear_error(etcd_server, spawn_daem
 
     folder = tempfile.mkdtemp()
     done = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--node", "full", "--metadata",
-                           etcd_server.url, "--cluster", name, "--dram", "512KiB", "--disk-dir", folder, "--disk", "8MiB"],
+                           etcd_server.url, "--cluster", name, "--dram", "512KiB", "--disk-dir", folder, "--disk", "8MiB",
+                           "--insecure"],
                           capture_output=True, text=True, timeout=60, preexec_fn=small_disk)
     assert done.returncode == 1
     assert "cannot start full: TransferIOError" in done.stderr and "allocate" in done.stderr

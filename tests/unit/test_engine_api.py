@@ -141,7 +141,7 @@ def test_closed_engine_refuses_work():
 
 
 def test_descriptor_round_trip_and_validation():
-    with Engine("listening") as engine:
+    with Engine("listening", insecure=True) as engine:
         desc = engine.export()
         assert EngineDescriptor.from_json(desc.to_json()) == desc
         assert desc.host == "127.0.0.1"  # loopback unless asked otherwise
