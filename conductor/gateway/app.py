@@ -44,7 +44,8 @@ class Gateway:
         self.pool = Pool(config.prefill, config.decode, interval=config.health_interval_s,
                          timeout=config.connect_timeout_s)
         self.tracker = PrefixTracker()
-        self.metrics = GatewayMetrics(self.pool)
+        self.followers: list[KVEventFollower] = []
+        self.metrics = GatewayMetrics(self.pool, lambda: float(sum(f.events for f in self.followers)))
         self.tokens = Tokens(config.model_dir)
         self.fingerprint: ModelFingerprint = gateway_fingerprint(config)
         self.mirror = None
@@ -72,6 +73,7 @@ class Gateway:
         self._tasks.append(asyncio.create_task(self.pool.run(self.session)))
         for url, endpoint in self.config.kv_events.items():
             follower = KVEventFollower(url.rstrip("/"), endpoint, self.tracker, self.fingerprint)
+            self.followers.append(follower)
             self._tasks.append(asyncio.create_task(follower.run()))
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()

@@ -26,6 +26,8 @@ class KVEventFollower:
 
     def apply(self, event: dict) -> None:
         kind = event.get("type")
+        if event.get("medium") == "STORAGE":
+            return  # the kvstore connector's own events: the pool, which the index mirror already shows
         if kind == "BlockStored":
             size = int(event.get("block_size") or self.fingerprint.block_size)
             parent = event.get("parent_block_hash")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -12,7 +13,7 @@ _LATENCY = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 
 
 class GatewayMetrics:
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: Pool, kv_events: Callable[[], float] = lambda: 0.0) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("conductor_gateway_requests", "client requests", ["endpoint", "status"], registry=r)
         self.routes = Counter("conductor_gateway_routes", "routing outcomes", ["mode"], registry=r)
@@ -30,6 +31,7 @@ class GatewayMetrics:
         self.recent_overhead: deque[float] = deque(maxlen=10_000)
         Gauge("conductor_gateway_overhead_p50_seconds", "median overhead of the last 10k requests",
               registry=r).set_function(lambda: statistics.median(self.recent_overhead) if self.recent_overhead else 0.0)
+        Gauge("conductor_gateway_kv_events", "vLLM KV-cache events applied", registry=r).set_function(kv_events)
         healthy = Gauge("conductor_gateway_engine_healthy", "1 while an engine is in the rotation", ["engine", "role"],
                         registry=r)
         inflight = Gauge("conductor_gateway_engine_inflight", "gateway requests at an engine", ["engine", "role"],

@@ -186,6 +186,9 @@ def test_kv_events_rekey_blocks_by_our_chain():
     assert tracker.prefix_blocks("http://e0", ours) == 1
     follower.apply({"type": "AllBlocksCleared"})
     assert tracker.prefix_blocks("http://e0", ours) == 0
+    follower.apply({"type": "BlockStored", "block_hashes": [ours[0]], "parent_block_hash": None,  # the pool's
+                    "token_ids": tokens[:4], "block_size": 4, "medium": "STORAGE"})       # (the connector's)
+    assert tracker.prefix_blocks("http://e0", ours) == 0
 
 
 async def test_kv_events_over_zmq_feed_routing():
