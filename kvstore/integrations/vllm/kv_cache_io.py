@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from transfer import Engine, Region
+from transfer import Engine, Region, TransferError
 
 from .layout import LayerGeometry, layer_geometry, storage_bytes
 
@@ -73,5 +73,8 @@ class KVCacheIO:
 
     def close(self) -> None:
         for region in self._regions.values():
-            self._engine.unregister(region)
+            try:
+                self._engine.unregister(region)
+            except TransferError:  # the store's engine closed first (interpreter exit): nothing to undo
+                pass
         self._regions.clear()
