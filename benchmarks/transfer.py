@@ -264,7 +264,7 @@ def free_port() -> int:
 # --- report -------------------------------------------------------------------------------
 def report(r: Record) -> None:
     lat = f"{r.p50_us:10.1f}{r.p99_us:10.1f}" if r.p50_us is not None else f"{'-':>10}{'-':>10}"
-    print(f"  {r.system:<9}{r.transport:<8}{r.op:<6}{human(r.block_bytes):>7}{r.gbps:9.2f}{lat}", flush=True)
+    print(f"  {r.system:<9}{r.transport:<9}{r.op:<6}{human(r.block_bytes):>7}{r.gbps:9.2f}{lat}", flush=True)
 
 
 def human(n: int) -> str:

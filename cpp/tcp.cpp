@@ -65,9 +65,9 @@ void Stream::mark_broken(int32_t status) {
 
 void Stream::finish(SubReq& r, int32_t status) {
   queued_.fetch_sub(r.len, std::memory_order_relaxed);
-  r.batch->part_done(r.op, status, status == kOk ? r.len : 0);
-  r.batch.reset();
-  r.local.reset();
+  r.local.reset();  // unpinned before the op is reported done: a waiter may unregister it next
+  BatchPtr batch = std::move(r.batch);
+  batch->part_done(r.op, status, status == kOk ? r.len : 0);
 }
 
 void Stream::fail(std::deque<SubReq>& reqs, int32_t status) {
@@ -163,7 +163,6 @@ void Stream::send_sealed(std::vector<SubReq>& batch) {
   // Requests are in flight in wire order (send_mu_ is held); each goes out as a sealed header and,
   // for writes, a sealed payload. Output is gathered and sent every few MiB.
   sealed_out_.clear();
-  uint64_t payload = 0;
   auto flush = [&]() -> bool {
     if (sealed_out_.empty()) return true;
     int32_t st = send_all(fd_, sealed_out_.data(), sealed_out_.size());
@@ -184,16 +183,19 @@ void Stream::send_sealed(std::vector<SubReq>& batch) {
       } else {
         ok = region_read(*o.local, o.local_off, body, o.len) == kOk && tx_->seal(body, o.len, body, body + o.len);
       }
-      payload += o.len;
       moved_.fetch_add(o.len, std::memory_order_relaxed);
     }
     if (!ok) {  // the request is in flight already: the stream cannot go on
       mark_broken(kIoError);
       return;
     }
-    if (sealed_out_.size() >= kFlushBytes && !flush()) return;
+    if (o.opcode == kWrite) counters_->tcp_tx.fetch_add(o.len, std::memory_order_relaxed);
+    if (sealed_out_.size() >= kFlushBytes) {
+      if (!flush()) return;
+      for (auto* q = outs.data(); q <= &o; ++q) q->local.reset();  // sent: no longer ours to pin
+    }
   }
-  if (flush()) counters_->tcp_tx.fetch_add(payload, std::memory_order_relaxed);
+  flush();
 }
 
 void Stream::send_batch(std::vector<SubReq>& batch) {
@@ -239,13 +241,11 @@ void Stream::send_batch(std::vector<SubReq>& batch) {
     if (in_flight_.empty()) activity_ = std::chrono::steady_clock::now();
     for (auto& r : sending) in_flight_.push_back(std::move(r));
   }
+  // Counted before the write: the response (and the caller's wait) can come before writev returns.
+  counters_->tcp_tx.fetch_add(payload, std::memory_order_relaxed);
+  moved_.fetch_add(payload, std::memory_order_relaxed);
   int32_t st = writev_all(fd_, iov);
-  if (st != kOk) {
-    mark_broken(st);
-  } else {
-    counters_->tcp_tx.fetch_add(payload, std::memory_order_relaxed);
-    moved_.fetch_add(payload, std::memory_order_relaxed);
-  }
+  if (st != kOk) mark_broken(st);
 }
 
 bool Stream::next_is_large_read() {
@@ -314,12 +314,15 @@ int32_t Stream::recv_frames() {
       if (h.length != req.len) {
         st = kProtocol;
       } else if (rx_) {
-        // Into a staging buffer first: unauthenticated bytes never reach the destination.
+        // Decrypted straight into our own destination when it is memory: a forged payload fails the
+        // op (kProtocol) like any failed read, whose destination bytes are undefined. The owner's
+        // side never does this (see serve_connection): its regions are shared with other peers.
         sealed_in_.resize(req.len + kTagBytes);
         st = reader.read(sealed_in_.data(), sealed_in_.size());
-        if (st == kOk && !rx_->open(sealed_in_.data(), req.len, sealed_in_.data(), sealed_in_.data() + req.len))
-          st = kProtocol;
-        if (st == kOk) st = region_write(*req.local, req.local_off, sealed_in_.data(), req.len);
+        const bool direct = req.local->kind == RegionKind::kMemory;
+        uint8_t* out = direct ? req.local->base + req.local_off : sealed_in_.data();
+        if (st == kOk && !rx_->open(sealed_in_.data(), req.len, out, sealed_in_.data() + req.len)) st = kProtocol;
+        if (st == kOk && !direct) st = region_write(*req.local, req.local_off, sealed_in_.data(), req.len);
       } else {
         st = reader.read_into_region(*req.local, req.local_off, req.len);
       }

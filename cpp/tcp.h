@@ -10,6 +10,27 @@
 
 namespace kvt {
 
+// std::allocator whose value-initialisation does nothing: resizing a byte buffer that is about to
+// be overwritten should not write it twice.
+template <typename T>
+struct UninitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = UninitAllocator<U>;
+  };
+  UninitAllocator() = default;
+  template <typename U>
+  UninitAllocator(const UninitAllocator<U>&) {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
 // One TCP connection to a peer: request batches go out with one writev (from the caller's thread
 // when the stream is idle, else from a sender thread); a receiver thread, always parked in recv(),
 // matches responses to in-flight requests in FIFO order.
@@ -49,7 +70,8 @@ class Stream {
   std::atomic<uint64_t> queued_{0};
   std::chrono::steady_clock::time_point activity_;  // last send into an empty pipe or response
   std::unique_ptr<Aead> tx_, rx_;  // null: plaintext stream
-  std::vector<uint8_t> sealed_out_, sealed_in_;  // ciphertext staging (tx under send_mu_, rx receiver only)
+  // Ciphertext staging (tx under send_mu_, rx receiver only); growing it leaves bytes uninitialised.
+  std::vector<uint8_t, UninitAllocator<uint8_t>> sealed_out_, sealed_in_;
   std::atomic<uint64_t> moved_{0};  // payload bytes this stream carried
   std::thread sender_, receiver_;
 };

@@ -434,7 +434,10 @@ def test_region_unregistered_under_a_stalled_op_is_released_later(spawn_peer):
             os.kill(peer_proc.proc.pid, signal.SIGCONT)
         batch.wait(20)
         other = engine.allocate(4096)
-        engine.transfer([Read(other, 0, remote, 0, 4096)])  # any later call sweeps
+        deadline = time.monotonic() + 5
+        while engine._graveyard and time.monotonic() < deadline:
+            engine.transfer([Read(other, 0, remote, 0, 4096)])  # any later call sweeps
+            time.sleep(0.01)
         assert engine._graveyard == []
         assert dst._shm_fd is None
 
