@@ -30,6 +30,9 @@ class EngineDescriptor:
     host_id: str
     unix: str | None = None  # abstract unix socket name for same-host control (shm)
     version: int = 1
+    ucx_tls: tuple[str, ...] = ()  # UCX transports the engine offers (empty: no ucx route)
+    ucx_address: str | None = None  # its UCX worker address (hex); rkeys only go to authenticated peers
+    ucx_scratch: str | None = None  # "address:rkey" of 8 bytes new endpoints put one byte into
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -49,6 +52,8 @@ class EngineDescriptor:
             raise TypeError(f"not an engine descriptor: {type(value).__name__}")
         try:
             return cls(name=str(value["name"]), host=str(value["host"]), port=int(value["port"]),
-                       host_id=str(value["host_id"]), unix=value.get("unix"), version=int(value.get("version", 1)))
+                       host_id=str(value["host_id"]), unix=value.get("unix"), version=int(value.get("version", 1)),
+                       ucx_tls=tuple(str(t) for t in value.get("ucx_tls") or ()), ucx_address=value.get("ucx_address"),
+                       ucx_scratch=value.get("ucx_scratch"))
         except (KeyError, ValueError) as exc:
             raise ValueError(f"malformed engine descriptor: {exc}") from exc

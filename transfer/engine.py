@@ -17,6 +17,8 @@ from .listener import Listener
 from .ops import Op, OpResult, Read, Write
 from .peer import Peer
 from .regions import Region, RemoteRegion, anonymous_shared, buffer_view
+from .ucx import direct_cuda, start_ucx
+from .ucx_batch import MergedBatch, UcxOps, plan as ucx_plan
 
 DEFAULT_STREAMS = 4
 DEFAULT_STRIPE = 256 * 1024
@@ -42,7 +44,7 @@ class Engine:
     def __init__(self, name: str | None = None, *, listen: str | None = "127.0.0.1:0",
                  secret: str | bytes | None = None, insecure: bool = False, wire: str | None = None,
                  stall_timeout: float = 10.0, streams: int = DEFAULT_STREAMS, stripe_bytes: int = DEFAULT_STRIPE,
-                 local_workers: int = 2, handshake_timeout: float = 5.0,
+                 local_workers: int = 2, handshake_timeout: float = 5.0, ucx: str | None = "auto",
                  bounce_limit: int = DEFAULT_BOUNCE_LIMIT) -> None:
         self.name = name or f"engine-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.secret = secret.encode() if isinstance(secret, str) else (secret or b"")
@@ -56,6 +58,7 @@ class Engine:
         self.stall_timeout = stall_timeout
         self.streams = streams
         self._native = _native.Engine(int(stall_timeout * 1000), stripe_bytes, local_workers, bounce_limit)
+        self._ucx = start_ucx(ucx, self.name)  # optional; `ucx` and $UCX_TLS say which UCX transports
         self._regions: dict[int, Region] = {}
         self._peers: list[Peer] = []
         self._graveyard: list[Region] = []  # unregistered while ops still used them
@@ -77,6 +80,8 @@ class Engine:
         region = self._register_view(view.keepalive, view.nbytes, readonly=view.readonly,
                                      remote_access=remote_access, kind=kind, address=view.address)
         region._cuda_tensor = view.cuda_tensor
+        if view.cuda_tensor is not None and self._ucx is not None:
+            direct_cuda(self._ucx, region, view.cuda_tensor)
         return region
 
     def allocate(self, size: int, *, remote_access: bool = True) -> Region:
@@ -116,6 +121,8 @@ class Engine:
         rid = self._native.register_memory(address, size, readonly, remote_access)
         buffer = keepalive if isinstance(keepalive, memoryview) else None
         region = Region(rid, size, kind, readonly, remote_access, buffer=buffer, _keepalive=keepalive)
+        if self._ucx is not None:
+            region._ucx = self._ucx.try_map(address, size, readonly=readonly, exported=remote_access)
         with self._lock:
             self._regions[rid] = region
         return region
@@ -155,6 +162,9 @@ class Engine:
                 region._keepalive.release()
             except BufferError:
                 pass  # the caller still holds views of it; the memory lives until they let go
+        if region._ucx is not None and self._ucx is not None:
+            self._ucx.unmap(region._ucx)
+            region._ucx = None
         region.buffer = None
 
     def regions(self) -> list[Region]:
@@ -171,7 +181,8 @@ class Engine:
                         continue
                     shm = region._shm_fd is not None
                     table.append({"id": region.id, "size": region.size, "kind": region.kind,
-                                  "readonly": region.readonly, "shm": shm})
+                                  "readonly": region.readonly, "shm": shm,
+                                  **(region._ucx.advert() if region._ucx is not None else {})})
                     if shm:
                         fds.append(os.dup(region._shm_fd))
             except BaseException:
@@ -185,11 +196,13 @@ class Engine:
         """The descriptor peers pass to `connect` (JSON via `.to_json()`)."""
         if self._listener is None:
             raise EngineClosed(f"{self.name} does not listen (listen=None)")
-        return EngineDescriptor(self.name, self._listener.host, self._listener.port, host_id(), self._unix_name)
+        return EngineDescriptor(self.name, self._listener.host, self._listener.port, host_id(), self._unix_name,
+                               **(self._ucx.advert() if self._ucx is not None else {}))
 
     def connect(self, descriptor: EngineDescriptor | dict | str, *, transport: str = "auto",
                 streams: int | None = None, timeout: float = 5.0) -> Peer:
-        """Authenticate to a peer. transport: "auto" (shm on the same host, else tcp), "shm", "tcp"."""
+        """Authenticate to a peer. transport: "auto" (shm on the same host, else ucx
+        over RDMA/shared memory when both ends have it, else tcp), "shm", "tcp", "ucx"."""
         self._check_open()
         peer = Peer(self, EngineDescriptor.parse(descriptor), transport, streams or self.streams, timeout)
         with self._lock:
@@ -203,10 +216,18 @@ class Engine:
         if self._graveyard:
             self._sweep_graveyard()
         flat = array("Q")
+        native_index: list[int] = []
+        ucx_items, ucx_index = [], []
         cuda_reads: list[Read] = []
         shm_peers: set[Peer] = set()
         try:
-            for op in ops:
+            for index, op in enumerate(ops):
+                if self._ucx is not None and (item := ucx_plan(op, self._regions)) is not None:
+                    ucx_items.append(item)
+                    ucx_index.append(index)
+                    shm_peers.add(op.remote.peer)  # same liveness check: UCX shared memory has no failure handler
+                    continue
+                native_index.append(index)
                 encoded = self._encode(op)
                 flat.extend(encoded)
                 if encoded[1] == 0 and isinstance(op.remote, RemoteRegion):
@@ -226,7 +247,10 @@ class Engine:
             for op in cuda_reads:
                 op.local.sync_to_device(op.local_offset, op.length)
 
-        return Batch(self._native.submit(flat), ops, stage_in if cuda_reads else None,
+        native = self._native.submit(flat)
+        if ucx_items:
+            native = MergedBatch(native, native_index, UcxOps(self._ucx, ucx_items, self.stall_timeout), ucx_index)
+        return Batch(native, ops, stage_in if cuda_reads else None,
                      default_timeout=self.stall_timeout * 2 + 5)
 
     def _encode(self, op: Op) -> tuple[int, ...]:
@@ -266,6 +290,8 @@ class Engine:
         for peer in self._peers:
             peer.close()
         self._native.close()
+        if self._ucx is not None:
+            self._ucx.close()
         for region in list(self._regions.values()):
             if region._shm_fd is not None:
                 os.close(region._shm_fd)

@@ -15,11 +15,12 @@ from .descriptor import EngineDescriptor, host_id
 from .errors import EngineClosed, PeerUnreachable, ProtocolError, TransferError, TransferTimeout, UnknownRegion
 from .listener import FDS_PER_MESSAGE
 from .regions import Region, RemoteRegion, check_sealed, map_shared
+from .ucx import connect_ucx
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-TRANSPORTS = ("auto", "shm", "tcp")
+TRANSPORTS = ("auto", "shm", "tcp", "ucx")
 
 
 @dataclass
@@ -97,14 +98,22 @@ class Peer:
                 os.close(fd)
             self._ctl.close()
             raise
-        self.refresh()
+        self._ucx = None  # the UCX endpoint when the route is ucx (transfer/ucx.py)
+        try:
+            self._ucx = connect_ucx(engine._ucx, descriptor, transport, self.transport == "shm")
+            if self._ucx is not None:
+                self.transport = "ucx"
+            self.refresh()
+        except BaseException:
+            self.close()
+            raise
 
     def _open_control(self, transport: str) -> socket.socket:
         d = self.descriptor
         same_host = d.host_id == host_id() and d.unix is not None
         if transport == "shm" and not same_host:
             raise PeerUnreachable(f"{d.name} is not on this host: shared memory is unavailable")
-        sock = _connect_unix(d.unix, self._timeout) if same_host and transport != "tcp" and d.unix else None
+        sock = _connect_unix(d.unix, self._timeout) if same_host and transport not in ("tcp", "ucx") and d.unix else None
         if sock is None and transport == "shm":
             raise PeerUnreachable(f"cannot reach {d.name}'s same-host control socket")
         if sock is None:
@@ -154,6 +163,8 @@ class Peer:
                 local = self._engine._register_view(mapping, size, readonly=readonly, remote_access=False, kind="shm")
                 self._mapped[rid] = _Mapped(local, mapping)
             self._remote[rid] = RemoteRegion(self, rid, size, shm=rid in self._mapped, readonly=readonly)
+            if self._ucx is not None and isinstance(entry.get("ucx"), dict):
+                self._ucx.advertise(rid, int(entry["ucx"]["addr"]), size, bytes.fromhex(str(entry["ucx"]["rkey"])))
 
     def region(self, region_id: int) -> RemoteRegion:
         """The peer's exported region `region_id` (refreshing the table once if it is new)."""
@@ -210,6 +221,8 @@ class Peer:
             except (TransferError, BufferError):
                 pass  # an op still holds it; the mapping goes when the engine does
         self._mapped.clear()
+        if self._ucx is not None:
+            self._ucx.close()
         self._ctl.close()
 
     def __repr__(self) -> str:

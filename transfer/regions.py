@@ -71,6 +71,7 @@ class Region:
     _keepalive: Any = field(default=None, repr=False)
     _cuda_tensor: Any = field(default=None, repr=False)
     _shm_fd: int | None = field(default=None, repr=False)
+    _ucx: Any = field(default=None, repr=False)  # UcxMemory when mapped with UCX (transfer/ucx.py)
 
     def host_view(self) -> memoryview:
         """The region's host bytes (the staging copy for CUDA regions); file regions have none."""

@@ -1,0 +1,207 @@
+"""The ucx route against a peer in another process: the transport matrix byte for byte, refusals, a peer
+killed mid-transfer, a stalled peer, route selection. UCX_TLS values:
+  tcp     RMA emulated by UCX over TCP (the target's worker answers)
+  sm,tcp  shared memory on the host, but with peer-failure handling UCX still emulates RMA over tcp/lo
+  sm      true one-sided RMA (cma: process_vm_readv/writev), only with the opt-in that accepts UCX
+          aborting this process if the peer dies mid-transfer (UCX has no peer-failure handling there)
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from tests_support import sha, wait_until_stopped
+from transfer import Engine, OutOfBounds, PeerUnreachable, Read, ReadOnlyRegion, RemoteRegion, TransferTimeout, Write
+from transfer.ucx import UNSAFE_ENV, unavailable
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+TLS = ["tcp", "sm,tcp", "sm"]
+TARGETS = ["shm", "numpy", "file"]
+
+
+@pytest.fixture(params=TLS)
+def tls(request, monkeypatch) -> str:
+    monkeypatch.setenv("UCX_TLS", request.param)  # what the peer process (ucx="auto") will use
+    monkeypatch.setenv("UCX_WARN_UNUSED_ENV_VARS", "n")
+    if request.param == "sm":
+        monkeypatch.setenv(UNSAFE_ENV, "1")
+    return request.param
+
+
+@pytest.fixture
+def engine(tls):
+    with Engine("initiator", insecure=True, ucx=tls, stall_timeout=2.0) as e:
+        yield e
+
+
+def unaligned_ops(size: int, rng: np.random.Generator) -> list[tuple[int, int]]:
+    ops, offset = [], 3
+    while True:
+        length = int(rng.choice([1, 7, 4095, 4097, 65_537, 300_001, 1_048_583]))
+        if offset + length > size:
+            return ops
+        ops.append((offset, length))
+        offset += length + int(rng.integers(0, 9))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_write_lands_byte_for_byte(engine, spawn_peer, target):
+    peer_proc = spawn_peer(size=4 << 20)
+    peer = engine.connect(peer_proc.descriptor, transport="ucx")
+    assert peer.transport == "ucx"
+    remote = peer.region(peer_proc.regions[target])
+    rng = np.random.default_rng(7)
+    source = rng.integers(0, 256, peer_proc.size, dtype=np.uint8)
+    local = engine.register(source)
+    pairs = unaligned_ops(peer_proc.size, rng)
+    before = engine.stats()["tcp_tx_bytes"]
+    results = engine.transfer([Write(local, off, remote, off, n) for off, n in pairs])
+    assert [r.bytes for r in results] == [n for _, n in pairs]
+    # Memory targets move by UCX put (no byte on our TCP streams); file regions have no rkey: TCP streams.
+    moved_by_tcp = engine.stats()["tcp_tx_bytes"] - before
+    assert moved_by_tcp == (sum(n for _, n in pairs) if target == "file" else 0)
+    expected = peer_proc.expected()
+    for off, n in pairs:
+        expected[off : off + n] = source[off : off + n]
+    assert peer_proc.sha(target) == sha(expected)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_read_returns_peer_bytes(engine, spawn_peer, target):
+    peer_proc = spawn_peer(size=4 << 20, seed=11)
+    peer = engine.connect(peer_proc.descriptor, transport="ucx")
+    remote = peer.region(peer_proc.regions[target])
+    local = engine.register(np.zeros(peer_proc.size + 5, np.uint8))
+    pairs = unaligned_ops(peer_proc.size, np.random.default_rng(3))
+    engine.transfer([Read(local, off + 2, remote, off, n) for off, n in pairs])  # shifted: misplaced bytes fail
+    got, expected = np.frombuffer(local.buffer, np.uint8), peer_proc.expected()
+    for off, n in pairs:
+        assert np.array_equal(got[off + 2 : off + 2 + n], expected[off : off + n]), (off, n)
+
+
+def test_out_of_bounds_and_read_only_are_refused(engine, spawn_peer):
+    peer_proc = spawn_peer(size=1 << 20, seed=4)
+    peer = engine.connect(peer_proc.descriptor, transport="ucx")
+    good = peer.region(peer_proc.regions["numpy"])
+    frozen = peer.region(peer_proc.regions["readonly"])
+    src = engine.register(np.full(8192, 0xEE, np.uint8))
+    with pytest.raises(OutOfBounds):
+        engine.transfer([Write(src, 0, good, good.size - 10, 11)])
+    lying = RemoteRegion(peer, good.id, good.size * 2)  # a size the peer never advertised
+    with pytest.raises(OutOfBounds):
+        engine.transfer([Read(src, 0, lying, good.size, 16)])
+    with pytest.raises(OutOfBounds):
+        engine.transfer([Read(src, 8000, good, 0, 200)])  # past our own region
+    with pytest.raises(ReadOnlyRegion):
+        engine.transfer([Write(src, 0, frozen, 0, 16)])
+    results = engine.submit([Read(src, 0, good, 0, 4096), Write(src, 0, frozen, 0, 8),
+                             Read(src, 4096, good, 4096, 4096)]).wait(10, raise_on_error=False)
+    assert [r.ok for r in results] == [True, False, True] and results[1].error == "read-only region"
+    assert peer_proc.sha("readonly") == sha(peer_proc.expected()[:65536])
+    assert peer_proc.sha("numpy") == sha(peer_proc.expected())
+    assert sha(src.buffer) == sha(peer_proc.expected()[:8192])
+
+
+def test_peer_killed_mid_transfer_fails_fast_and_engine_survives(engine, spawn_peer, tls):
+    if tls == "sm":
+        pytest.skip("UCX_TLS=sm has no peer-failure handling: UCX itself aborts the process (why it is opt-in)")
+    victim = spawn_peer(size=16 << 20)
+    survivor = spawn_peer(size=1 << 20, seed=2)
+    peer = engine.connect(victim.descriptor, transport="ucx")
+    remote = peer.region(victim.regions["numpy"])
+    dst = engine.register(np.zeros(victim.size, np.uint8))
+    batch = engine.submit([Read(dst, 0, remote, 0, victim.size) for _ in range(64)])  # 1 GiB
+    time.sleep(0.05)
+    victim.kill()
+    started = time.monotonic()
+    with pytest.raises((PeerUnreachable, TransferTimeout)):
+        batch.wait(15)
+    assert time.monotonic() - started < 5.0
+    with pytest.raises(PeerUnreachable):
+        engine.transfer([Read(dst, 0, remote, 0, 4096)])
+    other = engine.connect(survivor.descriptor, transport="ucx")
+    engine.transfer([Read(dst, 0, other.region(survivor.regions["numpy"]), 0, survivor.size)])
+    assert sha(np.frombuffer(dst.buffer, np.uint8)[: survivor.size]) == sha(survivor.expected())
+
+
+def test_stalled_peer(engine, spawn_peer, tls):
+    """tcp, sm+tcp: UCX emulates RMA with the target's help, so a stopped target times out in the
+    stall time. sm: RMA is truly one-sided (cross-memory attach), so a stopped target is still read."""
+    peer_proc = spawn_peer(size=1 << 20)
+    peer = engine.connect(peer_proc.descriptor, transport="ucx")
+    remote = peer.region(peer_proc.regions["numpy"])
+    dst = engine.register(np.zeros(peer_proc.size, np.uint8))
+    os.kill(peer_proc.proc.pid, signal.SIGSTOP)
+    wait_until_stopped(peer_proc.proc.pid)
+    try:
+        started = time.monotonic()
+        if tls != "sm":
+            with pytest.raises(TransferTimeout):
+                engine.transfer([Read(dst, 0, remote, 0, peer_proc.size)], timeout=10)
+            assert 1.9 < time.monotonic() - started < 6.0
+        else:
+            engine.transfer([Read(dst, 0, remote, 0, peer_proc.size)], timeout=10)
+            assert sha(dst.buffer) == sha(peer_proc.expected())
+    finally:
+        os.kill(peer_proc.proc.pid, signal.SIGCONT)
+
+
+def test_auto_route(engine, spawn_peer, tls):
+    """Same host: shm first. ucx over tcp alone is never picked by auto (only RDMA or shared memory)."""
+    peer_proc = spawn_peer(size=1 << 20)
+    assert engine.connect(peer_proc.descriptor).transport == "shm"
+    via_network = engine.connect(peer_proc.descriptor, transport="tcp")
+    assert via_network.transport == "tcp"
+
+
+def test_shared_memory_only_ucx_needs_the_opt_in(spawn_peer, monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "sm")
+    monkeypatch.delenv(UNSAFE_ENV, raising=False)
+    peer_proc = spawn_peer(size=1 << 20)
+    with Engine("cautious", insecure=True, ucx="sm") as engine:
+        with pytest.raises(PeerUnreachable, match="peer-failure handling"):
+            engine.connect(peer_proc.descriptor, transport="ucx")
+
+
+def test_forced_ucx_without_ucx_on_one_side(spawn_peer, monkeypatch):
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    peer_proc = spawn_peer(size=1 << 20)  # no RDMA device here and UCX_TLS unset: no ucx route
+    with Engine("plain", insecure=True, ucx="tcp") as engine:
+        with pytest.raises(PeerUnreachable, match="no UCX route"):
+            engine.connect(peer_proc.descriptor, transport="ucx")
+        assert engine.connect(peer_proc.descriptor, transport="auto").transport == "shm"
+    with Engine("none", insecure=True, ucx=None) as engine:
+        assert engine.export().ucx_tls == ()
+        with pytest.raises(PeerUnreachable, match="this engine has no UCX route"):
+            engine.connect(peer_proc.descriptor, transport="ucx")
+
+
+def test_cuda_regions_over_ucx(engine, spawn_peer):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: CUDA <-> CUDA and CUDA <-> host over ucx need a GPU")
+    if not engine._ucx.cuda:
+        pytest.skip("this UCX build has no CUDA support: CUDA regions use the pinned staging copy")
+    peer_proc = spawn_peer(size=1 << 20, seed=6)
+    peer = engine.connect(peer_proc.descriptor, transport="ucx")
+    remote = peer.region(peer_proc.regions["numpy"])
+    device = torch.zeros(peer_proc.size, dtype=torch.uint8, device="cuda")
+    region = engine.register(device)
+    assert region._ucx is not None and region._ucx.cuda  # device memory mapped itself, no bounce
+    engine.transfer([Read(region, 0, remote, 0, peer_proc.size)])  # host (peer) -> CUDA
+    assert sha(device.cpu().numpy()) == sha(peer_proc.expected())
+    device.add_(1)
+    engine.transfer([Write(region, 0, remote, 0, peer_proc.size)])  # CUDA -> host (peer)
+    assert peer_proc.sha("numpy") == sha((peer_proc.expected() + 1).astype(np.uint8))
+    other = torch.zeros_like(device)
+    mirror = engine.register(other)
+    with Engine("gpu-peer", insecure=True, ucx=engine._ucx.tls) as second:  # CUDA <-> CUDA
+        target = second.register(torch.zeros_like(device))
+        link = engine.connect(second.export(), transport="ucx")
+        engine.transfer([Write(region, 0, link.region(target.id), 0, peer_proc.size)])
+        engine.transfer([Read(mirror, 0, link.region(target.id), 0, peer_proc.size)])
+    assert torch.equal(other, device)

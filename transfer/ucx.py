@@ -1,0 +1,308 @@
+"""The UCX route (optional, `pip install -e ".[ucx]"`): one ucxx context and worker per engine, regions
+mapped with UCX (packed rkeys go to authenticated peers in the region table), one endpoint per peer.
+
+Which UCX transports an engine may use: its `ucx=` option, a UCX_TLS list ("tcp", "sm", "posix,cma",
+"rc,dc,ud,sm"); "auto" takes $UCX_TLS when set, else RDMA + shared memory when an RDMA device exists,
+else no UCX; None/"off" never. Over RDMA the NIC enforces each rkey's range and access; over tcp and
+shared memory UCX enforces neither, so those are trusted-network/same-user choices (see README).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from . import ucx_api as U
+from .errors import PeerUnreachable, UnsupportedBuffer
+
+log = logging.getLogger("transfer.ucx")
+RDMA_TLS = ("rc", "dc", "ud")  # prefixes: rc_verbs, rc_mlx5, dc_mlx5, ud_verbs, ...
+SHM_TLS = ("posix", "sysv", "cma", "xpmem", "knem", "cuda_ipc")
+UNSAFE_ENV = "KVSTORE_UCX_NO_PEER_FAILURE_HANDLING"
+_RESOURCE = re.compile(r"resource\s+\d+\s*:.*--\s+(\S+)/")
+
+
+@lru_cache(maxsize=1)
+def unavailable() -> str | None:
+    """Why ucxx cannot be used in this process, or None when it can."""
+    try:
+        U.lib()
+        import ucxx._lib.libucxx  # noqa: F401
+    except Exception as exc:  # ImportError, OSError (no libucp), AttributeError (ABI)
+        return f"ucxx is not usable ({type(exc).__name__}: {exc}); install the extra: pip install -e '.[ucx]'"
+    return None
+
+
+def rdma_device_present() -> bool:
+    try:
+        return bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
+def resolve_tls(option: str | None) -> str | None:
+    """The UCX_TLS list this engine may use, or None for no UCX route."""
+    if option is None or option in ("", "off", "none"):
+        return None
+    if option == "auto":
+        return os.environ.get("UCX_TLS") or ("rc,dc,ud,sm" if rdma_device_present() else None)
+    return option
+
+
+def fast(transports: tuple[str, ...]) -> bool:
+    """True when UCX would use RDMA or shared memory (what `transport="auto"` asks for)."""
+    return any(t.startswith(RDMA_TLS) or t in SHM_TLS for t in transports)
+
+
+@dataclass
+class UcxMemory:
+    """A region mapped with UCX: its memory handle, and the packed rkey peers may use (if exported)."""
+
+    memh: int
+    address: int
+    size: int
+    rkey: bytes
+    cuda: bool = False
+
+    def advert(self) -> dict:
+        """The region-table fields a peer needs for RMA (none when the region is not exported)."""
+        return {"ucx": {"addr": self.address, "rkey": self.rkey.hex()}} if self.rkey else {}
+
+
+class UcxNode:
+    """An engine's UCX context + worker. ucxx's progress thread serves the passive side (software
+    RMA on tcp needs the target to progress); initiators also progress while they wait."""
+
+    def __init__(self, tls: str, name: str) -> None:
+        from ucxx._lib import libucxx
+
+        self._ucxx = libucxx
+        self.context = libucxx.UCXContext(config_dict={"TLS": tls})
+        self.transports = tuple(sorted(set(_RESOURCE.findall(self.context.info))))
+        if not self.transports:
+            raise PeerUnreachable(f"UCX found no usable transport in UCX_TLS={tls!r}")
+        self.cuda = bool(self.context.cuda_support)
+        self.worker = libucxx.UCXWorker(self.context)
+        self.worker.start_progress_thread(False, 100)
+        self.tls, self.name = tls, name
+        self._closed = False
+        # A first get on a fresh tcp endpoint stalls until something was put: new endpoints put one
+        # byte here to wire up (8 bytes no one reads; its rkey is the only one in the descriptor).
+        self._scratch = bytearray(8)
+        self.scratch = self.map(ctypes.addressof((ctypes.c_char * 8).from_buffer(self._scratch)), 8,
+                                readonly=False, exported=True)
+
+    def address(self) -> bytes:
+        return self.worker.address.tobytes()
+
+    def map(self, address: int, size: int, *, readonly: bool, exported: bool, cuda: bool = False) -> UcxMemory:
+        """Register memory with UCX; exported regions also get a packed rkey (read-only: remote read only)."""
+        prot = U.PROT_LOCAL_READ | (0 if readonly else U.PROT_LOCAL_WRITE)
+        if exported:
+            prot |= U.PROT_REMOTE_READ | (0 if readonly else U.PROT_REMOTE_WRITE)
+        params = U.MemMapParams(field_mask=U.MAP_ADDRESS | U.MAP_LENGTH | U.MAP_PROT | U.MAP_MEMORY_TYPE,
+                                address=address, length=size, prot=prot,
+                                memory_type=U.MEMORY_TYPE_CUDA if cuda else U.MEMORY_TYPE_HOST)
+        memh = ctypes.c_void_p()
+        status = U.lib().ucp_mem_map(self.context.handle, ctypes.byref(params), ctypes.byref(memh))
+        if status != U.UCS_OK:
+            raise UnsupportedBuffer(f"UCX cannot map {size} bytes: {U.status_text(status)}")
+        rkey = b""
+        if exported:
+            buf, n = ctypes.c_void_p(), ctypes.c_size_t()
+            status = U.lib().ucp_rkey_pack(self.context.handle, memh, ctypes.byref(buf), ctypes.byref(n))
+            if status != U.UCS_OK:
+                U.lib().ucp_mem_unmap(self.context.handle, memh)
+                raise UnsupportedBuffer(f"UCX cannot pack an rkey: {U.status_text(status)}")
+            rkey = ctypes.string_at(buf, n.value)
+            U.lib().ucp_rkey_buffer_release(buf)
+        return UcxMemory(memh.value, address, size, rkey, cuda)
+
+    def try_map(self, address: int, size: int, *, readonly: bool, exported: bool, cuda: bool = False) -> UcxMemory | None:
+        """`map`, or None (the region then uses the other routes) when UCX refuses the memory."""
+        try:
+            return self.map(address, size, readonly=readonly, exported=exported, cuda=cuda)
+        except UnsupportedBuffer as exc:
+            log.warning("%s: region of %d bytes not mapped with UCX (other routes only): %s", self.name, size, exc)
+            return None
+
+    def advert(self) -> dict:
+        """Descriptor fields: the transports UCX chose and the worker address peers connect to."""
+        return {"ucx_tls": self.transports, "ucx_address": self.address().hex(),
+                "ucx_scratch": f"{self.scratch.address}:{self.scratch.rkey.hex()}"}
+
+    def unmap(self, memory: UcxMemory) -> None:
+        if not self._closed and memory.memh:
+            U.lib().ucp_mem_unmap(self.context.handle, memory.memh)
+            memory.memh = 0
+
+    def progress(self) -> None:
+        U.lib().ucp_worker_progress(self.worker.handle)
+
+    def connect(self, address: bytes, scratch: str) -> "UcxEndpoint":
+        endpoint = UcxEndpoint(self, address)
+        try:
+            endpoint.wire_up(scratch, timeout=10.0)
+        except BaseException:
+            endpoint.close()
+            raise
+        return endpoint
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.unmap(self.scratch)
+        self._closed = True
+        self.worker.stop_progress_thread()
+
+
+@dataclass
+class RemoteMemory:
+    """What a peer advertised for one region: base address (for RMA only) and packed rkey."""
+
+    address: int
+    size: int
+    packed: bytes
+    handle: int = 0  # unpacked on this endpoint, on first use
+
+
+@dataclass
+class UcxEndpoint:
+    """One peer's UCX endpoint and the rkeys it advertised (unpacked lazily, destroyed on close)."""
+
+    node: UcxNode
+    address_bytes: bytes
+    remote: dict[int, RemoteMemory] = field(default_factory=dict)
+    broken: str | None = None
+
+    def __post_init__(self) -> None:
+        import numpy as np
+
+        lib = self.node._ucxx
+        address = lib.UCXAddress.create_from_buffer(np.frombuffer(self.address_bytes, np.uint8).copy())
+        try:
+            self.ep = lib.UCXEndpoint.create_from_worker_address(self.node.worker, address, True)
+        except Exception as exc:
+            # Without peer-failure handling UCX aborts this whole process when the peer dies during a
+            # transfer (cma: "process_vm_readv ... No such process" is fatal), so it is opt-in only.
+            if os.environ.get(UNSAFE_ENV) != "1":
+                raise PeerUnreachable(
+                    f"UCX cannot reach the peer with peer-failure handling over {','.join(self.node.transports)} "
+                    f"({exc}); shared-memory-only UCX_TLS has none: add tcp or an RDMA transport "
+                    f"(or set {UNSAFE_ENV}=1 to accept that a dying peer aborts this process)") from exc
+            log.warning("%s: UCX endpoint without peer-failure handling (%s=1): a peer that dies mid-transfer "
+                        "aborts this process", self.node.name, UNSAFE_ENV)
+            try:
+                self.ep = lib.UCXEndpoint.create_from_worker_address(self.node.worker, address, False)
+            except Exception as exc2:
+                raise PeerUnreachable(f"UCX cannot reach the peer: {exc2}") from exc2
+        self.handle = self.ep.handle
+
+    def wire_up(self, scratch: str, timeout: float) -> None:
+        """Put one byte into the peer's scratch buffer and wait for it (see UcxNode.scratch)."""
+        lib = U.lib()
+        address, _, packed = scratch.partition(":")
+        self.advertise(-1, int(address), 1, bytes.fromhex(packed))
+        memory = self.rkey(-1)
+        one = ctypes.c_char(b"\x01")
+        ptr = lib.ucp_put_nbx(self.handle, ctypes.addressof(one), 1, memory.address, memory.handle,
+                              ctypes.byref(U.RequestParam()))
+        status, deadline = U.status_of(ptr), time.monotonic() + timeout
+        while status is None:
+            self.node.progress()
+            if (check := lib.ucp_request_check_status(ptr)) != U.UCS_INPROGRESS:
+                lib.ucp_request_free(ptr)
+                status = check
+            elif time.monotonic() > deadline:
+                raise PeerUnreachable("UCX endpoint did not wire up in time")  # the request stays with UCX
+            else:
+                time.sleep(0.0005)
+        if status != U.UCS_OK:
+            raise PeerUnreachable(f"UCX endpoint failed to wire up: {U.status_text(status)}")
+
+    def advertise(self, region_id: int, address: int, size: int, packed: bytes) -> None:
+        old = self.remote.get(region_id)
+        if old is not None and (old.packed, old.address, old.size) == (packed, address, size):
+            return
+        if old is not None and old.handle:
+            U.lib().ucp_rkey_destroy(old.handle)
+        self.remote[region_id] = RemoteMemory(address, size, packed)
+
+    def rkey(self, region_id: int) -> RemoteMemory | None:
+        memory = self.remote.get(region_id)
+        if memory is not None and not memory.handle:
+            handle = ctypes.c_void_p()
+            status = U.lib().ucp_ep_rkey_unpack(self.handle, memory.packed, ctypes.byref(handle))
+            if status != U.UCS_OK:
+                raise PeerUnreachable(f"cannot unpack the peer's rkey for region {region_id}: {U.status_text(status)}")
+            memory.handle = handle.value
+        return memory
+
+    def close(self) -> None:
+        for memory in self.remote.values():
+            if memory.handle:
+                U.lib().ucp_rkey_destroy(memory.handle)
+                memory.handle = 0
+        self.remote.clear()
+        if self.ep.alive:  # ucxx crashes closing an endpoint that an error already closed
+            try:
+                self.ep.close()
+            except Exception:
+                pass
+
+
+def start_ucx(option: str | None, name: str) -> UcxNode | None:
+    """The engine's UCX node, or None; logs once which routes the engine has and why UCX is absent."""
+    tls, node, why = resolve_tls(option), None, ""
+    if tls is None:
+        why = "off" if option in (None, "", "off", "none") else "no RDMA device and UCX_TLS unset"
+    elif (why := unavailable() or "") == "":
+        try:
+            node = UcxNode(tls, name)
+        except Exception as exc:  # no transport left after UCX_TLS, or UCX failed to start
+            why = f"UCX did not start with UCX_TLS={tls!r}: {exc}"
+    if node is not None and not fast(node.transports):
+        log.warning("%s: UCX over %s only: UCX does not check region bounds or read-only flags on this "
+                    "side, and anyone who reaches its tcp port can use it; trusted networks only",
+                    name, ",".join(node.transports))
+    routes = "shm, tcp, file" + (f", ucx ({','.join(node.transports)})" if node else f"; no ucx ({why})")
+    log.info("engine %s routes: %s", name, routes)
+    return node
+
+
+def connect_ucx(node: UcxNode | None, descriptor: object, transport: str, same_host_shm: bool) -> UcxEndpoint | None:
+    """The UCX endpoint for a new peer when the route is (or `auto` picks) ucx, else None.
+    auto: only when shared memory is not already in use and both ends have RDMA or shared memory."""
+    theirs = tuple(getattr(descriptor, "ucx_tls", ()) or ())
+    address = getattr(descriptor, "ucx_address", None)
+    if transport == "ucx":
+        if node is None or not address:
+            side = "this engine" if node is None else getattr(descriptor, "name", "the peer")
+            raise PeerUnreachable(f"transport='ucx' but {side} has no UCX route")
+        return node.connect(bytes.fromhex(address), str(getattr(descriptor, "ucx_scratch", "")))
+    if transport != "auto" or same_host_shm or node is None or not address:
+        return None
+    if not (fast(node.transports) and fast(theirs)):
+        return None
+    try:
+        return node.connect(bytes.fromhex(address), str(getattr(descriptor, "ucx_scratch", "")))
+    except (PeerUnreachable, ValueError) as exc:  # mismatched transports: fall back to TCP streams
+        log.info("%s: UCX cannot reach %s, using tcp: %s", node.name, getattr(descriptor, "name", "peer"), exc)
+        return None
+
+
+def direct_cuda(node: UcxNode, region: object, tensor: object) -> None:
+    """CUDA regions: map the device memory itself when UCX has CUDA support (no host bounce on the
+    ucx route); otherwise only the host staging copy serves (other routes)."""
+    staged = getattr(region, "_ucx", None)
+    if staged is not None:
+        node.unmap(staged)
+    region._ucx = None  # type: ignore[attr-defined]
+    if node.cuda:
+        nbytes = tensor.numel() * tensor.element_size()  # type: ignore[attr-defined]
+        region._ucx = node.try_map(tensor.data_ptr(), nbytes, readonly=False,  # type: ignore[attr-defined]
+                                   exported=region.remote_access, cuda=True)  # type: ignore[attr-defined]
