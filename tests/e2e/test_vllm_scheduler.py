@@ -86,3 +86,43 @@ def test_preemption_resumes_and_drains(model):
     h.run_until_empty()
     assert all(r.is_finished() for r in requests)
     assert sum(r.num_preemptions for r in requests) >= 1
+
+
+def test_decode_waits_on_the_index_for_blocks_still_being_written(model):
+    h = Harness(model, role="kv_consumer", process_local=True, remote_wait_s=10)
+    prompt = list(range(21, 21 + 3 * BLOCK + 4))
+    params = {"kvstore": {"fingerprint": h.fingerprint.digest, "prompt_token_ids": prompt, "num_blocks": 3}}
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+    request = Request("d1", prompt, SamplingParams(temperature=0, max_tokens=2, extra_args={"kv_transfer_params": params}),
+                      None, block_hasher=h.block_hasher)
+    h.scheduler.add_request(request)
+    h.step()  # the scheduler asks once and parks the request; nothing is stored yet
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    writer = threading.Timer(0.5, h.seed_store, args=(prompt, 3))  # the prefill's saves land later
+    writer.start()
+    deadline = time.monotonic() + 15
+    while request.status != RequestStatus.RUNNING and time.monotonic() < deadline and not request.is_finished():
+        h.step()
+        time.sleep(0.005)
+    writer.join()
+    assert h.worker.totals.data["loaded_blocks"] == 3 and not h.errors
+    h.run_until_empty()
+
+
+def test_producer_promises_blocks_only_to_remote_decode_prefills(model):
+    h = Harness(model, role="kv_producer", process_local=True)
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+    prompt = list(range(31, 31 + 2 * BLOCK + 4))
+    asked = Request("p1", prompt, SamplingParams(temperature=0, max_tokens=1,
+                                                 extra_args={"kv_transfer_params": {"do_remote_decode": True}}),
+                    None, block_hasher=h.block_hasher)
+    plain = Request("p2", prompt[::-1], SamplingParams(temperature=0, max_tokens=1), None, block_hasher=h.block_hasher)
+    for r in (asked, plain):
+        h.scheduler.add_request(r)
+    h.run_until_empty()
+    params = {o.request_id: o.kv_transfer_params for outs in h.outputs for eco in outs.values()
+              for o in eco.outputs if o.finished}
+    assert params["p1"]["kvstore"]["num_blocks"] == 2 and params["p1"]["kvstore"]["prompt_token_ids"] == prompt
+    assert params["p2"] is None
