@@ -25,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from benchmarks import transfer_ucx as ucx_bench
 from transfer import Engine, Read, Write
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # else Mooncake uses the external address
@@ -80,7 +81,8 @@ def serve(size: int) -> None:
     """Owns the target memory: our engine exports it; Mooncake (if installed) registers it too."""
     engine = Engine("bench-target", secret=os.environ["KVT_BENCH_SECRET"], wire="plain")  # initiators pick
     region = engine.allocate(size)
-    hello: dict = {"descriptor": engine.export().to_json(), "region": region.id}
+    hello: dict = {"descriptor": engine.export().to_json(), "region": region.id,
+                   "ucx": bool(engine.export().ucx_tls)}  # UCX_TLS from main(), when ucx is benchmarked
     try:
         from mooncake.engine import TransferEngine as MooncakeEngine
 
@@ -295,7 +297,7 @@ def ratios(records: list[Record]) -> list[tuple[str, float | None]]:
                          ratio(get("kvstore", "tcp", op, block), get("mooncake", "tcp", op, block))))
         rows.append((f"mooncake/tcp p50 latency {op} 4K (>=1.00)",
                      ratio(get("mooncake", "tcp", op, 4 * KIB, "p50_us"), get("kvstore", "tcp", op, 4 * KIB, "p50_us"))))
-    return rows
+    return rows + ucx_bench.ratios(get, ratio, human, ucx_bench.TLS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5, help="repetitions per batch (median)")
     parser.add_argument("--batch-mib", type=int, default=64, help="bytes per batch")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
-    parser.add_argument("--systems", default="kvstore,memcpy,socket,mooncake")
+    parser.add_argument("--systems", default="kvstore,memcpy,socket,mooncake,ucx")
+    parser.add_argument("--ucx-tls", action="append", choices=ucx_bench.TLS, help="UCX_TLS of the ucx records (repeat)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.batch = args.batch_mib * MIB
@@ -319,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["MC_TCP_LANES_PER_PEER"] = str(args.streams)  # same parallelism as ours (both processes)
     os.environ.setdefault("KVT_BENCH_SECRET", secrets.token_hex(16))  # inherited by the target process
     child = subprocess.Popen([sys.executable, "-m", "benchmarks.transfer", "--serve", "--batch-mib", str(args.batch_mib)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env=ucx_bench.target_env() if "ucx" in systems else None)
     records: list[Record] = []
     try:
         hello = json.loads(child.stdout.readline())
@@ -332,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
             bench_socket(args, records)
         if "mooncake" in systems:
             bench_mooncake(hello, args, records)
+        if "ucx" in systems:
+            args.ucx_tls = args.ucx_tls or list(ucx_bench.TLS)
+            ucx_bench.bench_ucx(hello, args, records, Record, measure, latency_iters, report)
     finally:
         child.stdin.write("\n")
         child.stdin.flush()

@@ -247,9 +247,11 @@ class Engine:
             for op in cuda_reads:
                 op.local.sync_to_device(op.local_offset, op.length)
 
-        native = self._native.submit(flat)
-        if ucx_items:
-            native = MergedBatch(native, native_index, UcxOps(self._ucx, ucx_items, self.stall_timeout), ucx_index)
+        if ucx_items:  # all-UCX batches skip the native engine entirely
+            part = UcxOps(self._ucx, ucx_items, self.stall_timeout)
+            native = MergedBatch(self._native.submit(flat), native_index, part, ucx_index) if native_index else part
+        else:
+            native = self._native.submit(flat)
         return Batch(native, ops, stage_in if cuda_reads else None,
                      default_timeout=self.stall_timeout * 2 + 5)
 

@@ -140,8 +140,9 @@ class UcxNode:
             U.lib().ucp_mem_unmap(self.context.handle, memory.memh)
             memory.memh = 0
 
-    def progress(self) -> None:
-        U.lib().ucp_worker_progress(self.worker.handle)
+    def progress(self) -> int:
+        """Progress the worker once from this thread; how many events it handled."""
+        return U.lib().ucp_worker_progress(self.worker.handle)
 
     def connect(self, address: bytes, scratch: str) -> "UcxEndpoint":
         endpoint = UcxEndpoint(self, address)

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from .ucx import UcxEndpoint, UcxNode
 
 DONE, PENDING, OUT_OF_BOUNDS, READ_ONLY, PEER_GONE, STALLED = 0, 1, 3, 4, 5, 6
+SPIN_SECONDS = 0.002  # a waiter polls this long after UCX last did work before it starts sleeping
 
 
 @dataclass
@@ -72,18 +73,20 @@ class UcxOps:
         self._status = [item.status for item in items]
         self._bytes = [0] * len(items)
         self._pending: dict[int, int] = {}
-        lib = U.lib()
+        lib, params = U.lib(), {}
         for index, item in enumerate(items):
             if item.status != PENDING:
                 continue
             if item.length == 0:
                 self._finish(index, U.UCS_OK)
                 continue
-            mask = U.OP_FIELD_MEMH | (U.OP_FIELD_MEMORY_TYPE if item.cuda else 0)
-            param = U.RequestParam(op_attr_mask=mask, memh=item.memh,
-                                   memory_type=U.MEMORY_TYPE_CUDA if item.cuda else U.MEMORY_TYPE_HOST)
+            param = params.get(item.memh)
+            if param is None:  # one per local region: ops on the same region share it
+                mask = U.OP_FIELD_MEMH | (U.OP_FIELD_MEMORY_TYPE if item.cuda else 0)
+                param = params[item.memh] = ctypes.byref(U.RequestParam(
+                    op_attr_mask=mask, memh=item.memh, memory_type=U.MEMORY_TYPE_CUDA if item.cuda else U.MEMORY_TYPE_HOST))
             call = lib.ucp_put_nbx if item.write else lib.ucp_get_nbx
-            ptr = call(item.endpoint.handle, item.local, item.length, item.remote, item.rkey, ctypes.byref(param))
+            ptr = call(item.endpoint.handle, item.local, item.length, item.remote, item.rkey, param)
             status = U.status_of(ptr)
             if status is None:
                 self._pending[index] = ptr
@@ -101,10 +104,11 @@ class UcxOps:
                 endpoint.broken = U.status_text(status)
 
     def _poll(self) -> bool:
-        """Progress once and collect finished requests; True when something finished."""
+        """Progress once and collect finished requests; True when UCX did work or something finished
+        (shared-memory copies advance only inside progress calls, so a waiter keeps calling while busy)."""
         if not self._pending:
             return False
-        self._node.progress()
+        busy = self._node.progress() > 0
         lib, finished = U.lib(), []
         for index, ptr in self._pending.items():
             status = lib.ucp_request_check_status(ptr)
@@ -117,9 +121,11 @@ class UcxOps:
         now = time.monotonic()
         if finished:
             self._last_progress = now
+        elif busy:
+            self._last_progress = now
         elif now - self._last_progress > self._stall:
             self._stalled()
-        return bool(finished)
+        return busy or bool(finished)
 
     def _stalled(self) -> None:
         """Nothing finished for the stall time: fail what is left and stop using the endpoint (its
@@ -139,16 +145,16 @@ class UcxOps:
         return not self._pending
 
     def wait(self, timeout: float) -> bool:
-        deadline, spins = time.monotonic() + timeout, 0
+        deadline, busy = time.monotonic() + timeout, time.monotonic()
         while self._pending:
             if self._poll():
-                spins = 0
+                busy = time.monotonic()
                 continue
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 return False
-            spins += 1
-            if spins > 200:  # past a short spin, let the progress thread (and the peer, if local) run
-                time.sleep(min(0.001, 2e-5 * (spins - 200)))
+            if now - busy > SPIN_SECONDS:  # idle for a while: let the progress thread (and a local peer) run
+                time.sleep(min(0.001, (now - busy) / 10))
         return True
 
     def statuses(self) -> list[int]:

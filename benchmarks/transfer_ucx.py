@@ -1,0 +1,121 @@
+"""The ucx records of `python -m benchmarks.transfer`: our engine over UCX, and the same UCX transport
+driven raw (ucp_put_nbx/ucp_get_nbx on the same ucxx endpoint and rkey, polled in a tight loop, no
+Engine/Batch/plan on the path) in the same run, against the same target process.
+
+UCX_TLS per record: "tcp" (UCX's RMA emulation over TCP) and "sm" (one-sided cross-memory attach; no
+peer-failure handling there, so the run opts in: a dying target would abort the benchmark).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import time
+from typing import Callable
+
+import numpy as np
+
+from transfer import Engine, Read, Write
+
+TLS = ("sm", "tcp")
+TARGET_TLS = "sm,tcp"  # what the target process offers; each initiator picks one
+
+
+def target_env() -> dict[str, str]:
+    """Environment for the target process: its engine (ucx="auto") offers UCX over TARGET_TLS."""
+    return dict(os.environ, UCX_TLS=TARGET_TLS, UCX_WARN_UNUSED_ENV_VARS="n")
+
+
+def unavailable() -> str | None:
+    from transfer.ucx import unavailable as why
+
+    return why()
+
+
+def _raw_runner(engine: Engine, peer, remote, local) -> Callable[[list[tuple[bool, int, int, int]]], None]:
+    """put/get straight on the engine's UCX endpoint: the floor our route is measured against."""
+    from transfer import ucx_api as U
+
+    lib, endpoint, node = U.lib(), peer._ucx, engine._ucx
+    memory = endpoint.rkey(remote.id)
+    param = U.RequestParam(op_attr_mask=U.OP_FIELD_MEMH, memh=local._ucx.memh)
+    ep, rkey, base, rbase, worker = endpoint.handle, memory.handle, local._ucx.address, memory.address, node.worker.handle
+
+    def run(ops: list[tuple[bool, int, int, int]]) -> None:
+        pending = []
+        for write, loff, roff, n in ops:
+            call = lib.ucp_put_nbx if write else lib.ucp_get_nbx
+            ptr = call(ep, base + loff, n, rbase + roff, rkey, ctypes.byref(param))
+            status = U.status_of(ptr)
+            if status is None:
+                pending.append(ptr)
+            elif status != U.UCS_OK:
+                raise RuntimeError(U.status_text(status))
+        while pending:
+            lib.ucp_worker_progress(worker)
+            left = []
+            for ptr in pending:
+                status = lib.ucp_request_check_status(ptr)
+                if status == U.UCS_INPROGRESS:
+                    left.append(ptr)
+                    continue
+                lib.ucp_request_free(ptr)
+                if status != U.UCS_OK:
+                    raise RuntimeError(U.status_text(status))
+            pending = left
+
+    return run
+
+
+def bench_ucx(hello: dict, args: argparse.Namespace, out: list, record, measure, latency_iters, report) -> None:
+    """Ours over UCX and ucx-raw, per UCX_TLS, each op and block size."""
+    why = unavailable()
+    if why is not None or not hello.get("ucx"):
+        print(f"  ucx: not measured ({why or 'the target has no UCX route'})")
+        return
+    from transfer.ucx import UNSAFE_ENV
+
+    for tls in args.ucx_tls:
+        previous = os.environ.get(UNSAFE_ENV)
+        if tls == "sm":
+            os.environ[UNSAFE_ENV] = "1"
+        try:
+            with Engine("bench-ucx", listen=None, secret=os.environ["KVT_BENCH_SECRET"], ucx=tls) as engine:
+                local = engine.register(np.ones(args.batch, np.uint8))
+                peer = engine.connect(hello["descriptor"], transport="ucx")
+                remote = peer.region(hello["region"])
+                raw = _raw_runner(engine, peer, remote, local)
+                for block in args.blocks:
+                    for name, op in (("write", Write), ("read", Read)):
+                        ops = [op(local, o, remote, o, block) for o in range(0, args.batch, block)]
+                        one = [op(local, 0, remote, 0, block)]
+                        gbps, p50, p99 = measure(lambda: engine.transfer(ops), lambda: engine.transfer(one),
+                                                 len(ops) * block, args.reps, latency_iters(block, args.quick))
+                        out.append(record("kvstore", f"ucx-{tls}", name, block, gbps, p50, p99))
+                        report(out[-1])
+                        flat = [(op is Write, o, o, block) for o in range(0, args.batch, block)]
+                        gbps, p50, p99 = measure(lambda: raw(flat), lambda: raw(flat[:1]), len(flat) * block,
+                                                 args.reps, latency_iters(block, args.quick))
+                        out.append(record("ucx-raw", f"ucx-{tls}", name, block, gbps, p50, p99))
+                        report(out[-1])
+                peer.close()
+        finally:
+            if previous is None:
+                os.environ.pop(UNSAFE_ENV, None)
+            else:
+                os.environ[UNSAFE_ENV] = previous
+        time.sleep(0.1)
+
+
+def ratios(get, ratio, human, tls_list) -> list[tuple[str, float | None]]:
+    """The issue's ucx targets: ours >= 0.9x raw at 1 MiB and 16 MiB, 4 KiB p50 <= 1.2x raw."""
+    rows = []
+    for tls in tls_list:
+        path = f"ucx-{tls}"
+        for op in ("read", "write"):
+            for block in (1 << 20, 16 << 20):
+                rows.append((f"{path}/raw {op} {human(block)} (>=0.90)",
+                             ratio(get("kvstore", path, op, block), get("ucx-raw", path, op, block))))
+            rows.append((f"{path} p50/raw 4K {op} (<=1.20)",
+                         ratio(get("kvstore", path, op, 4096, "p50_us"), get("ucx-raw", path, op, 4096, "p50_us"))))
+    return rows
