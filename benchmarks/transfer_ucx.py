@@ -1,6 +1,7 @@
 """The ucx records of `python -m benchmarks.transfer`: our engine over UCX, and the same UCX transport
 driven raw (ucp_put_nbx/ucp_get_nbx on the same ucxx endpoint and rkey, polled in a tight loop, no
-Engine/Batch/plan on the path) in the same run, against the same target process.
+Engine/Batch/plan on the path) in the same run, against the same target process; and, for scale,
+UCX's own C benchmark `ucx_perftest` (ucp_put_bw, ucp_get) on the same transports.
 
 UCX_TLS per record: "tcp" (UCX's RMA emulation over TCP) and "sm" (one-sided cross-memory attach; no
 peer-failure handling there, so the run opts in: a dying target would abort the benchmark).
@@ -10,6 +11,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import shutil
+import socket
+import subprocess
 import time
 from typing import Callable
 
@@ -105,6 +109,65 @@ def bench_ucx(hello: dict, args: argparse.Namespace, out: list, record, measure,
             else:
                 os.environ[UNSAFE_ENV] = previous
         time.sleep(0.1)
+
+
+def perftest_binary() -> str | None:
+    """ucx_perftest from the libucx wheel (or PATH)."""
+    try:
+        import libucx
+
+        path = os.path.join(os.path.dirname(libucx.__file__), "bin", "ucx_perftest")
+        if os.access(path, os.X_OK):
+            return path
+    except ImportError:
+        pass
+    return shutil.which("ucx_perftest")
+
+
+def bench_perftest(args: argparse.Namespace, out: list, record, report) -> None:
+    """UCX's own C benchmark on the same transports: ucp_put_bw (write) and ucp_get (read), two
+    processes; gbps from its overall bandwidth, p50 from its typical latency (no p99)."""
+    binary = perftest_binary()
+    if binary is None:
+        print("  ucx_perftest: not found")
+        return
+    lib_dir = os.path.join(os.path.dirname(os.path.dirname(binary)), "lib")
+    for tls in args.ucx_tls:
+        env = dict(os.environ, UCX_TLS=tls, UCX_WARN_UNUSED_ENV_VARS="n",
+                   LD_LIBRARY_PATH=lib_dir + ":" + os.environ.get("LD_LIBRARY_PATH", ""))
+        for block in args.blocks:
+            for name, test in (("write", "ucp_put_bw"), ("read", "ucp_get")):
+                iters = max(20, min(5000, (256 << 20) // block)) // (4 if args.quick else 1)
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+                server = subprocess.Popen([binary, "-p", str(port)], env=env, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL)
+                try:
+                    final = None
+                    for _ in range(50):  # until the server listens
+                        time.sleep(0.1)
+                        done = subprocess.run([binary, "127.0.0.1", "-p", str(port), "-t", test, "-s", str(block),
+                                               "-n", str(iters)], env=env, capture_output=True, text=True, timeout=120)
+                        final = next((line.split() for line in done.stdout.splitlines() if line.startswith("Final:")), None)
+                        if final:
+                            break
+                finally:
+                    server.kill()
+                    server.wait(10)
+                if not final:
+                    print(f"  ucx_perftest {tls} {test} {block}: no result")
+                    continue
+                # Final: iters, typical/avg/overall latency (us), avg/overall bandwidth (MB/s = 2^20 B/s), msg rates
+                gbps = float(final[6]) * MIB_PER_S / 1e9
+                # ucp_put_bw's "typical latency" is the time to post, not to complete: no latency for writes
+                p50 = float(final[2]) if name == "read" else None
+                out.append(record("ucx_perftest", f"ucx-{tls}", name, block, gbps, p50, None))
+                lat = f"{p50:10.1f}" if p50 is not None else f"{'-':>10}"  # report() wants a p99 too
+                print(f"  {'perftest':<9}{'ucx-' + tls:<9}{name:<6}{block >> 10:>6}K{gbps:9.2f}{lat}{'-':>10}")
+
+
+MIB_PER_S = 1 << 20
 
 
 def ratios(get, ratio, human, tls_list) -> list[tuple[str, float | None]]:

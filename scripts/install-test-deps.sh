@@ -9,4 +9,4 @@ if ! command -v etcd >/dev/null 2>&1; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq etcd-server
 fi
-sh scripts/install.sh test gateway
+sh scripts/install.sh test gateway ucx  # ucx: ~70 MB of wheels, ~20 s; the UCX transport tests need it

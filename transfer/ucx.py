@@ -81,6 +81,7 @@ class UcxNode:
         from ucxx._lib import libucxx
 
         self._ucxx = libucxx
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets UCX_MEMTYPE_CACHE, which UCX then flags
         self.context = libucxx.UCXContext(config_dict={"TLS": tls})
         self.transports = tuple(sorted(set(_RESOURCE.findall(self.context.info))))
         if not self.transports:
