@@ -32,6 +32,7 @@ def add_serve(commands) -> None:
     serve.add_argument("--admin-token-file", help="admin bearer token for mutating admin calls (or KVSTORE_ADMIN_TOKEN)")
     serve.add_argument("--tls-cert", help="PEM certificate: serve gRPC over TLS (with --tls-key)")
     serve.add_argument("--tls-key", help="PEM private key")
+    serve.add_argument("--tls-ca", help="PEM roots for this node's own calls to other nodes (drain moves)")
 
 
 def read_secret(path: str | None) -> str | None:
@@ -95,7 +96,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           replicas=args.replicas, eviction=args.eviction, high_watermark=args.high_watermark,
                           low_watermark=args.low_watermark, metrics_port=args.metrics_port, lease_ttl=args.lease_ttl,
                           timeout=args.timeout, promote=not args.no_promote,
-                          admin_token=read_token(args.admin_token_file), tls_cert=args.tls_cert, tls_key=args.tls_key)
+                          admin_token=read_token(args.admin_token_file), tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
     try:
         daemon = Daemon(config).start()
     except (KVStoreError, TransferError, OSError, ValueError) as exc:

@@ -22,7 +22,7 @@ import grpc
 from transfer import Engine, Peer, Read, Region, TransferError, Write
 from transfer.descriptor import host_id
 
-from .access import control_token
+from .access import ControlAuth
 from .daemon.store import AllocationFailed, WrongSize
 from .errors import AuthenticationFailed, FingerprintMismatch, KVStoreError
 from .index import IndexMirror
@@ -72,7 +72,8 @@ class Client:
 
     def __init__(self, metadata: str = "memory://default", *, cluster: str = "default",
                  fingerprint: ModelFingerprint | None = None, secret: str | None = None, timeout: float = 5.0,
-                 replicas: int = 1, mirror: IndexMirror | None = None, transport: str = "auto") -> None:
+                 replicas: int = 1, mirror: IndexMirror | None = None, transport: str = "auto",
+                 tls_ca: str | None = None) -> None:
         self.fingerprint, self.timeout, self.replicas = fingerprint, timeout, max(1, replicas)
         self.transport = transport  # "auto" (shared memory on the same host, else TCP) or "tcp"
         self._own_mirror = mirror is None
@@ -81,7 +82,9 @@ class Client:
         # one large (O_DIRECT) read on the node into several small ones.
         self.engine = Engine(f"client-{os.getpid()}-{uuid.uuid4().hex[:6]}", listen=None, secret=secret,
                              stall_timeout=timeout, stripe_bytes=STRIPE_BYTES)
-        self._metadata = [("authorization", control_token(secret.encode()))] if secret else []
+        self._secret = secret.encode() if secret else b""
+        self._tls_roots = open(tls_ca, "rb").read() if tls_ca else None  # control calls over TLS
+        self._metadata: list[tuple[str, str]] = []  # per-call tokens come from ControlAuth
         self._nodes: dict[str, _Node] = {}
         self._down: dict[str, float] = {}  # node -> time until which we do not try it
         self._lock = threading.Lock()
@@ -113,7 +116,12 @@ class Client:
                 node.peer.close()
                 node.channel.close()
             peer = self.engine.connect(segment, transport=self.transport, timeout=self.timeout)
-            channel = grpc.insecure_channel(record.endpoint)
+            if self._tls_roots is not None:
+                channel = grpc.secure_channel(record.endpoint, grpc.ssl_channel_credentials(self._tls_roots))
+            else:
+                channel = grpc.insecure_channel(record.endpoint)
+            if self._secret:
+                channel = grpc.intercept_channel(channel, ControlAuth(self._secret, name, self.engine.name))
             node = self._nodes[name] = _Node(name, peer, channel, store_pb2_grpc.StoreControlStub(channel))
             return node
 

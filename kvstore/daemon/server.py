@@ -61,6 +61,7 @@ class DaemonConfig:
     admin_token: str | None = None  # required by mutating admin calls when set
     tls_cert: str | None = None  # PEM files: serve gRPC over TLS when both are given
     tls_key: str | None = None
+    tls_ca: str | None = None  # PEM roots this node trusts when it calls other nodes (drain moves)
 
 
 class Daemon:
@@ -101,7 +102,7 @@ class Daemon:
             self.metrics_port = self.metrics.serve(c.metrics_port)
 
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
-                                  interceptors=[AccessRules(secret, c.admin_token)])
+                                  interceptors=[AccessRules(secret, c.admin_token, c.node)])
         store_pb2_grpc.add_StoreControlServicer_to_server(
             StoreControlService(c.node, self.store, self.publish, self.metrics, lambda: not self.draining), self.server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self), self.server)
@@ -225,7 +226,7 @@ class Daemon:
                 from ..client import Client
 
                 client = Client(self.config.metadata, cluster=self.config.cluster, secret=self.config.secret,
-                                timeout=self.config.timeout)
+                                timeout=self.config.timeout, tls_ca=self.config.tls_ca)
                 client.mirror.wait_until(lambda m: getattr(m.nodes.get(self.config.node), "draining", True), 10)
                 if not [n for n in client.mirror.nodes.values() if not n.draining]:
                     client.close()
