@@ -23,6 +23,7 @@ log = logging.getLogger("transfer.ucx")
 RDMA_TLS = ("rc", "dc", "ud")  # prefixes: rc_verbs, rc_mlx5, dc_mlx5, ud_verbs, ...
 SHM_TLS = ("posix", "sysv", "cma", "xpmem", "knem", "cuda_ipc")
 UNSAFE_ENV = "KVSTORE_UCX_NO_PEER_FAILURE_HANDLING"
+CLOSE_WAIT_NS = 100_000_000  # ucxx close_blocking: per-attempt wait for the close request
 _RESOURCE = re.compile(r"resource\s+\d+\s*:.*--\s+(\S+)/")
 
 
@@ -81,7 +82,6 @@ class UcxNode:
         from ucxx._lib import libucxx
 
         self._ucxx = libucxx
-        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets UCX_MEMTYPE_CACHE, which UCX then flags
         self.context = libucxx.UCXContext(config_dict={"TLS": tls})
         self.transports = tuple(sorted(set(_RESOURCE.findall(self.context.info))))
         if not self.transports:
@@ -172,7 +172,7 @@ class RemoteMemory:
     handle: int = 0  # unpacked on this endpoint, on first use
 
 
-@dataclass
+@dataclass(eq=False)  # identity: batches keep sets of endpoints
 class UcxEndpoint:
     """One peer's UCX endpoint and the rkeys it advertised (unpacked lazily, destroyed on close)."""
 
@@ -227,6 +227,8 @@ class UcxEndpoint:
             raise PeerUnreachable(f"UCX endpoint failed to wire up: {U.status_text(status)}")
 
     def advertise(self, region_id: int, address: int, size: int, packed: bytes) -> None:
+        if self.broken:
+            return
         old = self.remote.get(region_id)
         if old is not None and (old.packed, old.address, old.size) == (packed, address, size):
             return
@@ -235,6 +237,7 @@ class UcxEndpoint:
         self.remote[region_id] = RemoteMemory(address, size, packed)
 
     def rkey(self, region_id: int) -> RemoteMemory | None:
+        """The region's unpacked rkey; None when it has none or the endpoint was retired."""
         memory = self.remote.get(region_id)
         if memory is not None and not memory.handle:
             handle = ctypes.c_void_p()
@@ -244,6 +247,14 @@ class UcxEndpoint:
             memory.handle = handle.value
         return memory
 
+    def retire(self, why: str) -> None:
+        """Stop using this endpoint (the peer keeps its TCP streams): force-close it, so that no late
+        byte of an op already reported failed lands after the fact (measured: a stalled tcp peer that
+        resumes would otherwise complete the get)."""
+        if self.broken is None:
+            self.broken = why
+        self.close()
+
     def close(self) -> None:
         for memory in self.remote.values():
             if memory.handle:
@@ -251,8 +262,8 @@ class UcxEndpoint:
                 memory.handle = 0
         self.remote.clear()
         if self.ep.alive:  # ucxx crashes closing an endpoint that an error already closed
-            try:
-                self.ep.close()
+            try:  # with peer-failure handling ucxx closes by force: outstanding requests are cancelled
+                self.ep.close_blocking(CLOSE_WAIT_NS, 3)
             except Exception:
                 pass
 

@@ -33,6 +33,10 @@ class RequestParam(ctypes.Structure):
 @lru_cache(maxsize=1)
 def lib() -> ctypes.CDLL:
     """libucp as ucxx loaded it (the wheel's copy, or the system's when ucxx was told to prefer it)."""
+    # UCX reads these when libucs loads (importing ucxx): its log lines go to stderr, never into a
+    # stdout that a process speaks a protocol on; and no warning about ucxx's own UCX_MEMTYPE_CACHE.
+    os.environ.setdefault("UCX_LOG_FILE", "stderr")
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import libucx
     import ucxx  # noqa: F401  (loads libucs/libuct/libucp in the order they need)
 

@@ -44,7 +44,7 @@ def plan(op: Op, regions: dict[int, Any]) -> UcxItem | None:
     endpoint = remote.peer._ucx
     memory = endpoint.rkey(remote.id)
     if memory is None:
-        return None  # the peer exported it without an rkey (a file region): TCP streams
+        return None  # no rkey (a file region) or the endpoint was retired: the peer's TCP streams
     if regions.get(local.id) is not local:
         raise UnknownRegion(f"local side of {op!r} is not registered")
     offsets = (op.local_offset, op.remote_offset, op.length)
@@ -56,8 +56,6 @@ def plan(op: Op, regions: dict[int, Any]) -> UcxItem | None:
         item.status = OUT_OF_BOUNDS  # against what the peer advertised: over tcp/shm its UCX checks nothing
     elif (write and remote.readonly) or (not write and local.readonly):
         item.status = READ_ONLY
-    elif endpoint.broken:
-        item.status = PEER_GONE
     else:
         item.endpoint, item.memh, item.cuda = endpoint, local._ucx.memh, local._ucx.cuda
         item.local = local._ucx.address + op.local_offset
@@ -73,6 +71,7 @@ class UcxOps:
         self._status = [item.status for item in items]
         self._bytes = [0] * len(items)
         self._pending: dict[int, int] = {}
+        self._failed: set = set()  # endpoints to retire once their failed requests are collected
         lib, params = U.lib(), {}
         for index, item in enumerate(items):
             if item.status != PENDING:
@@ -99,9 +98,7 @@ class UcxOps:
             self._status[index], self._bytes[index] = DONE, self._items[index].length
         else:  # the endpoint failed (peer died, reset, unreachable): same meaning as a dead TCP peer
             self._status[index] = PEER_GONE
-            endpoint = self._items[index].endpoint
-            if endpoint is not None and endpoint.broken is None:
-                endpoint.broken = U.status_text(status)
+            self._failed.add(self._items[index].endpoint)
 
     def _poll(self) -> bool:
         """Progress once and collect finished requests; True when UCX did work or something finished
@@ -118,6 +115,7 @@ class UcxOps:
         for index, status in finished:
             del self._pending[index]
             self._finish(index, status)
+        self._retire_failed("failed")
         now = time.monotonic()
         if finished:
             self._last_progress = now
@@ -128,14 +126,26 @@ class UcxOps:
         return busy or bool(finished)
 
     def _stalled(self) -> None:
-        """Nothing finished for the stall time: fail what is left and stop using the endpoint (its
-        requests stay owned by UCX until the endpoint closes, so no late byte lands unseen)."""
-        for index in list(self._pending):
+        """Nothing finished for the stall time: fail what is left and retire its endpoints (a forced
+        close cancels the requests, so no late byte lands after the failure was reported)."""
+        for index in self._pending:
             self._status[index] = STALLED
-            endpoint = self._items[index].endpoint
-            if endpoint is not None and endpoint.broken is None:
-                endpoint.broken = "stalled past the stall timeout"
+            self._failed.add(self._items[index].endpoint)
+        self._retire_failed("stalled past the stall timeout")
+        lib = U.lib()
+        for ptr in self._pending.values():  # cancelled by the forced close; one still running is UCX's
+            if lib.ucp_request_check_status(ptr) != U.UCS_INPROGRESS:
+                lib.ucp_request_free(ptr)
         self._pending.clear()
+
+    def _retire_failed(self, why: str) -> None:
+        """Retire endpoints with failed ops (other ops of this batch on them fail too)."""
+        if not self._failed:
+            return
+        endpoints, self._failed = self._failed, set()
+        for endpoint in endpoints:
+            if endpoint is not None and endpoint.broken is None:
+                endpoint.retire(why)
 
     def __len__(self) -> int:
         return len(self._items)
