@@ -7,10 +7,13 @@ gRPC's message limit.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 import aetcd
 import aetcd.exceptions as aetcd_errors
+import aetcd.watcher as aetcd_watcher
+import grpc
 from aetcd import rpc
 from aetcd.utils import prefix_range_end
 
@@ -75,14 +78,71 @@ class _EtcdWatch(Watch):
             pass  # the stream is gone already
 
 
+@dataclass(frozen=True)
+class EtcdTls:
+    """PEM files for `etcd+tls://`: the CA that signed etcd's certificate, and optionally our client
+    certificate and key (etcd's --client-cert-auth)."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("etcd client TLS needs both cert and key")
+        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+
+
+class _Client(aetcd.Client):
+    """aetcd's client, over TLS when given credentials (aetcd itself only dials plaintext)."""
+
+    def __init__(self, *args, credentials: grpc.ChannelCredentials | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._credentials = credentials
+
+    async def connect(self) -> None:
+        if self._credentials is None:
+            return await super().connect()
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # another task is connecting: wait for it
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}", self._credentials,
+                                                   options=list(self._options.items()))
+            if self._username is not None:
+                reply = await rpc.AuthStub(self.channel).Authenticate(
+                    rpc.AuthenticateRequest(name=self._username, password=self._password), timeout=self._timeout)
+                self.metadata = (("token", reply.token),)
+            self.kvstub = rpc.KVStub(self.channel)
+            self.clusterstub = rpc.ClusterStub(self.channel)
+            self.leasestub = rpc.LeaseStub(self.channel)
+            self.maintenancestub = rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd_watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout,
+                                                  metadata=self.metadata)
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+
+
 class EtcdMetadata(Metadata):
     """etcd backend (see module docstring)."""
 
-    def __init__(self, host: str, port: int, timeout: float = 5.0) -> None:
-        self.url = f"etcd://{host}:{port}"
+    def __init__(self, host: str, port: int, timeout: float = 5.0, *, tls: EtcdTls | None = None,
+                 username: str | None = None, password: str | None = None) -> None:
+        self.url = f"{'etcd+tls' if tls else 'etcd'}://{host}:{port}"
         self.timeout = timeout
-        self._client = aetcd.Client(host, port, timeout=timeout,
-                                    options={"grpc.max_receive_message_length": 256 << 20})
+        self._client = _Client(host, port, username=username, password=password, timeout=timeout,
+                               options={"grpc.max_receive_message_length": 256 << 20},
+                               credentials=tls.credentials() if tls else None)
 
     async def _call(self, coro):
         try:
@@ -113,7 +173,8 @@ class EtcdMetadata(Metadata):
         start, revision = prefix, 0
         while True:
             request = rpc.RangeRequest(key=start, range_end=end, limit=PAGE, revision=revision)
-            response = await self._call(self._client.kvstub.Range(request, timeout=self.timeout))
+            response = await self._call(self._client.kvstub.Range(request, timeout=self.timeout,
+                                                                            metadata=self._client.metadata))
             revision = revision or response.header.revision
             out.extend(_kv(raw) for raw in response.kvs)
             if not response.more or not response.kvs:
@@ -125,7 +186,7 @@ class EtcdMetadata(Metadata):
         await self._call(self._client.connect())
         request = rpc.TxnRequest(compare=[self._compare(c) for c in compare],
                                  success=[self._op(o) for o in success], failure=[self._op(o) for o in failure])
-        response = await self._call(self._client.kvstub.Txn(request, timeout=self.timeout))
+        response = await self._call(self._client.kvstub.Txn(request, timeout=self.timeout, metadata=self._client.metadata))
         return TxnResult(response.succeeded, response.header.revision, list(response.responses))
 
     @staticmethod
