@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import grpc
 
@@ -164,8 +164,9 @@ class Client:
         return self.put_many([(block_hash, data)], fingerprint)
 
     def put_many(self, items: Sequence[tuple[bytes, Any]], fingerprint: ModelFingerprint | str | None = None,
-                 replicas: int | None = None) -> int:
-        """Store blocks on `replicas` distinct nodes each; returns blocks newly stored (all nodes)."""
+                 replicas: int | None = None, exclude: Collection[str] = ()) -> int:
+        """Store blocks on `replicas` distinct nodes each (none of them in `exclude`); returns blocks
+        newly stored (all nodes)."""
         fp = self._fp(fingerprint)
         if not items:
             return 0
@@ -184,6 +185,8 @@ class Client:
             for record in self._targets():
                 if placed == want:
                     break
+                if record.name in exclude:
+                    continue
                 try:
                     # Reservations are not evictable: keep each round well inside the node's DRAM.
                     limit, start = max(record.tiers.get("dram", 0) // 4, 1), 0

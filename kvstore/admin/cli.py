@@ -163,10 +163,12 @@ def run(args: argparse.Namespace) -> int:
 
 def cmd_status(client: AdminClient, args, console) -> int:
     rows = _status_rows(client)
+    # Each under-replicated block is counted by exactly one surviving holder (the one repairing it).
+    under = sum(int(r.get("counters", {}).get("under_replicated_blocks", 0)) for r in rows if "error" not in r)
     if args.json:
-        print(json.dumps({"cluster": args.cluster, "nodes": rows}, indent=1))
+        print(json.dumps({"cluster": args.cluster, "under_replicated_blocks": under, "nodes": rows}, indent=1))
         return 0
-    table = Table(title=f"cluster {args.cluster}: {len(rows)} node(s)")
+    table = Table(title=f"cluster {args.cluster}: {len(rows)} node(s), {under} under-replicated block(s)")
     for col in ("node", "endpoint", "DRAM", "NVMe", "blocks", "hit ratio", "policy", "state"):
         table.add_column(col)
     for r in rows:

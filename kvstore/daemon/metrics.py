@@ -46,9 +46,14 @@ class DaemonMetrics:
         misses = CounterMetricFamily("kvstore_misses", "Reads that found no usable copy here (reported by clients)")
         misses.add_metric([], c.get("client_reported_corrupt", 0))
         yield misses
+        under = GaugeMetricFamily("kvstore_under_replicated_blocks",
+                                  "Blocks this node must re-replicate (fewer live replicas than --replicas)")
+        under.add_metric([], c.get("under_replicated_blocks", 0))
+        yield under
         for name, help_text in (("demotions", "Blocks moved DRAM -> NVMe on eviction"),
                                 ("promotions", "Blocks moved NVMe -> DRAM on a hit"),
-                                ("corrupt_writes", "Commits refused because the bytes did not match")):
+                                ("corrupt_writes", "Commits refused because the bytes did not match"),
+                                ("replicas_repaired", "Block copies this node made to restore the replica count")):
             family = CounterMetricFamily(f"kvstore_{name}", help_text)
             family.add_metric([], c.get(name, 0))
             yield family

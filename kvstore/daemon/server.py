@@ -27,6 +27,7 @@ from ..layout import Layout, NodeRecord, check_name
 from ..metadata import open_metadata
 from ..session import NodeSession
 from ..access import AccessRules
+from .repair import Repairer
 from ..admin.service import AdminService
 from ..admin.v1 import admin_pb2, admin_pb2_grpc
 from ..store.v1 import store_pb2, store_pb2_grpc
@@ -83,6 +84,7 @@ class Daemon:
         self._loop = shared_loop()
         self._stopped = threading.Event()
         self._published_usage: dict[str, int] = {}
+        self.repairer: Repairer | None = None
 
     # --- start -----------------------------------------------------------------------------
     def start(self) -> "Daemon":
@@ -131,6 +133,15 @@ class Daemon:
         self.server.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._usage_timer()
+        if self.config.replicas > 1:  # keep blocks at the cluster's replica count when nodes die
+            self.repairer = Repairer(self.config.node, self.store, self.store.counters, self._repair_client,
+                                     self.config.replicas).start()
+
+    def _repair_client(self):
+        from ..client import Client
+
+        c = self.config
+        return Client(c.metadata, cluster=c.cluster, secret=c.secret, timeout=c.timeout, tls_ca=c.tls_ca)
 
     def node_record(self) -> NodeRecord:
         tiers = {t.name: t.capacity for t in self.store.tiers}
@@ -276,6 +287,8 @@ class Daemon:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self.repairer is not None:
+            self.repairer.stop()
         if self.server is not None:
             self.health.enter_graceful_shutdown()
             self.server.stop(grace).wait(grace + 1)
