@@ -31,7 +31,7 @@ def target_env() -> dict[str, str]:
 
 
 def unavailable() -> str | None:
-    from transfer.ucx import unavailable as why
+    from transfer.ucx_routes import unavailable as why
 
     return why()
 

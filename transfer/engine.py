@@ -17,7 +17,7 @@ from .listener import Listener
 from .ops import Op, OpResult, Read, Write
 from .peer import Peer
 from .regions import Region, RemoteRegion, anonymous_shared, buffer_view
-from .ucx import direct_cuda, start_ucx
+from .ucx_routes import direct_cuda, start_ucx
 from .ucx_batch import MergedBatch, UcxOps, plan as ucx_plan
 
 DEFAULT_STREAMS = 4

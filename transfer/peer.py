@@ -15,7 +15,7 @@ from .descriptor import EngineDescriptor, host_id
 from .errors import EngineClosed, PeerUnreachable, ProtocolError, TransferError, TransferTimeout, UnknownRegion
 from .listener import FDS_PER_MESSAGE
 from .regions import Region, RemoteRegion, check_sealed, map_shared
-from .ucx import connect_ucx
+from .ucx_routes import connect_ucx
 
 if TYPE_CHECKING:
     from .engine import Engine

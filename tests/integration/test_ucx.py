@@ -16,7 +16,8 @@ import pytest
 
 from tests_support import sha, wait_until_stopped
 from transfer import Engine, OutOfBounds, PeerUnreachable, Read, ReadOnlyRegion, RemoteRegion, TransferTimeout, Write
-from transfer.ucx import UNSAFE_ENV, unavailable
+from transfer.ucx import UNSAFE_ENV
+from transfer.ucx_routes import unavailable
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 TLS = ["tcp", "sm,tcp", "sm"]

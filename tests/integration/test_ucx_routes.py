@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from transfer import Engine, PeerUnreachable
-from transfer.ucx import fast, resolve_tls, unavailable
+from transfer.ucx_routes import fast, resolve_tls, unavailable
 
 
 def test_engine_says_once_which_routes_it_has(caplog):
