@@ -84,7 +84,9 @@ class Region:
         return memoryview(self._keepalive.reshape(-1).view(torch.uint8).numpy())
 
     def sync_to_device(self, offset: int = 0, length: int | None = None) -> None:
-        """CUDA regions: copy staged host bytes to the tensor (after reads land)."""
+        """CUDA regions: copy staged host bytes to the tensor (after reads land; the engine does it for
+        staged routes). Bytes that came over ucx into device-mapped memory are not staged: calling
+        this after them would copy older staging bytes over them."""
         if self._cuda_tensor is None:
             return
         import torch
