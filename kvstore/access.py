@@ -24,6 +24,23 @@ TOKEN_WINDOW_S = 60.0
 _MAX_SEEN = 200_000  # nonces remembered per daemon (a window's worth of calls at a high rate)
 
 
+def secret_path(cluster: str) -> str:
+    """Where `kvstore serve` keeps a cluster's generated secret unless told otherwise."""
+    return os.path.join(os.path.expanduser("~"), ".kvstore", f"{cluster}.secret")
+
+
+def cluster_secret(cluster: str) -> str | None:
+    """The secret a client uses when given none: KVSTORE_SECRET, else the file `kvstore serve`
+    generated for this cluster (same user, same host), else None (insecure daemons only)."""
+    if os.environ.get("KVSTORE_SECRET"):
+        return os.environ["KVSTORE_SECRET"]
+    try:
+        with open(secret_path(cluster)) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def node_key(secret: bytes, node: str) -> bytes:
     """The key for calls to `node`: a token for one node proves nothing to another."""
     return hmac.new(secret, b"kvstore-store-control/" + node.encode(), hashlib.sha256).digest()

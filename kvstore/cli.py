@@ -47,7 +47,9 @@ def ensure_secret(path: str | None, cluster: str) -> tuple[str, str]:
     random secret when it does not exist yet (other nodes of the cluster are given the same file)."""
     if not path and os.environ.get("KVSTORE_SECRET"):
         return os.environ["KVSTORE_SECRET"], "KVSTORE_SECRET"
-    path = path or os.path.join(os.path.expanduser("~"), ".kvstore", f"{cluster}.secret")
+    from .access import secret_path
+
+    path = path or secret_path(cluster)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:

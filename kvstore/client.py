@@ -22,7 +22,7 @@ import grpc
 from transfer import Engine, Peer, Read, Region, TransferError, Write
 from transfer.descriptor import host_id
 
-from .access import ControlAuth
+from .access import ControlAuth, cluster_secret
 from .daemon.store import AllocationFailed, WrongSize
 from .errors import AuthenticationFailed, FingerprintMismatch, KVStoreError
 from .index import IndexMirror
@@ -80,6 +80,8 @@ class Client:
         self.mirror = mirror or IndexMirror(metadata, cluster, timeout=timeout).start()
         # Batches of blocks already spread over the streams; striping a block further only turns
         # one large (O_DIRECT) read on the node into several small ones.
+        if secret is None:  # what `kvstore serve` generated for this cluster, if it did (same user)
+            secret = cluster_secret(cluster)
         self.engine = Engine(f"client-{os.getpid()}-{uuid.uuid4().hex[:6]}", listen=None, secret=secret,
                              stall_timeout=timeout, stripe_bytes=STRIPE_BYTES)
         self._secret = secret.encode() if secret else b""

@@ -1,6 +1,7 @@
 """Store control tokens: one call, one method, one node, a bounded time; never replayable."""
 from __future__ import annotations
 
+import os
 import time
 
 from kvstore.access import TOKEN_WINDOW_S, TokenCheck, control_token
@@ -40,3 +41,19 @@ def test_malformed_tokens_are_refused():
     check = TokenCheck(SECRET, "node-a")
     for token in ("", "Bearer abc", "KVS1 a.b.c", "KVS1 a.x.y.n.mac", "KVS1 " + "." * 4):
         assert check.verify(token, PUT) is not None
+
+
+def test_clients_find_the_secret_kvstore_serve_generated(tmp_path, monkeypatch):
+    from kvstore.access import cluster_secret, secret_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("KVSTORE_SECRET", raising=False)
+    assert cluster_secret("c1") is None
+    path = secret_path("c1")
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as f:
+        f.write("generated\n")
+    assert cluster_secret("c1") == "generated"
+    assert cluster_secret("c2") is None
+    monkeypatch.setenv("KVSTORE_SECRET", "from-env")
+    assert cluster_secret("c1") == "from-env"
