@@ -21,8 +21,8 @@ from .auth import Channel, server_handshake
 
 log = logging.getLogger(__name__)
 FDS_PER_MESSAGE = 200  # the kernel caps SCM_RIGHTS at 253 descriptors per message
-MAX_HANDSHAKES = 64
-MAX_HANDSHAKES_PER_SOURCE = 8  # one address cannot take every slot from the others
+MAX_HANDSHAKES = 128
+MAX_HANDSHAKES_PER_SOURCE = 16  # one address cannot take every slot from the others
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
