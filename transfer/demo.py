@@ -61,7 +61,8 @@ def run() -> int:
                         good = hashlib.sha256(back.buffer).hexdigest() == expected
                         np.frombuffer(back.buffer, np.uint8)[:] = 0
                     ok &= good
-                    print(f"{transport:<10}{name:<7}{SIZE >> 20:>6}{SIZE / seconds / 1e9:>8.2f}  {'yes' if good else 'NO'}")
+                    label = "tcp+aead" if transport == "tcp" and peer.wire == "aead" else transport  # encrypted
+                    print(f"{label:<10}{name:<7}{SIZE >> 20:>6}{SIZE / seconds / 1e9:>8.2f}  {'yes' if good else 'NO'}")
                 peer.close()
         return 0 if ok else 1
     finally:
