@@ -7,6 +7,7 @@ import os
 import select
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -59,6 +60,24 @@ def _handshake(sock: socket.socket, engine: "Engine", role: str, peer: str, time
         raise PeerUnreachable(f"handshake with {peer} failed: {exc}") from exc
 
 
+def _dial_data(descriptor: EngineDescriptor, engine: "Engine", timeout: float) -> tuple[socket.socket, Session]:
+    """A data stream: connect + handshake. A server at its cap of concurrent handshakes closes new
+    connections before saying anything; that case (and only that) is retried a few times."""
+    for attempt in range(4):
+        sock = _connect_tcp(descriptor.host, descriptor.port, timeout)
+        try:
+            return sock, _handshake(sock, engine, "data", descriptor.name, timeout)
+        except PeerUnreachable as exc:
+            sock.close()
+            if attempt == 3 or not isinstance(exc.__cause__, ConnectionError):
+                raise
+            time.sleep(0.02 * 4**attempt)
+        except BaseException:
+            sock.close()
+            raise
+    raise AssertionError("unreachable")
+
+
 class Peer:
     """Handle on a remote engine; obtain one with `Engine.connect`."""
 
@@ -80,14 +99,8 @@ class Peer:
         keys: list[tuple[bytes, bytes]] = []
         try:
             for _ in range(max(1, streams)):
-                sock = _connect_tcp(descriptor.host, descriptor.port, timeout)
+                sock, session = _dial_data(descriptor, engine, timeout)
                 fds.append(sock.fileno())
-                try:
-                    session = _handshake(sock, engine, "data", descriptor.name, timeout)
-                except BaseException:
-                    sock.close()
-                    fds.pop()
-                    raise
                 keys.append(session.native_keys)
                 sock.settimeout(None)
                 sock.detach()
