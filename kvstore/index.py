@@ -79,6 +79,7 @@ class IndexMirror:
         self._last_ok = float("-inf")
         self._connected = False
         self._changed = threading.Condition()
+        self._apply_lock = threading.Lock()  # watch events and remember() edit the same tables
         self._synced = threading.Event()
         self._stop = threading.Event()
         self._future = None
@@ -188,6 +189,15 @@ class IndexMirror:
             return {}
         raws = entry[1] if isinstance(entry[1], tuple) else (entry[1],)
         return {self._node_names[int.from_bytes(r[:2], "little")]: BlockRecord.decode(r[2:]) for r in raws}
+
+    def remember(self, fingerprint: ModelFingerprint | str, block_hash: bytes, node: str,
+                 record: BlockRecord | bytes) -> None:
+        """Learn one replica now, as its watch 'put' event would (a putting client's own mirror)."""
+        value = record.encode() if isinstance(record, BlockRecord) else bytes(record)
+        with self._apply_lock:
+            self._apply_block(self._snapshot, "put", _fingerprint_id(fingerprint), bytes(block_hash), node, value)
+        with self._changed:
+            self._changed.notify_all()
 
     def wait_for_revision(self, revision: int, timeout: float = 5.0) -> bool:
         """Block until the mirror has applied `revision` (tests, benchmarks)."""
@@ -314,7 +324,8 @@ class IndexMirror:
 
     def _on_event(self, event: WatchEvent) -> None:
         try:
-            self._apply(self._snapshot, event.kind, event.key, event.value)
+            with self._apply_lock:
+                self._apply(self._snapshot, event.kind, event.key, event.value)
         except (InvalidRecord, ValueError, UnicodeDecodeError) as exc:
             log.warning("ignoring malformed index event %r: %s", event.key[:200], exc)
         with self._changed:

@@ -101,3 +101,19 @@ def test_unreachable_metadata_fails_start_with_typed_error():
     mirror = IndexMirror("etcd://127.0.0.1:9", "c", timeout=1.0)
     with pytest.raises(MetadataUnavailable):
         mirror.start(wait=1.5)
+
+
+async def test_remember_makes_a_block_visible_before_its_watch_event(url):
+    with IndexMirror(url, "c") as mirror:
+        mirror.remember(FP, HASHES[0], "a", BlockRecord("dram", 3, 0, 4096, 7))
+        assert mirror.match(FP, HASHES).length == 1
+        assert mirror.lookup(FP, HASHES[0]) == {"a": BlockRecord("dram", 3, 0, 4096, 7)}
+        node = await start_node(url, "a")
+        revision = await node.publish(FP.digest, records(HASHES[:2]))
+        assert mirror.wait_for_revision(revision)  # the event itself replaces the remembered record
+        assert mirror.match(FP, HASHES).length == 2 and mirror.block_count == 2
+        assert mirror.lookup(FP, HASHES[0]) == {"a": BlockRecord("dram", 3, 0, 4096, 1000)}
+        with pytest.raises(InvalidRecord):
+            mirror.remember(FP, HASHES[5], "a", b"garbage")
+        assert not mirror.contains(FP, HASHES[5])
+        await node.close()
