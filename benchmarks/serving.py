@@ -197,18 +197,18 @@ def start_router(kind: str, mode: str, prefill: list[str], decode: list[str], mo
     return proc, url
 
 
-def connector(role: str, etcd: str, cluster: str) -> dict:
+def connector(role: str, etcd: str, cluster: str, secret: str) -> dict:
     return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.integrations.vllm.connector",
             "kv_role": role, "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"metadata": etcd, "cluster": cluster}}
+            "kv_connector_extra_config": {"metadata": etcd, "cluster": cluster, "secret": secret}}
 
 
-def run_mode(mode: str, work: Workload, model: str, etcd: str, cluster: str, routers: list[str], tmp: Path,
-             seed: str) -> list[dict]:
+def run_mode(mode: str, work: Workload, model: str, etcd: str, cluster: str, secret: str, routers: list[str],
+             tmp: Path, seed: str) -> list[dict]:
     from vllm_server import VllmServer
 
     roles = ["kv_producer", "kv_producer", "kv_consumer"] if mode == "pd" else ["kv_both"] * 3
-    engines = [VllmServer(model, connector(r, etcd, cluster), tmp / f"{mode}-engine{i}.log", wait=False)
+    engines = [VllmServer(model, connector(r, etcd, cluster, secret), tmp / f"{mode}-engine{i}.log", wait=False)
                for i, r in enumerate(roles)]
     records = []
     try:
@@ -279,15 +279,18 @@ def main(argv: list[str] | None = None) -> int:
     work = Workload(model, args.requests, args.blocks, args.rate, args.output_tokens)
     tmp = Path(tempfile.mkdtemp(prefix="kvstore-serving-"))
     cluster = f"serving-{os.getpid()}"
+    secret = os.urandom(16).hex()
+    (tmp / "secret").write_text(secret)
     records: list[dict] = []
     with EtcdServer() as etcd:
         daemon = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--node", "serving", "--metadata",
-                                   etcd.url, "--cluster", cluster, "--dram", "2GiB"],
+                                   etcd.url, "--cluster", cluster, "--dram", "2GiB",
+                                   "--secret-file", str(tmp / "secret")],
                                   stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
         daemon.stdout.readline()
         try:
             for mode in args.modes.split(","):
-                records += run_mode(mode, work, model, etcd.url, cluster, args.routers.split(","), tmp,
+                records += run_mode(mode, work, model, etcd.url, cluster, secret, args.routers.split(","), tmp,
                                     str(time.time()))
         finally:
             daemon.terminate()

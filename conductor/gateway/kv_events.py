@@ -1,7 +1,9 @@
 """vLLM KV-cache events (ZMQ PUB, msgpack): what an engine's own prefix cache holds, exactly.
 
 Start the engine with `--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
-"endpoint": "tcp://*:5557"}'` and give the gateway `kv_events: {ENGINE_URL: "tcp://host:5557"}`.
+"endpoint": ENDPOINT}'` and give the gateway `kv_events: {ENGINE_URL: ENDPOINT}`. vLLM binds an
+endpoint with a wildcard (`tcp://*:5557`; the gateway then connects to the engine's host) and
+connects to any other (`tcp://127.0.0.1:5557`; the gateway binds it: loopback only, one per engine).
 vLLM's block hashes are not ours (random seed per process), so each stored block is re-keyed by
 our chain from its parent and token ids."""
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvstore.integrations.vllm.request_keys import encode_extra_keys
 from kvstore.keys import ModelFingerprint, chain_hashes
@@ -63,7 +66,10 @@ class KVEventFollower:
         ctx = zmq.asyncio.Context.instance()
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(self.endpoint)
+        if "*" in self.endpoint:  # vLLM binds wildcard endpoints
+            sock.connect(self.endpoint.replace("*", urlsplit(self.engine).hostname or "127.0.0.1"))
+        else:  # and connects to the rest, so one side must bind: here
+            sock.bind(self.endpoint)
         try:
             while True:
                 parts = await sock.recv_multipart()

@@ -19,7 +19,7 @@ pytest.importorskip("vllm", reason="the vllm extra is part of the test install (
 openai = pytest.importorskip("openai")
 
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
-from vllm_server import VllmServer  # noqa: E402
+from vllm_server import VllmServer, free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -27,10 +27,10 @@ CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\
 SHARED = " ".join(["Disaggregated serving separates prefill and decode pools."] * 30)  # ~300+ tokens
 
 
-def connector(role: str, metadata: str, cluster: str) -> dict:
+def connector(role: str, metadata: str, cluster: str, secret: str) -> dict:
     return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.integrations.vllm.connector",
             "kv_role": role, "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"metadata": metadata, "cluster": cluster}}
+            "kv_connector_extra_config": {"metadata": metadata, "cluster": cluster, "secret": secret}}
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -50,21 +50,30 @@ class Deployment:
         (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
         self.procs: list[subprocess.Popen] = []
         self.engines: list[VllmServer] = []
+        secret = uuid.uuid4().hex
+        (tmp / "secret").write_text(secret)
         self.daemon = self._spawn([sys.executable, "-m", "kvstore.cli", "serve", "--node", "gw-store", "--metadata",
-                                   etcd_url, "--cluster", self.cluster, "--dram", "256MiB", "--metrics-port", "0"],
-                                  "daemon")
+                                   etcd_url, "--cluster", self.cluster, "--dram", "256MiB", "--metrics-port", "0",
+                                   "--secret-file", str(tmp / "secret")], "daemon")
         extra = ["--chat-template", str(tmp / "chat.jinja")]
         roles = ["kv_producer", "kv_producer", "kv_consumer"]
+        events: list[str] = []
         for i, role in enumerate(roles):  # start all three, then wait: their start-ups overlap
-            self.engines.append(VllmServer(self.model, connector(role, etcd_url, self.cluster), tmp / f"engine{i}.log",
-                                           extra_args=extra, wait=False))
+            port, args = free_port(), list(extra)
+            if role == "kv_producer":  # the prefill engines publish their prefix caches' KV events
+                zmq = f"tcp://127.0.0.1:{free_port()}"
+                args += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                           "endpoint": zmq})]
+                events += ["--kv-events", f"http://127.0.0.1:{port}={zmq}"]
+            self.engines.append(VllmServer(self.model, connector(role, etcd_url, self.cluster, secret),
+                                           tmp / f"engine{i}.log", port=port, extra_args=args, wait=False))
         for engine in self.engines:
             engine.wait_ready(420)
         self.prefill, self.decode = self.engines[:2], self.engines[2]
         self.gateway = self._spawn([sys.executable, "-m", "conductor.cli", "serve", "--prefill",
                                     *[e.url for e in self.prefill], "--decode", self.decode.url, "--metadata", etcd_url,
                                     "--cluster", self.cluster, "--model-dir", self.model, "--block-tokens", "128",
-                                    "--local-prefill-tokens", "64", "--listen", "127.0.0.1:0"], "gateway")
+                                    "--local-prefill-tokens", "64", "--listen", "127.0.0.1:0", *events], "gateway")
         self.url = "http://127.0.0.1:" + self.hello["gateway"]["listen"].rsplit(":", 1)[1]
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", timeout=120, max_retries=0)
         self.direct = openai.OpenAI(base_url=self.decode.url + "/v1", api_key="unused", timeout=120, max_retries=0)
@@ -153,6 +162,7 @@ def test_shared_prefix_goes_to_the_engine_or_pool_that_holds_it(deployment):
     # hand-off) straight to the decode engine, which loaded the prefix from the store pool.
     assert total[1 - home] == 0
     decode = scrape(d.decode.url)
+    assert routes["conductor_gateway_kv_events"] > 0  # the prefill engines' own caches, as they change
     # The decode engine never recomputed the prefix: loaded from the store, then its own cache.
     assert decode["vllm:external_prefix_cache_hits_total"] - decode0["vllm:external_prefix_cache_hits_total"] >= 128 * 3
     assert hits(decode) - hits(decode0) >= 128 * 3 * 5

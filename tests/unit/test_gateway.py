@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+
+import pytest
 
 from conductor.gateway.kv_events import KVEventFollower
 from conductor.gateway.pool import parse_load
@@ -191,7 +194,9 @@ def test_kv_events_rekey_blocks_by_our_chain():
     assert tracker.prefix_blocks("http://e0", ours) == 0
 
 
-async def test_kv_events_over_zmq_feed_routing():
+@pytest.mark.parametrize("engine_binds", [False, True], ids=["engine-connects", "engine-binds-wildcard"])
+async def test_kv_events_over_zmq_feed_routing(engine_binds):
+    """vLLM connects its PUB to a plain endpoint (the gateway binds it) and binds a wildcard one."""
     import msgspec
     import zmq
     import zmq.asyncio
@@ -199,10 +204,20 @@ async def test_kv_events_over_zmq_feed_routing():
     fp = ModelFingerprint("m", "float32", BLOCK, 2, 2, 8)
     ctx = zmq.asyncio.Context.instance()
     pub = ctx.socket(zmq.PUB)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    if engine_binds:
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        endpoint = f"tcp://*:{port}"
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        endpoint = f"tcp://127.0.0.1:{port}"
     tracker = PrefixTracker()
-    follower = KVEventFollower("http://e0", f"tcp://127.0.0.1:{port}", tracker, fp)
+    follower = KVEventFollower("http://127.0.0.1:8000", endpoint, tracker, fp)
     task = asyncio.create_task(follower.run())
+    await asyncio.sleep(0.05)
+    if not engine_binds:
+        pub.connect(endpoint)
     tokens = list(range(2 * BLOCK))
     event = {"type": "BlockStored", "block_hashes": [b"a" * 8, b"b" * 8], "parent_block_hash": None,
              "token_ids": tokens, "block_size": BLOCK}
@@ -210,9 +225,9 @@ async def test_kv_events_over_zmq_feed_routing():
         for _ in range(100):  # a SUB misses what was sent before it connected: resend until seen
             await pub.send_multipart([b"", (0).to_bytes(8, "big"), msgspec.msgpack.encode([0.0, [event], None])])
             await asyncio.sleep(0.02)
-            if tracker.prefix_blocks("http://e0", chain_hashes(fp, tokens)) == 2:
+            if tracker.prefix_blocks("http://127.0.0.1:8000", chain_hashes(fp, tokens)) == 2:
                 break
-        assert tracker.prefix_blocks("http://e0", chain_hashes(fp, tokens)) == 2
+        assert tracker.prefix_blocks("http://127.0.0.1:8000", chain_hashes(fp, tokens)) == 2
     finally:
         task.cancel()
         pub.close(linger=0)
