@@ -92,6 +92,10 @@ class Client:
         self._lock = threading.Lock()
         self._pending_touch: dict[tuple[str, str], dict[str, list[bytes]]] = {}
         self._touch_timer: threading.Timer | None = None
+        # A flush in flight holds this: close() must not close a channel under a running call
+        # (grpc segfaults on a call racing its channel's close).
+        self._flush_lock = threading.Lock()
+        self._closed = self._channels_closed = False
 
     # --- fingerprints and nodes ------------------------------------------------------------------
     def _fp(self, fingerprint: ModelFingerprint | str | None) -> str:
@@ -347,24 +351,26 @@ class Client:
                 for name, hs in found.items():
                     pending = self._pending_touch.setdefault((name, fp), {"hits": [], "corrupt": []})[kind]
                     pending.extend(hs[: max(0, TOUCH_BACKLOG - len(pending))])  # advisory: drop the excess
-            if self._touch_timer is None and self._pending_touch:
+            if self._touch_timer is None and self._pending_touch and not self._closed:
                 self._touch_timer = threading.Timer(TOUCH_INTERVAL, self._flush_touches)
                 self._touch_timer.daemon = True
                 self._touch_timer.start()
 
     def _flush_touches(self) -> None:
         """One Touch per node and fingerprint for everything read since the last flush; best effort."""
-        with self._lock:
-            pending, self._pending_touch, self._touch_timer = self._pending_touch, {}, None
-        for (name, fp), found in pending.items():
-            node = self._nodes.get(name)
-            if node is None:
-                continue
-            try:
-                node.stub.Touch(store_pb2.TouchRequest(fingerprint=fp, hashes=found["hits"], corrupt=found["corrupt"]),
-                                timeout=self.timeout, metadata=self._metadata)
-            except grpc.RpcError as exc:
-                log.debug("touch to %s failed: %s", name, exc)
+        with self._flush_lock:
+            with self._lock:
+                pending, self._pending_touch, self._touch_timer = self._pending_touch, {}, None
+            for (name, fp), found in pending.items():
+                node = self._nodes.get(name)
+                if node is None or self._channels_closed:
+                    continue
+                try:
+                    node.stub.Touch(store_pb2.TouchRequest(fingerprint=fp, hashes=found["hits"],
+                                                           corrupt=found["corrupt"]),
+                                    timeout=self.timeout, metadata=self._metadata)
+                except grpc.RpcError as exc:
+                    log.debug("touch to %s failed: %s", name, exc)
 
     # --- queries -------------------------------------------------------------------------------
     def contains(self, block_hash: bytes, fingerprint: ModelFingerprint | str | None = None) -> bool:
@@ -389,12 +395,15 @@ class Client:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             timer = self._touch_timer
         if timer is not None:
             timer.cancel()
-        self._flush_touches()
-        for node in self._nodes.values():
-            node.channel.close()
+        self._flush_touches()  # waits for a timer's flush already running
+        with self._flush_lock:
+            self._channels_closed = True
+            for node in self._nodes.values():
+                node.channel.close()
         self.engine.close()
         if self._own_mirror:
             self.mirror.stop()
