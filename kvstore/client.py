@@ -1,28 +1,40 @@
 """`kvstore.Client`: put and get KV blocks by (fingerprint, block hash) across the cluster.
 
-Put: pick target nodes (same host first, then least used; replicas on distinct nodes) -> Reserve
-slots -> write the bytes with the Transfer Engine straight into the node's memory -> Commit (the
-node verifies the checksum, seals, publishes). Get: index-mirror lookup -> read with the engine
-straight into the caller's buffer -> verify the checksum -> on a dead node or corrupt copy try the
-next replica, else report a miss. Every remote step has a timeout.
+Put: pick target nodes (same host first, then by DRAM use counting this client's puts in flight and
+the use each node reported in its last reply) -> store the blocks there in one control round trip
+(same host: an authenticated unix socket, the bytes received straight into the node's DRAM arena;
+other hosts: a gRPC Put carrying small blocks) or, for large batches, Reserve -> write with the
+Transfer Engine straight into the node's memory -> Commit. The node verifies the checksum, seals
+and queues the index update; the putting client's own mirror learns the block at once
+(read-your-writes), other clients when the node's next publish batch reaches etcd.
+Get: index-mirror lookup -> read with the engine (or, for a same-host node's NVMe tier, with
+O_DIRECT from the tier file's read-only fd) straight into the caller's buffer -> verify the
+checksum -> on a dead node or corrupt copy try the next replica, else report a miss. Every remote
+step has a timeout.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import mmap
 import os
+import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Collection, Sequence
 
 import grpc
 
-from transfer import Engine, Peer, Read, Region, TransferError, Write
+from transfer import Engine, Peer, Read, Region, TransferError, UnsupportedBuffer, Write
+from transfer import _native
 from transfer.descriptor import host_id
 
 from .access import ControlAuth, cluster_secret
+from .daemon import local as local_path
 from .daemon.store import AllocationFailed, WrongSize
 from .errors import AuthenticationFailed, FingerprintMismatch, KVStoreError
 from .index import IndexMirror
@@ -35,6 +47,11 @@ log = logging.getLogger(__name__)
 TOUCH_INTERVAL = 0.1  # seconds between hit reports to a node
 TOUCH_BACKLOG = 10_000  # hashes kept per node between reports
 STRIPE_BYTES = 512 << 10  # a 1 MiB block goes out as two 512 KiB pieces in parallel
+LOCAL_INLINE_MAX = 2 << 20  # same host: puts up to this many bytes carry them in the one request
+GRPC_INLINE_MAX = 256 << 10  # other hosts: puts up to this many bytes carry them in one gRPC Put
+USAGE_FRESH_S = 2.5  # a node's use from its last reply beats its published record (every 2 s) this long
+LOCAL_CONNECTIONS = 8  # pooled same-host connections per node
+DIRECT_ALIGN = 4096
 
 
 class NoStoreNodes(KVStoreError):
@@ -51,6 +68,110 @@ class _Node:
     peer: Peer
     channel: grpc.Channel
     stub: store_pb2_grpc.StoreControlStub
+
+
+class NodeRefused(KVStoreError):
+    """A node refused a request (draining, metadata service unavailable); others may take it."""
+
+
+@dataclass
+class _Tier:
+    """A same-host node's NVMe tier file, opened read-only by the node for this client."""
+
+    region: int
+    size: int
+    fd: int
+    direct: bool
+
+
+class _LocalNode:
+    """A same-host node's fast path: pooled authenticated unix connections and its NVMe tier fd."""
+
+    def __init__(self, name: str, address: str, secret: bytes, client: str, timeout: float) -> None:
+        self.name, self.address, self._secret, self._client, self.timeout = name, address, secret, client, timeout
+        self._idle: list[local_path.Frames] = []
+        self._lock = threading.Lock()
+        self._tier: _Tier | None = None
+        self._tier_checked = 0.0
+        self.closed = False
+
+    def call(self, message: dict, attachments: Sequence = (), want_fd: bool = False) -> tuple[dict, int | None]:
+        """One request and its reply (and fd). Raises the typed error a refusal maps to."""
+        with self._lock:
+            frames = self._idle.pop() if self._idle else None
+        if frames is None:
+            frames = local_path.connect(self.address, self._secret, self._client, self.timeout)
+        fd = None
+        try:
+            frames.send(message, attachments)  # each send bounded by the socket's timeout
+            reply = frames.recv(self.timeout, exact=want_fd)
+            if want_fd and reply.get("ok"):
+                _, fds, _, _ = socket.recv_fds(frames.sock, 1, 1)
+                if len(fds) != 1:
+                    for extra in fds:
+                        os.close(extra)
+                    raise ConnectionError("node announced a descriptor but sent none")
+                fd = fds[0]
+        except BaseException:
+            frames.sock.close()
+            raise
+        with self._lock:  # a refused put may have left its bytes unread: that stream is done
+            if self.closed or len(self._idle) >= LOCAL_CONNECTIONS or not reply.get("ok"):
+                frames.sock.close()
+            else:
+                self._idle.append(frames)
+        if not reply.get("ok"):
+            code, error = reply.get("code"), str(reply.get("error", ""))[:500]
+            if code == "invalid":
+                raise WrongSize(error)
+            if code == "exhausted":
+                raise AllocationFailed(error)
+            raise NodeRefused(f"{self.name}: {error}")
+        return reply, fd
+
+    def tier(self) -> _Tier | None:
+        """The node's NVMe tier fd (asked for once; again a minute after a refusal)."""
+        if self._tier is not None or time.monotonic() - self._tier_checked < 60:
+            return self._tier
+        self._tier_checked = time.monotonic()
+        try:
+            reply, fd = self.call({"op": "tier"}, want_fd=True)
+        except NodeRefused:
+            return None
+        tier = _Tier(int(reply["region"]), int(reply["size"]), fd, bool(reply.get("direct")))
+        with self._lock:
+            if self.closed or self._tier is not None:
+                os.close(fd)
+            else:
+                self._tier = tier
+        return self._tier
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            idle, self._idle = self._idle, []
+            tier, self._tier = self._tier, None
+        for frames in idle:
+            frames.sock.close()
+        if tier is not None:
+            os.close(tier.fd)
+
+
+_bounce = threading.local()
+
+
+def _bounce_buffer(size: int) -> mmap.mmap:
+    """A page-aligned scratch buffer of at least `size` bytes for this thread (O_DIRECT reads)."""
+    buf = getattr(_bounce, "buf", None)
+    if buf is None or len(buf) < size:
+        if buf is not None:
+            buf.close()
+        buf = _bounce.buf = mmap.mmap(-1, max(size, 1 << 20))
+    return buf
+
+
+def _align_up(n: int) -> int:
+    return (n + DIRECT_ALIGN - 1) // DIRECT_ALIGN * DIRECT_ALIGN
 
 
 def host_bytes(data: Any) -> memoryview:
@@ -73,9 +194,14 @@ class Client:
     def __init__(self, metadata: str = "memory://default", *, cluster: str = "default",
                  fingerprint: ModelFingerprint | None = None, secret: str | None = None, timeout: float = 5.0,
                  replicas: int = 1, mirror: IndexMirror | None = None, transport: str = "auto",
-                 tls_ca: str | None = None) -> None:
+                 tls_ca: str | None = None, publish: str = "async") -> None:
         self.fingerprint, self.timeout, self.replicas = fingerprint, timeout, max(1, replicas)
         self.transport = transport  # "auto" (shared memory on the same host, else TCP) or "tcp"
+        if publish not in ("async", "sync"):
+            raise ValueError(f"publish must be 'async' or 'sync', not {publish!r}")
+        # "async": a put returns once sealed (this client's mirror knows it at once, others after the
+        # node's next publish batch); "sync": once the node has published it to the metadata service.
+        self.publish = publish
         self._own_mirror = mirror is None
         self.mirror = mirror or IndexMirror(metadata, cluster, timeout=timeout).start()
         # Batches of blocks already spread over the streams; striping a block further only turns
@@ -96,6 +222,11 @@ class Client:
         # (grpc segfaults on a call racing its channel's close).
         self._flush_lock = threading.Lock()
         self._closed = self._channels_closed = False
+        self._locals: dict[str, _LocalNode] = {}
+        self._inflight: dict[str, int] = {}  # node -> bytes of this client's puts under way there
+        self._usage: dict[str, tuple[int, int, float]] = {}  # node -> (used, capacity, when) from its replies
+        self._io: ThreadPoolExecutor | None = None  # NVMe tier reads of a batch, in parallel
+        self.stats: dict[str, int] = {"control_calls": 0, "local_puts": 0, "nvme_fd_reads": 0, "nvme_fd_bytes": 0}
 
     # --- fingerprints and nodes ------------------------------------------------------------------
     def _fp(self, fingerprint: ModelFingerprint | str | None) -> str:
@@ -131,25 +262,81 @@ class Client:
             node = self._nodes[name] = _Node(name, peer, channel, store_pb2_grpc.StoreControlStub(channel))
             return node
 
+    def _local(self, name: str) -> _LocalNode | None:
+        """The same-host fast path to `name`, or None (another host, forced TCP, an older daemon)."""
+        if self.transport not in ("auto", "shm"):
+            return None
+        record, segment = self.mirror.nodes.get(name), self.mirror.segments.get(name)
+        if record is None or not segment or record.host != host_id():
+            return None
+        try:
+            address = json.loads(segment).get("kvstore_local")
+        except (ValueError, AttributeError):
+            return None
+        if not isinstance(address, str) or not address:
+            return None
+        with self._lock:
+            node = self._locals.get(name)
+            if node is not None and node.address == address and not node.closed:
+                return node
+            if node is not None:
+                node.close()
+            node = self._locals[name] = _LocalNode(name, address, self._secret, self.engine.name, self.timeout)
+            return node
+
     def _mark_down(self, name: str, why: Exception) -> None:
         log.info("store node %s failed: %s", name, why)
         self._down[name] = time.monotonic() + 2.0
         with self._lock:
             node = self._nodes.pop(name, None)
+            local = self._locals.pop(name, None)
         if node is not None:
             node.peer.close()
             node.channel.close()
+        if local is not None:
+            local.close()
 
     def _usable(self, name: str) -> bool:
         return self._down.get(name, 0) < time.monotonic()
 
-    def _targets(self) -> list[NodeRecord]:
-        """Put candidates: same host first, then by DRAM use."""
-        here = host_id()
-        nodes = [n for n in self.mirror.nodes.values() if not n.draining and self._usable(n.name)]
-        def load(n: NodeRecord) -> float:
-            return n.used.get("dram", 0) / max(n.tiers.get("dram", 1), 1)
-        return sorted(nodes, key=lambda n: (n.host != here, load(n), n.name))
+    def _pick(self, exclude: Collection[str], nbytes: int) -> NodeRecord | None:
+        """The next put target: same host first, then the least used DRAM counting this client's puts
+        in flight there and the use the node reported in its last reply (fresher than its published
+        record, and it counts other clients' reservations). Counts `nbytes` as in flight there."""
+        here, now = host_id(), time.monotonic()
+        with self._lock:
+            best = None
+            for n in self.mirror.nodes.values():
+                if n.draining or n.name in exclude or not self._usable(n.name):
+                    continue
+                used, capacity = n.used.get("dram", 0), n.tiers.get("dram", 0)
+                seen = self._usage.get(n.name)
+                if seen is not None and now - seen[2] < USAGE_FRESH_S:
+                    used, capacity = seen[0], seen[1]
+                key = (n.host != here, (used + self._inflight.get(n.name, 0)) / max(capacity, 1), n.name)
+                if best is None or key < best[0]:
+                    best = (key, n)
+            if best is None:
+                return None
+            self._inflight[best[1].name] = self._inflight.get(best[1].name, 0) + nbytes
+            return best[1]
+
+    def _settle(self, name: str, nbytes: int, reply: Any = None) -> None:
+        """A put to `name` is over: no longer in flight; note the use the node reported."""
+        with self._lock:
+            left = self._inflight.get(name, 0) - nbytes
+            if left > 0:
+                self._inflight[name] = left
+            else:
+                self._inflight.pop(name, None)
+            if reply is not None:
+                self._seen(name, reply)
+
+    def _seen(self, name: str, reply: Any) -> None:
+        used = reply.get("used") if isinstance(reply, dict) else getattr(reply, "used", None)
+        capacity = reply.get("capacity") if isinstance(reply, dict) else getattr(reply, "capacity", None)
+        if isinstance(used, int) and isinstance(capacity, int) and capacity > 0:
+            self._usage[name] = (used, capacity, time.monotonic())
 
     def _rpc(self, method, request):
         try:
@@ -172,7 +359,8 @@ class Client:
     def put_many(self, items: Sequence[tuple[bytes, Any]], fingerprint: ModelFingerprint | str | None = None,
                  replicas: int | None = None, exclude: Collection[str] = ()) -> int:
         """Store blocks on `replicas` distinct nodes each (none of them in `exclude`); returns blocks
-        newly stored (all nodes)."""
+        newly stored (all nodes). When it returns, every block is sealed (checksum verified) on each
+        node counted, and this client's mirror lists it there; see the README for what others see."""
         fp = self._fp(fingerprint)
         if not items:
             return 0
@@ -184,34 +372,45 @@ class Client:
         if any(v.nbytes == 0 for v in views):
             raise WrongSize("cannot store an empty block")
         checksums = [block_checksum(h, v) for h, v in zip(hashes, views)]
+        total = sum(v.nbytes for v in views)
         want = replicas or self.replicas
-        stored, placed, errors = 0, 0, []
-        regions = [self.engine.register(v, remote_access=False) for v in views]
+        stored, placed, errors, tried = 0, 0, [], set(exclude)
+        registered: list[Region] = []
+
+        def regions() -> list[Region]:  # only the two-step path writes through the engine
+            if not registered:
+                registered.extend(self.engine.register(v, remote_access=False) for v in views)
+            return registered
+
         try:
-            for record in self._targets():
-                if placed == want:
+            while placed < want:
+                record = self._pick(tried, total)
+                if record is None:
                     break
-                if record.name in exclude:
-                    continue
+                tried.add(record.name)
                 try:
                     # Reservations are not evictable: keep each round well inside the node's DRAM.
                     limit, start = max(record.tiers.get("dram", 0) // 4, 1), 0
-                    while start < len(regions):
+                    while start < len(views):
                         end, size = start, 0
-                        while end < len(regions) and (end == start or size + regions[end].size <= limit):
-                            size += regions[end].size
+                        while end < len(views) and (end == start or size + views[end].nbytes <= limit):
+                            size += views[end].nbytes
                             end += 1
-                        stored += self._put_on(record.name, fp, hashes[start:end], regions[start:end],
-                                               checksums[start:end])
+                        stored += self._put_on(record.name, fp, hashes[start:end], views[start:end],
+                                               checksums[start:end], regions, start)
                         start = end
                     placed += 1
                 except AuthenticationFailed:
                     raise  # a configuration error, not a dead node
-                except (TransferError, grpc.RpcError, NoStoreNodes) as exc:
+                except (TransferError, grpc.RpcError, NoStoreNodes, NodeRefused, OSError, ValueError) as exc:
+                    if isinstance(exc, WrongSize):
+                        raise
                     self._mark_down(record.name, exc)
                     errors.append(f"{record.name}: {exc}")
+                finally:
+                    self._settle(record.name, total)
         finally:
-            for region in regions:
+            for region in registered:
                 self.engine.unregister(region)
         if placed == 0:
             raise NoStoreNodes("no store node took the blocks" + (f": {'; '.join(errors)}" if errors else ""))
@@ -219,29 +418,80 @@ class Client:
             log.warning("stored %d of %d replicas: %s", placed, want, "; ".join(errors))
         return stored
 
-    def _put_on(self, name: str, fp: str, hashes: list[bytes], regions: list[Region], checksums: list[int]) -> int:
+    def _put_on(self, name: str, fp: str, hashes: list[bytes], views: list[memoryview], checksums: list[int],
+                regions, first: int) -> int:
+        """One round of blocks onto `name`; returns how many it newly stored."""
+        local = self._local(name)
+        size = sum(v.nbytes for v in views)
+        sync = self.publish == "sync"
+        if local is not None and size <= LOCAL_INLINE_MAX:  # one round trip, bytes with the request
+            self.stats["control_calls"] += 1
+            reply, _ = local.call({"op": "put", "fp": fp, "hashes": [h.hex() for h in hashes],
+                                   "sizes": [v.nbytes for v in views], "checksums": checksums, "sync": sync}, views)
+            self.stats["local_puts"] += 1
+            return self._sealed(name, fp, hashes, reply["errors"], reply["records"], reply, hex_records=True)
+        if local is None and size <= GRPC_INLINE_MAX:  # one gRPC round trip
+            node = self._node(name)
+            self.stats["control_calls"] += 1
+            reply = self._rpc(node.stub.Put, store_pb2.PutRequest(
+                fingerprint=fp, hashes=hashes, payloads=[bytes(v) for v in views], checksums=checksums,
+                client=self.engine.name, sync=sync))
+            return self._sealed(name, fp, hashes, list(reply.errors), list(reply.records), reply)
+        # Large: reserve, write with the engine (shared memory on this host), commit.
         node = self._node(name)
-        reply = self._rpc(node.stub.Reserve, store_pb2.ReserveRequest(
-            fingerprint=fp, hashes=hashes, sizes=[r.size for r in regions], client=self.engine.name))
-        todo = [(i, slot) for i, slot in enumerate(reply.slots) if not slot.exists]
-        if not todo:
+        regs = regions()[first : first + len(views)]
+        self.stats["control_calls"] += 1
+        if local is not None:
+            reply, _ = local.call({"op": "reserve", "fp": fp, "hashes": [h.hex() for h in hashes],
+                                   "sizes": [r.size for r in regs]})
+            slots = [(i, s[0], s[1], s[2]) for i, s in enumerate(reply["slots"]) if s is not None]
+        else:
+            reply = self._rpc(node.stub.Reserve, store_pb2.ReserveRequest(
+                fingerprint=fp, hashes=hashes, sizes=[r.size for r in regs], client=self.engine.name))
+            slots = [(i, s.token, s.region, s.offset) for i, s in enumerate(reply.slots) if not s.exists]
+        self._seen(name, reply)
+        if not slots:
             return 0
-        tokens = [slot.token for _, slot in todo]
+        tokens = [token for _, token, _, _ in slots]
         try:
-            self.engine.transfer([Write(regions[i], 0, node.peer.region(slot.region), slot.offset, regions[i].size)
-                                  for i, slot in todo], timeout=self.timeout)
+            self.engine.transfer([Write(regs[i], 0, node.peer.region(region), offset, regs[i].size)
+                                  for i, _, region, offset in slots], timeout=self.timeout)
+            self.stats["control_calls"] += 1
+            todo = [hashes[i] for i, _, _, _ in slots]
+            if local is not None:
+                commit, _ = local.call({"op": "commit", "fp": fp, "tokens": tokens,
+                                        "checksums": [checksums[i] for i, _, _, _ in slots], "sync": sync})
+                return self._sealed(name, fp, todo, commit["errors"], commit["records"], commit, hex_records=True)
             commit = self._rpc(node.stub.Commit, store_pb2.CommitRequest(
-                fingerprint=fp, tokens=tokens, checksums=[checksums[i] for i, _ in todo]))
+                fingerprint=fp, tokens=tokens, checksums=[checksums[i] for i, _, _, _ in slots], sync=sync))
+            return self._sealed(name, fp, todo, list(commit.errors), list(commit.records), commit)
         except BaseException:
             try:
-                self._rpc(node.stub.Abort, store_pb2.AbortRequest(tokens=tokens))
-            except (grpc.RpcError, KVStoreError):
+                if local is not None:
+                    local.call({"op": "abort", "tokens": tokens})
+                else:
+                    self._rpc(node.stub.Abort, store_pb2.AbortRequest(tokens=tokens))
+            except (grpc.RpcError, KVStoreError, OSError, ValueError):
                 pass  # the node reclaims expired reservations by itself
             raise
-        failed = [e for e in commit.errors if e]
+
+    def _sealed(self, name: str, fp: str, hashes: list[bytes], errors: list[str], records: list, reply: Any,
+                hex_records: bool = False) -> int:
+        """Check a put's answer, teach our own mirror what is now stored there; returns how many blocks."""
+        self._seen(name, reply)
+        failed = [e for e in errors if e]
+        for h, error, raw in zip(hashes, errors, records):
+            if error or not raw:
+                continue
+            try:
+                record = BlockRecord.decode(bytes.fromhex(raw) if hex_records else raw)
+            except (ValueError, KVStoreError):
+                continue
+            self.mirror.remember(fp, h, name, record)  # read-your-writes: no wait for the watch
         if failed:
-            raise PutFailed(f"{name} refused {len(failed)} of {len(tokens)} blocks: {failed[0]}")
-        return len(tokens)
+            raise PutFailed(f"{name} refused {len(failed)} of {len(errors)} blocks: {failed[0]}")
+        stored = reply.get("stored") if isinstance(reply, dict) else getattr(reply, "stored", None)
+        return len(errors) if stored is None else int(stored)
 
     # --- get ---------------------------------------------------------------------------------
     def get(self, block_hash: bytes, out: Any, fingerprint: ModelFingerprint | str | None = None) -> bool:
@@ -311,9 +561,22 @@ class Client:
                    targets: list[list[tuple[Region, int, int]]]) -> list[int]:
         """Indexes of `wanted` read from `name` whose bytes match their checksum."""
         ops, owners = [], []
+        via_fd: list[tuple[int, BlockRecord]] = []
+        failed: set[int] = set()
         try:
-            node = self._node(name)
+            tier = None
+            if any(record.tier == "nvme" for _, record in wanted):
+                local = self._local(name)
+                tier = local.tier() if local is not None else None
+            rest = []
             for i, record in wanted:
+                if tier is not None and record.tier == "nvme" and record.region == tier.region:
+                    via_fd.append((i, record))
+                else:
+                    rest.append((i, record))
+            if rest:
+                node = self._node(name)
+            for i, record in rest:
                 remote, done = node.peer.region(record.region), 0
                 for region, offset, length in targets[i]:
                     take = min(length, record.size - done)
@@ -322,13 +585,16 @@ class Client:
                     ops.append(Read(region, offset, remote, record.offset + done, take))
                     owners.append(i)
                     done += take
-            results = self.engine.submit(ops).wait(self.timeout, raise_on_error=False)
+            batch = self.engine.submit(ops) if ops else None
+            if via_fd:  # same-host NVMe: straight from the tier file, no daemon, no network
+                failed.update(self._read_tier(tier, via_fd, targets))
+            results = batch.wait(self.timeout, raise_on_error=False) if batch is not None else []
         except AuthenticationFailed:
             raise
-        except (TransferError, NoStoreNodes) as exc:
+        except (TransferError, NoStoreNodes, NodeRefused, OSError, ValueError) as exc:
             self._mark_down(name, exc)
             return []
-        failed = {owner for owner, result in zip(owners, results) if not result.ok}
+        failed.update(owner for owner, result in zip(owners, results) if not result.ok)
         good = []
         for i, record in wanted:
             if i in failed:
@@ -340,9 +606,62 @@ class Client:
                     break
                 parts.append(region.host_view()[offset : offset + take])
                 done += take
+            # Also what makes a same-host NVMe read safe while the node evicts and reuses that extent:
+            # another block's bytes (or a half-written slot) never match this block's checksum.
             if block_checksum(bytes(hashes[i]), parts) == record.checksum:
                 good.append(i)
         return good
+
+    def _read_tier(self, tier: _Tier, items: list[tuple[int, BlockRecord]],
+                   targets: list[list[tuple[Region, int, int]]]) -> set[int]:
+        """Read NVMe blocks from a same-host node's tier fd; returns the indexes that failed."""
+        def one(item: tuple[int, BlockRecord]) -> bool:
+            i, record = item
+            try:
+                return self._pread_block(tier, record, targets[i])
+            except (OSError, UnsupportedBuffer, ValueError) as exc:
+                log.debug("tier read of block %d failed: %s", i, exc)
+                return False
+
+        if len(items) == 1:
+            oks = [one(items[0])]
+        else:
+            if self._io is None:
+                with self._lock:
+                    if self._io is None:
+                        self._io = ThreadPoolExecutor(4, thread_name_prefix="kvs-tier")
+            oks = list(self._io.map(one, items))
+        return {i for (i, _), ok in zip(items, oks) if not ok}
+
+    def _pread_block(self, tier: _Tier, record: BlockRecord, segments: list[tuple[Region, int, int]]) -> bool:
+        """One block from the tier fd into its destination segments, bounds-checked against the
+        record and the tier; O_DIRECT straight into the caller's buffer when it is aligned, else
+        through an aligned bounce buffer."""
+        size, offset = record.size, record.offset
+        span = _align_up(size) if tier.direct else size
+        if size <= 0 or offset < 0 or offset + span > tier.size or sum(n for _, _, n in segments) != size:
+            return False  # a record that does not fit the tier (or the buffer) is never read
+        if tier.direct and offset % DIRECT_ALIGN:
+            return False
+        views = [(region, off, region.host_view()[off : off + n]) for region, off, n in segments]
+        if len(views) == 1 and (not tier.direct or (size == span and
+                                                    _native.buffer_address(views[0][2])[0] % DIRECT_ALIGN == 0)):
+            got = os.preadv(tier.fd, [views[0][2]], offset)
+        else:
+            bounce = _bounce_buffer(span)
+            got = min(os.preadv(tier.fd, [memoryview(bounce)[:span]], offset), size)
+            done = 0
+            for _, _, view in views:
+                view[:] = memoryview(bounce)[done : done + view.nbytes]
+                done += view.nbytes
+        if got < size:
+            return False
+        for region, off, view in views:
+            if region._cuda_tensor is not None:
+                region.sync_to_device(off, view.nbytes)
+        self.stats["nvme_fd_reads"] += 1
+        self.stats["nvme_fd_bytes"] += size
+        return True
 
     def _report(self, fp: str, hits: dict[str, list[bytes]], corrupt: dict[str, list[bytes]]) -> None:
         """Queue what was read (recency, NVMe promotion) and what was corrupt, for the next flush."""
@@ -362,8 +681,12 @@ class Client:
             with self._lock:
                 pending, self._pending_touch, self._touch_timer = self._pending_touch, {}, None
             for (name, fp), found in pending.items():
-                node = self._nodes.get(name)
-                if node is None or self._channels_closed:
+                if self._channels_closed:
+                    return
+                try:
+                    node = self._nodes.get(name) or self._node(name)  # tier-fd readers may not have it yet
+                except (KVStoreError, TransferError, OSError) as exc:
+                    log.debug("touch to %s skipped: %s", name, exc)
                     continue
                 try:
                     node.stub.Touch(store_pb2.TouchRequest(fingerprint=fp, hashes=found["hits"],
@@ -404,6 +727,10 @@ class Client:
             self._channels_closed = True
             for node in self._nodes.values():
                 node.channel.close()
+        for local in list(self._locals.values()):
+            local.close()
+        if self._io is not None:
+            self._io.shutdown(wait=True)
         self.engine.close()
         if self._own_mirror:
             self.mirror.stop()

@@ -7,7 +7,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-OPS = ("reserve", "commit", "abort", "touch", "remove", "stats")
+OPS = ("reserve", "commit", "put", "abort", "touch", "remove", "stats",
+       "local_put", "local_reserve", "local_commit", "local_abort", "local_tier")
 
 
 class DaemonMetrics:
@@ -20,6 +21,11 @@ class DaemonMetrics:
         self.registry = CollectorRegistry()
         self.latency = Histogram("kvstore_op_latency_seconds", "Control RPC latency", ["op"], registry=self.registry,
                                  buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0))
+        self.publish_delay = Histogram("kvstore_publish_delay_seconds",
+                                       "From a sealed block's update being queued to its batch being in etcd",
+                                       registry=self.registry,
+                                       buckets=(5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0, 5.0))
+        self.publish_pending: Callable[[], int] = lambda: 0  # set by the daemon once its publisher runs
         self._counters, self._tiers, self._engine_stats = store_counters, tiers, engine_stats
         self.registry.register(self)
 
@@ -50,6 +56,14 @@ class DaemonMetrics:
                                   "Blocks this node must re-replicate (fewer live replicas than --replicas)")
         under.add_metric([], c.get("under_replicated_blocks", 0))
         yield under
+        pending = GaugeMetricFamily("kvstore_publish_pending", "Index updates queued for the next publish batch")
+        pending.add_metric([], self.publish_pending())
+        yield pending
+        for name, help_text in (("publish_batches", "Index update batches published"),
+                                ("publish_failures", "Index update batches that failed (and were retried)")):
+            family = CounterMetricFamily(f"kvstore_{name}", help_text)
+            family.add_metric([], c.get(name, 0))
+            yield family
         for name, help_text in (("demotions", "Blocks moved DRAM -> NVMe on eviction"),
                                 ("promotions", "Blocks moved NVMe -> DRAM on a hit"),
                                 ("corrupt_writes", "Commits refused because the bytes did not match"),

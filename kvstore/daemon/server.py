@@ -6,10 +6,12 @@ loop, which runs the metadata session (lease keep-alive, batched publishes).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
 import threading
+import uuid
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Iterator
@@ -31,8 +33,10 @@ from .repair import Repairer
 from ..admin.service import AdminService
 from ..admin.v1 import admin_pb2, admin_pb2_grpc
 from ..store.v1 import store_pb2, store_pb2_grpc
+from .local import LocalControl
 from .metrics import DaemonMetrics
-from .service import StoreControlService
+from .publisher import Publisher
+from .service import MAX_INLINE_BYTES, StoreControlService
 from .store import BlockStore, Update
 
 log = logging.getLogger(__name__)
@@ -85,6 +89,8 @@ class Daemon:
         self._stopped = threading.Event()
         self._published_usage: dict[str, int] = {}
         self.repairer: Repairer | None = None
+        self.publisher: Publisher | None = None
+        self.local: LocalControl | None = None
 
     # --- start -----------------------------------------------------------------------------
     def start(self) -> "Daemon":
@@ -93,18 +99,27 @@ class Daemon:
         self.engine = Engine(c.node, listen=c.engine_listen, secret=c.secret, insecure=c.insecure,
                              stall_timeout=c.timeout)
         dram = self.engine.allocate(c.dram_bytes)
-        nvme = None
+        nvme, tier_path = None, None
         if c.disk_dir and c.disk_bytes > 0:
             os.makedirs(c.disk_dir, exist_ok=True)
-            nvme = self.engine.register_file(os.path.join(c.disk_dir, f"{c.node}.tier"), c.disk_bytes)
+            tier_path = os.path.join(c.disk_dir, f"{c.node}.tier")
+            nvme = self.engine.register_file(tier_path, c.disk_bytes)
         self.store = BlockStore(self.engine, dram, nvme, policy=c.eviction, high=c.high_watermark, low=c.low_watermark,
                                 promote=c.promote)
         self.metrics = DaemonMetrics(c.node, self.store.counters, lambda: self.store.tiers, self.engine.stats)
         if c.metrics_port is not None:
             self.metrics_port = self.metrics.serve(c.metrics_port)
 
+        self.publisher = Publisher(self._loop, self._apply, c.timeout * 3, self.store.counters,
+                                   self.metrics.publish_delay.observe)
+        self.metrics.publish_pending = lambda: self.publisher.pending
+        # Same-host clients: puts in one round trip and the NVMe tier's fd over an authenticated unix socket.
+        self.local = LocalControl(f"kvstore-local-{uuid.uuid4().hex}", secret, c.node, self.store, self.publish,
+                                  lambda: not self.draining, lambda op, s: self.metrics.latency.labels(op).observe(s),
+                                  tier_path, c.timeout)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
-                                  interceptors=[AccessRules(secret, c.admin_token, c.node)])
+                                  interceptors=[AccessRules(secret, c.admin_token, c.node)],
+                                  options=[("grpc.max_receive_message_length", MAX_INLINE_BYTES + (1 << 20))])
         store_pb2_grpc.add_StoreControlServicer_to_server(
             StoreControlService(c.node, self.store, self.publish, self.metrics, lambda: not self.draining), self.server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self), self.server)
@@ -141,7 +156,8 @@ class Daemon:
         from ..client import Client
 
         c = self.config
-        return Client(c.metadata, cluster=c.cluster, secret=c.secret, timeout=c.timeout, tls_ca=c.tls_ca)
+        return Client(c.metadata, cluster=c.cluster, secret=c.secret, timeout=c.timeout, tls_ca=c.tls_ca,
+                      publish="sync")
 
     def node_record(self) -> NodeRecord:
         tiers = {t.name: t.capacity for t in self.store.tiers}
@@ -150,7 +166,9 @@ class Daemon:
 
     async def _register(self) -> None:
         metadata = open_metadata(self.config.metadata, timeout=self.config.timeout)
-        self.session = NodeSession(metadata, self.layout, self.node_record(), self.engine.export().to_json(),
+        segment = json.loads(self.engine.export().to_json())
+        segment["kvstore_local"] = self.local.name  # same-host clients' fast path (EngineDescriptor ignores it)
+        self.session = NodeSession(metadata, self.layout, self.node_record(), json.dumps(segment, separators=(",", ":")),
                                    ttl=self.config.lease_ttl, on_lease_lost=self._lease_lost)
         await self.session.start()
 
@@ -159,7 +177,7 @@ class Daemon:
         async def again() -> None:
             try:
                 await self.session.start()
-                await self._apply(self.store.all_records())
+                self.publisher.enqueue(self.store.all_records())  # behind nothing older: the last word wins
                 log.warning("node %s re-registered and republished its blocks", self.config.node)
             except MetadataError as exc:
                 log.error("node %s could not re-register: %s", self.config.node, exc)
@@ -171,12 +189,10 @@ class Daemon:
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout or self.config.timeout * 3)
 
-    def publish(self, updates: list[Update]) -> None:
-        """Apply index updates (put records, delete the None ones), batched per fingerprint."""
-        try:
-            self._call(self._apply(updates))
-        except TimeoutError as exc:
-            raise MetadataUnavailable("publishing to the metadata service timed out") from exc
+    def publish(self, updates: list[Update], wait: bool = True) -> None:
+        """Queue index updates (put records, delete the None ones) for the background publisher;
+        with `wait`, return once they are published (MetadataUnavailable if that takes too long)."""
+        self.publisher.publish(updates, wait, self.config.timeout * 3)
 
     async def _apply(self, updates: list[Update]) -> None:
         latest: dict[tuple[str, bytes], object] = {}
@@ -237,7 +253,7 @@ class Daemon:
                 from ..client import Client
 
                 client = Client(self.config.metadata, cluster=self.config.cluster, secret=self.config.secret,
-                                timeout=self.config.timeout, tls_ca=self.config.tls_ca)
+                                timeout=self.config.timeout, tls_ca=self.config.tls_ca, publish="sync")
                 client.mirror.wait_until(lambda m: getattr(m.nodes.get(self.config.node), "draining", True), 10)
                 if not [n for n in client.mirror.nodes.values() if not n.draining]:
                     client.close()
@@ -289,9 +305,13 @@ class Daemon:
         self._stopped.set()
         if self.repairer is not None:
             self.repairer.stop()
+        if self.local is not None:
+            self.local.close()
         if self.server is not None:
             self.health.enter_graceful_shutdown()
             self.server.stop(grace).wait(grace + 1)
+        if self.publisher is not None:
+            self.publisher.stop()  # the lease revocation below removes whatever it published
         if self.session is not None:
             try:
                 self._call(self.session.close(revoke=True))

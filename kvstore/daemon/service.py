@@ -12,11 +12,20 @@ from .metrics import DaemonMetrics
 from .store import AllocationFailed, BlockStore, Update, WrongSize
 
 
+MAX_INLINE_BYTES = 64 << 20  # bytes of blocks one Put may carry (the gRPC message limit is set above it)
+
+
 class StoreControlService(store_pb2_grpc.StoreControlServicer):
-    def __init__(self, node: str, store: BlockStore, publish: Callable[[list[Update]], None],
+    """`publish(updates, wait)` queues index updates; with wait it returns once they are published.
+    Puts and commits wait only when the client asked (sync); evictions and promotions never do."""
+
+    def __init__(self, node: str, store: BlockStore, publish: Callable[[list[Update], bool], None],
                  metrics: DaemonMetrics, accepting: Callable[[], bool]) -> None:
         self.node, self.store, self.publish, self.metrics = node, store, publish, metrics
         self.accepting = accepting
+
+    def _usage(self) -> dict[str, int]:
+        return {"used": self.store.dram.used, "capacity": self.store.dram.capacity}
 
     def _run(self, op: str, context, fn):
         started = time.perf_counter()
@@ -26,7 +35,7 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except AllocationFailed as exc:
             if exc.updates:
-                self.publish(exc.updates)  # evictions made on the way are real: keep the index true
+                self.publish(exc.updates, False)  # evictions made on the way are real: keep the index true
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except MetadataError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata service: {exc}")
@@ -49,11 +58,11 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
         def run():
             slots, updates = self.store.reserve(request.fingerprint, list(request.hashes), list(request.sizes))
             if updates:
-                self.publish(updates)
+                self.publish(updates, False)
             return store_pb2.ReserveResponse(slots=[
                 store_pb2.Slot(hash=h, exists=True) if slot is None else
                 store_pb2.Slot(hash=h, region=slot.tier.region.id, offset=slot.offset, size=slot.size, token=token)
-                for h, (token, slot) in zip(request.hashes, slots)])
+                for h, (token, slot) in zip(request.hashes, slots)], **self._usage())
 
         return self._run("reserve", context, run)
 
@@ -62,12 +71,32 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "checksums: one per token")
 
         def run():
-            errors, updates = self.store.commit(request.fingerprint, list(request.tokens), list(request.checksums))
+            records: list = []
+            errors, updates = self.store.commit(request.fingerprint, list(request.tokens), list(request.checksums),
+                                                records)
             if updates:
-                self.publish(updates)  # visible before we answer: sealed means findable
-            return store_pb2.CommitResponse(sealed=[not e for e in errors], errors=errors)
+                self.publish(updates, request.sync)  # queued; published before we answer only when asked
+            return store_pb2.CommitResponse(sealed=[not e for e in errors], errors=errors,
+                                            records=[r.encode() if r else b"" for r in records], **self._usage())
 
         return self._run("commit", context, run)
+
+    def Put(self, request, context):
+        self._check_hashes(request.hashes, context)
+        if not (len(request.hashes) == len(request.payloads) == len(request.checksums)):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "payloads, checksums: one per hash")
+        if not self.accepting():
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.node} is draining: it takes no new blocks")
+
+        def run():
+            errors, records, updates, stored = self.store.put_inline(request.fingerprint, list(request.hashes),
+                                                             list(request.payloads), list(request.checksums))
+            if updates:
+                self.publish(updates, request.sync)
+            return store_pb2.PutResponse(sealed=[not e for e in errors], errors=errors, stored=stored,
+                                         records=[r.encode() if r else b"" for r in records], **self._usage())
+
+        return self._run("put", context, run)
 
     def Abort(self, request, context):
         return self._run("abort", context, lambda: (self.store.abort(request.tokens), store_pb2.Empty())[1])
@@ -78,7 +107,7 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
         def run():
             updates = self.store.touch(request.fingerprint, list(request.hashes), list(request.corrupt))
             if updates:
-                self.publish(updates)
+                self.publish(updates, False)
             return store_pb2.Empty()
 
         return self._run("touch", context, run)
@@ -89,7 +118,7 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
         def run():
             removed, updates = self.store.remove(request.fingerprint, list(request.hashes))
             if updates:
-                self.publish(updates)
+                self.publish(updates, True)  # a removal is visible everywhere when it returns
             return store_pb2.RemoveResponse(removed=removed)
 
         return self._run("remove", context, run)

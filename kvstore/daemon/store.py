@@ -138,32 +138,68 @@ class BlockStore:
                 out.append((token, slot))
         return out, updates
 
-    def commit(self, fingerprint: str, tokens: Sequence[int], checksums: Sequence[int]) -> tuple[list[str], list[Update]]:
-        """Seal reserved slots whose bytes match their checksum; '' where sealed, else the reason."""
+    def commit(self, fingerprint: str, tokens: Sequence[int], checksums: Sequence[int],
+               records: list | None = None) -> tuple[list[str], list[Update]]:
+        """Seal reserved slots whose bytes match their checksum; '' where sealed, else the reason.
+        `records`, when given, gets each block's record here (None where not sealed)."""
         errors: list[str] = []
         updates: list[Update] = []
+        out = records if records is not None else []
         with self.lock:
             for token, checksum in zip(tokens, checksums):
                 slot = self._pending.pop(token, None)
                 if slot is None or slot.key[0] != fingerprint:
                     errors.append("unknown or expired reservation")
+                    out.append(None)
                     continue
-                if self.find(slot.key) is not None:  # another writer sealed it first: keep theirs
+                theirs = self.find(slot.key)
+                if theirs is not None:  # another writer sealed it first: keep theirs
                     self.dram.allocator.release(slot.offset, slot.size)
                     errors.append("")
+                    out.append(theirs.record())
                     continue
+                # Checksummed outside the lock would be faster, but a slot is only ever written by
+                # the client that reserved it, and eviction never touches pending slots.
                 view = self.dram.region.buffer[slot.offset : slot.offset + slot.size]
                 if block_checksum(slot.key[1], view) != checksum:
                     self.dram.allocator.release(slot.offset, slot.size)
                     self._count("corrupt_writes")
                     errors.append("checksum mismatch: the bytes that arrived are not the bytes sent")
+                    out.append(None)
                     continue
                 slot.checksum = checksum
                 self.dram.sealed[slot.key] = slot
                 self.dram.policy.insert(slot.key)
                 updates.append((slot.key[0], slot.key[1], slot.record()))
                 errors.append("")
+                out.append(slot.record())
         return errors, updates
+
+    def put_inline(self, fingerprint: str, hashes: Sequence[bytes], payloads: Sequence, checksums: Sequence[int]
+                   ) -> tuple[list[str], list[BlockRecord | None], list[Update], int]:
+        """Reserve, copy in, verify and seal blocks whose bytes came with the request (one call).
+        Returns (error or '' per block, record per block (None where not stored), index updates,
+        how many blocks this call newly stored)."""
+        if not (len(hashes) == len(payloads) == len(checksums)):
+            raise WrongSize(f"{len(hashes)} hashes, {len(payloads)} payloads, {len(checksums)} checksums")
+        slots, updates = self.reserve(fingerprint, hashes, [len(p) for p in payloads])
+        arena = self.dram.region.buffer
+        for (_, slot), payload in zip(slots, payloads):
+            if slot is not None:
+                arena[slot.offset : slot.offset + slot.size] = payload
+        todo = [i for i, (_, slot) in enumerate(slots) if slot is not None]
+        got: list = []
+        errors, sealed = self.commit(fingerprint, [slots[i][0] for i in todo], [checksums[i] for i in todo], got)
+        all_errors = [""] * len(hashes)
+        records: list[BlockRecord | None] = [None] * len(hashes)
+        for i, error, record in zip(todo, errors, got):
+            all_errors[i], records[i] = error, record
+        with self.lock:
+            for i, (_, slot) in enumerate(slots):
+                if slot is None:  # already held here
+                    held = self.find((fingerprint, bytes(hashes[i])))
+                    records[i] = held.record() if held is not None else None
+        return all_errors, records, updates + sealed, sum(1 for e in errors if not e)
 
     def abort(self, tokens: Iterable[int]) -> None:
         with self.lock:

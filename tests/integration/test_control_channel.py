@@ -41,7 +41,9 @@ def test_control_calls_over_tls_with_one_time_tokens(etcd_server, spawn_daemon, 
         assert client.put(h, data) == 1
         out = np.zeros(BLOCK, np.uint8)
         assert client.get(h, out) and np.array_equal(out, data)
-    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET) as plain:  # no TLS: refused
+    # No TLS: refused. (transport="tcp": on this host the client would otherwise use the daemon's
+    # same-host unix socket, which never touches the network and needs no TLS.)
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport="tcp") as plain:
         assert plain.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
         with pytest.raises(Exception):
             plain.put(external_hashes([8], FP)[0], data)

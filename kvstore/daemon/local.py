@@ -1,0 +1,409 @@
+"""The same-host fast path of a store daemon: an abstract unix socket for clients on this host.
+
+Who may connect: processes of the daemon's own user (or root), checked with SO_PEERCRED, that
+then pass the Transfer Engine's handshake (both ends prove they know the cluster secret; a
+relayed handshake yields nothing). Every control frame afterwards carries an HMAC under the
+session key over its sequence number, so frames cannot be injected, replayed or reordered. Block
+bytes follow a `put` frame raw: nobody else can write into an established unix stream, and the
+authenticated frame names their length and checksum, which the daemon verifies before sealing.
+
+Requests (one reply frame each):
+  put      {fp, hashes (hex), sizes, checksums, sync} + the bytes -> {records, errors, used, capacity}
+           one round trip: reserve, receive straight into the DRAM arena, verify, seal, queue publish
+  reserve  {fp, hashes, sizes} -> {slots: [[token, region, offset, size] | null], used, capacity}
+  commit   {fp, tokens, checksums, sync} -> {records, errors, used, capacity}
+  abort    {tokens} -> {}
+  tier     {} -> {region, size, direct} and, over SCM_RIGHTS, a read-only fd of the NVMe tier file
+           (opened O_RDONLY|O_DIRECT here, for this client alone)
+Errors: {ok: false, code: invalid|exhausted|refused|unavailable, error}.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from transfer.auth import client_handshake, server_handshake
+from transfer.listener import peer_uid
+
+from ..errors import KVStoreError, MetadataError
+from ..layout import BlockRecord
+from .store import MAX_BLOCK_BYTES, AllocationFailed, BlockStore, Update, WrongSize
+
+log = logging.getLogger(__name__)
+MAX_FRAME = 4 << 20  # a put of 4096 blocks still fits its header
+MAX_ATTACHMENT = 256 << 20
+MAX_CONNECTIONS = 256
+_MAC = 32
+
+
+class Frames:
+    """Length-prefixed JSON frames with an HMAC over (sequence, payload) in each direction, and raw
+    attachments after a frame. The socket keeps one timeout for every single send and receive;
+    a whole receive also ends at its deadline (TimeoutError)."""
+
+    BUFFER = 64 << 10
+
+    def __init__(self, sock: socket.socket, tx: bytes, rx: bytes, timeout: float) -> None:
+        self.sock, self._tx, self._rx, self.timeout = sock, tx, rx, timeout
+        self._sent = self._received = 0
+        self._buf = bytearray(self.BUFFER)
+        self._view = memoryview(self._buf)
+        self._head = self._tail = 0  # bytes received but not consumed yet
+        sock.settimeout(timeout)
+
+    @staticmethod
+    def _tag(key: bytes, seq: int, payload) -> bytes:
+        return hmac.digest(key, struct.pack("<Q", seq) + bytes(payload), "sha256")
+
+    def send(self, message: dict[str, Any], attachments: Sequence = ()) -> None:
+        payload = json.dumps(message, separators=(",", ":")).encode()
+        head = struct.pack("<I", len(payload)) + payload + self._tag(self._tx, self._sent, payload)
+        self._sent += 1
+        if not attachments:
+            self.sock.sendall(head)
+            return
+        # One gather write for the frame and its blocks (the peer wakes once), finishing what the
+        # socket buffer did not take.
+        parts = [memoryview(head)] + [memoryview(a).cast("B") for a in attachments]
+        while parts:
+            sent = self.sock.sendmsg(parts[:512])
+            while parts and sent >= parts[0].nbytes:
+                sent -= parts[0].nbytes
+                parts.pop(0)
+            if sent:
+                parts[0] = parts[0][sent:]
+
+    def _fill(self, need: int, deadline: float | None, idle: bool = False, exact: bool = False) -> None:
+        """Have at least `need` (<= BUFFER) unconsumed bytes in the buffer (`exact`: never more, so
+        that a descriptor sent after a frame is not read past)."""
+        if self._tail - self._head >= need:
+            return
+        if self._head:
+            left = self._tail - self._head
+            self._buf[:left] = self._buf[self._head : self._tail]
+            self._head, self._tail = 0, left
+        while self._tail < need:
+            try:
+                got = self.sock.recv_into(self._view[self._tail : need if exact else None])
+            except socket.timeout:
+                if idle and self._tail == 0:
+                    continue  # a server waiting for the next request: no deadline until it starts
+                raise TimeoutError("no answer in time") from None
+            if got == 0:
+                raise ConnectionError("connection closed")
+            self._tail += got
+            idle = False
+            if deadline is not None and self._tail < need and time.monotonic() > deadline:
+                raise TimeoutError("no answer before the deadline")
+
+    def recv_into(self, view: memoryview, deadline: float | None) -> None:
+        """Exactly view.nbytes bytes (an attachment) into `view`."""
+        n = view.nbytes
+        take = min(n, self._tail - self._head)
+        if take:
+            view[:take] = self._view[self._head : self._head + take]
+            self._head += take
+        while take < n:
+            try:
+                got = self.sock.recv_into(view[take:], n - take)
+            except socket.timeout:
+                raise TimeoutError("no data in time") from None
+            if got == 0:
+                raise ConnectionError("connection closed")
+            take += got
+            if take < n and deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("no data before the deadline")
+
+    def discard(self, n: int, deadline: float | None) -> None:
+        scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
+        while n > 0:
+            take = min(n, scratch.nbytes)
+            self.recv_into(scratch[:take], deadline)
+            n -= take
+
+    def recv(self, timeout: float, idle: bool = False, exact: bool = False) -> dict[str, Any]:
+        """One frame within `timeout`; with `idle`, the wait for its first byte is unbounded (a
+        server waiting for the next request), the rest still has `timeout`. `exact`: read nothing
+        past the frame (a descriptor follows it)."""
+        deadline = None if idle else time.monotonic() + timeout
+        self._fill(4, deadline, idle, exact)
+        deadline = time.monotonic() + timeout if deadline is None else deadline
+        (length,) = struct.unpack_from("<I", self._buf, self._head)
+        if length > MAX_FRAME:
+            raise ValueError(f"frame of {length} bytes exceeds {MAX_FRAME}")
+        total = 4 + length + _MAC
+        if total <= self.BUFFER:
+            self._fill(total, deadline, exact=exact)
+            body = bytes(self._view[self._head + 4 : self._head + total])
+            self._head += total
+        else:
+            self._head += 4
+            whole = bytearray(length + _MAC)
+            self.recv_into(memoryview(whole), deadline)
+            body = bytes(whole)
+        payload, tag = body[:length], body[length:]
+        if not hmac.compare_digest(tag, self._tag(self._rx, self._received, payload)):
+            raise PermissionError("frame failed authentication (injected or replayed)")
+        self._received += 1
+        message = json.loads(payload)
+        if not isinstance(message, dict):
+            raise ValueError("frame is not a JSON object")
+        return message
+
+
+def connect(name: str, secret: bytes, client: str, timeout: float) -> Frames:
+    """A client's authenticated connection to a daemon's same-host socket."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect("\0" + name)
+        session = client_handshake(sock, secret, "ctl", client, wire="plain", timeout=timeout)
+        return Frames(sock, session.tx, session.rx, timeout)
+    except BaseException:
+        sock.close()
+        raise
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _hashes(values: Any) -> list[bytes]:
+    if not isinstance(values, list):
+        raise _Invalid("hashes: a list of hex strings")
+    try:
+        out = [bytes.fromhex(v) for v in values]
+    except (TypeError, ValueError):
+        raise _Invalid("hashes: hex strings") from None
+    if any(len(h) != 16 for h in out):
+        raise _Invalid("hashes: every hash is 16 bytes")
+    return out
+
+
+def _ints(values: Any, what: str, n: int, limit: int = 2**64 - 1) -> list[int]:
+    if not isinstance(values, list) or len(values) != n or \
+            not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= limit for v in values):
+        raise _Invalid(f"{what}: {n} integers in 0..{limit}")
+    return values
+
+
+class LocalControl:
+    """The daemon's same-host socket (see module docstring)."""
+
+    def __init__(self, name: str, secret: bytes, node: str, store: BlockStore,
+                 publish: Callable[[list[Update], bool], None], accepting: Callable[[], bool],
+                 observe: Callable[[str, float], None], tier_path: str | None, timeout: float) -> None:
+        self.name, self._secret, self._node, self.store = name, secret, node, store
+        self._publish, self._accepting, self._observe = publish, accepting, observe
+        self._tier_path, self._timeout = tier_path, timeout
+        self._allowed_uids = {os.geteuid(), 0}
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind("\0" + name)
+        self._sock.listen(128)
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name=f"kvs-local-{node}", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        self._sock.settimeout(0.2)
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError as exc:
+                if self._closed.is_set():
+                    return
+                log.warning("%s: accept failed: %s", self._node, exc)
+                self._closed.wait(0.1)
+                continue
+            try:
+                uid = peer_uid(conn)
+            except OSError:
+                uid = -1
+            with self._lock:
+                full = len(self._conns) >= MAX_CONNECTIONS
+                if uid in self._allowed_uids and not full:
+                    self._conns.add(conn)
+            if uid not in self._allowed_uids or full:
+                log.warning("%s: refused same-host connection (uid %d, %d open)", self._node, uid, len(self._conns))
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            session = server_handshake(conn, self._secret, self._node, wire="plain", timeout=self._timeout)
+            frames = Frames(conn, session.tx, session.rx, self._timeout)
+            while not self._closed.is_set():
+                request = frames.recv(self._timeout, idle=True)
+                deadline = time.monotonic() + self._timeout
+                started = time.perf_counter()
+                op = str(request.get("op"))
+                try:
+                    reply, fd = self._handle(op, request, frames, deadline)
+                except _Invalid as exc:
+                    reply, fd = {"ok": False, "code": "invalid", "error": str(exc)}, None
+                except KVStoreError as exc:
+                    reply, fd = self._error(exc), None
+                if fd is not None:
+                    try:
+                        frames.send(reply)
+                        socket.send_fds(conn, [b"F"], [fd])
+                    finally:
+                        os.close(fd)
+                else:
+                    frames.send(reply)
+                if not reply.get("ok") and op == "put":
+                    break  # its bytes may still be in the stream: the client opens a new connection
+
+                self._observe(f"local_{op}" if op in ("put", "reserve", "commit", "abort", "tier") else "local_other",
+                              time.perf_counter() - started)
+        except Exception as exc:  # noqa: BLE001 - a client that leaves or misbehaves ends only its connection
+            log.debug("%s: same-host connection ended: %s", self._node, exc)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _usage(self) -> dict[str, int]:
+        return {"used": self.store.dram.used, "capacity": self.store.dram.capacity}
+
+    def _records(self, fingerprint: str, hashes: list[bytes]) -> list[str | None]:
+        with self.store.lock:
+            slots = [self.store.find((fingerprint, h)) for h in hashes]
+            return [None if s is None else s.record().encode().hex() for s in slots]
+
+    def _handle(self, op: str, request: dict, frames: Frames, deadline: float) -> tuple[dict, int | None]:
+        fingerprint = request.get("fp", "")
+        if op == "put":
+            return self._put(request, frames, deadline), None
+        if op in ("reserve", "commit") and not isinstance(fingerprint, str):
+            raise _Invalid("fp: a string")
+        if op == "reserve":
+            if not self._accepting():
+                return {"ok": False, "code": "refused", "error": f"{self._node} is draining"}, None
+            hashes = _hashes(request.get("hashes"))
+            sizes = _ints(request.get("sizes"), "sizes", len(hashes), MAX_BLOCK_BYTES)
+            try:
+                slots, updates = self.store.reserve(fingerprint, hashes, sizes)
+            except (AllocationFailed, WrongSize) as exc:
+                return self._error(exc), None
+            if updates:
+                self._publish(updates, False)
+            return {"ok": True, "slots": [None if s is None else [t, s.tier.region.id, s.offset, s.size]
+                                          for t, s in slots], **self._usage()}, None
+        if op == "commit":
+            tokens = _ints(request.get("tokens"), "tokens", len(request.get("tokens") or []))
+            checksums = _ints(request.get("checksums"), "checksums", len(tokens))
+            return self._commit(fingerprint, tokens, checksums, bool(request.get("sync"))), None
+        if op == "abort":
+            self.store.abort(_ints(request.get("tokens"), "tokens", len(request.get("tokens") or [])))
+            return {"ok": True}, None
+        if op == "tier":
+            return self._tier()
+        raise _Invalid(f"unknown op {op[:40]!r}")
+
+    def _error(self, exc: Exception) -> dict:
+        if isinstance(exc, AllocationFailed):
+            if exc.updates:
+                self._publish(exc.updates, False)
+            return {"ok": False, "code": "exhausted", "error": str(exc)}
+        if isinstance(exc, WrongSize):
+            return {"ok": False, "code": "invalid", "error": str(exc)}
+        if isinstance(exc, MetadataError):
+            return {"ok": False, "code": "unavailable", "error": f"metadata service: {exc}"}
+        return {"ok": False, "code": "refused", "error": str(exc)}
+
+    def _commit(self, fingerprint: str, tokens: list[int], checksums: list[int], sync: bool) -> dict:
+        records: list = []
+        errors, updates = self.store.commit(fingerprint, tokens, checksums, records)
+        if updates:
+            try:
+                self._publish(updates, sync)
+            except (MetadataError, KVStoreError) as exc:
+                return self._error(exc)
+        return {"ok": True, "records": [r and r.encode().hex() for r in records], "errors": errors, **self._usage()}
+
+    def _put(self, request: dict, frames: Frames, deadline: float) -> dict:
+        """Reserve, receive the bytes straight into the arena, verify, seal: one round trip."""
+        fingerprint = request.get("fp")
+        hashes = _hashes(request.get("hashes"))
+        sizes = _ints(request.get("sizes"), "sizes", len(hashes), MAX_BLOCK_BYTES)
+        checksums = _ints(request.get("checksums"), "checksums", len(hashes))
+        total = sum(sizes)
+        if not isinstance(fingerprint, str) or total > MAX_ATTACHMENT:
+            raise _Invalid("fp: a string; the blocks of one put at most 256 MiB")  # the stream is lost: close
+        try:
+            if not self._accepting():
+                frames.discard(total, deadline)
+                return {"ok": False, "code": "refused", "error": f"{self._node} is draining: it takes no new blocks"}
+            slots, updates = self.store.reserve(fingerprint, hashes, sizes)
+        except (AllocationFailed, WrongSize) as exc:
+            frames.discard(total, deadline)
+            return self._error(exc)
+        if updates:
+            self._publish(updates, False)
+        arena = self.store.dram.region.buffer
+        try:
+            for (token, slot), size in zip(slots, sizes):
+                if slot is None:
+                    frames.discard(size, deadline)
+                else:
+                    frames.recv_into(arena[slot.offset : slot.offset + size], deadline)
+        except BaseException:
+            self.store.abort([t for t, s in slots if s is not None])
+            raise
+        todo = [(i, t) for i, (t, s) in enumerate(slots) if s is not None]
+        got: list = []
+        errors, updates = self.store.commit(fingerprint, [t for _, t in todo], [checksums[i] for i, _ in todo], got)
+        if updates:
+            try:
+                self._publish(updates, bool(request.get("sync")))
+            except (MetadataError, KVStoreError) as exc:
+                return self._error(exc)
+        all_errors: list[str] = [""] * len(hashes)
+        records: list[str | None] = [None] * len(hashes)
+        for (i, _), error, record in zip(todo, errors, got):
+            all_errors[i], records[i] = error, record and record.encode().hex()
+        if len(todo) < len(hashes):  # blocks it already held: their records
+            held = self._records(fingerprint, [h for h, (_, s) in zip(hashes, slots) if s is None])
+            it = iter(held)
+            for i, (_, slot) in enumerate(slots):
+                if slot is None:
+                    records[i] = next(it)
+        return {"ok": True, "records": records, "errors": all_errors, "stored": sum(1 for e in errors if not e),
+                **self._usage()}
+
+    def _tier(self) -> tuple[dict, int | None]:
+        nvme = self.store.nvme
+        if nvme is None or self._tier_path is None:
+            return {"ok": False, "code": "refused", "error": f"{self._node} has no NVMe tier"}, None
+        direct = True
+        try:
+            fd = os.open(self._tier_path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+        except OSError:  # a file system without O_DIRECT (tmpfs): page-cache reads still skip the network
+            direct = False
+            fd = os.open(self._tier_path, os.O_RDONLY | os.O_CLOEXEC)
+        return {"ok": True, "region": nvme.region.id, "size": nvme.region.size, "direct": direct}, fd
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=2.0)
+        self._sock.close()
+        with self._lock:
+            for conn in self._conns:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass

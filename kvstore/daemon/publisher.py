@@ -1,0 +1,134 @@
+"""Index updates go to the metadata service in the background, in pipelined batches.
+
+A put returns once its block is sealed on the node; the record reaches etcd with the next batch
+(usually a few milliseconds later). Updates are coalesced per block — the last word on a block
+wins, so a put followed by an eviction publishes the deletion only — and one batch is in flight at
+a time while the next one gathers. A batch that fails (etcd down, lease lost) goes back under
+whatever arrived since (newer words still win) and is retried with a backoff.
+
+What this keeps true: the index never lists a block the node does not hold sealed under that
+record for longer than one batch, and a get checks every block's checksum, so a record that is
+late or briefly stale yields a miss, never wrong bytes. A daemon that dies before publishing
+leaves nothing behind: its unpublished blocks are simply never visible, and its lease takes the
+published ones away.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Awaitable, Callable
+
+from ..errors import MetadataUnavailable
+from .store import Update
+
+log = logging.getLogger(__name__)
+
+
+class Publisher:
+    """See module docstring. `apply` publishes one batch (a coroutine on `loop`); `window` seconds
+    of gathering before each batch trade visibility delay for fewer transactions."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, apply: Callable[[list[Update]], Awaitable[None]],
+                 timeout: float, counters: dict[str, float] | None = None,
+                 on_published: Callable[[float], None] | None = None, window: float = 0.0) -> None:
+        self._loop, self._apply, self._timeout = loop, apply, timeout
+        self.counters = counters if counters is not None else {}
+        self._on_published = on_published  # called with the oldest update's wait (seconds) per batch
+        self._pending: dict[tuple[str, bytes], object] = {}
+        self._since: float | None = None  # when the oldest pending update arrived
+        self._lock = threading.Condition()
+        self._enqueued = 0  # tickets handed out
+        self._done = 0  # every ticket <= this is published
+        self._stopped = False
+        self._scheduled = False  # a wake-up of the loop is on its way
+        self._wake = asyncio.Event()
+        self.window = window
+        self._task = asyncio.run_coroutine_threadsafe(self._run(), loop)
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def enqueue(self, updates: list[Update]) -> int:
+        """Queue updates; returns a ticket for `wait`."""
+        with self._lock:
+            for fingerprint, block_hash, record in updates:
+                self._pending[(fingerprint, bytes(block_hash))] = record
+            if self._since is None and self._pending:
+                self._since = time.monotonic()
+            self._enqueued += 1
+            ticket = self._enqueued
+            wake, self._scheduled = not self._scheduled, True
+        if wake:  # once per batch: waking the loop thread costs the caller a GIL hand-off
+            self._loop.call_soon_threadsafe(self._wake.set)
+        return ticket
+
+    def wait(self, ticket: int, timeout: float) -> None:
+        """Block until everything queued up to `ticket` is published (MetadataUnavailable after timeout)."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: self._done >= ticket or self._stopped, timeout):
+                raise MetadataUnavailable("publishing to the metadata service timed out")
+
+    def publish(self, updates: list[Update], wait: bool, timeout: float) -> None:
+        ticket = self.enqueue(updates)
+        if wait:
+            self.wait(ticket, timeout)
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self.window > 0:  # gather a little: fewer, larger transactions under a stream of puts
+                await asyncio.sleep(self.window)
+            with self._lock:
+                if self._stopped:
+                    return
+                self._scheduled = False
+                batch, self._pending = self._pending, {}
+                since, self._since = self._since, None
+                upto = self._enqueued
+            if batch:
+                try:
+                    await asyncio.wait_for(self._apply([(fp, h, r) for (fp, h), r in batch.items()]),
+                                           self._timeout)
+                except Exception as exc:  # noqa: BLE001 - etcd down, lease lost, timeout: retry the batch
+                    with self._lock:
+                        for key, record in batch.items():
+                            self._pending.setdefault(key, record)  # what arrived since is newer
+                        if self._since is None or (since is not None and since < self._since):
+                            self._since = since
+                    self.counters["publish_failures"] = self.counters.get("publish_failures", 0) + 1
+                    log.info("publishing %d index updates failed (retrying): %s", len(batch), exc)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 1.0)
+                    self._wake.set()
+                    continue
+                backoff = 0.05
+                self.counters["publish_batches"] = self.counters.get("publish_batches", 0) + 1
+                self.counters["published_updates"] = self.counters.get("published_updates", 0) + len(batch)
+                if self._on_published is not None and since is not None:
+                    self._on_published(time.monotonic() - since)
+            with self._lock:
+                self._done = max(self._done, upto)
+                self._lock.notify_all()
+
+    def flush(self, timeout: float) -> None:
+        """Wait until everything queued so far is published."""
+        with self._lock:
+            ticket = self._enqueued
+        self.wait(ticket, timeout)
+
+    def stop(self) -> None:
+        """Stop publishing (what is still queued is dropped: the lease takes care of the rest)."""
+        with self._lock:
+            self._stopped = True
+            self._lock.notify_all()
+        self._loop.call_soon_threadsafe(self._wake.set)
+        try:
+            self._task.result(self._timeout)
+        except Exception:  # noqa: BLE001 - stopping
+            pass
