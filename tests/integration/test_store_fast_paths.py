@@ -1,0 +1,235 @@
+"""Store fast paths (issue 12), against real etcd and daemons in their own processes: one control
+round trip per put, read-your-writes for the putting client, puts of a burst spread over nodes, and
+same-host NVMe reads from the tier file's fd (never wrong bytes while the node evicts)."""
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import threading
+import time
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore import Client
+from kvstore.keys import ModelFingerprint, external_hashes
+from kvstore.layout import BlockRecord
+from kvstore.store.v1 import store_pb2, store_pb2_grpc
+
+FP = ModelFingerprint("fast-paths", "float16", 16, 2, 2, 64)
+SECRET = "fast-path-secret"
+
+
+def content(h: bytes, size: int) -> np.ndarray:
+    return np.random.default_rng(int.from_bytes(h[:8], "little")).integers(0, 256, size, dtype=np.uint8)
+
+
+def control_ops(daemon) -> dict[str, float]:
+    """Control calls the daemon answered so far, per op (from its Prometheus endpoint)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'^kvstore_op_latency_seconds_count\{op="([a-z_]+)"\} ([0-9.e+]+)$', text, re.M)}
+
+
+def stats(daemon) -> store_pb2.StatsResponse:
+    with grpc.insecure_channel(daemon.control) as channel:
+        from kvstore.access import ControlAuth
+
+        channel = grpc.intercept_channel(channel, ControlAuth(SECRET.encode(), daemon.name, "test"))
+        return store_pb2_grpc.StoreControlStub(channel).Stats(store_pb2.StatsRequest(), timeout=5)
+
+
+def put_calls(before: dict[str, float], after: dict[str, float]) -> int:
+    return int(sum(after.get(op, 0) - before.get(op, 0) for op in after if op not in ("stats", "touch")))
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_a_put_is_one_control_round_trip_and_the_putter_reads_its_write(etcd_server, spawn_daemon, transport):
+    cluster = uuid.uuid4().hex[:8]
+    daemon = spawn_daemon("one-rtt", etcd_server.url, cluster, secret=SECRET)
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport=transport) as client, \
+            Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport=transport) as other:
+        assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
+        sizes = [64 << 10, 200 << 10] + ([1 << 20] if transport == "auto" else [])
+        for i, size in enumerate(sizes):
+            h = external_hashes([i], FP)[0]
+            data = content(h, size)
+            before = control_ops(daemon)
+            assert client.put(h, data) == 1
+            assert put_calls(before, control_ops(daemon)) == 1, f"{size}-byte put over {transport}"
+            # Read-your-writes: this client lists and reads the block the moment put returned.
+            assert client.contains(h) and client.match_prefix([h]) == 1
+            out = np.zeros(size, np.uint8)
+            assert client.get(h, out) and np.array_equal(out, data)
+            # Others see it once the node's background publish lands (well within a second here).
+            assert other.mirror.wait_until(lambda m: m.contains(FP, h), 5)
+            out[:] = 0
+            assert other.get(h, out) and np.array_equal(out, data)
+        # Putting a block the node already holds: still one call, nothing newly stored.
+        before = control_ops(daemon)
+        assert client.put(external_hashes([0], FP)[0], content(external_hashes([0], FP)[0], 64 << 10)) == 0
+        assert put_calls(before, control_ops(daemon)) == 1
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_read_your_writes_with_background_publishing(etcd_server, spawn_daemon, transport):
+    cluster = uuid.uuid4().hex[:8]
+    spawn_daemon("ryw", etcd_server.url, cluster, secret=SECRET)
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport=transport) as client:
+        assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
+        hashes = external_hashes(range(200, 230), FP)
+        for i, h in enumerate(hashes):
+            client.put(h, content(h, 4096))
+            assert client.match_prefix(hashes) == i + 1  # no waiting for the watch
+        outs = [np.zeros(4096, np.uint8) for _ in hashes]
+        assert all(client.get_many(hashes, outs))
+
+
+def test_sync_publish_is_visible_to_others_when_put_returns(etcd_server, spawn_daemon):
+    cluster = uuid.uuid4().hex[:8]
+    spawn_daemon("sync-node", etcd_server.url, cluster, secret=SECRET)
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, publish="sync") as client:
+        assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
+        hashes = external_hashes(range(100, 110), FP)
+        client.put_many([(h, content(h, 8192)) for h in hashes])
+        # Published before the reply: a fresh read of etcd lists every block.
+        with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET) as fresh:
+            assert all(fresh.contains(h) for h in hashes)
+
+
+def test_a_burst_of_puts_spreads_over_three_nodes(etcd_server, spawn_daemon):
+    cluster = uuid.uuid4().hex[:8]
+    daemons = [spawn_daemon(f"burst{i}", etcd_server.url, cluster, secret=SECRET) for i in range(3)]
+    block = 64 << 10
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET) as client:
+        assert client.mirror.wait_until(lambda m: len(m.nodes) == 3, 10)
+        hashes = external_hashes(range(1000, 1256), FP)
+        data = {h: content(h, block) for h in hashes}
+        with ThreadPoolExecutor(32) as pool:
+            assert sum(pool.map(lambda h: client.put(h, data[h]), hashes)) == 256
+        per_node = [sum(t.blocks for t in stats(d).tiers) for d in daemons]
+        assert sum(per_node) == 256
+        assert max(per_node) / min(per_node) <= 1.3, per_node
+        # Everything readable, by this client at once.
+        outs = [np.zeros(block, np.uint8) for _ in hashes]
+        assert all(client.get_many(hashes, outs))
+        assert all(np.array_equal(o, data[h]) for o, h in zip(outs, hashes))
+
+
+@pytest.fixture
+def nvme_node(etcd_server, spawn_daemon):
+    """A node with 1 MiB of DRAM and a 4 MiB NVMe tier, no promotion: blocks live on NVMe soon."""
+    cluster = uuid.uuid4().hex[:8]
+    daemon = spawn_daemon("nvme-node", etcd_server.url, cluster, secret=SECRET, dram="1MiB", disk="4MiB",
+                          extra=["--no-promote"])
+    client = Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, timeout=3)
+    assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
+    yield daemon, client
+    client.close()
+
+
+BLOCK = 64 << 10
+
+
+def on_nvme(client: Client, hashes: list[bytes]) -> list[bytes]:
+    return [h for h in hashes if (r := client.mirror.lookup(FP, h).get("nvme-node")) is not None and r.tier == "nvme"]
+
+
+def test_same_host_nvme_reads_go_through_the_tier_fd(nvme_node):
+    _, client = nvme_node
+    hashes = external_hashes(range(2000, 2040), FP)  # 2.5 MiB: most of it demoted to NVMe
+    for h in hashes:
+        client.put(h, content(h, BLOCK))
+    assert client.mirror.wait_until(lambda m: len(on_nvme(client, hashes)) >= 10, 10)
+    cold = on_nvme(client, hashes)
+    tcp_before = client.engine.stats().get("tcp_rx_bytes", 0)
+    outs = [np.zeros(BLOCK, np.uint8) for _ in cold]
+    assert all(client.get_many(cold, outs))
+    assert all(np.array_equal(o, content(h, BLOCK)) for o, h in zip(outs, cold))
+    assert client.engine.stats().get("tcp_rx_bytes", 0) == tcp_before  # not a byte over TCP
+    assert client.stats["nvme_fd_reads"] >= len(cold)
+    # The fd the node handed over reads, never writes.
+    tier = client._local("nvme-node").tier()
+    assert fcntl.fcntl(tier.fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+    with pytest.raises(OSError):
+        os.pwrite(tier.fd, b"x", 0)
+    # Records that do not fit the tier are never read (bounds-checked against the tier's size).
+    forged = BlockRecord("nvme", tier.region, tier.size - 4096, 2 * 4096, 0)
+    region = client.engine.register(np.zeros(2 * 4096, np.uint8), remote_access=False)
+    try:
+        assert client._pread_block(tier, forged, [(region, 0, 2 * 4096)]) is False
+    finally:
+        client.engine.unregister(region)
+
+
+def test_a_stale_nvme_record_never_returns_another_blocks_bytes(nvme_node):
+    _, client = nvme_node
+    hashes = external_hashes(range(3000, 3040), FP)
+    for h in hashes:
+        client.put(h, content(h, BLOCK))
+    assert client.mirror.wait_until(lambda m: len(on_nvme(client, hashes)) >= 10, 10)
+    victim = on_nvme(client, hashes)[0]
+    stale = client.mirror.lookup(FP, victim)["nvme-node"]
+    client.remove([victim])
+    # Fill the tier again until the victim's extent holds another block.
+    fresh = external_hashes(range(4000, 4080), FP)
+    for h in fresh:
+        client.put(h, content(h, BLOCK))
+        assert client.mirror.wait_until(lambda m: m.contains(FP, h), 5)
+        if any((r := client.mirror.lookup(FP, f).get("nvme-node")) is not None and r.tier == "nvme"
+               and r.offset == stale.offset for f in fresh):
+            break
+    else:
+        pytest.fail("the victim's extent was never reused")
+    out = np.zeros(BLOCK, np.uint8)
+    region = client.engine.register(out, remote_access=False)
+    try:
+        # What a get with a mirror that has not heard of the removal would do: a miss, not wrong bytes.
+        assert client._read_from("nvme-node", [victim], [(0, stale)], [[(region, 0, BLOCK)]]) == []
+    finally:
+        client.engine.unregister(region)
+    assert client.stats["nvme_fd_reads"] >= 1
+
+
+def test_nvme_reads_while_the_node_evicts_are_right_or_misses(nvme_node):
+    _, client = nvme_node
+    hashes = external_hashes(range(5000, 5040), FP)
+    for h in hashes:
+        client.put(h, content(h, BLOCK))
+    assert client.mirror.wait_until(lambda m: len(on_nvme(client, hashes)) >= 10, 10)
+    stop, wrong, hits, writer_error = threading.Event(), [], [0], []
+
+    def writer() -> None:  # keeps demoting into, and evicting from, the 4 MiB tier
+        try:
+            for n in range(6000, 6400):
+                if stop.is_set():
+                    return
+                h = external_hashes([n], FP)[0]
+                client.put(h, content(h, BLOCK))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            writer_error.append(exc)
+
+    reads_before = client.stats["nvme_fd_reads"]
+    thread = threading.Thread(target=writer)
+    thread.start()
+    deadline = time.monotonic() + 20
+    try:
+        while thread.is_alive() and time.monotonic() < deadline:
+            listed = on_nvme(client, hashes + external_hashes(range(6000, 6400), FP))[:16]
+            outs = [np.zeros(BLOCK, np.uint8) for _ in listed]
+            for h, ok, out in zip(listed, client.get_many(listed, outs), outs):
+                if ok:
+                    hits[0] += 1
+                    if not np.array_equal(out, content(h, BLOCK)):
+                        wrong.append(h)
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not writer_error, writer_error
+    assert not wrong, f"{len(wrong)} reads returned wrong bytes"
+    assert hits[0] > 0 and client.stats["nvme_fd_reads"] > reads_before

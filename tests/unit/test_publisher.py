@@ -1,0 +1,85 @@
+"""The daemon's background index publisher: coalescing, ordering, retry, sync waits."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from kvstore.aio import shared_loop
+from kvstore.daemon.publisher import Publisher
+from kvstore.errors import MetadataUnavailable
+from kvstore.layout import BlockRecord
+
+
+def rec(n: int) -> BlockRecord:
+    return BlockRecord("dram", 1, n * 4096, 4096, n)
+
+
+class Sink:
+    """A metadata service stand-in: applies batches in order, can fail or stall on demand."""
+
+    def __init__(self) -> None:
+        self.state: dict = {}
+        self.batches: list[list] = []
+        self.fail = 0
+        self.gate = threading.Event()
+        self.gate.set()
+
+    async def apply(self, updates) -> None:
+        while not self.gate.is_set():
+            await asyncio.sleep(0.005)
+        if self.fail:
+            self.fail -= 1
+            raise MetadataUnavailable("etcd is down")
+        self.batches.append(list(updates))
+        for fp, h, record in updates:
+            if record is None:
+                self.state.pop((fp, h), None)
+            else:
+                self.state[(fp, h)] = record
+
+
+@pytest.fixture
+def sink_and_publisher():
+    sink = Sink()
+    counters: dict = {}
+    publisher = Publisher(shared_loop(), sink.apply, 2.0, counters)
+    yield sink, publisher, counters
+    publisher.stop()
+
+
+def test_last_word_wins_and_batches_gather_while_one_is_in_flight(sink_and_publisher):
+    sink, publisher, counters = sink_and_publisher
+    sink.gate.clear()  # the first batch stalls "in etcd"
+    publisher.enqueue([("fp", b"a", rec(1))])
+    for n in range(50):  # meanwhile: many updates, the last word on b is a deletion
+        publisher.enqueue([("fp", b"b", rec(n)), ("fp", bytes([n]), rec(n))])
+    publisher.enqueue([("fp", b"b", None)])
+    sink.gate.set()
+    publisher.flush(5)
+    assert ("fp", b"b") not in sink.state and sink.state[("fp", b"a")] == rec(1)
+    assert len(sink.batches) <= 3  # not one transaction per update
+    assert counters["published_updates"] < 52 * 2
+
+
+def test_a_failed_batch_is_retried_under_newer_words(sink_and_publisher):
+    sink, publisher, counters = sink_and_publisher
+    sink.fail = 2
+    publisher.enqueue([("fp", b"x", rec(1)), ("fp", b"y", rec(2))])
+    publisher.enqueue([("fp", b"x", None)])  # may land in the failing batch or after it: x stays gone
+    publisher.flush(5)
+    assert sink.state == {("fp", b"y"): rec(2)}
+    assert counters["publish_failures"] >= 1
+
+
+def test_sync_publish_waits_and_times_out_while_etcd_is_down(sink_and_publisher):
+    sink, publisher, _ = sink_and_publisher
+    publisher.publish([("fp", b"s", rec(3))], True, 5)
+    assert sink.state[("fp", b"s")] == rec(3)  # published before publish() returned
+    sink.fail = 10_000
+    with pytest.raises(MetadataUnavailable):
+        publisher.publish([("fp", b"t", rec(4))], True, 0.3)
+    sink.fail = 0
+    publisher.flush(5)  # and it gets there once etcd is back
+    assert sink.state[("fp", b"t")] == rec(4)
