@@ -13,8 +13,9 @@ fault until every such block reads back and a new put lands on 2 replicas), `err
 clients saw, by type — allowed, they are how faults surface).
 The partition fault runs node-2 in its own network namespace behind a veth pair and takes the link
 down; the full-NVMe fault adds a node with 1 MiB of DRAM and 2 MiB of NVMe that fills at once (it
-demotes and evicts replicas it was given). `tc netem` (loss, delay) is not available in this VM's
-kernel, so that fault is reported as not run.
+demotes and evicts replicas it was given). Loss: `iptables -m statistic` (Debian's `iptables`) drops
+5% of the packets in and out of node-2's namespace. `tc netem` is not available in this VM's kernel,
+so the 50 ms delay is reported as not run.
 """
 from __future__ import annotations
 
@@ -108,6 +109,13 @@ class Netns:
 
     def link(self, up: bool) -> None:
         subprocess.run(["ip", "link", "set", self.host_if, "up" if up else "down"], check=True, capture_output=True)
+
+    def loss(self, on: bool, probability: float = 0.05) -> None:
+        """Drop `probability` of the packets entering and leaving the namespace."""
+        for chain in ("INPUT", "OUTPUT"):
+            subprocess.run(["ip", "netns", "exec", self.name, "iptables", "-A" if on else "-D", chain, "-m",
+                            "statistic", "--mode", "random", "--probability", str(probability), "-j", "DROP"],
+                           check=True, capture_output=True)
 
     def close(self) -> None:
         subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
@@ -342,7 +350,11 @@ def run(args: argparse.Namespace) -> list[FaultResult]:
             hold = saved
             if netns is not None:
                 phase("partition", lambda: netns.link(False), lambda: netns.link(True))
-            results.append(FaultResult("5% loss / 50 ms delay", note="not run: this kernel has no tc netem qdisc"))
+                if shutil.which("iptables"):
+                    phase("5% packet loss", lambda: netns.loss(True), lambda: netns.loss(False))
+                else:
+                    results.append(FaultResult("5% packet loss", note="not run: needs iptables"))
+            results.append(FaultResult("50 ms delay", note="not run: this kernel has no tc netem qdisc"))
 
     finally:
         if load is not None:
