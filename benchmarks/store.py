@@ -3,15 +3,21 @@ Mooncake Store and Redis on loopback, and our NVMe tier against a direct O_DIREC
 
     python -m benchmarks.store [--json PATH] [--quick]
 
-Records: system, path (shm|tcp|nvme), op (put|get), block_bytes, batch, gbps, p50_us, p99_us.
+Records: system, path (shm|tcp|nvme|nvme-tcp), op (put|get), block_bytes, batch, gbps, p50_us, p99_us.
 A batch of 32 is one put_many/get_many (Mooncake: batch_put_from/batch_get_into; Redis: a pipeline);
 gbps counts the batch's bytes over its median time; p50/p99 are of whole calls.
+`shm` is a same-host client (puts over the daemon's unix socket, gets from its mapped arena),
+`nvme` a same-host client reading the NVMe tier through the tier file's fd (O_DIRECT into
+page-aligned buffers), `nvme-tcp` the same gets forced over TCP (the daemon reads the file).
+Also: `visibility` (put return -> another client's mirror lists the block) and `burst` (256
+concurrent 64 KiB puts over 3 daemons: blocks per node).
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import mmap
 import os
 import platform
 import re
@@ -22,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -71,7 +78,7 @@ def record(out: list[Record], system: str, path: str, op: str, block: int, batch
     r = Record(system, path, op, block, batch, batch * block / statistics.median(samples) / 1e9,
                percentile(samples, 0.5) * 1e6, percentile(samples, 0.99) * 1e6)
     out.append(r)
-    print(f"  {system:<9}{path:<6}{op:<5}{block // KIB:>6}K{batch:>4}{r.gbps:9.2f}{r.p50_us:11.0f}{r.p99_us:11.0f}",
+    print(f"  {system:<9}{path:<9}{op:<5}{block // KIB:>6}K{batch:>4}{r.gbps:9.2f}{r.p50_us:11.0f}{r.p99_us:11.0f}",
           flush=True)
 
 
@@ -142,29 +149,41 @@ def dd_direct_read(path: str, nbytes: int) -> float:
     return nbytes / float(match.group(1)) / 1e9
 
 
+def aligned_zeros(nbytes: int) -> np.ndarray:
+    """A page-aligned buffer (what O_DIRECT can read into without a bounce)."""
+    return np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
+
+
 def bench_nvme(etcd: EtcdServer, args: argparse.Namespace, out: list[Record]) -> dict:
-    """Gets served from the NVMe tier (no promotion), O_DIRECT at the daemon, vs dd O_DIRECT."""
+    """Gets served from the NVMe tier (no promotion): same host through the tier fd (O_DIRECT in the
+    client), and forced over TCP (O_DIRECT at the daemon); vs dd O_DIRECT on the same file."""
     folder = tempfile.mkdtemp(prefix="kvstore-bench-nvme-", dir=args.disk_dir)
     daemon = start_daemon(etcd, "bench-nvme", "16MiB", folder, "1GiB", "--no-promote")
     baseline: dict = {}
     try:
         fp = ModelFingerprint("bench-nvme", "float16", 128, 32, 8, 128)
-        with Client(etcd.url, cluster="bench", fingerprint=fp, transport="tcp") as client:
+        with Client(etcd.url, cluster="bench", fingerprint=fp, transport="auto") as client, \
+                Client(etcd.url, cluster="bench", fingerprint=fp, transport="tcp") as remote:
             client.mirror.wait_until(lambda m: "bench-nvme" in m.nodes, 10)
+            remote.mirror.wait_until(lambda m: "bench-nvme" in m.nodes, 10)
             for block in (1 * MIB, 4 * MIB):
                 hashes = external_hashes(range(block * 1000, block * 1000 + 4 * BATCH), fp)
                 data = [np.random.default_rng(i).integers(0, 256, block, dtype=np.uint8) for i in range(len(hashes))]
                 client.put_many(list(zip(hashes, data)), fingerprint=fp)
-                client.mirror.wait_until(lambda m: sum(m.lookup(fp, h).get("bench-nvme", None) is not None
+                remote.mirror.wait_until(lambda m: sum(m.lookup(fp, h).get("bench-nvme", None) is not None
                                                        for h in hashes) == len(hashes), 10)
-                on_nvme = [h for h in hashes if client.mirror.lookup(fp, h)["bench-nvme"].tier == "nvme"][:BATCH]
-                outs = [np.zeros(block, np.uint8) for _ in on_nvme]
+                on_nvme = [h for h in hashes if remote.mirror.lookup(fp, h)["bench-nvme"].tier == "nvme"][:BATCH]
+                outs = [aligned_zeros(block) for _ in on_nvme]
+                for path, reader in (("nvme", client), ("nvme-tcp", remote)):
+                    def get(rep: int) -> None:
+                        if not all(reader.get_many(on_nvme, outs, fingerprint=fp)):
+                            raise RuntimeError("nvme get missed")
 
-                def get(rep: int) -> None:
-                    if not all(client.get_many(on_nvme, outs, fingerprint=fp)):
-                        raise RuntimeError("nvme get missed")
-
-                record(out, "kvstore", "nvme", "get", block, len(on_nvme), timed(get, reps_for(block, BATCH, args.quick)))
+                    record(out, "kvstore", path, "get", block, len(on_nvme),
+                           timed(get, reps_for(block, BATCH, args.quick)))
+                    assert all(np.array_equal(o, data[hashes.index(h)]) for o, h in zip(outs, on_nvme))
+                if not client.stats["nvme_fd_reads"]:
+                    raise RuntimeError("same-host NVMe gets did not use the tier fd")
                 client.remove(hashes, fingerprint=fp)
         tier = os.path.join(folder, "bench-nvme.tier")
         samples = [dd_direct_read(tier, 512 * MIB) for _ in range(3)]
@@ -175,6 +194,63 @@ def bench_nvme(etcd: EtcdServer, args: argparse.Namespace, out: list[Record]) ->
         daemon.wait(15)
         shutil.rmtree(folder, ignore_errors=True)
     return baseline
+
+
+def bench_visibility(etcd: EtcdServer, args: argparse.Namespace) -> dict:
+    """From a put's return to another client's mirror listing the block (background publishing)."""
+    daemon = start_daemon(etcd, "bench-vis", "256MiB", None, "0")
+    fp = ModelFingerprint("bench-vis", "float16", 128, 32, 8, 128)
+    try:
+        with Client(etcd.url, cluster="bench", fingerprint=fp) as putter, \
+                Client(etcd.url, cluster="bench", fingerprint=fp) as watcher:
+            putter.mirror.wait_until(lambda m: "bench-vis" in m.nodes, 10)
+            block = np.random.default_rng(0).integers(0, 256, 64 * KIB, dtype=np.uint8)
+            delays = []
+            for n in range(50 if args.quick else 200):
+                h = external_hashes([n], fp)[0]
+                putter.put(h, block)
+                returned = time.perf_counter()
+                if not watcher.mirror.wait_until(lambda m: m.contains(fp, h), 10):
+                    raise RuntimeError("another client never saw the block")
+                delays.append(time.perf_counter() - returned)
+                time.sleep(0.002)  # one put at a time: each waits for its own batch
+    finally:
+        daemon.terminate()
+        daemon.wait(15)
+    result = {"puts": len(delays), "p50_us": percentile(delays, 0.5) * 1e6, "p99_us": percentile(delays, 0.99) * 1e6,
+              "max_us": max(delays) * 1e6}
+    print(f"  visibility to another client: p50 {result['p50_us']:.0f} us, p99 {result['p99_us']:.0f} us", flush=True)
+    return result
+
+
+def bench_burst(etcd: EtcdServer, args: argparse.Namespace) -> dict:
+    """256 concurrent 64 KiB puts from one client over 3 same-size daemons: blocks per node."""
+    daemons = [start_daemon(etcd, f"bench-burst{i}", "256MiB", None, "0") for i in range(3)]
+    fp = ModelFingerprint("bench-burst", "float16", 128, 32, 8, 128)
+    try:
+        with Client(etcd.url, cluster="bench", fingerprint=fp) as client:
+            client.mirror.wait_until(lambda m: all(f"bench-burst{i}" in m.nodes for i in range(3)), 10)
+            hashes = external_hashes(range(256), fp)
+            block = np.random.default_rng(0).integers(0, 256, 64 * KIB, dtype=np.uint8)
+            started = time.perf_counter()
+            with ThreadPoolExecutor(32) as pool:
+                stored = sum(pool.map(lambda h: client.put(h, block), hashes))
+            took = time.perf_counter() - started
+            per_node = {f"bench-burst{i}": 0 for i in range(3)}
+            for h in hashes:
+                for node in client.mirror.lookup(fp, h):
+                    per_node[node] = per_node.get(node, 0) + 1
+    finally:
+        for daemon in daemons:
+            daemon.terminate()
+        for daemon in daemons:
+            daemon.wait(15)
+    counts = list(per_node.values())
+    result = {"puts": len(hashes), "stored": stored, "per_node": per_node, "seconds": took,
+              "max_over_min": max(counts) / max(min(counts), 1) if min(counts) else float("inf")}
+    print(f"  burst: 256 concurrent puts over 3 daemons in {took * 1e3:.0f} ms, blocks per node {counts}, "
+          f"max/min {result['max_over_min']:.2f}", flush=True)
+    return result
 
 
 # --- Mooncake Store ----------------------------------------------------------------------------
@@ -314,16 +390,28 @@ def bench_redis(args: argparse.Namespace, out: list[Record]) -> None:
 
 # --- report ------------------------------------------------------------------------------------
 def ratios(records: list[Record], nvme: dict) -> list[tuple[str, float | None]]:
-    def get(system, path, op, block, batch):
+    def find(system, path, op, block, batch):
         for r in records:
             if (r.system, r.path, r.op, r.block_bytes, r.batch) == (system, path, op, block, batch):
-                return r.gbps
+                return r
         return None
+
+    def get(system, path, op, block, batch):
+        r = find(system, path, op, block, batch)
+        return None if r is None else r.gbps
 
     def ratio(a, b):
         return None if a is None or not b else a / b
 
+    shm_put_64k, mc_put_64k = find("kvstore", "shm", "put", 64 * KIB, 1), find("mooncake", "tcp", "put", 64 * KIB, 1)
     rows = [
+        ("shm single put 64K p50 us (<=500)", None if shm_put_64k is None else shm_put_64k.p50_us),
+        ("shm single put 64K p50 / mooncake put p50 (<=1.0)",
+         None if shm_put_64k is None or mc_put_64k is None else shm_put_64k.p50_us / mc_put_64k.p50_us),
+        ("shm single put 1M / mooncake put 1M GB/s (>=1.5)", ratio(get("kvstore", "shm", "put", MIB, 1),
+                                                                 get("mooncake", "tcp", "put", MIB, 1))),
+        ("tcp single put 64K p50 / mooncake put p50", None if find("kvstore", "tcp", "put", 64 * KIB, 1) is None
+         or mc_put_64k is None else find("kvstore", "tcp", "put", 64 * KIB, 1).p50_us / mc_put_64k.p50_us),
         ("tcp batch get / mooncake batch_get_into 1M (>=1.5)", ratio(get("kvstore", "tcp", "get", MIB, BATCH),
                                                                    get("mooncake", "tcp", "get", MIB, BATCH))),
         ("tcp batch put / mooncake batch_put_from 1M (>=1.5)", ratio(get("kvstore", "tcp", "put", MIB, BATCH),
@@ -336,9 +424,10 @@ def ratios(records: list[Record], nvme: dict) -> list[tuple[str, float | None]]:
                                                              get("mooncake", "tcp", "put", MIB, BATCH))),
     ]
     direct = nvme.get("dd_direct_read_gbps")
-    for block in (MIB, 4 * MIB):
-        nvme_get = next((r.gbps for r in records if r.path == "nvme" and r.block_bytes == block), None)
-        rows.append((f"nvme batch get {block // MIB}M / dd O_DIRECT (>=0.7)", ratio(nvme_get, direct)))
+    for path, target in (("nvme", "0.9"), ("nvme-tcp", "0.7")):
+        for block in (MIB, 4 * MIB):
+            nvme_get = next((r.gbps for r in records if r.path == path and r.block_bytes == block), None)
+            rows.append((f"{path} batch get {block // MIB}M / dd O_DIRECT (>={target})", ratio(nvme_get, direct)))
     return rows
 
 
@@ -346,31 +435,38 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.store", description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--systems", default="kvstore,nvme,mooncake,redis")
+    parser.add_argument("--systems", default="kvstore,nvme,visibility,burst,mooncake,redis")
     parser.add_argument("--disk-dir", default=None, help="where the NVMe tier lives (default: the temp dir)")
     args = parser.parse_args(argv)
     systems = args.systems.split(",")
     records: list[Record] = []
     nvme: dict = {}
-    print(f"  {'system':<9}{'path':<6}{'op':<5}{'block':>7}{'n':>4}{'GB/s':>9}{'p50 us':>11}{'p99 us':>11}")
+    extra: dict = {}
+    print(f"  {'system':<9}{'path':<9}{'op':<5}{'block':>7}{'n':>4}{'GB/s':>9}{'p50 us':>11}{'p99 us':>11}")
     with EtcdServer() as etcd:
         if "kvstore" in systems:
             bench_ours(etcd, args, records)
         if "nvme" in systems:
             nvme = bench_nvme(etcd, args, records)
+        if "visibility" in systems:
+            extra["visibility"] = bench_visibility(etcd, args)
+        if "burst" in systems:
+            extra["burst"] = bench_burst(etcd, args)
     if "mooncake" in systems:
         bench_mooncake(args, records)
     if "redis" in systems:
         bench_redis(args, records)
     summary = ratios(records, nvme)
+    if "burst" in extra:
+        summary.append(("burst max/min blocks per node (<=1.3)", extra["burst"]["max_over_min"]))
     print("\n  targets (ratios in this run)")
     for label, value in summary:
-        print(f"  {label:<52}{'n/a' if value is None else f'{value:.2f}':>8}")
+        print(f"  {label:<56}{'n/a' if value is None else f'{value:.2f}':>9}")
     if args.json:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count()}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "records": [asdict(r) for r in records], "nvme_baseline": nvme,
-                       "ratios": dict(summary)}, f, indent=1)
+                       "ratios": dict(summary), **extra}, f, indent=1)
     return 0
 
 

@@ -223,6 +223,7 @@ class Client:
         self._flush_lock = threading.Lock()
         self._closed = self._channels_closed = False
         self._locals: dict[str, _LocalNode] = {}
+        self._local_addresses: dict[str, tuple[str, Any]] = {}  # node -> (segment seen, its socket name)
         self._inflight: dict[str, int] = {}  # node -> bytes of this client's puts under way there
         self._usage: dict[str, tuple[int, int, float]] = {}  # node -> (used, capacity, when) from its replies
         self._io: ThreadPoolExecutor | None = None  # NVMe tier reads of a batch, in parallel
@@ -269,10 +270,15 @@ class Client:
         record, segment = self.mirror.nodes.get(name), self.mirror.segments.get(name)
         if record is None or not segment or record.host != host_id():
             return None
-        try:
-            address = json.loads(segment).get("kvstore_local")
-        except (ValueError, AttributeError):
-            return None
+        known = self._local_addresses.get(name)
+        if known is not None and known[0] is segment:
+            address = known[1]
+        else:
+            try:
+                address = json.loads(segment).get("kvstore_local")
+            except (ValueError, AttributeError):
+                address = None
+            self._local_addresses[name] = (segment, address)
         if not isinstance(address, str) or not address:
             return None
         with self._lock:
@@ -629,7 +635,7 @@ class Client:
             if self._io is None:
                 with self._lock:
                     if self._io is None:
-                        self._io = ThreadPoolExecutor(4, thread_name_prefix="kvs-tier")
+                        self._io = ThreadPoolExecutor(8, thread_name_prefix="kvs-tier")  # queue depth
             oks = list(self._io.map(one, items))
         return {i for (i, _), ok in zip(items, oks) if not ok}
 
