@@ -25,7 +25,6 @@ import os
 import platform
 import random
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+from vllm_server import connector_config as connector  # noqa: E402
+from vllm_server import scrape_metrics as scrape  # noqa: E402
 TRACE = ROOT / "tests" / "data" / "mooncake_conversation_trace.jsonl.xz"
 BLOCK_TOKENS = 128
 
@@ -89,15 +90,6 @@ class Workload:
 
 
 # ------------------------------------------------------------------ measurement
-def scrape(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in urllib.request.urlopen(url + "/metrics", timeout=10).read().decode().splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
-            out[name] = out.get(name, 0.0) + value
-    return out
-
-
 def recomputed(before: dict, after: dict) -> float:
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("vllm:prefix_cache_queries_total",
                                                               "vllm:prefix_cache_hits_total",
@@ -195,12 +187,6 @@ def start_router(kind: str, mode: str, prefill: list[str], decode: list[str], mo
         proc.kill()
         raise RuntimeError(f"{kind} did not start: {log.read_text()[-2000:]}")
     return proc, url
-
-
-def connector(role: str, etcd: str, cluster: str, secret: str) -> dict:
-    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.integrations.vllm.connector",
-            "kv_role": role, "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"metadata": etcd, "cluster": cluster, "secret": secret}}
 
 
 def run_mode(mode: str, work: Workload, model: str, etcd: str, cluster: str, secret: str, routers: list[str],

@@ -20,27 +20,13 @@ openai = pytest.importorskip("openai")
 
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
 from vllm_server import VllmServer, free_port  # noqa: E402
+from vllm_server import connector_config as connector  # noqa: E402
+from vllm_server import scrape_metrics as scrape  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 SHARED = " ".join(["Disaggregated serving separates prefill and decode pools."] * 30)  # ~300+ tokens
-
-
-def connector(role: str, metadata: str, cluster: str, secret: str) -> dict:
-    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.integrations.vllm.connector",
-            "kv_role": role, "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"metadata": metadata, "cluster": cluster, "secret": secret}}
-
-
-def scrape(url: str) -> dict[str, float]:
-    """An engine's counters, summed over labels."""
-    out: dict[str, float] = {}
-    for line in urllib.request.urlopen(url + "/metrics", timeout=5).read().decode().splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
-            out[name] = out.get(name, 0.0) + value
-    return out
 
 
 class Deployment:

