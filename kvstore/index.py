@@ -2,27 +2,36 @@
 records, answering "how many leading blocks of this prompt are cached, and where" without touching
 the network.
 
-It loads a snapshot (a range at one revision), then follows a watch from the next revision. After
-any disconnect or compaction it loads a fresh snapshot and swaps it in whole, so it never holds a
-half-old view. While it cannot reach the metadata service for longer than `stale_after` seconds,
-every answer says `stale=True`.
+It loads a snapshot at one revision (nodes and segments first, then the block records in many
+small ranges read in parallel, see index_load), then follows a watch from the next revision. The
+first load is served while it fills: answers say `loading=True` and `stale=True` and only ever
+hold blocks that were in the index at the snapshot's revision. After any disconnect or compaction
+it loads a fresh snapshot beside the old one and swaps it in whole, so it never holds a half-old
+view. While it cannot reach the metadata service for longer than `stale_after` seconds, every
+answer says `stale=True`.
 """
 from __future__ import annotations
 
 import asyncio
+import binascii
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
+
+import numpy as np
 
 from .aio import shared_loop
 from .errors import InvalidRecord, KVStoreError, MetadataError, MetadataUnavailable
-from .keys import ModelFingerprint
-from .layout import TIERS, BlockRecord, Layout, NodeRecord
-from .metadata import KeyValue, Metadata, WatchEvent, open_metadata
+from .index_load import load_prefix
+from .index_table import NO_IDS, BlockTable, as_words
+from .keys import HASH_BYTES, ModelFingerprint
+from .layout import BLOCK_RECORD_VERSION, TIERS, BlockRecord, Layout, NodeRecord, check_name
+from .metadata import Metadata, Page, WatchEvent, open_metadata, prefix_end
 
 log = logging.getLogger(__name__)
+_RECORD_BYTES = 26
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,17 +42,29 @@ class Placement:
     nodes: frozenset[str]
 
 
-@dataclass(frozen=True, slots=True)
 class Match:
-    """Leading blocks of a prompt found in the index."""
+    """Leading blocks of a prompt found in the index; `placements` is built on first use."""
 
-    length: int
-    placements: list[Placement]
-    stale: bool
+    __slots__ = ("length", "stale", "loading", "_ids", "_all", "_placements")
+
+    def __init__(self, ids: np.ndarray, placements: list[Placement], stale: bool, loading: bool = False) -> None:
+        self.length, self.stale, self.loading = len(ids), stale, loading
+        self._ids, self._all = ids, placements
+        self._placements: list[Placement] | None = None
+
+    @property
+    def placements(self) -> list[Placement]:
+        if self._placements is None:
+            every = self._all
+            self._placements = [every[i] for i in self._ids.tolist()]
+        return self._placements
 
     @property
     def locations(self) -> list[tuple[tuple[str, str], ...]]:
         return [p.locations for p in self.placements]
+
+    def __repr__(self) -> str:
+        return f"Match(length={self.length}, stale={self.stale}, loading={self.loading})"
 
 
 class _Snapshot:
@@ -52,10 +73,19 @@ class _Snapshot:
     def __init__(self) -> None:
         self.nodes: dict[str, NodeRecord] = {}
         self.segments: dict[str, str] = {}
-        # fingerprint -> block hash -> (placement, record or tuple of records). A record is the
-        # 26-byte BlockRecord prefixed with the owner's node number (u16): ~210 bytes per block.
-        self.blocks: dict[str, dict[bytes, tuple[Placement, bytes | tuple[bytes, ...]]]] = {}
-        self.block_count = 0
+        # fingerprint -> its blocks. A record is the 26-byte BlockRecord prefixed with the owner's
+        # node number (u16).
+        self.blocks: dict[str, BlockTable] = {}
+
+    def table(self, fingerprint: str) -> BlockTable:
+        table = self.blocks.get(fingerprint)
+        if table is None:
+            table = self.blocks[fingerprint] = BlockTable()
+        return table
+
+    @property
+    def block_count(self) -> int:
+        return sum(len(t) for t in list(self.blocks.values()))
 
 
 def _fingerprint_id(fingerprint: ModelFingerprint | str) -> str:
@@ -72,28 +102,41 @@ class IndexMirror:
         self._root = self.layout.root.encode()
         self._blocks_prefix = self.layout.blocks_prefix().encode()
         self._snapshot = _Snapshot()
+        self._fresh: _Snapshot | None = None  # the snapshot being loaded
         self._node_names: list[str] = []
         self._node_numbers: dict[str, int] = {}
-        self._placements: dict[frozenset, Placement] = {}
+        self._node_tags: dict[bytes, bytes] = {}  # b"/<node>" (a key's tail) -> its u16 number
+        self._placements: list[Placement] = []  # placement id -> placement; append-only
+        self._placement_ids: dict[frozenset, int] = {}
+        self._single = np.full(0, -1, np.int32)  # node * len(TIERS) + tier -> id of that lone replica
         self._revision = 0
         self._last_ok = float("-inf")
         self._connected = False
+        self._loading = False
         self._changed = threading.Condition()
-        self._apply_lock = threading.Lock()  # watch events and remember() edit the same tables
+        self._apply_lock = threading.Lock()  # watch events, pages and remember() edit the same tables
+        self._begun = threading.Event()
         self._synced = threading.Event()
         self._stop = threading.Event()
         self._future = None
         self._stopping: asyncio.Event | None = None
         self.resyncs = 0
+        self.malformed = 0
 
     # --- lifetime -----------------------------------------------------------------------------
     def start(self, wait: float | None = None) -> "IndexMirror":
-        """Start following; wait (default `timeout`) for the first snapshot, else MetadataUnavailable."""
+        """Start following; wait (default `timeout`) for the first snapshot. A snapshot still
+        loading by then is served as it fills (`loading`); no connection: MetadataUnavailable."""
         self._future = asyncio.run_coroutine_threadsafe(self._follow(), shared_loop())
-        if not self._synced.wait(self.timeout if wait is None else wait):
+        if not self._synced.wait(self.timeout if wait is None else wait) and not self._begun.is_set():
             self.stop()
             raise MetadataUnavailable(f"index mirror could not load a snapshot from {self.url}")
         return self
+
+    def wait_loaded(self, timeout: float) -> bool:
+        """Block until a complete snapshot is in place (tests, benchmarks, callers that must not guess)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._synced.is_set() and not self._loading, timeout)
 
     def stop(self) -> None:
         self._stop.set()
@@ -117,8 +160,13 @@ class IndexMirror:
     # --- queries (any thread, no I/O) ------------------------------------------------------------
     @property
     def stale(self) -> bool:
-        """True while the mirror cannot confirm it is current (not connected, or silent too long)."""
-        return not self._connected or time.monotonic() - self._last_ok > self.stale_after
+        """True while the mirror cannot confirm it is current (loading, not connected, or silent too long)."""
+        return self._loading or not self._connected or time.monotonic() - self._last_ok > self.stale_after
+
+    @property
+    def loading(self) -> bool:
+        """True while a snapshot is being read (answers may miss blocks that are in the index)."""
+        return self._loading
 
     @property
     def revision(self) -> int:
@@ -138,56 +186,42 @@ class IndexMirror:
 
     def match(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes]) -> Match:
         """How many leading `hashes` are cached anywhere, and where each of them is."""
+        loading = self._loading
         table = self._snapshot.blocks.get(_fingerprint_id(fingerprint))
-        placements: list[Placement] = []
-        if table:
-            get = table.get
-            for h in hashes:
-                entry = get(h)
-                if entry is None:
-                    break
-                placements.append(entry[0])
-        return Match(len(placements), placements, self.stale)
+        ids = table.prefix(hashes) if table is not None and hashes else NO_IDS
+        return Match(ids, self._placements, self.stale, loading)
 
     def node_prefix_lengths(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes]) -> dict[str, int]:
         """For each node, how many leading blocks it holds itself (the conductor's input)."""
-        table = self._snapshot.blocks.get(_fingerprint_id(fingerprint)) or {}
+        table = self._snapshot.blocks.get(_fingerprint_id(fingerprint))
+        ids = table.prefix(hashes) if table is not None and hashes else NO_IDS
+        if not len(ids):
+            return {}
         lengths: dict[str, int] = {}
-        alive: set[str] = set()
-        previous: Placement | None = None
-        count = 0
-        for count, h in enumerate(hashes):
-            entry = table.get(h)
-            if entry is None:
-                break
-            placement = entry[0]
-            if previous is None:
-                alive = set(placement.nodes)
-            elif placement is not previous:
-                for node in alive - placement.nodes:
-                    lengths[node] = count
-                alive &= placement.nodes
+        alive = set(self._placements[int(ids[0])].nodes)
+        for start in (np.flatnonzero(ids[1:] != ids[:-1]) + 1).tolist():  # where the placement changes
+            nodes = self._placements[int(ids[start])].nodes
+            for node in alive - nodes:
+                lengths[node] = start
+            alive &= nodes
             if not alive:
-                break
-            previous = placement
-        else:
-            count = len(hashes)
+                return lengths
         for node in alive:
-            lengths[node] = count
+            lengths[node] = len(ids)
         return lengths
 
     def contains(self, fingerprint: ModelFingerprint | str, block_hash: bytes) -> bool:
         """Whether any node holds the block (no record decoding)."""
         table = self._snapshot.blocks.get(_fingerprint_id(fingerprint))
-        return bool(table) and block_hash in table
+        return table is not None and block_hash in table.records
 
     def lookup(self, fingerprint: ModelFingerprint | str, block_hash: bytes) -> dict[str, BlockRecord]:
         """Every replica of one block: node -> record."""
-        table = self._snapshot.blocks.get(_fingerprint_id(fingerprint)) or {}
-        entry = table.get(block_hash)
+        table = self._snapshot.blocks.get(_fingerprint_id(fingerprint))
+        entry = None if table is None else table.records.get(block_hash)
         if entry is None:
             return {}
-        raws = entry[1] if isinstance(entry[1], tuple) else (entry[1],)
+        raws = entry if isinstance(entry, tuple) else (entry,)
         return {self._node_names[int.from_bytes(r[:2], "little")]: BlockRecord.decode(r[2:]) for r in raws}
 
     def remember(self, fingerprint: ModelFingerprint | str, block_hash: bytes, node: str,
@@ -195,7 +229,8 @@ class IndexMirror:
         """Learn one replica now, as its watch 'put' event would (a putting client's own mirror)."""
         value = record.encode() if isinstance(record, BlockRecord) else bytes(record)
         with self._apply_lock:
-            self._apply_block(self._snapshot, "put", _fingerprint_id(fingerprint), bytes(block_hash), node, value)
+            for snap in {id(s): s for s in (self._snapshot, self._fresh) if s is not None}.values():
+                self._apply_block(snap, "put", _fingerprint_id(fingerprint), bytes(block_hash), node, value)
         with self._changed:
             self._changed.notify_all()
 
@@ -204,26 +239,28 @@ class IndexMirror:
         with self._changed:
             return self._changed.wait_for(lambda: self._revision >= revision, timeout)
 
-    def wait_until(self, predicate, timeout: float = 5.0) -> bool:
+    def wait_until(self, predicate: Callable[["IndexMirror"], bool], timeout: float = 5.0) -> bool:
         """Block until `predicate(self)` holds after some update, or the timeout passes."""
         with self._changed:
             return self._changed.wait_for(lambda: predicate(self), timeout)
 
-    # --- applying changes (mirror thread) -------------------------------------------------------
+    # --- applying changes (mirror thread; callers hold _apply_lock) ---------------------------------
     def _node_number(self, node: str) -> int:
         number = self._node_numbers.get(node)
         if number is None:
+            check_name("node", node)
             number = self._node_numbers[node] = len(self._node_names)
             self._node_names.append(node)
         return number
 
-    def _placement(self, raws: tuple[bytes, ...]) -> Placement:
+    def _placement_id(self, raws: tuple[bytes, ...]) -> int:
         spots = frozenset((int.from_bytes(r[:2], "little"), r[3]) for r in raws)
-        placement = self._placements.get(spots)
-        if placement is None:
+        pid = self._placement_ids.get(spots)
+        if pid is None:
             locations = tuple(sorted((self._node_names[n], TIERS[t]) for n, t in spots))
-            placement = self._placements[spots] = Placement(locations, frozenset(n for n, _ in locations))
-        return placement
+            pid = self._placement_ids[spots] = len(self._placements)
+            self._placements.append(Placement(locations, frozenset(n for n, _ in locations)))
+        return pid
 
     def _apply(self, snap: _Snapshot, kind: str, key: bytes, value: bytes) -> None:
         rest = key[len(self._root):].decode()
@@ -244,28 +281,97 @@ class IndexMirror:
 
     def _apply_block(self, snap: _Snapshot, kind: str, fingerprint: str, block_hash: bytes, node: str,
                      value: bytes) -> None:
-        table = snap.blocks.setdefault(fingerprint, {})
-        number = self._node_number(node).to_bytes(2, "little")
-        entry = table.get(block_hash)
-        raws = () if entry is None else (entry[1] if isinstance(entry[1], tuple) else (entry[1],))
-        kept = tuple(r for r in raws if r[:2] != number)
+        if len(block_hash) != HASH_BYTES:
+            raise InvalidRecord(f"block hash of {len(block_hash)} bytes")
         if kind == "put":
             BlockRecord.decode(value)  # refuse what we could not serve later
+        table = snap.table(fingerprint)
+        number = self._node_number(node).to_bytes(2, "little")
+        entry = table.records.get(block_hash)
+        raws = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+        kept = tuple(r for r in raws if r[:2] != number)
+        if kind == "put":
             kept = tuple(sorted(kept + (number + value,)))
         if kept:
-            table[block_hash] = (self._placement(kept), kept[0] if len(kept) == 1 else kept)
+            table.set(block_hash, kept[0] if len(kept) == 1 else kept, self._placement_id(kept))
         elif entry is not None:
-            del table[block_hash]
-        snap.block_count += (1 if kept else 0) - (1 if entry is not None else 0)
+            table.remove(block_hash)
 
-    def _load(self, items: list[KeyValue]) -> _Snapshot:
-        snap = _Snapshot()
-        for item in items:
+    def _apply_slowly(self, snap: _Snapshot, keys: Sequence[bytes], values: Sequence[bytes]) -> None:
+        for key, value in zip(keys, values):
             try:
-                self._apply(snap, "put", item.key, item.value)
+                self._apply(snap, "put", key, value)
             except (InvalidRecord, ValueError, UnicodeDecodeError) as exc:
-                log.warning("ignoring malformed index entry %r: %s", item.key[:200], exc)
-        return snap
+                self.malformed += 1
+                if self.malformed <= 10:
+                    log.warning("ignoring malformed index entry %r: %s", key[:200], exc)
+
+    def _single_ids(self, codes: np.ndarray) -> np.ndarray:
+        """Placement id of each lone replica (node * len(TIERS) + tier), interning new ones."""
+        top = int(codes.max()) + 1
+        if top > len(self._single):
+            grown = np.full(max(top, 2 * len(self._single)), -1, np.int32)
+            grown[:len(self._single)] = self._single
+            self._single = grown
+        pids = self._single[codes]
+        if (pids < 0).any():
+            for code in np.unique(codes[pids < 0]).tolist():
+                node, tier = divmod(code, len(TIERS))
+                raw = node.to_bytes(2, "little") + bytes((BLOCK_RECORD_VERSION, tier))
+                self._single[code] = self._placement_id((raw,))
+            pids = self._single[codes]
+        return pids
+
+    def _load_page(self, snap: _Snapshot, page: Page) -> None:
+        """A page of block records in bulk; anything unusual (replicas in the page, blocks already
+        known, malformed entries) goes through the one-key path."""
+        keys, values, n = page.keys, page.values, len(page.keys)
+        first, plen = keys[0], len(self._blocks_prefix)
+        cut = first.find(b"/", plen) + 1
+        base = first[:cut]
+        if not cut or not keys[-1].startswith(base) or not first.startswith(self._blocks_prefix):
+            return self._apply_slowly(snap, keys, values)  # spans fingerprints (sorted: ends decide)
+        try:
+            fingerprint = base[plen:-1].decode("ascii")
+            unhex = binascii.a2b_hex
+            hashes = [unhex(k[cut:cut + 32]) for k in keys]
+            tags = [k[cut + 32:] for k in keys]
+            numbers = list(map(self._node_tags.get, tags))
+            if None in numbers:
+                for tag in set(tags) - self._node_tags.keys():
+                    if not tag.startswith(b"/"):
+                        raise ValueError("hash is not 32 hex digits")
+                    self._node_tags[tag] = self._node_number(tag[1:].decode("ascii")).to_bytes(2, "little")
+                numbers = list(map(self._node_tags.get, tags))
+            joined = b"".join(values)
+            if len(joined) != _RECORD_BYTES * n:
+                raise ValueError("record of the wrong size")
+            heads = np.frombuffer(joined, np.uint8).reshape(n, _RECORD_BYTES)[:, :2]
+            if (heads[:, 0] != BLOCK_RECORD_VERSION).any() or (heads[:, 1] >= len(TIERS)).any():
+                raise ValueError("record version or tier not understood")
+        except (ValueError, InvalidRecord, UnicodeDecodeError):
+            return self._apply_slowly(snap, keys, values)
+        table = snap.table(fingerprint)
+        words = as_words(hashes)
+        odd = np.zeros(n, bool)  # replicas side by side in the page, or blocks the table has already
+        same = (words[1:] == words[:-1]).all(1)
+        odd[1:] |= same
+        odd[:-1] |= same
+        known = table.records.keys() & hashes
+        if known:
+            odd |= np.fromiter((h in known for h in hashes), bool, n)
+        codes = np.frombuffer(b"".join(numbers), "<u2").astype(np.int64) * len(TIERS) + heads[:, 1]
+        pids = self._single_ids(codes)
+        records = list(map(bytes.__add__, numbers, values))
+        if page.more:
+            table.reserve(len(table) + page.count)
+        if odd.any():
+            normal = np.flatnonzero(~odd).tolist()
+            table.add([hashes[i] for i in normal], [records[i] for i in normal], pids[normal])
+            rest = np.flatnonzero(odd).tolist()
+            self._apply_slowly(snap, [keys[i] for i in rest], [values[i] for i in rest])
+        else:
+            table.add(hashes, records, pids)
 
     # --- the follower loop ----------------------------------------------------------------------
     async def _follow(self) -> None:
@@ -282,6 +388,8 @@ class IndexMirror:
                 log.info("index mirror lost %s: %s", self.url, exc)
             finally:
                 self._connected = False
+                with self._apply_lock:
+                    self._fresh = None
                 try:
                     await asyncio.wait_for(metadata.close(), self.timeout)
                 except (asyncio.TimeoutError, KVStoreError):
@@ -293,13 +401,47 @@ class IndexMirror:
                     pass
                 backoff = min(backoff * 2, 1.0)
 
+    async def _load_snapshot(self, metadata: Metadata) -> tuple[_Snapshot, int]:
+        """Nodes and segments, then every block record, all at the revision of the first read."""
+        nodes_prefix, segments_prefix = self._root + b"nodes/", self._root + b"segments/"
+        nodes = await metadata.range_page(nodes_prefix, prefix_end(nodes_prefix), timeout=self.timeout)
+        revision = nodes.revision
+        segments = await metadata.range_page(segments_prefix, prefix_end(segments_prefix), revision=revision,
+                                             timeout=self.timeout)
+        snap = _Snapshot()
+        with self._apply_lock:
+            for page in (nodes, segments):
+                self._apply_slowly(snap, page.keys, page.values)
+            self._fresh = snap
+            if not self._synced.is_set():  # nothing better to answer from: serve it as it fills
+                self._snapshot = snap
+            self._loading = True
+        self._begun.set()
+
+        def take(page: Page) -> None:
+            with self._apply_lock:
+                self._load_page(snap, page)
+
+        await load_prefix(metadata, self._blocks_prefix, revision, take, timeout=self.timeout)
+        return snap, revision
+
     async def _sync_and_watch(self, metadata: Metadata) -> None:
-        items, revision = await metadata.range(self._root)
-        snapshot = self._load(items)
-        del items  # this frame lives as long as the watch: do not pin the raw snapshot
+        loading = asyncio.ensure_future(self._load_snapshot(metadata))
+        stopper = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({loading, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            if not loading.done():
+                loading.cancel()
+        if not loading.done() or loading.cancelled():
+            return
+        snapshot, revision = loading.result()
         watch = await metadata.watch(self._root, start_revision=revision + 1)
         with self._changed:
-            self._snapshot, self._revision = snapshot, revision
+            with self._apply_lock:
+                self._snapshot, self._fresh = snapshot, None
+            self._revision, self._loading = revision, False
             self._connected, self._last_ok = True, time.monotonic()
             self.resyncs += 1
             self._changed.notify_all()

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from urllib.parse import parse_qs, unquote, urlparse
 
-from .base import (MAX_TXN_OPS, Compare, Delete, KeyValue, Lease, Metadata, Put, TxnResult, Watch,
-                   WatchEvent)
+from .base import (MAX_TXN_OPS, Compare, Delete, KeyValue, Lease, Metadata, Page, Put, TxnResult, Watch,
+                   WatchEvent, prefix_end)
 from .memory import MemoryMetadata
 
 
@@ -48,5 +48,5 @@ def open_metadata(url: str, *, timeout: float = 5.0) -> Metadata:
     raise ValueError(f"unknown metadata URL {url!r}: use etcd://host:port, etcd+tls://host:port or memory://name")
 
 
-__all__ = ["MAX_TXN_OPS", "Compare", "Delete", "KeyValue", "Lease", "Metadata", "MemoryMetadata", "Put",
-           "TxnResult", "Watch", "WatchEvent", "open_metadata"]
+__all__ = ["MAX_TXN_OPS", "Compare", "Delete", "KeyValue", "Lease", "Metadata", "MemoryMetadata", "Page", "Put",
+           "TxnResult", "Watch", "WatchEvent", "open_metadata", "prefix_end"]

@@ -62,6 +62,17 @@ class Compare:
     value: int | bytes
 
 
+@dataclass(frozen=True, slots=True)
+class Page:
+    """One bounded range read at one revision: keys and values in key order."""
+
+    keys: list[bytes]
+    values: list[bytes]
+    more: bool  # keys past the last one remain in the range
+    count: int  # keys in the whole range at `revision`, this page included
+    revision: int
+
+
 @dataclass
 class TxnResult:
     succeeded: bool
@@ -136,6 +147,12 @@ class Metadata(abc.ABC):
         """Every key under `prefix`, and the revision of that snapshot."""
 
     @abc.abstractmethod
+    async def range_page(self, start: bytes, end: bytes, *, revision: int = 0, limit: int = 0,
+                         timeout: float | None = None) -> Page:
+        """Keys in [start, end) as of `revision` (0: now), at most `limit` (0: all). Raises WatchCompacted
+        when that revision is no longer readable."""
+
+    @abc.abstractmethod
     async def txn(self, compare: Sequence[Compare], success: Sequence[Put | Delete],
                   failure: Sequence[Put | Delete] = ()) -> TxnResult: ...
 
@@ -170,6 +187,12 @@ class Metadata(abc.ABC):
         for start in range(0, len(keys), chunk):
             revision = (await self.txn([], [Delete(as_key(k)) for k in keys[start : start + chunk]])).revision
         return revision
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The first key after every key that starts with `prefix` (etcd's range_end for a prefix)."""
+    stripped = prefix.rstrip(b"\xff")
+    return stripped[:-1] + bytes([stripped[-1] + 1]) if stripped else b"\0"
 
 
 def lease_id(lease: Lease | int) -> int:

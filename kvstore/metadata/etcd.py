@@ -19,7 +19,7 @@ from aetcd.utils import prefix_range_end
 
 from ..errors import (InvalidKey, LeaseExpired, MetadataError, MetadataTimeout, MetadataUnavailable, ValueTooLarge,
                       WatchCompacted)
-from .base import (Compare, Delete, KeyValue, Lease, Metadata, Put, TxnResult, Watch, WatchEvent, as_key,
+from .base import (Compare, Delete, KeyValue, Lease, Metadata, Page, Put, TxnResult, Watch, WatchEvent, as_key,
                    as_value, lease_id)
 
 PAGE = 10_000
@@ -32,6 +32,8 @@ def _translate(exc: BaseException) -> MetadataError:
     text = str(exc) or type(exc).__name__
     if isinstance(exc, aetcd_errors.RevisionCompactedError):
         return WatchCompacted(exc.compacted_revision)
+    if "required revision has been compacted" in text:  # a range at a pinned revision
+        return WatchCompacted(0)
     if isinstance(exc, (aetcd_errors.ConnectionTimeoutError, asyncio.TimeoutError)):
         return MetadataTimeout(f"etcd did not answer in time: {text}")
     if isinstance(exc, aetcd_errors.ConnectionFailedError):
@@ -180,6 +182,23 @@ class EtcdMetadata(Metadata):
             if not response.more or not response.kvs:
                 return out, revision
             start = response.kvs[-1].key + b"\0"
+
+    async def range_page(self, start: bytes, end: bytes, *, revision: int = 0, limit: int = 0,
+                         timeout: float | None = None) -> Page:
+        timeout = self.timeout if timeout is None else timeout
+        await self._call(self._client.connect())
+        # At a pinned revision any member that has applied it can answer: no consensus round trip.
+        request = rpc.RangeRequest(key=as_key(start), range_end=end, limit=limit, revision=revision,
+                                   serializable=revision > 0)
+        try:
+            response = await asyncio.wait_for(
+                self._client.kvstub.Range(request, timeout=timeout, metadata=self._client.metadata), timeout + 1)
+        except (aetcd_errors.ClientError, rpc.AioRpcError, asyncio.TimeoutError) as exc:
+            raise _translate(exc) from exc
+        kvs = response.kvs
+        # Two flat lists: about half the cost of one KeyValue object per key at a million keys.
+        return Page([kv.key for kv in kvs], [kv.value for kv in kvs], response.more, response.count,
+                    revision or response.header.revision)
 
     async def txn(self, compare: Sequence[Compare], success: Sequence[Put | Delete],
                   failure: Sequence[Put | Delete] = ()) -> TxnResult:

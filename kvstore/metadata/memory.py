@@ -12,7 +12,7 @@ from collections import deque
 from typing import AsyncIterator, Sequence
 
 from ..errors import LeaseExpired, MetadataUnavailable, WatchCompacted
-from .base import (Compare, Delete, KeyValue, Lease, Metadata, Put, TxnResult, Watch, WatchEvent, as_key,
+from .base import (Compare, Delete, KeyValue, Lease, Metadata, Page, Put, TxnResult, Watch, WatchEvent, as_key,
                    as_value, compare_holds, lease_id)
 
 HISTORY = 200_000  # events kept for watches that start in the past
@@ -28,6 +28,8 @@ class _State:
         self.revision = 0
         self.compacted = 0
         self.history: deque[WatchEvent] = deque(maxlen=HISTORY)
+        # (revision, key, value before it): enough MVCC to read a range as of a recent revision
+        self.undo: deque[tuple[int, bytes, KeyValue | None]] = deque(maxlen=HISTORY)
         self.leases: dict[int, tuple[int, float, set[bytes]]] = {}  # id -> (ttl, deadline, keys)
         self.lease_ids = itertools.count(0x1000)
         self.watchers: set["_MemoryWatch"] = set()
@@ -53,6 +55,8 @@ class _State:
             self.revision += 1
         for op in ops:
             old = self.data.get(op.key)
+            if isinstance(op, Put) or old is not None:
+                self.undo.append((self.revision, op.key, old))
             if old is not None and old.lease and old.lease in self.leases:
                 self.leases[old.lease][2].discard(op.key)
             if isinstance(op, Put):
@@ -161,6 +165,26 @@ class MemoryMetadata(Metadata):
                 out.append(state.data[key])
             return out, state.revision
 
+    async def range_page(self, start: bytes, end: bytes, *, revision: int = 0, limit: int = 0,
+                         timeout: float | None = None) -> Page:
+        state = self._check()
+        start = as_key(start)
+        with state.lock:
+            at = revision or state.revision
+            if at > state.revision:
+                raise MetadataUnavailable(f"revision {at} is in the future (now {state.revision})")
+            if at < state.revision and at <= state.compacted:
+                raise WatchCompacted(state.compacted)
+            older = _values_at(state, at, start, end)
+            lo = bisect.bisect_left(state.sorted_keys, start)
+            hi = len(state.sorted_keys) if end == b"\0" else bisect.bisect_left(state.sorted_keys, end, lo)
+            pairs = [(k, state.data[k].value) for k in state.sorted_keys[lo:hi] if k not in older]
+            if older:
+                pairs += [(k, kv.value) for k, kv in older.items() if kv is not None]
+                pairs.sort()
+        shown = pairs[:limit] if limit else pairs
+        return Page([k for k, _ in shown], [v for _, v in shown], len(shown) < len(pairs), len(pairs), at)
+
     async def txn(self, compare: Sequence[Compare], success: Sequence[Put | Delete],
                   failure: Sequence[Put | Delete] = ()) -> TxnResult:
         state = self._check()
@@ -206,6 +230,19 @@ class MemoryMetadata(Metadata):
 
     async def close(self) -> None:
         self._closed = True
+
+
+def _values_at(state: _State, revision: int, start: bytes, end: bytes) -> dict[bytes, KeyValue | None]:
+    """Keys in [start, end) changed after `revision`, with their value then (None: absent)."""
+    older: dict[bytes, KeyValue | None] = {}
+    for changed, key, before in reversed(state.undo):  # newest first: the last write wins is the oldest
+        if changed <= revision:
+            return older
+        if start <= key and (end == b"\0" or key < end):
+            older[key] = before
+    if len(state.undo) == state.undo.maxlen:  # entries after `revision` may have been dropped
+        raise WatchCompacted(revision)
+    return older
 
 
 def _normalise(ops: Sequence[Put | Delete]) -> list[Put | Delete]:

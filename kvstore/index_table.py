@@ -1,0 +1,203 @@
+"""One fingerprint's blocks in the index mirror: records by hash (a dict, for lookups) and a flat
+numpy hash index of placement ids (for match()).
+
+A dict lookup per block costs a chain of dependent cache and TLB misses once the table holds a
+million blocks (about 120 ns each here), so a 4,096-block match took 0.5 ms. The index instead
+answers a whole prompt with one vectorised gather per level, whose misses overlap.
+
+The index has two levels of single-slot tables (level 0 addressed by the hash's first 8 bytes,
+level 1, half the size, by its last 8) and a small overflow dict: a block lives in the first
+level whose slot was free when it arrived (about 80 %, then 19 %, then 1 %). There are no probe
+chains, so a removal just clears the slot.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import numpy as np
+
+from .keys import HASH_BYTES
+
+_ROW = np.dtype([("k0", "<u8"), ("k1", "<u8"), ("pid", "<i4")])  # packed: 20 bytes a slot
+EMPTY = -1
+NO_IDS = np.zeros(0, np.int32)
+_MIN_SLOTS = 1024
+_GROW_AT = 0.75  # level-0 load factor that triggers a rehash to twice the entries
+
+
+def _level(slots: int) -> np.ndarray:
+    rows = np.zeros(slots, _ROW)
+    rows["pid"] = EMPTY
+    return rows
+
+
+def _slots_for(count: int) -> int:
+    return max(_MIN_SLOTS, 1 << max(0, (2 * count - 1).bit_length()))
+
+
+def as_words(hashes: Sequence[bytes]) -> np.ndarray:
+    """16-byte hashes as an (n, 2) array of little-endian u64 (ValueError if one is not 16 bytes)."""
+    joined = b"".join(hashes)
+    if len(joined) != HASH_BYTES * len(hashes):
+        raise ValueError("block hashes are 16 bytes")
+    return np.frombuffer(joined, "<u8").reshape(-1, 2)
+
+
+class HashIndex:
+    """16-byte hash -> placement id (int32), see the module docstring. Not thread-safe by itself."""
+
+    def __init__(self, expected: int = 0) -> None:
+        self._resize(_slots_for(expected))
+        self.count = 0
+
+    def _resize(self, slots: int) -> None:
+        self.l0, self.l1 = _level(slots), _level(slots // 2)
+        self.m0, self.m1 = np.uint64(slots - 1), np.uint64(slots // 2 - 1)
+        self.overflow: dict[bytes, int] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self.l0.nbytes + self.l1.nbytes
+
+    # --- reads -----------------------------------------------------------------------------
+    def find(self, words: np.ndarray) -> np.ndarray:
+        """Placement id of each hash, EMPTY where absent (overflow not consulted)."""
+        q0, q1 = words[:, 0], words[:, 1]
+        rows = self.l0.take((q0 & self.m0).astype(np.intp))
+        pid = np.where((rows["k0"] == q0) & (rows["k1"] == q1), rows["pid"], EMPTY)
+        missing = np.flatnonzero(pid < 0)
+        if missing.size:
+            rows = self.l1.take((q1[missing] & self.m1).astype(np.intp))
+            hit = (rows["k0"] == q0[missing]) & (rows["k1"] == q1[missing])
+            pid[missing[hit]] = rows["pid"][hit]
+        return pid
+
+    def prefix(self, hashes: Sequence[bytes]) -> np.ndarray:
+        """Placement ids of the leading run of `hashes` that are all present."""
+        try:
+            words = as_words(hashes)
+        except ValueError:  # a hash of another length is never stored: match up to it
+            cut = next(i for i, h in enumerate(hashes) if len(h) != HASH_BYTES)
+            return self.prefix(hashes[:cut]) if cut else NO_IDS
+        pid = self.find(words)
+        for i in np.flatnonzero(pid < 0).tolist():
+            spilled = self.overflow.get(bytes(hashes[i])) if self.overflow else None
+            if spilled is None:
+                return pid[:i]
+            pid[i] = spilled
+        return pid
+
+    def _where(self, h: bytes) -> tuple[np.ndarray | None, int]:
+        k0, k1 = int.from_bytes(h[:8], "little"), int.from_bytes(h[8:], "little")
+        for level, mask, key in ((self.l0, self.m0, k0), (self.l1, self.m1, k1)):
+            slot = key & int(mask)
+            row = level[slot]
+            if int(row["pid"]) >= 0 and int(row["k0"]) == k0 and int(row["k1"]) == k1:
+                return level, slot
+        return None, -1
+
+    # --- writes ----------------------------------------------------------------------------
+    def set(self, h: bytes, pid: int) -> None:
+        """Insert or update one hash."""
+        level, slot = self._where(h)
+        if level is not None:
+            level["pid"][slot] = pid
+            return
+        if h in self.overflow:
+            self.overflow[h] = pid
+            return
+        k0, k1 = int.from_bytes(h[:8], "little"), int.from_bytes(h[8:], "little")
+        for level, mask, key in ((self.l0, self.m0, k0), (self.l1, self.m1, k1)):
+            slot = key & int(mask)
+            if int(level["pid"][slot]) < 0:
+                level[slot] = (k0, k1, pid)
+                break
+        else:
+            self.overflow[h] = pid
+        self.count += 1
+        self._maybe_grow()
+
+    def remove(self, h: bytes) -> bool:
+        level, slot = self._where(h)
+        if level is not None:
+            level[slot] = (0, 0, EMPTY)
+        elif self.overflow.pop(h, None) is None:
+            return False
+        self.count -= 1
+        return True
+
+    def add(self, words: np.ndarray, pids: np.ndarray) -> None:
+        """Insert hashes known to be distinct and absent, in bulk."""
+        self.reserve(self.count + len(words))
+        left = np.arange(len(words))
+        for level, mask, column in ((self.l0, self.m0, 0), (self.l1, self.m1, 1)):
+            slots = (words[left, column] & mask).astype(np.intp)
+            free = np.flatnonzero(level["pid"][slots] < 0)
+            taken, first = np.unique(slots[free], return_index=True)  # one winner per slot
+            winners = left[free[first]]
+            level["k0"][taken], level["k1"][taken] = words[winners, 0], words[winners, 1]
+            level["pid"][taken] = pids[winners]  # last: a slot is live only once its key is in place
+            placed = np.zeros(len(left), bool)
+            placed[free[first]] = True
+            left = left[~placed]
+        for i in left.tolist():
+            self.overflow[words[i].tobytes()] = int(pids[i])
+        self.count += len(words)
+
+    def reserve(self, count: int) -> None:
+        """Make room for `count` entries without a rehash on the way."""
+        if count > _GROW_AT * len(self.l0):
+            self._rehash(_slots_for(count))
+
+    def _maybe_grow(self) -> None:
+        if self.count > _GROW_AT * len(self.l0):
+            self._rehash(_slots_for(self.count))
+
+    def _rehash(self, slots: int) -> None:
+        live = [level[level["pid"] >= 0] for level in (self.l0, self.l1)]
+        spilled = list(self.overflow.items())
+        words = np.concatenate([np.stack([rows["k0"], rows["k1"]], 1) for rows in live]
+                               + [np.frombuffer(b"".join(h for h, _ in spilled), "<u8").reshape(-1, 2)])
+        pids = np.concatenate([rows["pid"] for rows in live] + [np.array([p for _, p in spilled], np.int32)])
+        self._resize(slots)
+        self.count = 0
+        self.add(np.ascontiguousarray(words), pids.astype(np.int32))
+
+
+class BlockTable:
+    """One fingerprint's blocks. `records` maps hash -> node-numbered record bytes (a tuple of them
+    when replicated) and is read without a lock; the index is read and written under `lock`."""
+
+    def __init__(self) -> None:
+        self.records: dict[bytes, bytes | tuple[bytes, ...]] = {}
+        self.index = HashIndex()
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def prefix(self, hashes: Sequence[bytes]) -> np.ndarray:
+        with self.lock:
+            return self.index.prefix(hashes)
+
+    def set(self, h: bytes, record: bytes | tuple[bytes, ...], pid: int) -> None:
+        with self.lock:
+            self.records[h] = record
+            self.index.set(h, pid)
+
+    def remove(self, h: bytes) -> None:
+        with self.lock:
+            self.index.remove(h)
+            self.records.pop(h, None)
+
+    def add(self, hashes: list[bytes], records: list[bytes], pids: np.ndarray) -> None:
+        """Bulk insert of distinct hashes not in the table yet."""
+        words = as_words(hashes)
+        with self.lock:
+            self.records.update(zip(hashes, records))
+            self.index.add(words, pids)
+
+    def reserve(self, count: int) -> None:
+        with self.lock:
+            self.index.reserve(count)
