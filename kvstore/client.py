@@ -50,7 +50,7 @@ STRIPE_BYTES = 512 << 10  # a 1 MiB block goes out as two 512 KiB pieces in para
 LOCAL_INLINE_MAX = 2 << 20  # same host: puts up to this many bytes carry them in the one request
 GRPC_INLINE_MAX = 256 << 10  # other hosts: puts up to this many bytes carry them in one gRPC Put
 USAGE_FRESH_S = 2.5  # a node's use from its last reply beats its published record (every 2 s) this long
-LOCAL_CONNECTIONS = 8  # pooled same-host connections per node
+LOCAL_CONNECTIONS = 32  # idle same-host connections kept per node (one per concurrent caller)
 DIRECT_ALIGN = 4096
 
 
@@ -573,7 +573,12 @@ class Client:
             tier = None
             if any(record.tier == "nvme" for _, record in wanted):
                 local = self._local(name)
-                tier = local.tier() if local is not None else None
+                try:
+                    tier = local.tier() if local is not None else None
+                except AuthenticationFailed:
+                    raise
+                except (OSError, ValueError, KVStoreError) as exc:  # the engine route still works
+                    log.debug("no tier fd from %s: %s", name, exc)
             rest = []
             for i, record in wanted:
                 if tier is not None and record.tier == "nvme" and record.region == tier.region:
