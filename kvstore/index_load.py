@@ -124,8 +124,8 @@ class _Loader:
 
 
 async def load_prefix(metadata: Metadata, prefix: bytes, revision: int, on_page: Callable[[Page], None], *,
-                      timeout: float, page: int = PAGE, parallel: int = PARALLEL) -> int:
+                      timeout: float, page: int | None = None, parallel: int | None = None) -> int:
     """Hand every key under `prefix` as of `revision` to `on_page`, a page at a time (pages come
     in no particular order, never overlap, and each is sorted); returns how many keys there were.
     Each request has its own timeout; the whole load has none."""
-    return await _Loader(metadata, prefix, revision, on_page, page, parallel, timeout).run()
+    return await _Loader(metadata, prefix, revision, on_page, page or PAGE, parallel or PARALLEL, timeout).run()
