@@ -32,6 +32,7 @@ from .metadata import Metadata, Page, WatchEvent, open_metadata, prefix_end
 
 log = logging.getLogger(__name__)
 _RECORD_BYTES = 26
+_SHORT = 48  # prompts up to this many blocks are matched with dict lookups
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +109,7 @@ class IndexMirror:
         self._node_tags: dict[bytes, bytes] = {}  # b"/<node>" (a key's tail) -> its u16 number
         self._placements: list[Placement] = []  # placement id -> placement; append-only
         self._placement_ids: dict[frozenset, int] = {}
+        self._spot_ids: dict[bytes, int] = {}  # a lone replica's record head (node, version, tier) -> id
         self._single = np.full(0, -1, np.int32)  # node * len(TIERS) + tier -> id of that lone replica
         self._revision = 0
         self._last_ok = float("-inf")
@@ -128,9 +130,11 @@ class IndexMirror:
         """Start following; wait (default `timeout`) for the first snapshot. A snapshot still
         loading by then is served as it fills (`loading`); no connection: MetadataUnavailable."""
         self._future = asyncio.run_coroutine_threadsafe(self._follow(), shared_loop())
-        if not self._synced.wait(self.timeout if wait is None else wait) and not self._begun.is_set():
+        deadline = time.monotonic() + (self.timeout if wait is None else wait)
+        if not self._begun.wait(max(0.0, deadline - time.monotonic())):
             self.stop()
             raise MetadataUnavailable(f"index mirror could not load a snapshot from {self.url}")
+        self._synced.wait(max(0.0, deadline - time.monotonic()))
         return self
 
     def wait_loaded(self, timeout: float) -> bool:
@@ -187,14 +191,29 @@ class IndexMirror:
     def match(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes]) -> Match:
         """How many leading `hashes` are cached anywhere, and where each of them is."""
         loading = self._loading
+        return Match(self._prefix_ids(fingerprint, hashes), self._placements, self.stale, loading)
+
+    def _prefix_ids(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes]) -> np.ndarray:
         table = self._snapshot.blocks.get(_fingerprint_id(fingerprint))
-        ids = table.prefix(hashes) if table is not None and hashes else NO_IDS
-        return Match(ids, self._placements, self.stale, loading)
+        if table is None or not hashes:
+            return NO_IDS
+        if len(hashes) <= _SHORT:  # a few dict lookups cost less than the vectorised calls
+            ids, get, spot = [], table.records.get, self._spot_ids.get
+            for h in hashes:
+                raw = get(h)
+                pid = None if raw is None or raw.__class__ is tuple else spot(raw[:4])
+                if pid is None:
+                    break
+                ids.append(pid)
+            else:
+                return np.array(ids, np.int32)
+            if raw is None:
+                return np.array(ids, np.int32)
+        return table.prefix(hashes)
 
     def node_prefix_lengths(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes]) -> dict[str, int]:
         """For each node, how many leading blocks it holds itself (the conductor's input)."""
-        table = self._snapshot.blocks.get(_fingerprint_id(fingerprint))
-        ids = table.prefix(hashes) if table is not None and hashes else NO_IDS
+        ids = self._prefix_ids(fingerprint, hashes)
         if not len(ids):
             return {}
         lengths: dict[str, int] = {}
@@ -260,6 +279,8 @@ class IndexMirror:
             locations = tuple(sorted((self._node_names[n], TIERS[t]) for n, t in spots))
             pid = self._placement_ids[spots] = len(self._placements)
             self._placements.append(Placement(locations, frozenset(n for n, _ in locations)))
+            if len(raws) == 1:
+                self._spot_ids[raws[0][:4]] = pid
         return pid
 
     def _apply(self, snap: _Snapshot, kind: str, key: bytes, value: bytes) -> None:

@@ -15,8 +15,8 @@ from typing import Callable
 from .errors import MetadataTimeout
 from .metadata import Metadata, Page, prefix_end
 
-PAGE = 4096  # keys a request returns at most (~0.5 MiB)
-PARALLEL = 4  # requests in flight
+PAGE = 8192  # keys a request returns at most (~1.1 MiB)
+PARALLEL = 8  # requests in flight: etcd serves them on several cores while we decode
 RETRIES = 3  # a page that times out is retried with twice the timeout
 _HEX = b"0123456789abcdef"
 
