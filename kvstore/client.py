@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 TOUCH_INTERVAL = 0.1  # seconds between hit reports to a node
 TOUCH_BACKLOG = 10_000  # hashes kept per node between reports
 STRIPE_BYTES = 512 << 10  # a 1 MiB block goes out as two 512 KiB pieces in parallel
-LOCAL_INLINE_MAX = 2 << 20  # same host: puts up to this many bytes carry them in the one request
+LOCAL_INLINE_MAX = 4 << 20  # same host: puts up to this many bytes carry them in the one request
 GRPC_INLINE_MAX = 256 << 10  # other hosts: puts up to this many bytes carry them in one gRPC Put
 USAGE_FRESH_S = 2.5  # a node's use from its last reply beats its published record (every 2 s) this long
 LOCAL_CONNECTIONS = 32  # idle same-host connections kept per node (one per concurrent caller)
@@ -489,11 +489,10 @@ class Client:
         for h, error, raw in zip(hashes, errors, records):
             if error or not raw:
                 continue
-            try:
-                record = BlockRecord.decode(bytes.fromhex(raw) if hex_records else raw)
+            try:  # read-your-writes: no wait for the watch (remember() checks the record)
+                self.mirror.remember(fp, h, name, bytes.fromhex(raw) if hex_records else bytes(raw))
             except (ValueError, KVStoreError):
                 continue
-            self.mirror.remember(fp, h, name, record)  # read-your-writes: no wait for the watch
         if failed:
             raise PutFailed(f"{name} refused {len(failed)} of {len(errors)} blocks: {failed[0]}")
         stored = reply.get("stored") if isinstance(reply, dict) else getattr(reply, "stored", None)

@@ -61,6 +61,7 @@ class DaemonConfig:
     low_watermark: float = 0.85
     metrics_port: int | None = None  # None: no HTTP endpoint; 0: any free port
     lease_ttl: int = 10
+    publish_window: float = 0.0  # seconds an index publish batch gathers before it goes (0: at once)
     timeout: float = 5.0
     promote: bool = True
     admin_token: str | None = None  # required by mutating admin calls when set
@@ -111,7 +112,7 @@ class Daemon:
             self.metrics_port = self.metrics.serve(c.metrics_port)
 
         self.publisher = Publisher(self._loop, self._apply, c.timeout * 3, self.store.counters,
-                                   self.metrics.publish_delay.observe)
+                                   self.metrics.publish_delay.observe, window=c.publish_window)
         self.metrics.publish_pending = lambda: self.publisher.pending
         # Same-host clients: puts in one round trip and the NVMe tier's fd over an authenticated unix socket.
         self.local = LocalControl(f"kvstore-local-{uuid.uuid4().hex}", secret, c.node, self.store, self.publish,
