@@ -55,6 +55,9 @@ class HashIndex:
         self.l0, self.l1 = _level(slots), _level(slots // 2)
         self.m0, self.m1 = np.uint64(slots - 1), np.uint64(slots // 2 - 1)
         self.overflow: dict[bytes, int] = {}
+        # (k0, k1, pid) field views and mask per level, for one-key work with Python ints
+        self._fields = [(lv["k0"], lv["k1"], lv["pid"], int(m), by_k1)
+                        for lv, m, by_k1 in ((self.l0, self.m0, False), (self.l1, self.m1, True))]
 
     @property
     def nbytes(self) -> int:
@@ -88,30 +91,29 @@ class HashIndex:
             pid[i] = spilled
         return pid
 
-    def _where(self, h: bytes) -> tuple[np.ndarray | None, int]:
-        k0, k1 = int.from_bytes(h[:8], "little"), int.from_bytes(h[8:], "little")
-        for level, mask, key in ((self.l0, self.m0, k0), (self.l1, self.m1, k1)):
-            slot = key & int(mask)
-            row = level[slot]
-            if int(row["pid"]) >= 0 and int(row["k0"]) == k0 and int(row["k1"]) == k1:
-                return level, slot
-        return None, -1
+    def _where(self, k0: int, k1: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
+        for keys0, keys1, pids, mask, by_k1 in self._fields:
+            slot = (k1 if by_k1 else k0) & mask
+            if pids.item(slot) >= 0 and keys0.item(slot) == k0 and keys1.item(slot) == k1:
+                return keys0, keys1, pids, slot
+        return None
 
     # --- writes ----------------------------------------------------------------------------
     def set(self, h: bytes, pid: int) -> None:
         """Insert or update one hash."""
-        level, slot = self._where(h)
-        if level is not None:
-            level["pid"][slot] = pid
+        k0, k1 = int.from_bytes(h[:8], "little"), int.from_bytes(h[8:], "little")
+        found = self._where(k0, k1)
+        if found is not None:
+            found[2][found[3]] = pid
             return
         if h in self.overflow:
             self.overflow[h] = pid
             return
-        k0, k1 = int.from_bytes(h[:8], "little"), int.from_bytes(h[8:], "little")
-        for level, mask, key in ((self.l0, self.m0, k0), (self.l1, self.m1, k1)):
-            slot = key & int(mask)
-            if int(level["pid"][slot]) < 0:
-                level[slot] = (k0, k1, pid)
+        for keys0, keys1, pids, mask, by_k1 in self._fields:
+            slot = (k1 if by_k1 else k0) & mask
+            if pids.item(slot) < 0:
+                keys0[slot], keys1[slot] = k0, k1
+                pids[slot] = pid  # last: a slot is live only once its key is in place
                 break
         else:
             self.overflow[h] = pid
@@ -119,9 +121,11 @@ class HashIndex:
         self._maybe_grow()
 
     def remove(self, h: bytes) -> bool:
-        level, slot = self._where(h)
-        if level is not None:
-            level[slot] = (0, 0, EMPTY)
+        found = self._where(int.from_bytes(h[:8], "little"), int.from_bytes(h[8:], "little"))
+        if found is not None:
+            keys0, keys1, pids, slot = found
+            pids[slot] = EMPTY  # first: the slot is dead before its key goes
+            keys0[slot] = keys1[slot] = 0
         elif self.overflow.pop(h, None) is None:
             return False
         self.count -= 1
