@@ -110,9 +110,10 @@ async def one_request(session, url: str, model: str, prompt: str, max_tokens: in
         async with session.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=600)) as resp:
             if resp.status != 200:
                 return {"error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
-            buf = b""
+            buf, head = b"", b""
             async for chunk in resp.content.iter_any():
                 buf += chunk
+                head = head if len(head) >= 300 else (head + chunk)[:300]
                 *events, buf = buf.split(b"\n\n")
                 for event in events:
                     data = event.strip()[5:].strip()
@@ -121,12 +122,12 @@ async def one_request(session, url: str, model: str, prompt: str, max_tokens: in
                     parsed = json.loads(data)
                     if "error" in parsed:
                         return {"error": str(parsed["error"])[:200]}
-                    if any(c.get("text") for c in parsed.get("choices", ())):
+                    if any("text" in c for c in parsed.get("choices", ())):  # a token, maybe no text
                         times.append(time.perf_counter())
     except Exception as exc:  # counted as an error of this router
         return {"error": f"{type(exc).__name__}: {exc}"}
     if not times:
-        return {"error": "no tokens"}
+        return {"error": f"no tokens: {head!r}"}
     ttft = (times[0] - start) * 1e3
     tpot = (times[-1] - times[0]) * 1e3 / (len(times) - 1) if len(times) > 1 else None
     return {"ttft_ms": ttft, "tpot_ms": tpot}

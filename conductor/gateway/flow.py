@@ -84,7 +84,8 @@ async def run_prefill(session: aiohttp.ClientSession, engine: Engine, kind: str,
 
 
 def _has_token(event: bytes) -> bool:
-    """Does one SSE event carry generated text, a finish, or the end? (chat opens with a role-only delta)"""
+    """Does one SSE event carry a generated token, a finish, or the end? A token's text may be empty
+    (a special token, a partial character); chat opens with a role-only delta, which is no token."""
     data = event.strip()
     if not data.startswith(b"data:"):
         return False
@@ -96,8 +97,9 @@ def _has_token(event: bytes) -> bool:
     except ValueError:
         return True  # not ours to judge: pass it on
     for choice in chunk.get("choices") or ():
-        if choice.get("text") or choice.get("finish_reason") or (choice.get("delta") or {}).get("content") \
-                or (choice.get("delta") or {}).get("tool_calls"):
+        delta = choice.get("delta") or {}
+        if "text" in choice or choice.get("finish_reason") or delta.get("tool_calls") \
+                or ("content" in delta and "role" not in delta):
             return True
     return "error" in chunk
 

@@ -231,3 +231,17 @@ async def test_kv_events_over_zmq_feed_routing(engine_binds):
     finally:
         task.cancel()
         pub.close(linger=0)
+
+
+def test_a_token_with_empty_text_counts_as_the_first_token():
+    """vLLM streams one chunk per token even when its text is empty (a special token, half a
+    character): that is the first token; chat's opening role-only delta is not."""
+    from conductor.gateway.flow import _has_token
+
+    def event(choice: dict) -> bytes:
+        return b"data: " + json.dumps({"choices": [choice]}).encode()
+
+    assert _has_token(event({"index": 0, "text": "", "finish_reason": None}))
+    assert _has_token(event({"index": 0, "delta": {"content": ""}}))
+    assert not _has_token(event({"index": 0, "delta": {"role": "assistant", "content": ""}}))
+    assert not _has_token(b": keep-alive")
