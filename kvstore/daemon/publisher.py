@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 
 
 class Publisher:
-    """See module docstring. `apply` publishes one batch (a coroutine on `loop`); `window` seconds
-    of gathering before each batch trade visibility delay for fewer transactions."""
+    """See module docstring. `apply` publishes one batch (a coroutine on `loop`); batches start at
+    least `window` seconds apart (a stream of puts gathers; an update after a quiet spell goes at once)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, apply: Callable[[list[Update]], Awaitable[None]],
                  timeout: float, counters: dict[str, float] | None = None,
@@ -45,6 +45,7 @@ class Publisher:
         self._scheduled = False  # a wake-up of the loop is on its way
         self._wake = asyncio.Event()
         self.window = window
+        self._last_batch = float("-inf")
         self._task = asyncio.run_coroutine_threadsafe(self._run(), loop)
 
     @property
@@ -82,8 +83,12 @@ class Publisher:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self.window > 0:  # gather a little: fewer, larger transactions under a stream of puts
-                await asyncio.sleep(self.window)
+            # At most one batch per window: an update after a quiet spell goes at once, a stream of
+            # them gathers into fewer, larger transactions (less work for etcd and every watcher).
+            gap = self._last_batch + self.window - time.monotonic()
+            if gap > 0:
+                await asyncio.sleep(gap)
+            self._last_batch = time.monotonic()
             with self._lock:
                 if self._stopped:
                     return

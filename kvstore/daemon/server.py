@@ -61,7 +61,7 @@ class DaemonConfig:
     low_watermark: float = 0.85
     metrics_port: int | None = None  # None: no HTTP endpoint; 0: any free port
     lease_ttl: int = 10
-    publish_window: float = 0.0  # seconds an index publish batch gathers before it goes (0: at once)
+    publish_window: float = 0.002  # index publish batches start at least this far apart (seconds)
     timeout: float = 5.0
     promote: bool = True
     admin_token: str | None = None  # required by mutating admin calls when set
