@@ -203,7 +203,7 @@ def run_mode(mode: str, work: Workload, model: str, etcd: str, cluster: str, sec
             e.wait_ready(600)
         urls = [e.url for e in engines]
         prefill, decode = (urls[:2], urls[2:]) if mode == "pd" else ([], urls)
-        for kind in routers:
+        for kind in routers:  # (main() rotates the order between modes: no router always goes first)
             print(f"  {mode:<10} {kind:<12} ...", flush=True)
             proc, url = start_router(kind, mode, prefill, decode, model, etcd, cluster, tmp / f"{mode}-{kind}.log")
             try:
@@ -230,6 +230,8 @@ def run_mode(mode: str, work: Workload, model: str, etcd: str, cluster: str, sec
                       "tpot_p50_ms": percentile([r["tpot_ms"] for r in ok if r["tpot_ms"] is not None], 0.5),
                       "prefix_hit_ratio": max(0.0, 1.0 - redone / client_tokens),
                       "prompt_tokens": client_tokens, "recomputed_tokens": redone,
+                      "engine_requests": [a.get("vllm:request_success_total", 0.0) -
+                                          b.get("vllm:request_success_total", 0.0) for b, a in zip(before, after)],
                       "error_samples": errors[:3]}
             if gateway:
                 record["gateway_overhead_p50_ms"] = gateway.get("conductor_gateway_overhead_p50_seconds", 0.0) * 1e3
@@ -276,9 +278,10 @@ def main(argv: list[str] | None = None) -> int:
                                   stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
         daemon.stdout.readline()
         try:
-            for mode in args.modes.split(","):
-                records += run_mode(mode, work, model, etcd.url, cluster, secret, args.routers.split(","), tmp,
-                                    str(time.time()))
+            routers = args.routers.split(",")
+            for i, mode in enumerate(args.modes.split(",")):
+                order = routers[i % len(routers):] + routers[:i % len(routers)]
+                records += run_mode(mode, work, model, etcd.url, cluster, secret, order, tmp, str(time.time()))
         finally:
             daemon.terminate()
             daemon.wait(15)
