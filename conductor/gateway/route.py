@@ -63,7 +63,11 @@ class Router:
             decode = min(decodes, key=lambda e: (e.inflight + e.running, e.url))
             # What the decode engine would not have to compute: its own cache, or the store's blocks.
             reusable = max(store, min(self.tracker.prefix_blocks(decode.url, hashes) * self.block_tokens, prompt_tokens))
-            local = prompt_tokens - reusable < self.local_prefill_tokens
+            uncached = prompt_tokens - reusable
+            # Conditional disaggregation: a short tail prefills on the decode engine, unless its own
+            # queue makes that slower than the hand-off (one decode engine must not absorb them all).
+            local = uncached < self.local_prefill_tokens and \
+                self.queue_ms(decode) + self.cost.prefill_ms(uncached, prompt_tokens) <= choice.predicted_ttft_ms
         else:
             decode, local = picked, True
         tbt = self.cost.decode_step_ms(decode.running + decode.inflight + 1, 0)

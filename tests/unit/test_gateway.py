@@ -51,6 +51,15 @@ async def test_short_uncached_prompt_skips_disaggregation():
         assert status == 200 and len(p.requests) == 1  # a long one is disaggregated
 
 
+async def test_short_prompt_is_disaggregated_when_the_decode_engine_is_queued():
+    p, d = FakeEngine("p0"), FakeEngine("d0")
+    d.waiting = 8  # eight requests queued at the decode engine (its /metrics)
+    async with Rig([p], [d], local_prefill_tokens=64) as rig:
+        await asyncio.sleep(0.3)  # a load scrape
+        status, _ = await rig.post("/v1/completions", completion(list(range(20))))
+        assert status == 200 and len(p.requests) == 1 and "kv_transfer_params" in d.requests[0]
+
+
 async def test_shared_prefix_goes_where_it_was_prefilled():
     engines = [FakeEngine(f"p{i}") for i in range(3)]
     async with Rig(engines, [FakeEngine("d0")]) as rig:
