@@ -185,7 +185,7 @@ def bench_nvme(etcd: EtcdServer, args: argparse.Namespace, out: list[Record]) ->
                 on_nvme = [h for h in hashes if remote.mirror.lookup(fp, h)["bench-nvme"].tier == "nvme"][:BATCH]
                 outs = [aligned_zeros(block) for _ in on_nvme]
                 # The disk's speed drifts with other work: dd reads the extents these blocks occupy
-                # (written data, not the tier's never-written rest) right before and after our gets.
+                # (written data, not the tier's never-written rest) before, between and after our gets.
                 records = [remote.mirror.lookup(fp, h)["bench-nvme"] for h in on_nvme]
                 start = min(r.offset for r in records) // MIB * MIB
                 span = (max(r.offset + r.size for r in records) - start + MIB - 1) // MIB * MIB
@@ -199,10 +199,10 @@ def bench_nvme(etcd: EtcdServer, args: argparse.Namespace, out: list[Record]) ->
                     record(out, "kvstore", path, "get", block, len(on_nvme),
                            timed(get, reps_for(block, BATCH, args.quick)))
                     assert all(np.array_equal(o, data[hashes.index(h)]) for o, h in zip(outs, on_nvme))
-                dd.append(dd_direct_read(tier, span, start))
-                baseline[f"dd_direct_read_gbps_{block // MIB}M"] = statistics.mean(dd)
-                print(f"  dd iflag=direct bs=1M over the same {span // MIB} MiB of the tier file: "
-                      f"{dd[0]:.2f} before, {dd[1]:.2f} GB/s after", flush=True)
+                    dd.append(dd_direct_read(tier, span, start))
+                baseline[f"dd_direct_read_gbps_{block // MIB}M"] = statistics.median(dd)
+                print(f"  dd iflag=direct bs=1M over the same {span // MIB} MiB of the tier file, before, between "
+                      f"and after our gets: {', '.join(f'{v:.2f}' for v in dd)} GB/s", flush=True)
                 if not client.stats["nvme_fd_reads"]:
                     raise RuntimeError("same-host NVMe gets did not use the tier fd")
                 client.remove(hashes, fingerprint=fp)
