@@ -55,7 +55,7 @@ def test_second_engine_loads_the_first_ones_prefix(model, store_cluster):
     with Client(store_cluster["metadata"], cluster=store_cluster["cluster"]) as client:
         assert client.mirror.wait_until(lambda m: m.block_count == 2, 10)
         (fp,) = {key for key in client.mirror._snapshot.blocks}
-        hashes = list(client.mirror._snapshot.blocks[fp])
+        hashes = list(client.mirror._snapshot.blocks[fp].records)
         sizes = [next(iter(client.mirror.lookup(fp, h).values())).size for h in hashes]
         client.remove(hashes, fingerprint=fp)
         assert client.mirror.wait_until(lambda m: m.block_count == 0, 10)
