@@ -199,7 +199,9 @@ class Gateway:
         self.metrics.routes.labels("pd" if route.prefill else "colocated").inc()
         self.metrics.prompt_tokens.inc(prompt_tokens)
         self.metrics.cached_tokens.inc(route.cached_tokens)
-        return await self._decode(request, kind, body, route, kv_params, hashes, timing)
+        # A colocated request prefills at its decode engine: that engine's queue until the first token.
+        local = 0 if route.prefill else max(0, prompt_tokens - route.cached_tokens)
+        return await self._decode(request, kind, body, route, kv_params, hashes, timing, local)
 
     async def _prefill(self, kind: str, body: dict, route: Route, hashes: list[bytes], prompt_tokens: int,
                        output_tokens: int, session: str | None, disaggregate: bool,
@@ -232,20 +234,22 @@ class Gateway:
             self.router.store_enabled = False
 
     async def _decode(self, request: web.Request, kind: str, body: dict, route: Route, kv_params: dict | None,
-                      hashes: list[bytes], timing: Timing) -> web.StreamResponse:
+                      hashes: list[bytes], timing: Timing, local_tokens: int = 0) -> web.StreamResponse:
         engine = route.decode
         tried: set[str] = set()
         for attempt in (0, 1):
-            engine.inflight += 1
+            current = engine  # (a retry picks another engine; the counts stay with this one)
+            current.inflight += 1
+            current.inflight_tokens += local_tokens
             try:
                 try:
-                    resp, first = await open_decode(self.session, engine, kind, body, kv_params,
+                    resp, first = await open_decode(self.session, current, kind, body, kv_params,
                                                     self.config.prefill_timeout_s, self.config.decode_timeout_s,
                                                     timing)
                 except UpstreamFailed as exc:
                     self.metrics.upstream_failures.labels("decode").inc()
-                    engine.fail(str(exc))
-                    tried.add(engine.url)
+                    current.fail(str(exc))
+                    tried.add(current.url)
                     others = [e for e in self.pool.role("decode") if e.url not in tried]
                     if attempt or not others:
                         raise ApiError(502, f"decode failed: {exc}", code="upstream_failed") from exc
@@ -253,11 +257,13 @@ class Gateway:
                     self.metrics.retries.labels("decode").inc()
                     engine = min(others, key=lambda e: (e.inflight + e.running, e.url))
                     continue
+                finally:
+                    current.inflight_tokens -= local_tokens
                 if route.prefill is None:
-                    self.tracker.add(engine.url, hashes)
-                return await self._answer(request, body, resp, first, engine, timing)
+                    self.tracker.add(current.url, hashes)
+                return await self._answer(request, body, resp, first, current, timing)
             finally:
-                engine.inflight -= 1
+                current.inflight -= 1
         raise AssertionError("unreachable")
 
     async def _answer(self, request: web.Request, body: dict, resp: aiohttp.ClientResponse, first: bytes,

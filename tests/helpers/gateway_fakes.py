@@ -23,6 +23,7 @@ class FakeEngine:
     die_after_chunks: int | None = None  # streaming: drop the connection after this many events
     healthy: bool = True
     stream_delay: float = 0.0
+    first_token_delay: float = 0.0  # a prefill's time before any answer
     requests: list[dict] = field(default_factory=list)
     cancelled: int = 0
     url: str = ""
@@ -62,6 +63,7 @@ class FakeEngine:
                 await asyncio.sleep(3600)
             if self.fail_status:
                 return web.json_response({"error": {"message": "boom", "type": "internal"}}, status=self.fail_status)
+            await asyncio.sleep(self.first_token_delay)
             text = f"from-{self.name}"
             params = {"kvstore": {"fingerprint": "f", "num_blocks": 1, "by": self.name}} \
                 if (body.get("kv_transfer_params") or {}).get("do_remote_decode") else None

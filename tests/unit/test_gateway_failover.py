@@ -138,3 +138,23 @@ async def test_timeouts_bound_every_engine_call():
         started = asyncio.get_running_loop().time()
         status, body = await rig.post("/v1/completions", completion("x"))
         assert status == 502 and asyncio.get_running_loop().time() - started < 5
+
+
+async def test_colocated_prefills_in_flight_count_as_their_engines_queue():
+    """Two new prompts at once: the second goes to the idle engine, not behind the first one."""
+    engines = [FakeEngine("d0", first_token_delay=0.5), FakeEngine("d1", first_token_delay=0.5)]
+    async with Rig([], engines) as rig:
+        first = asyncio.create_task(rig.post("/v1/completions", completion(list(range(400)))))
+        await asyncio.sleep(0.1)
+        second = await rig.post("/v1/completions", completion(list(range(1000, 1400))))
+        assert second[0] == 200 and (await first)[0] == 200
+        assert [len(e.requests) for e in engines] == [1, 1]
+        assert [(e.inflight, e.inflight_tokens) for e in rig.gateway.pool.engines] == [(0, 0), (0, 0)]
+
+
+async def test_a_decode_retried_elsewhere_leaves_no_load_behind():
+    engines = [FakeEngine("d0", fail_status=500), FakeEngine("d1")]
+    async with Rig([], engines) as rig:
+        status, _ = await rig.post("/v1/completions", completion(list(range(50))))
+        assert status == 200 and len(engines[1].requests) == 1
+        assert [(e.inflight, e.inflight_tokens) for e in rig.gateway.pool.engines] == [(0, 0), (0, 0)]
