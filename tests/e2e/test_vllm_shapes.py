@@ -247,11 +247,25 @@ def test_saved_blocks_are_announced_as_kv_events_and_prometheus_series(model):
     from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
     h = Harness(model)
+    connector = h.scheduler.connector
+    events: list = []
+    take_events = connector.take_events
+
+    def recording_take_events():  # vLLM's Scheduler takes them too, each step: keep every batch
+        taken = list(take_events())
+        events.extend(taken)
+        return taken
+
+    connector.take_events = recording_take_events
     prompt = list(range(17, 17 + 2 * BLOCK + 1))
     h.add("r1", prompt)
     h.run_until_empty()
-    events = list(h.scheduler.connector.take_events())
-    stored = [e for e in events if type(e).__name__ == "BlockStored"]
+    deadline = time.monotonic() + 5  # a block is announced once the index shows it
+    stored: list = []
+    while len(stored) < 2 and time.monotonic() < deadline:
+        connector.take_events()
+        stored = [e for e in events if type(e).__name__ == "BlockStored"]
+        time.sleep(0.01)
     keys = request_hashes(h.fingerprint, SimpleNamespace(prompt_token_ids=prompt, cache_salt=None, lora_request=None,
                                                          mm_features=None, prompt_embeds=None))
     assert [e.block_hashes[0] for e in stored] == keys[:2]
