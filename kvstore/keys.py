@@ -137,6 +137,22 @@ def chain_hashes(fingerprint: ModelFingerprint, tokens: Sequence[int] | np.ndarr
     return out
 
 
+TAIL_SEED = 0x7461696C  # a partial block's hash is a different function: it never equals a full block's
+
+
+def tail_hash(fingerprint: ModelFingerprint, tail: Sequence[int] | np.ndarray, previous: BlockHash | None = None,
+              extra: bytes | None = None) -> BlockHash:
+    """Hash of a partial block (1 to block_size - 1 tokens) behind `previous`, the hash of the full
+    block before it (None: the chain's start). Found only behind exactly the same prefix."""
+    data = token_array(tail).tobytes()
+    if not 0 < len(data) < fingerprint.block_size * 4:
+        raise InvalidTokens(f"a partial block holds 1 to {fingerprint.block_size - 1} tokens, not {len(data) // 4}")
+    if extra:
+        data += b"\xffEXTRA" + len(extra).to_bytes(8, "little") + extra
+    start = fingerprint.root_hash() if previous is None else previous
+    return xxhash.xxh3_128_digest(start + len(data).to_bytes(8, "little") + data, seed=TAIL_SEED)
+
+
 def external_hashes(ids: Iterable[int | bytes | str], fingerprint: ModelFingerprint | None = None) -> list[BlockHash]:
     """Block hashes from a chain computed elsewhere (Mooncake trace `hash_ids`, vLLM block hashes).
 

@@ -17,7 +17,7 @@ from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BLOCK = 128  # vLLM's CPU block size
-SHARED = list(range(3, 3 + 2 * BLOCK + 40))  # a 296-token shared prefix: 2 full blocks
+SHARED = list(range(3, 3 + 2 * BLOCK + 40))  # a 296-token shared prefix: 2 full blocks and 40 tokens
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +45,16 @@ def test_second_engine_loads_the_first_ones_prefix(model, store_cluster):
     baseline = run_engine({"model": model, "connector": None, "prompts": [prompt]})["results"][0]
     connector = {"role": "kv_both", "extra": store_cluster}
     first = run_engine({"model": model, "connector": connector, "prompts": [prompt]})
-    assert first["stats"]["saved_blocks"] == 2 and first["stats"]["loaded_blocks"] == 0
+    assert first["stats"]["saved_blocks"] == 3 and first["stats"]["loaded_blocks"] == 0  # 2 full + the partial one
     second = run_engine({"model": model, "connector": connector, "prompts": [prompt]})
-    assert second["stats"]["loaded_blocks"] == 2 and second["stats"]["hit_tokens"] == 2 * BLOCK
+    # Everything but the last token comes from the store, the partial block's 43 tokens included.
+    assert second["stats"]["loaded_blocks"] == 3 and second["stats"]["hit_tokens"] == len(prompt) - 1
     for run in (first, second):
         assert run["results"][0]["tokens"] == baseline["tokens"]
         assert run["results"][0]["logprob"] == pytest.approx(baseline["logprob"], abs=1e-4)
     # Overwrite the stored KV with other bytes: the output must change (the loaded KV is used).
     with Client(store_cluster["metadata"], cluster=store_cluster["cluster"]) as client:
-        assert client.mirror.wait_until(lambda m: m.block_count == 2, 10)
+        assert client.mirror.wait_until(lambda m: m.block_count == 3, 10)
         (fp,) = {key for key in client.mirror._snapshot.blocks}
         hashes = list(client.mirror._snapshot.blocks[fp].records)
         sizes = [next(iter(client.mirror.lookup(fp, h).values())).size for h in hashes]
@@ -62,26 +63,28 @@ def test_second_engine_loads_the_first_ones_prefix(model, store_cluster):
         rng = np.random.default_rng(0)
         client.put_many([(h, rng.standard_normal(s // 4).astype(np.float32)) for h, s in zip(hashes, sizes)],
                         fingerprint=fp)
-        assert client.mirror.wait_until(lambda m: m.block_count == 2, 10)
+        assert client.mirror.wait_until(lambda m: m.block_count == 3, 10)
     altered = run_engine({"model": model, "connector": connector, "prompts": [prompt]})
-    assert altered["stats"]["loaded_blocks"] == 2
+    assert altered["stats"]["loaded_blocks"] == 3
     assert altered["results"][0]["tokens"] != baseline["tokens"] or \
         altered["results"][0]["logprob"] != pytest.approx(baseline["logprob"], abs=1e-3)
 
 
 def test_prefill_decode_handoff(model, store_cluster):
-    prompt = SHARED + list(range(400, 500))  # 396 tokens (ids inside the 512-token vocabulary): 3 full blocks
+    prompt = SHARED + list(range(400, 500))  # 396 tokens (ids inside the 512-token vocabulary): 3 full blocks + 12
     baseline = run_engine({"model": model, "connector": None, "prompts": [prompt], "max_tokens": 12})["results"][0]
     prefill = run_engine({"model": model, "connector": {"role": "kv_producer", "extra": store_cluster},
                           "prompts": [prompt, prompt[:-1]], "max_tokens": 1,
                           "kv_transfer_params": [{"do_remote_decode": True}, None]})
     params = prefill["results"][0]["kv_transfer_params"]
-    assert params["kvstore"]["num_blocks"] == 3 and prefill["stats"]["saved_blocks"] == 3
+    assert params["kvstore"]["num_blocks"] == 3 and params["kvstore"]["num_tokens"] == len(prompt) - 1
+    assert prefill["stats"]["saved_blocks"] >= 4  # 3 full blocks and the partial one (+ the 2nd prompt's)
     assert params["kvstore"]["prompt_token_ids"] == prompt
     assert prefill["results"][1]["kv_transfer_params"] is None  # no remote decode asked: nothing promised
     decode = run_engine({"model": model, "connector": {"role": "kv_consumer", "extra": store_cluster},
                          "prompts": [prompt], "max_tokens": 12, "kv_transfer_params": [params]})
-    assert decode["stats"]["loaded_blocks"] == 3  # every full prompt block came from the prefill instance
+    # Every prompt block came from the prefill instance, the partial one too: decode computes one token.
+    assert decode["stats"]["loaded_blocks"] == 4 and decode["stats"]["hit_tokens"] == len(prompt) - 1
     assert decode["results"][0]["tokens"] == baseline["tokens"]
     assert decode["results"][0]["logprob"] == pytest.approx(baseline["logprob"], abs=1e-4)
     # A decode instance of another model refuses the hand-off and recomputes instead.

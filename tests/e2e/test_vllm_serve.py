@@ -80,7 +80,8 @@ def test_two_vllm_servers_share_a_prefix_through_the_store(deployment):
     computed = completion(first, "tiny", prompt, 8)
     before = counter(second.url, "vllm:kvstore_loaded_blocks_total")
     loaded = completion(second, "tiny", prompt, 8)
-    assert counter(second.url, "vllm:kvstore_loaded_blocks_total") - before == 2  # both full blocks came in
+    # Both full blocks and the partial one came in: the second server computed one prompt token.
+    assert counter(second.url, "vllm:kvstore_loaded_blocks_total") - before == 3
     assert loaded["choices"][0]["text"] == computed["choices"][0]["text"]
     assert loaded["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
         computed["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)
@@ -92,9 +93,10 @@ def test_prefill_and_decode_servers_hand_off_kv(deployment):
     first = completion(prefill, "tiny", prompt, 1, kv_transfer_params={"do_remote_decode": True})
     params = first["kv_transfer_params"]
     assert params["kvstore"]["prompt_token_ids"] == prompt and params["kvstore"]["num_blocks"] == 2
+    assert params["kvstore"]["num_tokens"] == len(prompt) - 1
     before = counter(decode.url, "vllm:kvstore_loaded_blocks_total")
     answer = completion(decode, "tiny", prompt, 10, kv_transfer_params=params)
-    assert counter(decode.url, "vllm:kvstore_loaded_blocks_total") - before == 2
+    assert counter(decode.url, "vllm:kvstore_loaded_blocks_total") - before == 3  # the partial block too
     # Co-located: computed from scratch (another cache salt: other keys, the same KV bytes).
     expected = completion(colocated, "tiny", prompt, 10, cache_salt="co-located baseline")
     assert answer["choices"][0]["text"] == expected["choices"][0]["text"]

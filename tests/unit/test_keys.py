@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvstore.errors import FingerprintMismatch, InvalidFingerprint, InvalidTokens
-from kvstore.keys import ModelFingerprint, chain_hashes, external_hashes
+from kvstore.keys import ModelFingerprint, chain_hashes, external_hashes, tail_hash
 
 FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64, tokenizer_id="bpe-512")
 
@@ -87,3 +87,20 @@ def test_external_chains_are_salted_by_fingerprint():
     assert external_hashes([0, 1], FP) != external_hashes([0, 1], other)
     assert external_hashes([0, 1], FP) == external_hashes([0, 1], FP)
     assert len(set(external_hashes(range(1000), FP))) == 1000
+
+
+def test_a_partial_block_is_keyed_behind_its_exact_prefix_and_never_as_a_full_block():
+    tokens = list(range(1000, 1000 + 2 * 16 + 5))
+    full = chain_hashes(FP, tokens)
+    tail = tail_hash(FP, tokens[32:], full[-1])
+    assert tail == tail_hash(FP, np.array(tokens[32:]), full[-1])  # deterministic, any sequence type
+    assert tail not in full and len(tail) == 16
+    assert tail != tail_hash(FP, tokens[32:-1], full[-1])  # one token fewer: another block
+    assert tail != tail_hash(FP, tokens[32:], full[0])  # another prefix: another block
+    assert tail != tail_hash(FP, tokens[32:], full[-1], extra=b"lora-7")  # extra keys count
+    assert tail_hash(FP, tokens[:5]) == tail_hash(FP, tokens[:5], None)  # a prompt shorter than a block
+    # 15 tokens + nothing vs a full block of 16 is never the same key, whatever the tokens.
+    assert tail_hash(FP, tokens[:15]) != chain_hashes(FP, tokens[:16])[0]
+    for bad in ([], tokens[:16]):
+        with pytest.raises(InvalidTokens):
+            tail_hash(FP, bad)

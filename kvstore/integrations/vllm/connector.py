@@ -1,7 +1,8 @@
 """KVStoreConnector: vLLM's KV-connector API (v1) over the kvstore cluster.
 
-Scheduler side: for a new request it asks the index mirror how many leading full blocks of the
-prompt every rank's store holds beyond what vLLM already has, and has them loaded: inside the step
+Scheduler side: for a new request it asks the index mirror how many leading blocks of the prompt
+every rank's store holds beyond what vLLM already has (full blocks, then the prompt's trailing
+partial block, saved once the prompt was computed), and has them loaded: inside the step
 when they are few, asynchronously otherwise and for P/D hand-offs (the request waits in
 WAITING_FOR_REMOTE_KVS while others run). It plans which newly computed prompt blocks to save. A
 prefill instance returns transfer parameters for successful prefills that asked for a remote
@@ -31,8 +32,8 @@ from ...keys import ModelFingerprint
 from .events import StoreEvents
 from .fingerprint import all_rank_fingerprints, fingerprint_from_vllm, required_layout, uses_mla
 from .kv_cache_io import KVCacheIO
-from .plan import RequestState, common_prefix, loadable_blocks
-from .request_keys import request_hashes
+from .plan import RequestState, common_prefix, loadable_blocks, loadable_tokens
+from .request_keys import request_keys
 from .stats import KVStoreConnectorStats, KVStorePromMetrics
 from .store import check_deployment, store_for
 from .writer import SaveBatch, SaveWriter
@@ -55,6 +56,7 @@ class KVStoreMetadata(KVConnectorMetadata):
     loads: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)  # asynchronous
     sync_loads: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)  # before this forward
     saves: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)
+    load_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens each load provides
     handoffs: set[str] = field(default_factory=set)  # saves a decode instance waits for
     remote_waits: dict[str, float] = field(default_factory=dict)  # P/D loads: seconds to wait for blocks
 
@@ -89,10 +91,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         # Loads of up to this many blocks run inside the step (no scheduler round trip); larger ones
         # and P/D hand-offs run asynchronously while other requests keep going.
         self.sync_load_blocks = int(extra.get("sync_load_blocks", 64))
+        # The prompt's trailing partial block is saved too, so the same prompt again (a retry, a P/D
+        # decode) recomputes one token instead of up to block_size - 1.
+        self.partial_blocks = bool(extra.get("partial_blocks", True))
         self._epoch = 0  # bumped by reset_cache: blocks saved before are never matched again
         # scheduler side
         self._requests: dict[str, RequestState] = {}
-        self._matched: dict[str, tuple[int, int, bool]] = {}
+        self._matched: dict[str, tuple[int, int, int, bool]] = {}  # computed tokens, blocks, tokens, async
+        self._load_tokens: dict[str, int] = {}
         self._loads: dict[str, list[tuple[int, bytes]]] = {}
         self._sync_loads: dict[str, list[tuple[int, bytes]]] = {}
         self._remote_waits: dict[str, float] = {}
@@ -161,8 +167,12 @@ class KVStoreConnector(KVConnectorBase_V1):
             if remote is not None and remote.get("prompt_token_ids") is not None:
                 # Hash exactly what the prefill hashed, as far as it agrees with this prompt.
                 tokens = common_prefix(prompt, list(remote["prompt_token_ids"]))
-            fingerprint = self._chain_fingerprint()
-            state = RequestState(request_hashes(fingerprint, request, tokens), len(prompt), tokens=prompt)
+            full, tail = request_keys(self._chain_fingerprint(), request, tokens)
+            # A partial block is only worth a key when it gives a token beyond the full blocks, and
+            # in P/D only when this prompt is exactly the one the prefill saved.
+            if not self.partial_blocks or tokens != prompt or len(prompt) % self.block_size < 2:
+                tail = None
+            state = RequestState(full, len(prompt), tokens=prompt, tail=tail)
             state.handoff = bool((getattr(request, "kv_transfer_params", None) or {}).get("do_remote_decode"))
             self._requests[request.request_id] = state
         return state
@@ -194,7 +204,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         state = self._state(request)  # also when loading is off: saves need the request's keys
         if not self.load_enabled or request.request_id in self._load_failed:
             return 0, False  # after a failed load, recompute rather than fail again
-        usable = min(loadable_blocks(state.prompt_tokens, self.block_size), len(state.hashes))
+        usable = state.load_blocks(self.block_size)
+        keys = state.keys
         remote = self._remote_params(request)
         if remote is not None:
             if remote.get("fingerprint") != self.fingerprint.digest:
@@ -202,21 +213,25 @@ class KVStoreConnector(KVConnectorBase_V1):
                                                     f"{remote.get('fingerprint')}, this engine is {self.fingerprint.digest}:"
                                                     " recomputing instead"))
                 return 0, False
-            # The producer promised these blocks; the worker waits on the index for any still in flight.
-            matched = min(int(remote.get("num_blocks", 0)), usable)
+            # The producer promised these tokens; the worker waits on the index for blocks still in flight.
+            promised = int(remote.get("num_tokens", int(remote.get("num_blocks", 0)) * self.block_size))
+            matched = min(-(-promised // self.block_size), usable)
+            matched_tokens = min(promised, matched * self.block_size)
             self._remote_waits[request.request_id] = self.remote_wait_s
         else:
-            stored = self._stored_prefix(state.hashes[:usable])
+            stored = self._stored_prefix(keys[:usable])
             if stored is None:
                 return 0, False  # an index we cannot confirm is no reason to wait on a load
-            self._events.check_missing(state.hashes[stored:usable])
+            self._events.check_missing(keys[stored:usable])
             matched = stored
-        external = matched * self.block_size - num_computed_tokens
+            matched_tokens = matched * self.block_size
+        matched_tokens = min(matched_tokens, loadable_tokens(state.prompt_tokens))
+        external = matched_tokens - num_computed_tokens
         if external <= 0:
             self._remote_waits.pop(request.request_id, None)
             return 0, False
         load_async = remote is not None or matched - num_computed_tokens // self.block_size > self.sync_load_blocks
-        self._matched[request.request_id] = (num_computed_tokens, matched, load_async)
+        self._matched[request.request_id] = (num_computed_tokens, matched, external, load_async)
         return external, load_async
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
@@ -231,7 +246,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if num_external_tokens <= 0 or request.request_id not in self._matched:
             return
-        computed, matched, load_async = self._matched.pop(request.request_id)
+        computed, matched, tokens, load_async = self._matched.pop(request.request_id)
         state = self._state(request)
         ids = list(blocks.get_block_ids()[0])
         first = computed // self.block_size
@@ -239,15 +254,17 @@ class KVStoreConnector(KVConnectorBase_V1):
             chosen = ids[first:matched]
         else:  # only the newly allocated ones
             chosen = ids[: matched - first]
-        plan = list(zip(chosen, state.hashes[first:matched]))
+        plan = list(zip(chosen, state.keys[first:matched]))
         (self._loads if load_async else self._sync_loads)[request.request_id] = plan
+        self._load_tokens[request.request_id] = tokens
         state.saved_blocks = max(state.saved_blocks, matched)  # loaded blocks need no saving
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         for req_id, plan in list(self._loads.items()) + list(self._sync_loads.items()):
             self._load_plans[req_id] = {block_id for block_id, _ in plan}
-        meta = KVStoreMetadata(loads=self._loads, sync_loads=self._sync_loads,
+        meta = KVStoreMetadata(loads=self._loads, sync_loads=self._sync_loads, load_tokens=self._load_tokens,
                                remote_waits={r: w for r, w in self._remote_waits.items() if r in self._loads})
+        self._load_tokens = {}
         self._loading.update(self._loads)
         for req_id in self._loads:
             self._remote_waits.pop(req_id, None)
@@ -292,16 +309,20 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         state = self._requests.pop(request.request_id, None)
-        for table in (self._matched, self._loads, self._sync_loads, self._remote_waits, self._load_plans):
+        for table in (self._matched, self._loads, self._sync_loads, self._remote_waits, self._load_plans,
+                      self._load_tokens):
             table.pop(request.request_id, None)
         self._load_failed.discard(request.request_id)
         # A load still writing into these blocks: vLLM must not reuse them until the worker says so.
         delay = request.request_id in self._loading
         params = None
         if state is not None and state.handoff and self.save_enabled and self._prefill_succeeded(request):
+            # num_blocks: full blocks (what earlier decoders read); num_tokens: the partial block's too.
             params = {PARAMS_KEY: {"fingerprint": self.fingerprint.digest, "prompt_token_ids": state.tokens,
                                    "num_blocks": min(loadable_blocks(state.prompt_tokens, self.block_size),
-                                                     len(state.hashes))}}
+                                                     len(state.hashes)),
+                                   "num_tokens": min(loadable_tokens(state.prompt_tokens),
+                                                     len(state.keys) * self.block_size)}}
         return delay, params
 
     @staticmethod
@@ -340,16 +361,19 @@ class KVStoreConnector(KVConnectorBase_V1):
         for req_id, blocks in meta.loads.items():
             with self._lock:
                 self._in_flight.add(req_id)
-            self._pool.submit(self._load, req_id, blocks, True, meta.remote_waits.get(req_id, 0.0))
+            self._pool.submit(self._load, req_id, blocks, meta.load_tokens.get(req_id), True,
+                              meta.remote_waits.get(req_id, 0.0))
         for req_id, blocks in meta.sync_loads.items():
-            self._load(req_id, blocks, report=False)  # failures surface in this step's load errors
+            # failures surface in this step's load errors
+            self._load(req_id, blocks, meta.load_tokens.get(req_id), report=False)
 
     def _wait_for_blocks(self, hashes: list[bytes], seconds: float) -> None:
         """P/D: block on the index mirror's watch until the producer's blocks are published."""
         mirror, fingerprint = self.store.mirror, self.fingerprint
         mirror.wait_until(lambda m: all(m.contains(fingerprint, h) for h in hashes), seconds)
 
-    def _load(self, req_id: str, blocks: list[tuple[int, bytes]], report: bool = True, wait_s: float = 0.0) -> None:
+    def _load(self, req_id: str, blocks: list[tuple[int, bytes]], tokens: int | None = None, report: bool = True,
+              wait_s: float = 0.0) -> None:
         started = time.perf_counter()
         failed: set[int] = set()
         loaded = 0
@@ -379,7 +403,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             failed = {block_id for block_id, _ in blocks}
             loaded = 0
         block_bytes = io.block_bytes if io is not None else 0
-        self._count(hit_tokens=loaded * self.block_size, loaded_blocks=loaded, load_bytes=loaded * block_bytes,
+        hit_tokens = loaded * self.block_size if tokens is None or failed else tokens
+        self._count(hit_tokens=hit_tokens, loaded_blocks=loaded, load_bytes=loaded * block_bytes,
                     load_seconds=time.perf_counter() - started, load_failures=len(failed))
         with self._lock:
             self._load_errors |= failed

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ...keys import ModelFingerprint, chain_hashes
+from ...keys import ModelFingerprint, chain_hashes, tail_hash
 
 
 def encode_extra_keys(keys: Any) -> bytes:
@@ -34,14 +34,15 @@ def encode_extra_keys(keys: Any) -> bytes:
     raise TypeError(f"cannot encode a block extra key of type {type(keys).__name__}")
 
 
-def block_extra_keys(request: Any, block_size: int, num_blocks: int) -> list[bytes | None]:
-    """Per full block, the encoded extra keys vLLM hashes with it (None where there are none)."""
+def block_extra_keys(request: Any, block_size: int, num_tokens: int) -> list[bytes | None]:
+    """Per block of the first `num_tokens` (the last one may be partial), the encoded extra keys
+    vLLM hashes with it (None where there are none)."""
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
     out: list[bytes | None] = []
     mm_index = 0
-    for i in range(num_blocks):
-        keys, mm_index = generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size, mm_index)
+    for start in range(0, num_tokens, block_size):
+        keys, mm_index = generate_block_hash_extra_keys(request, start, min(start + block_size, num_tokens), mm_index)
         out.append(encode_extra_keys(keys) if keys else None)
     return out
 
@@ -49,5 +50,17 @@ def block_extra_keys(request: Any, block_size: int, num_blocks: int) -> list[byt
 def request_hashes(fingerprint: ModelFingerprint, request: Any, tokens: Sequence[int] | None = None) -> list[bytes]:
     """Store keys of the request's full prompt blocks (`tokens` defaults to its prompt)."""
     tokens = list(request.prompt_token_ids or []) if tokens is None else list(tokens)
-    num_blocks = len(tokens) // fingerprint.block_size
-    return chain_hashes(fingerprint, tokens, extras=block_extra_keys(request, fingerprint.block_size, num_blocks))
+    num_full = len(tokens) // fingerprint.block_size * fingerprint.block_size
+    return chain_hashes(fingerprint, tokens, extras=block_extra_keys(request, fingerprint.block_size, num_full))
+
+
+def request_keys(fingerprint: ModelFingerprint, request: Any,
+                 tokens: Sequence[int] | None = None) -> tuple[list[bytes], bytes | None]:
+    """(keys of the full blocks, key of the trailing partial block or None) of `tokens`."""
+    tokens = list(request.prompt_token_ids or []) if tokens is None else list(tokens)
+    size = fingerprint.block_size
+    extras = block_extra_keys(request, size, len(tokens))
+    full = chain_hashes(fingerprint, tokens, extras=extras)
+    if len(tokens) % size == 0:
+        return full, None
+    return full, tail_hash(fingerprint, tokens[len(full) * size:], full[-1] if full else None, extras[-1])
