@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 
 #include "engine.h"
+#include "index_probe.h"
 
 namespace py = pybind11;
 using kvt::Batch;
@@ -30,6 +31,8 @@ std::vector<kvt::OpSpec> parse_ops(const py::buffer& flat) {
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "kvstore transfer engine data plane";
+
+  kvt::add_index_probe(m);
 
   m.def("buffer_address", [](const py::buffer& b) {
     py::buffer_info info = b.request();

@@ -32,7 +32,6 @@ from .metadata import Metadata, Page, WatchEvent, open_metadata, prefix_end
 
 log = logging.getLogger(__name__)
 _RECORD_BYTES = 26
-_SHORT = 96  # prompts up to this many blocks are matched with dict lookups (measured crossover ~100)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +108,6 @@ class IndexMirror:
         self._node_tags: dict[bytes, bytes] = {}  # b"/<node>" (a key's tail) -> its u16 number
         self._placements: list[Placement] = []  # placement id -> placement; append-only
         self._placement_ids: dict[frozenset, int] = {}
-        self._spot_ids: dict[bytes, int] = {}  # a lone replica's record head (node, version, tier) -> id
         self._single = np.full(0, -1, np.int32)  # node * len(TIERS) + tier -> id of that lone replica
         self._revision = 0
         self._last_ok = float("-inf")
@@ -197,19 +195,7 @@ class IndexMirror:
         table = self._snapshot.blocks.get(_fingerprint_id(fingerprint))
         if table is None or not hashes:
             return NO_IDS
-        if len(hashes) <= _SHORT:  # a few dict lookups cost less than the vectorised calls
-            ids, get, spot = [], table.records.get, self._spot_ids.get
-            for h in hashes:
-                raw = get(h)
-                pid = None if raw is None or raw.__class__ is tuple else spot(raw[:4])
-                if pid is None:
-                    break
-                ids.append(pid)
-            else:
-                return np.array(ids, np.int32)
-            if raw is None:
-                return np.array(ids, np.int32)
-        return table.prefix(hashes)
+        return table.prefix(hashes)  # native, also for a few blocks: cheaper than dict lookups here
 
     def node_prefix_lengths(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes]) -> dict[str, int]:
         """For each node, how many leading blocks it holds itself (the conductor's input)."""
@@ -279,8 +265,6 @@ class IndexMirror:
             locations = tuple(sorted((self._node_names[n], TIERS[t]) for n, t in spots))
             pid = self._placement_ids[spots] = len(self._placements)
             self._placements.append(Placement(locations, frozenset(n for n, _ in locations)))
-            if len(raws) == 1:
-                self._spot_ids[raws[0][:4]] = pid
         return pid
 
     def _apply(self, snap: _Snapshot, kind: str, key: bytes, value: bytes) -> None:

@@ -2,8 +2,9 @@
 numpy hash index of placement ids (for match()).
 
 A dict lookup per block costs a chain of dependent cache and TLB misses once the table holds a
-million blocks (about 120 ns each here), so a 4,096-block match took 0.5 ms. The index instead
-answers a whole prompt with one vectorised gather per level, whose misses overlap.
+million blocks (about 120 ns each here), so a 4,096-block match took 0.5 ms. The index is instead
+probed by a small native function (cpp/index_probe.cpp) that prefetches rows ahead, so their misses
+overlap, and stops at the prompt's first absent block.
 
 The index has two levels of single-slot tables (level 0 addressed by the hash's first 8 bytes,
 level 1, half the size, by its last 8) and a small overflow dict: a block lives in the first
@@ -17,9 +18,11 @@ from typing import Sequence
 
 import numpy as np
 
+from transfer._native import index_prefix
+
 from .keys import HASH_BYTES
 
-_ROW = np.dtype([("k0", "<u8"), ("k1", "<u8"), ("pid", "<i4")])  # packed: 20 bytes a slot
+_ROW = np.dtype([("k0", "<u8"), ("k1", "<u8"), ("pid", "<i4")])  # packed: 20 bytes a slot (cpp/index_probe.cpp)
 EMPTY = -1
 NO_IDS = np.zeros(0, np.int32)
 _MIN_SLOTS = 1024
@@ -64,32 +67,11 @@ class HashIndex:
         return self.l0.nbytes + self.l1.nbytes
 
     # --- reads -----------------------------------------------------------------------------
-    def find(self, words: np.ndarray) -> np.ndarray:
-        """Placement id of each hash, EMPTY where absent (overflow not consulted)."""
-        q0, q1 = words[:, 0], words[:, 1]
-        rows = self.l0.take((q0 & self.m0).astype(np.intp))
-        pid = np.where((rows["k0"] == q0) & (rows["k1"] == q1), rows["pid"], EMPTY)
-        missing = np.flatnonzero(pid < 0)
-        if missing.size:
-            rows = self.l1.take((q1[missing] & self.m1).astype(np.intp))
-            hit = (rows["k0"] == q0[missing]) & (rows["k1"] == q1[missing])
-            pid[missing[hit]] = rows["pid"][hit]
-        return pid
-
     def prefix(self, hashes: Sequence[bytes]) -> np.ndarray:
-        """Placement ids of the leading run of `hashes` that are all present."""
-        try:
-            words = as_words(hashes)
-        except ValueError:  # a hash of another length is never stored: match up to it
-            cut = next(i for i, h in enumerate(hashes) if len(h) != HASH_BYTES)
-            return self.prefix(hashes[:cut]) if cut else NO_IDS
-        pid = self.find(words)
-        for i in np.flatnonzero(pid < 0).tolist():
-            spilled = self.overflow.get(bytes(hashes[i])) if self.overflow else None
-            if spilled is None:
-                return pid[:i]
-            pid[i] = spilled
-        return pid
+        """Placement ids of the leading run of `hashes` that are all present (a hash that is not 16
+        bytes is never present)."""
+        ids = np.empty(len(hashes), np.int32)
+        return ids[:index_prefix(self.l0, self.l1, self.overflow, hashes, ids)]
 
     def _where(self, k0: int, k1: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
         for keys0, keys1, pids, mask, by_k1 in self._fields:

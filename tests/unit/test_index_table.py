@@ -5,9 +5,14 @@ import os
 import random
 
 import numpy as np
+import pytest
 
+from kvstore.index import IndexMirror
 from kvstore.index_load import hex_cells
 from kvstore.index_table import HashIndex, as_words
+from kvstore.keys import ModelFingerprint, external_hashes
+from kvstore.layout import BlockRecord
+from transfer._native import index_prefix
 
 
 def _present(index: HashIndex, h: bytes) -> int:
@@ -47,6 +52,78 @@ def test_prefix_stops_at_the_first_absent_or_malformed_hash():
     assert len(index.prefix([])) == 0
     index.remove(keys[30])
     assert len(index.prefix(keys)) == 30
+
+
+def _key(k0: int, k1: int) -> bytes:
+    return k0.to_bytes(8, "little") + k1.to_bytes(8, "little")
+
+
+def test_prefix_reads_all_three_levels_and_cuts_at_the_first_absent_block():
+    index = HashIndex()
+    # Same level-0 slot (low bits of k0), same level-1 slot (low bits of k1): one block per level.
+    first, second, third = _key(5 << 20, 9 << 20), _key(6 << 20, 7 << 20), _key(7 << 20, 11 << 20)
+    for pid, h in enumerate((first, second, third)):
+        index.set(h, pid + 10)
+    assert index.l0["pid"].max() == 10 and index.l1["pid"].max() == 11 and index.overflow == {third: 12}
+    absent = _key(8 << 20, 12 << 20)  # same slots again, stored nowhere
+    assert index.prefix([first, second, third]).tolist() == [10, 11, 12]
+    assert index.prefix([third, first, absent, second]).tolist() == [12, 10]
+    assert index.prefix([absent, first]).tolist() == []
+    assert index.prefix((bytearray(third), memoryview(second), first)).tolist() == [12, 11, 10]  # bytes-like
+    assert index.prefix([first, b"", second]).tolist() == [10]
+    assert index.prefix([first, "x" * 16, second]).tolist() == [10]  # not bytes: never present
+    index.remove(first)
+    assert index.prefix([second, third, first]).tolist() == [11, 12]
+
+
+def test_prefix_agrees_with_a_reference_on_random_prompts():
+    rnd = random.Random(11)
+    index, reference = HashIndex(), {}
+    keys = [os.urandom(16) for _ in range(4000)]
+    index.add(as_words(keys), np.arange(4000, dtype=np.int32) % 97)
+    reference.update(zip(keys, (np.arange(4000) % 97).tolist()))
+    for h in rnd.sample(keys, 400):
+        index.remove(h)
+        del reference[h]
+    assert index.overflow
+    for _ in range(200):
+        prompt = [rnd.choice(keys) if rnd.random() < 0.97 else os.urandom(16) for _ in range(rnd.randrange(300))]
+        expected = []
+        for h in prompt:
+            if h not in reference:
+                break
+            expected.append(reference[h])
+        assert index.prefix(prompt).tolist() == expected
+
+
+def test_native_prefix_refuses_tables_and_outputs_of_the_wrong_shape():
+    index = HashIndex()
+    keys = [os.urandom(16) for _ in range(10)]
+    with pytest.raises(ValueError):
+        index_prefix(index.l0, index.l1, {}, keys, np.empty(9, np.int32))  # no room for every hash
+    with pytest.raises(ValueError):
+        index_prefix(index.l0[:1000], index.l1, {}, keys, np.empty(10, np.int32))  # not a power of two
+    with pytest.raises(ValueError):
+        index_prefix(np.zeros(1024, np.int64), index.l1, {}, keys, np.empty(10, np.int32))
+    with pytest.raises(TypeError):
+        index_prefix(index.l0, index.l1, {}, 5, np.empty(10, np.int32))
+
+
+def test_mirror_match_of_empty_unknown_partly_and_fully_cached_prompts():
+    fp = ModelFingerprint("m", "float16", 4, 2, 2, 64)
+    hashes = external_hashes(range(64), fp)
+    mirror = IndexMirror("memory://never-started")
+    for i, h in enumerate(hashes[:12]):
+        mirror.remember(fp, h, "a", BlockRecord("dram", 1, i * 64, 64, i))
+    mirror.remember(fp, hashes[3], "b", BlockRecord("nvme", 1, 0, 64, 0))
+    assert mirror.match(fp, []).length == 0
+    assert mirror.match(ModelFingerprint("other", "float16", 4, 2, 2, 64), hashes).length == 0
+    assert mirror.match(fp, hashes[12:]).length == 0
+    result = mirror.match(fp, hashes)
+    assert result.length == 12
+    assert result.locations[3] == (("a", "dram"), ("b", "nvme")) and result.locations[4] == (("a", "dram"),)
+    assert mirror.match(fp, hashes[:12]).length == 12
+    assert mirror.match(fp, hashes[5:9] + hashes[:3]).length == 7
 
 
 def _cover(cells, start, end):
