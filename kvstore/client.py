@@ -25,7 +25,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import grpc
 
@@ -504,8 +504,14 @@ class Client:
         return self.get_many([block_hash], [out], fingerprint)[0]
 
     def get_many(self, hashes: Sequence[bytes], outs: Sequence[Any],
-                 fingerprint: ModelFingerprint | str | None = None) -> list[bool]:
-        """Read blocks into caller buffers (zero extra copies on the shared-memory path)."""
+                 fingerprint: ModelFingerprint | str | None = None, *, stages: Sequence[int] | None = None,
+                 on_stage: Callable[[int], None] | None = None) -> list[bool]:
+        """Read blocks into caller buffers (zero extra copies on the shared-memory path).
+
+        With `stages` (the stage of each segment of a block's segment list, e.g. its layer) and
+        `on_stage`, segments are read stage by stage and `on_stage(s)` says when every block's stage-s
+        bytes have landed, so a consumer can start on them; checksums are still verified at the end
+        (a block that fails is a miss), and each block is read from its first replica only."""
         fp = self._fp(fingerprint)
         if len(hashes) != len(outs):
             raise WrongSize(f"{len(hashes)} hashes but {len(outs)} buffers")
@@ -543,14 +549,19 @@ class Client:
             found = [False] * len(hashes)
             hits: dict[str, list[bytes]] = {}
             corrupt: dict[str, list[bytes]] = {}
-            for attempt in range(max((len(c) for c in candidates), default=0)):
+            # A staged reader may already use early stages: bytes from a second replica would come too late.
+            attempts = max((len(c) for c in candidates), default=0)
+            if on_stage is not None:
+                attempts = min(attempts, 1)
+            for attempt in range(attempts):
                 by_node: dict[str, list[tuple[int, BlockRecord]]] = {}
                 for i, options in enumerate(candidates):
                     if not found[i] and attempt < len(options):
                         name, record = options[attempt]
                         by_node.setdefault(name, []).append((i, record))
+                staged = (stages, on_stage) if on_stage is not None and len(by_node) == 1 else None
                 for name, wanted in by_node.items():
-                    for i in self._read_from(name, hashes, wanted, targets):
+                    for i in self._read_from(name, hashes, wanted, targets, staged):
                         found[i] = True
                         hits.setdefault(name, []).append(bytes(hashes[i]))
                     for i, record in wanted:
@@ -563,9 +574,11 @@ class Client:
         return found
 
     def _read_from(self, name: str, hashes: Sequence[bytes], wanted: list[tuple[int, BlockRecord]],
-                   targets: list[list[tuple[Region, int, int]]]) -> list[int]:
+                   targets: list[list[tuple[Region, int, int]]],
+                   staged: tuple[Sequence[int] | None, Callable[[int], None]] | None = None) -> list[int]:
         """Indexes of `wanted` read from `name` whose bytes match their checksum."""
-        ops, owners = [], []
+        ops, owners, op_stages = [], [], []
+        stage_list = list(staged[0] or ()) if staged is not None else []
         via_fd: list[tuple[int, BlockRecord]] = []
         failed: set[int] = set()
         try:
@@ -588,17 +601,21 @@ class Client:
                 node = self._node(name)
             for i, record in rest:
                 remote, done = node.peer.region(record.region), 0
-                for region, offset, length in targets[i]:
+                for j, (region, offset, length) in enumerate(targets[i]):
                     take = min(length, record.size - done)
                     if take <= 0:
                         break
                     ops.append(Read(region, offset, remote, record.offset + done, take))
                     owners.append(i)
+                    op_stages.append(stage_list[min(j, len(stage_list) - 1)] if stage_list else 0)
                     done += take
-            batch = self.engine.submit(ops) if ops else None
+            batch = self.engine.submit(ops) if ops and staged is None else None
             if via_fd:  # same-host NVMe: straight from the tier file, no daemon, no network
                 failed.update(self._read_tier(tier, via_fd, targets))
-            results = batch.wait(self.timeout, raise_on_error=False) if batch is not None else []
+            if staged is not None:
+                results, owners = self._read_in_stages(ops, owners, op_stages, staged[1])
+            else:
+                results = batch.wait(self.timeout, raise_on_error=False) if batch is not None else []
         except AuthenticationFailed:
             raise
         except (TransferError, NoStoreNodes, NodeRefused, OSError, ValueError) as exc:
@@ -621,6 +638,18 @@ class Client:
             if block_checksum(bytes(hashes[i]), parts) == record.checksum:
                 good.append(i)
         return good
+
+    def _read_in_stages(self, ops: list[Read], owners: list[int], op_stages: list[int],
+                        on_stage: Callable[[int], None]) -> tuple[list, list[int]]:
+        """Run `ops` one stage after another, telling `on_stage` as each lands; (results, owners)."""
+        results, ordered = [], []
+        for stage in sorted(set(op_stages)):
+            chosen = [k for k, s in enumerate(op_stages) if s == stage]
+            batch = self.engine.submit([ops[k] for k in chosen])
+            results.extend(batch.wait(self.timeout, raise_on_error=False))
+            ordered.extend(owners[k] for k in chosen)
+            on_stage(stage)
+        return results, ordered
 
     def _read_tier(self, tier: _Tier, items: list[tuple[int, BlockRecord]],
                    targets: list[list[tuple[Region, int, int]]]) -> set[int]:

@@ -53,9 +53,11 @@ def buffer_view(obj: Any) -> BufferView:
         raise UnsupportedBuffer("buffer must be C-contiguous to be registered")
     if view.nbytes == 0:
         raise UnsupportedBuffer("cannot register an empty buffer")
-    address, nbytes, readonly = _native.buffer_address(view.cast("B") if view.ndim != 1 or view.format != "B" else view)
+    # Flat bytes: Region.host_view() is sliced by byte offsets, whatever the array's shape and dtype.
+    flat = view.cast("B") if view.ndim != 1 or view.format != "B" else view
+    address, nbytes, readonly = _native.buffer_address(flat)
     # Holding the memoryview pins the export: a bytearray cannot resize, an mmap cannot close.
-    return BufferView(address, nbytes, bool(readonly), view)
+    return BufferView(address, nbytes, bool(readonly), flat)
 
 
 @dataclass(eq=False)

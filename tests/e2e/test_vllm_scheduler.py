@@ -41,8 +41,9 @@ def test_async_load_lands_in_the_kv_cache_then_everything_drains(model):
     assert h.worker.totals.data["loaded_blocks"] == 4
 
 
-def test_failed_load_leads_to_recompute_not_garbage(model):
-    h = Harness(model, sync_load_blocks=0)
+@pytest.mark.parametrize("mode", [{"sync_load_blocks": 0}, {"layerwise_load_blocks": 1}], ids=["async", "layer-by-layer"])
+def test_failed_load_leads_to_recompute_not_garbage(model, mode):
+    h = Harness(model, **mode)
     prompt = list(range(3, 3 + 3 * BLOCK + 2))
     h.seed_store(prompt, 3)
     daemon_store = h.store.daemon.store

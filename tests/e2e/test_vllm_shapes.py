@@ -80,9 +80,14 @@ def physical_block(h: Harness, layer: int, block_id: int) -> torch.Tensor:
     return tensor[block_id * ratio:(block_id + 1) * ratio].reshape(-1)
 
 
+LOAD_MODES = {"async": {"sync_load_blocks": 0}, "in-step": {"layerwise_load_blocks": 1000},
+              "layer-by-layer": {"layerwise_load_blocks": 1}}
+
+
+@pytest.mark.parametrize("mode", list(LOAD_MODES))
 @pytest.mark.parametrize("caches", [lbnhc, flash_attention, kernel_split], ids=["LBNHC", "flash", "kernel-split"])
-def test_loads_land_in_gpu_layouts_and_kernel_blocks(model, caches):
-    h = Harness(model, sync_load_blocks=0, caches=caches)
+def test_loads_land_in_gpu_layouts_and_kernel_blocks(model, caches, mode):
+    h = Harness(model, caches=caches, **LOAD_MODES[mode])
     prompt = list(range(3, 3 + 3 * BLOCK + 5))
     data = h.seed_store(prompt, 3)
     request = h.add("r1", prompt)
@@ -93,6 +98,9 @@ def test_loads_land_in_gpu_layouts_and_kernel_blocks(model, caches):
         for layer in range(len(LAYERS)):
             landed = physical_block(h, layer, block_ids[i])
             assert torch.equal(landed, torch.from_numpy(data[i][layer * per_layer:(layer + 1) * per_layer]))
+    # Only the layer-by-layer load leaves the forward pass anything to wait for, layer by layer.
+    assert (h.worker.totals.data.get("layer_wait_seconds", 0) > 0) == (mode == "layer-by-layer")
+    assert h.worker.totals.data["loaded_blocks"] == 3 and not h.errors
     h.run_until_empty()
 
 

@@ -95,7 +95,8 @@ class Harness:
         out = self.scheduler.schedule()
         self.worker.bind_connector_metadata(out.kv_connector_metadata)
         self.worker.start_load_kv(None)
-        for name, tensor in self.kv_caches.items():
+        for name, tensor in self.kv_caches.items():  # the forward pass, layer after layer
+            self.worker.wait_for_layer_load(name)
             self.worker.save_kv_layer(name, tensor, None)
         self.worker.wait_for_save()
         sending, recving = self.worker.get_finished(out.finished_req_ids)

@@ -34,6 +34,13 @@ def test_registers_every_supported_buffer(engine):
         assert region.readonly == (name == "bytes"), name
 
 
+def test_host_view_is_flat_bytes_whatever_the_array_shape(engine):
+    array = np.arange(12, dtype=np.int32).reshape(3, 4)
+    view = engine.register(array).host_view()
+    assert view.format == "B" and view.ndim == 1 and len(view) == array.nbytes
+    assert bytes(view[16:20]) == np.int32(4).tobytes()  # byte offsets, not rows
+
+
 def test_rejects_what_cannot_be_registered(engine):
     with pytest.raises(UnsupportedBuffer):
         engine.register(np.arange(100).reshape(10, 10)[:, ::2])  # not contiguous

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -32,6 +32,7 @@ from ...keys import ModelFingerprint
 from .events import StoreEvents
 from .fingerprint import all_rank_fingerprints, fingerprint_from_vllm, required_layout, uses_mla
 from .kv_cache_io import KVCacheIO
+from .layer_progress import LayerProgress
 from .plan import RequestState, common_prefix, loadable_blocks, loadable_tokens
 from .request_keys import request_keys
 from .stats import KVStoreConnectorStats, KVStorePromMetrics
@@ -91,6 +92,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         # Loads of up to this many blocks run inside the step (no scheduler round trip); larger ones
         # and P/D hand-offs run asynchronously while other requests keep going.
         self.sync_load_blocks = int(extra.get("sync_load_blocks", 64))
+        # In-step loads of at least this many blocks go layer by layer on a thread: each layer's
+        # attention waits only for its own layer (wait_for_layer_load) while later layers still load.
+        self.layerwise_load_blocks = int(extra.get("layerwise_load_blocks", 8))
         # The prompt's trailing partial block is saved too, so the same prompt again (a retry, a P/D
         # decode) recomputes one token instead of up to block_size - 1.
         self.partial_blocks = bool(extra.get("partial_blocks", True))
@@ -116,6 +120,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._sent: set[str] = set()
         self._load_errors: set[int] = set()
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvstore-load")
+        self._layer_pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-layer-load")
+        self._layer_load: tuple[Future, LayerProgress] | None = None  # this step's layer-by-layer load
         self._writer: SaveWriter | None = None
         self._save_queue_bytes = int(float(extra.get("save_queue_mib", 256)) * (1 << 20))
         self._stats = KVStoreConnectorStats()  # since the last get_kv_connector_stats()
@@ -363,6 +369,14 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._in_flight.add(req_id)
             self._pool.submit(self._load, req_id, blocks, meta.load_tokens.get(req_id), True,
                               meta.remote_waits.get(req_id, 0.0))
+        self._end_layer_load()  # never two in flight
+        in_step = sum(len(blocks) for blocks in meta.sync_loads.values())
+        io = self._io
+        if in_step and in_step >= self.layerwise_load_blocks and io is not None and io.on_host and len(io.names) > 1:
+            progress = LayerProgress(self.store.timeout * (len(io.names) + 1))
+            future = self._layer_pool.submit(self._load_layers, dict(meta.sync_loads), meta.load_tokens, progress)
+            self._layer_load = (future, progress)
+            return
         for req_id, blocks in meta.sync_loads.items():
             # failures surface in this step's load errors
             self._load(req_id, blocks, meta.load_tokens.get(req_id), report=False)
@@ -372,42 +386,37 @@ class KVStoreConnector(KVConnectorBase_V1):
         mirror, fingerprint = self.store.mirror, self.fingerprint
         mirror.wait_until(lambda m: all(m.contains(fingerprint, h) for h in hashes), seconds)
 
+    def _read(self, blocks: list[tuple[int, bytes]], progress: LayerProgress | None = None) -> set[int]:
+        """Read blocks from the store into the KV cache; the block ids that could not be loaded."""
+        io = self._io
+        if io is None:
+            raise UnsupportedDeployment("no KV cache registered")
+        hashes = [h for _, h in blocks]
+        if io.on_host:  # read straight into the KV cache
+            staged = {"stages": io.segment_layers, "on_stage": progress.landed} if progress is not None else {}
+            found = self.store.get_many(hashes, [io.targets(block_id) for block_id, _ in blocks],
+                                        fingerprint=self.fingerprint, **staged)
+        else:  # device KV cache: through host staging
+            buffers = [np.empty(io.block_bytes, np.uint8) for _ in blocks]
+            found = self.store.get_many(hashes, buffers, fingerprint=self.fingerprint)
+            for (block_id, _), ok, buf in zip(blocks, found, buffers):
+                if ok:
+                    io.write_block(block_id, buf)
+        return {block_id for (block_id, _), ok in zip(blocks, found) if not ok}
+
     def _load(self, req_id: str, blocks: list[tuple[int, bytes]], tokens: int | None = None, report: bool = True,
               wait_s: float = 0.0) -> None:
         started = time.perf_counter()
-        failed: set[int] = set()
-        loaded = 0
-        io = self._io
         try:
-            if io is None:
-                raise UnsupportedDeployment("no KV cache registered")
-            hashes = [h for _, h in blocks]
             if wait_s > 0:
-                self._wait_for_blocks(hashes, wait_s)
-            if io.on_host:  # read straight into the KV cache
-                found = self.store.get_many(hashes, [io.targets(block_id) for block_id, _ in blocks],
-                                            fingerprint=self.fingerprint)
-            else:  # device KV cache: through host staging
-                buffers = [np.empty(io.block_bytes, np.uint8) for _ in blocks]
-                found = self.store.get_many(hashes, buffers, fingerprint=self.fingerprint)
-                for (block_id, _), ok, buf in zip(blocks, found, buffers):
-                    if ok:
-                        io.write_block(block_id, buf)
-            for (block_id, _), ok in zip(blocks, found):
-                if ok:
-                    loaded += 1
-                else:
-                    failed.add(block_id)
+                self._wait_for_blocks([h for _, h in blocks], wait_s)
+            failed = self._read(blocks)
         except (KVStoreError, OSError, RuntimeError, ValueError) as exc:
             log.warning("kvstore load for %s failed: %s", req_id, exc)
             failed = {block_id for block_id, _ in blocks}
-            loaded = 0
-        block_bytes = io.block_bytes if io is not None else 0
-        hit_tokens = loaded * self.block_size if tokens is None or failed else tokens
-        self._count(hit_tokens=hit_tokens, loaded_blocks=loaded, load_bytes=loaded * block_bytes,
-                    load_seconds=time.perf_counter() - started, load_failures=len(failed))
+        self._account({req_id: blocks}, {req_id: tokens} if tokens is not None else {}, failed,
+                      time.perf_counter() - started)
         with self._lock:
-            self._load_errors |= failed
             if not report:
                 return
             self._in_flight.discard(req_id)
@@ -417,8 +426,53 @@ class KVStoreConnector(KVConnectorBase_V1):
             else:
                 self._received.add(req_id)
 
+    def _load_layers(self, loads: dict[str, list[tuple[int, bytes]]], tokens: dict[str, int],
+                     progress: LayerProgress) -> None:
+        """This step's in-step loads as one read, layer after layer (on the layer-load thread)."""
+        started = time.perf_counter()
+        blocks = [block for plan in loads.values() for block in plan]
+        try:
+            failed = self._read(blocks, progress)
+        except (KVStoreError, OSError, RuntimeError, ValueError) as exc:
+            log.warning("kvstore layer-by-layer load of %d blocks failed: %s", len(blocks), exc)
+            failed = {block_id for block_id, _ in blocks}
+        finally:
+            progress.end()
+        self._account(loads, tokens, failed, time.perf_counter() - started)
+
+    def _account(self, loads: dict[str, list[tuple[int, bytes]]], tokens: dict[str, int], failed: set[int],
+                 seconds: float) -> None:
+        """Count loaded blocks and tokens; failed blocks become this step's load errors."""
+        hit_tokens = loaded = 0
+        for req_id, plan in loads.items():
+            ok = sum(1 for block_id, _ in plan if block_id not in failed)
+            loaded += ok
+            whole = ok == len(plan) and req_id in tokens
+            hit_tokens += tokens[req_id] if whole else ok * self.block_size
+        block_bytes = self._io.block_bytes if self._io is not None else 0
+        self._count(hit_tokens=hit_tokens, loaded_blocks=loaded, load_bytes=loaded * block_bytes,
+                    load_seconds=seconds, load_failures=len(failed))
+        with self._lock:
+            self._load_errors |= failed
+
+    def _end_layer_load(self) -> None:
+        """Wait for this step's layer-by-layer load to end (its errors are then recorded)."""
+        if self._layer_load is None:
+            return
+        future, progress = self._layer_load
+        self._layer_load = None
+        try:
+            future.result(timeout=progress.timeout)
+        except Exception as exc:  # noqa: BLE001 - a load that cannot end in time is a failed load
+            log.error("kvstore layer-by-layer load did not end in %.0f s: %s", progress.timeout, exc)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # synchronous loads finish in start_load_kv; asynchronous ones before scheduling
+        # Only in-step layer-by-layer loads are still running here; the others ended before the forward.
+        if self._layer_load is None or self._io is None:
+            return
+        layer = self._io.layer_index.get(layer_name)
+        if layer is not None:
+            self._count(layer_wait_seconds=self._layer_load[1].wait(layer))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -438,6 +492,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 staged[1].add(layer)
 
     def wait_for_save(self) -> None:
+        self._end_layer_load()  # the forward is over: this step's load errors must be known now
         if not self._staged or self._io is None or self._writer is None:
             return
         layers = len(self._io.names)
@@ -469,6 +524,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         return (sent or None), (received or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._end_layer_load()
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
@@ -487,6 +543,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._writer is not None:
             self._writer.close()
+        self._end_layer_load()
         self._pool.shutdown(wait=True)
+        self._layer_pool.shutdown(wait=True)
         if self._io is not None:
             self._io.close()

@@ -37,6 +37,8 @@ class KVCacheIO:
         self.layer_offsets = offsets
         self.block_bytes = offsets[-1]
         self.layer_index = {name: i for i, name in enumerate(self.names)}
+        # The layer of each segment of a block's target list (the same for every block).
+        self.segment_layers = [layer for layer, g in enumerate(self.geometry) for _ in g.runs]
 
     def targets(self, block_id: int) -> list[tuple[Region, int, int]]:
         """Where a block's bytes go, layer after layer: (region, offset, length) segments."""
