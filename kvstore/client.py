@@ -38,7 +38,7 @@ from .daemon import local as local_path
 from .daemon.store import AllocationFailed, WrongSize
 from .errors import AuthenticationFailed, FingerprintMismatch, KVStoreError
 from .index import IndexMirror
-from .integrity import block_checksum
+from .integrity import block_checksum, checksum_state
 from .keys import HASH_BYTES, ModelFingerprint
 from .layout import BlockRecord, NodeRecord
 from .store.v1 import store_pb2, store_pb2_grpc
@@ -579,6 +579,10 @@ class Client:
         """Indexes of `wanted` read from `name` whose bytes match their checksum."""
         ops, owners, op_stages = [], [], []
         stage_list = list(staged[0] or ()) if staged is not None else []
+        if any(b < a for a, b in zip(stage_list, stage_list[1:])):
+            raise ValueError("stages must not decrease along a block's segments")
+        # Staged reads check each block's bytes as their stage lands: the consumer may change them after.
+        checked: dict[int, int] = {}
         via_fd: list[tuple[int, BlockRecord]] = []
         failed: set[int] = set()
         try:
@@ -612,8 +616,10 @@ class Client:
             batch = self.engine.submit(ops) if ops and staged is None else None
             if via_fd:  # same-host NVMe: straight from the tier file, no daemon, no network
                 failed.update(self._read_tier(tier, via_fd, targets))
+                if staged is not None:
+                    checked.update((i, self._landed_checksum(hashes[i], record, targets[i])) for i, record in via_fd)
             if staged is not None:
-                results, owners = self._read_in_stages(ops, owners, op_stages, staged[1])
+                results, owners = self._read_in_stages(ops, owners, op_stages, staged[1], hashes, checked)
             else:
                 results = batch.wait(self.timeout, raise_on_error=False) if batch is not None else []
         except AuthenticationFailed:
@@ -626,29 +632,44 @@ class Client:
         for i, record in wanted:
             if i in failed:
                 continue
-            parts, done = [], 0
-            for region, offset, length in targets[i]:
-                take = min(length, record.size - done)
-                if take <= 0:
-                    break
-                parts.append(region.host_view()[offset : offset + take])
-                done += take
             # Also what makes a same-host NVMe read safe while the node evicts and reuses that extent:
             # another block's bytes (or a half-written slot) never match this block's checksum.
-            if block_checksum(bytes(hashes[i]), parts) == record.checksum:
+            checksum = checked[i] if i in checked else self._landed_checksum(hashes[i], record, targets[i])
+            if checksum == record.checksum:
                 good.append(i)
         return good
 
+    @staticmethod
+    def _landed_checksum(block_hash: bytes, record: BlockRecord, segments: list[tuple[Region, int, int]]) -> int:
+        """Checksum of the bytes a read left in a block's destination segments."""
+        parts, done = [], 0
+        for region, offset, length in segments:
+            take = min(length, record.size - done)
+            if take <= 0:
+                break
+            parts.append(region.host_view()[offset : offset + take])
+            done += take
+        return block_checksum(bytes(block_hash), parts)
+
     def _read_in_stages(self, ops: list[Read], owners: list[int], op_stages: list[int],
-                        on_stage: Callable[[int], None]) -> tuple[list, list[int]]:
-        """Run `ops` one stage after another, telling `on_stage` as each lands; (results, owners)."""
+                        on_stage: Callable[[int], None], hashes: Sequence[bytes],
+                        checked: dict[int, int]) -> tuple[list, list[int]]:
+        """Run `ops` one stage after another, checksumming what landed before telling `on_stage`;
+        (results, owners) in the order run, each block's checksum into `checked`."""
         results, ordered = [], []
+        states: dict[int, Any] = {}
         for stage in sorted(set(op_stages)):
             chosen = [k for k, s in enumerate(op_stages) if s == stage]
-            batch = self.engine.submit([ops[k] for k in chosen])
-            results.extend(batch.wait(self.timeout, raise_on_error=False))
+            landed = self.engine.submit([ops[k] for k in chosen]).wait(self.timeout, raise_on_error=False)
+            for k, result in zip(chosen, landed):
+                op, i = ops[k], owners[k]
+                state = states.get(i) or states.setdefault(i, checksum_state(bytes(hashes[i])))
+                if result.ok:  # a failed op fails its block anyway
+                    state.update(op.local.host_view()[op.local_offset : op.local_offset + op.length])
+            results.extend(landed)
             ordered.extend(owners[k] for k in chosen)
             on_stage(stage)
+        checked.update((i, state.intdigest()) for i, state in states.items())
         return results, ordered
 
     def _read_tier(self, tier: _Tier, items: list[tuple[int, BlockRecord]],

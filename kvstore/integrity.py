@@ -7,10 +7,14 @@ import xxhash
 
 def block_checksum(block_hash: bytes, data) -> int:
     """Checksum of `data` (a buffer, or a list of buffers taken in order) as block `block_hash`."""
-    seed = int.from_bytes(block_hash[:8], "little")
     if not isinstance(data, list):
-        return xxhash.xxh3_64_intdigest(data, seed=seed)
-    state = xxhash.xxh3_64(seed=seed)
+        return xxhash.xxh3_64_intdigest(data, seed=int.from_bytes(block_hash[:8], "little"))
+    state = checksum_state(block_hash)
     for part in data:
         state.update(part)
     return state.intdigest()
+
+
+def checksum_state(block_hash: bytes) -> "xxhash.xxh3_64":
+    """An incremental `block_checksum`: update() with the block's bytes in order, then intdigest()."""
+    return xxhash.xxh3_64(seed=int.from_bytes(block_hash[:8], "little"))

@@ -259,6 +259,9 @@ class LocalControl:
                     reply, fd = {"ok": False, "code": "invalid", "error": str(exc)}, None
                 except KVStoreError as exc:
                     reply, fd = self._error(exc), None
+                # Counted before the reply goes out: whoever got the answer also sees it in the metrics.
+                self._observe(f"local_{op}" if op in ("put", "reserve", "commit", "abort", "tier") else "local_other",
+                              time.perf_counter() - started)
                 if fd is not None:
                     try:
                         frames.send(reply)
@@ -269,9 +272,6 @@ class LocalControl:
                     frames.send(reply)
                 if not reply.get("ok") and op == "put":
                     break  # its bytes may still be in the stream: the client opens a new connection
-
-                self._observe(f"local_{op}" if op in ("put", "reserve", "commit", "abort", "tier") else "local_other",
-                              time.perf_counter() - started)
         except Exception as exc:  # noqa: BLE001 - a client that leaves or misbehaves ends only its connection
             log.debug("%s: same-host connection ended: %s", self._node, exc)
         finally:

@@ -46,9 +46,12 @@ def test_second_engine_loads_the_first_ones_prefix(model, store_cluster):
     connector = {"role": "kv_both", "extra": store_cluster}
     first = run_engine({"model": model, "connector": connector, "prompts": [prompt]})
     assert first["stats"]["saved_blocks"] == 3 and first["stats"]["loaded_blocks"] == 0  # 2 full + the partial one
-    second = run_engine({"model": model, "connector": connector, "prompts": [prompt]})
+    # The second engine loads layer by layer: each layer's attention waits for its own layer only.
+    layered = {"role": "kv_both", "extra": {**store_cluster, "layerwise_load_blocks": 1}}
+    second = run_engine({"model": model, "connector": layered, "prompts": [prompt]})
+    assert second["stats"]["layer_wait_seconds"] > 0
     # Everything but the last token comes from the store, the partial block's 43 tokens included.
-    assert second["stats"]["loaded_blocks"] == 3 and second["stats"]["hit_tokens"] == len(prompt) - 1
+    assert second["stats"]["loaded_blocks"] == 3 and second["stats"]["hit_tokens"] == len(prompt) - 1, second["stats"]
     for run in (first, second):
         assert run["results"][0]["tokens"] == baseline["tokens"]
         assert run["results"][0]["logprob"] == pytest.approx(baseline["logprob"], abs=1e-4)
