@@ -80,7 +80,7 @@ def physical_block(h: Harness, layer: int, block_id: int) -> torch.Tensor:
     return tensor[block_id * ratio:(block_id + 1) * ratio].reshape(-1)
 
 
-LOAD_MODES = {"async": {"sync_load_blocks": 0}, "in-step": {"layerwise_load_blocks": 1000},
+LOAD_MODES = {"async": {"sync_load_blocks": 0}, "in-step": {},
               "layer-by-layer": {"layerwise_load_blocks": 1}}
 
 
@@ -101,6 +101,42 @@ def test_loads_land_in_gpu_layouts_and_kernel_blocks(model, caches, mode):
     # Only the layer-by-layer load leaves the forward pass anything to wait for, layer by layer.
     assert (h.worker.totals.data.get("layer_wait_seconds", 0) > 0) == (mode == "layer-by-layer")
     assert h.worker.totals.data["loaded_blocks"] == 3 and not h.errors
+    h.run_until_empty()
+
+
+def block_major(num_blocks: int) -> dict[str, torch.Tensor]:
+    """vLLM's CPU layout, two layers: [block, head, token, channel]."""
+    return {name: torch.zeros(num_blocks, HEADS, BLOCK, CHANNELS) for name in LAYERS}
+
+
+def test_layer_by_layer_loads_leave_the_new_token_kv_the_forward_wrote(model, monkeypatch):
+    """vLLM writes a layer's new-token KV into the last, partly loaded block before that layer waits
+    for its load: a load landing afterwards would overwrite it (or fail its checksum)."""
+    h = Harness(model, caches=block_major, layerwise_load_blocks=1)
+    prompt = list(range(9, 9 + 2 * BLOCK + 5))
+    h.add("r1", prompt)
+    h.run_until_empty()
+    h.scheduler.reset_prefix_cache()
+    read = h.worker._read
+
+    def slow_read(blocks, progress=None):  # the forward runs ahead of the layer loads
+        if progress is not None:
+            time.sleep(0.3)
+        return read(blocks, progress)
+
+    monkeypatch.setattr(h.worker, "_read", slow_read)
+    h.add("r2", prompt)
+    last = {}
+
+    def write_new_token(name: str, tensor: torch.Tensor) -> None:
+        last[name] = h.scheduler.kv_cache_manager.get_block_ids("r2")[0][2]
+        tensor[last[name]].fill_(7.0)
+
+    h.step(before_layer=write_new_token)
+    assert h.worker.totals.data["layer_wait_seconds"] > 0 and not h.errors
+    assert h.worker.totals.data["hit_tokens"] == len(prompt) - 1
+    for name, tensor in h.kv_caches.items():
+        assert torch.all(tensor[last[name]] == 7.0)
     h.run_until_empty()
 
 

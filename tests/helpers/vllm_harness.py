@@ -91,11 +91,15 @@ class Harness:
         self.scheduler.add_request(request)
         return request
 
-    def step(self) -> None:
+    def step(self, before_layer: Callable[[str, torch.Tensor], None] | None = None) -> None:
+        """One engine step; `before_layer(name, tensor)` plays vLLM writing the layer's new-token KV
+        (it does so before the layer waits for its load)."""
         out = self.scheduler.schedule()
         self.worker.bind_connector_metadata(out.kv_connector_metadata)
         self.worker.start_load_kv(None)
         for name, tensor in self.kv_caches.items():  # the forward pass, layer after layer
+            if before_layer is not None:
+                before_layer(name, tensor)
             self.worker.wait_for_layer_load(name)
             self.worker.save_kv_layer(name, tensor, None)
         self.worker.wait_for_save()

@@ -92,9 +92,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         # Loads of up to this many blocks run inside the step (no scheduler round trip); larger ones
         # and P/D hand-offs run asynchronously while other requests keep going.
         self.sync_load_blocks = int(extra.get("sync_load_blocks", 64))
-        # In-step loads of at least this many blocks go layer by layer on a thread: each layer's
-        # attention waits only for its own layer (wait_for_layer_load) while later layers still load.
-        self.layerwise_load_blocks = int(extra.get("layerwise_load_blocks", 8))
+        # In-step loads of at least this many blocks (0: never) go layer by layer on a thread: each
+        # layer's attention waits only for its own layer (wait_for_layer_load) while later layers
+        # load. Off by default: on CPU caches the copy competes with the forward for the same cores
+        # (measured no gain on 2 vCPUs, BENCHMARKS.md); device caches load through host staging.
+        self.layerwise_load_blocks = int(extra.get("layerwise_load_blocks", 0))
         # The prompt's trailing partial block is saved too, so the same prompt again (a retry, a P/D
         # decode) recomputes one token instead of up to block_size - 1.
         self.partial_blocks = bool(extra.get("partial_blocks", True))
@@ -372,9 +374,20 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._end_layer_load()  # never two in flight
         in_step = sum(len(blocks) for blocks in meta.sync_loads.values())
         io = self._io
-        if in_step and in_step >= self.layerwise_load_blocks and io is not None and io.on_host and len(io.names) > 1:
+        if self.layerwise_load_blocks and in_step >= self.layerwise_load_blocks and io is not None and io.on_host \
+                and len(io.names) > 1:
+            # vLLM writes a layer's new-token KV before that layer waits for its load: a block the
+            # load fills only partly (the new tokens go into it) is loaded now, before the forward.
+            shared = [plan[-1] for req_id, plan in meta.sync_loads.items()
+                      if plan and meta.load_tokens.get(req_id, 0) % self.block_size]
+            try:
+                failed = self._read(shared) if shared else set()
+            except (KVStoreError, OSError, RuntimeError, ValueError) as exc:
+                log.warning("kvstore load of %d blocks failed: %s", len(shared), exc)
+                failed = {block_id for block_id, _ in shared}
             progress = LayerProgress(self.store.timeout * (len(io.names) + 1))
-            future = self._layer_pool.submit(self._load_layers, dict(meta.sync_loads), meta.load_tokens, progress)
+            future = self._layer_pool.submit(self._load_layers, dict(meta.sync_loads), meta.load_tokens, progress,
+                                             {block_id for block_id, _ in shared}, failed)
             self._layer_load = (future, progress)
             return
         for req_id, blocks in meta.sync_loads.items():
@@ -427,15 +440,16 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._received.add(req_id)
 
     def _load_layers(self, loads: dict[str, list[tuple[int, bytes]]], tokens: dict[str, int],
-                     progress: LayerProgress) -> None:
-        """This step's in-step loads as one read, layer after layer (on the layer-load thread)."""
+                     progress: LayerProgress, loaded: set[int], failed_before: set[int]) -> None:
+        """This step's in-step loads as one read, layer after layer (on the layer-load thread);
+        `loaded` blocks were read before the forward (`failed_before` of them failed)."""
         started = time.perf_counter()
-        blocks = [block for plan in loads.values() for block in plan]
+        blocks = [block for plan in loads.values() for block in plan if block[0] not in loaded]
         try:
-            failed = self._read(blocks, progress)
+            failed = self._read(blocks, progress) | failed_before
         except (KVStoreError, OSError, RuntimeError, ValueError) as exc:
             log.warning("kvstore layer-by-layer load of %d blocks failed: %s", len(blocks), exc)
-            failed = {block_id for block_id, _ in blocks}
+            failed = {block_id for block_id, _ in blocks} | failed_before
         finally:
             progress.end()
         self._account(loads, tokens, failed, time.perf_counter() - started)
