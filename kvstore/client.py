@@ -510,8 +510,8 @@ class Client:
 
         With `stages` (the stage of each segment of a block's segment list, e.g. its layer) and
         `on_stage`, segments are read stage by stage and `on_stage(s)` says when every block's stage-s
-        bytes have landed, so a consumer can start on them; checksums are still verified at the end
-        (a block that fails is a miss), and each block is read from its first replica only."""
+        bytes have landed, so a consumer can start on them (and change them: each block is checksummed
+        as its stages land; a block that fails is a miss). Each block is read from its first replica only."""
         fp = self._fp(fingerprint)
         if len(hashes) != len(outs):
             raise WrongSize(f"{len(hashes)} hashes but {len(outs)} buffers")
@@ -581,6 +581,7 @@ class Client:
         stage_list = list(staged[0] or ()) if staged is not None else []
         if any(b < a for a, b in zip(stage_list, stage_list[1:])):
             raise ValueError("stages must not decrease along a block's segments")
+        last_stage = stage_list[-1] if stage_list else 0  # segments past the list belong to the last stage
         # Staged reads check each block's bytes as their stage lands: the consumer may change them after.
         checked: dict[int, int] = {}
         via_fd: list[tuple[int, BlockRecord]] = []
@@ -611,7 +612,8 @@ class Client:
                         break
                     ops.append(Read(region, offset, remote, record.offset + done, take))
                     owners.append(i)
-                    op_stages.append(stage_list[min(j, len(stage_list) - 1)] if stage_list else 0)
+                    if staged is not None:
+                        op_stages.append(stage_list[j] if j < len(stage_list) else last_stage)
                     done += take
             batch = self.engine.submit(ops) if ops and staged is None else None
             if via_fd:  # same-host NVMe: straight from the tier file, no daemon, no network
@@ -658,12 +660,16 @@ class Client:
         (results, owners) in the order run, each block's checksum into `checked`."""
         results, ordered = [], []
         states: dict[int, Any] = {}
-        for stage in sorted(set(op_stages)):
-            chosen = [k for k, s in enumerate(op_stages) if s == stage]
+        by_stage: dict[int, list[int]] = {}
+        for k, stage in enumerate(op_stages):
+            by_stage.setdefault(stage, []).append(k)
+        for stage, chosen in sorted(by_stage.items()):
             landed = self.engine.submit([ops[k] for k in chosen]).wait(self.timeout, raise_on_error=False)
             for k, result in zip(chosen, landed):
                 op, i = ops[k], owners[k]
-                state = states.get(i) or states.setdefault(i, checksum_state(bytes(hashes[i])))
+                state = states.get(i)
+                if state is None:
+                    state = states[i] = checksum_state(bytes(hashes[i]))
                 if result.ok:  # a failed op fails its block anyway
                     state.update(op.local.host_view()[op.local_offset : op.local_offset + op.length])
             results.extend(landed)

@@ -376,23 +376,23 @@ class KVStoreConnector(KVConnectorBase_V1):
         io = self._io
         if self.layerwise_load_blocks and in_step >= self.layerwise_load_blocks and io is not None and io.on_host \
                 and len(io.names) > 1:
-            # vLLM writes a layer's new-token KV before that layer waits for its load: a block the
-            # load fills only partly (the new tokens go into it) is loaded now, before the forward.
-            shared = [plan[-1] for req_id, plan in meta.sync_loads.items()
-                      if plan and meta.load_tokens.get(req_id, 0) % self.block_size]
-            try:
-                failed = self._read(shared) if shared else set()
-            except (KVStoreError, OSError, RuntimeError, ValueError) as exc:
-                log.warning("kvstore load of %d blocks failed: %s", len(shared), exc)
-                failed = {block_id for block_id, _ in shared}
-            progress = LayerProgress(self.store.timeout * (len(io.names) + 1))
-            future = self._layer_pool.submit(self._load_layers, dict(meta.sync_loads), meta.load_tokens, progress,
-                                             {block_id for block_id, _ in shared}, failed)
-            self._layer_load = (future, progress)
+            self._start_layer_load(meta, len(io.names))
             return
         for req_id, blocks in meta.sync_loads.items():
             # failures surface in this step's load errors
             self._load(req_id, blocks, meta.load_tokens.get(req_id), report=False)
+
+    def _start_layer_load(self, meta: KVStoreMetadata, layers: int) -> None:
+        """Start this step's in-step loads layer by layer on the layer-load thread."""
+        # vLLM writes a layer's new-token KV before that layer waits for its load: a block the load
+        # fills only partly (the new tokens go into it) is loaded now, before the forward.
+        shared = [plan[-1] for req_id, plan in meta.sync_loads.items()
+                  if plan and meta.load_tokens.get(req_id, 0) % self.block_size]
+        failed = self._read_or_fail(shared, "in-step") if shared else set()
+        progress = LayerProgress(self.store.timeout * (layers + 1))
+        future = self._layer_pool.submit(self._load_layers, dict(meta.sync_loads), meta.load_tokens, progress,
+                                         {block_id for block_id, _ in shared}, failed)
+        self._layer_load = (future, progress)
 
     def _wait_for_blocks(self, hashes: list[bytes], seconds: float) -> None:
         """P/D: block on the index mirror's watch until the producer's blocks are published."""
@@ -417,16 +417,22 @@ class KVStoreConnector(KVConnectorBase_V1):
                     io.write_block(block_id, buf)
         return {block_id for (block_id, _), ok in zip(blocks, found) if not ok}
 
-    def _load(self, req_id: str, blocks: list[tuple[int, bytes]], tokens: int | None = None, report: bool = True,
-              wait_s: float = 0.0) -> None:
-        started = time.perf_counter()
+    def _read_or_fail(self, blocks: list[tuple[int, bytes]], what: str, progress: LayerProgress | None = None,
+                      wait_s: float = 0.0) -> set[int]:
+        """`_read` (after waiting up to `wait_s` for P/D blocks still being published), with an error
+        failing every block: a failed load is a recompute, never a crash."""
         try:
             if wait_s > 0:
                 self._wait_for_blocks([h for _, h in blocks], wait_s)
-            failed = self._read(blocks)
+            return self._read(blocks, progress)
         except (KVStoreError, OSError, RuntimeError, ValueError) as exc:
-            log.warning("kvstore load for %s failed: %s", req_id, exc)
-            failed = {block_id for block_id, _ in blocks}
+            log.warning("kvstore load (%s) of %d blocks failed: %s", what, len(blocks), exc)
+            return {block_id for block_id, _ in blocks}
+
+    def _load(self, req_id: str, blocks: list[tuple[int, bytes]], tokens: int | None = None, report: bool = True,
+              wait_s: float = 0.0) -> None:
+        started = time.perf_counter()
+        failed = self._read_or_fail(blocks, req_id, wait_s=wait_s)
         self._account({req_id: blocks}, {req_id: tokens} if tokens is not None else {}, failed,
                       time.perf_counter() - started)
         with self._lock:
@@ -446,10 +452,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         started = time.perf_counter()
         blocks = [block for plan in loads.values() for block in plan if block[0] not in loaded]
         try:
-            failed = self._read(blocks, progress) | failed_before
-        except (KVStoreError, OSError, RuntimeError, ValueError) as exc:
-            log.warning("kvstore layer-by-layer load of %d blocks failed: %s", len(blocks), exc)
-            failed = {block_id for block_id, _ in blocks} | failed_before
+            failed = self._read_or_fail(blocks, "layer by layer", progress) | failed_before
         finally:
             progress.end()
         self._account(loads, tokens, failed, time.perf_counter() - started)

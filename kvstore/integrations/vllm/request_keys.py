@@ -49,9 +49,7 @@ def block_extra_keys(request: Any, block_size: int, num_tokens: int) -> list[byt
 
 def request_hashes(fingerprint: ModelFingerprint, request: Any, tokens: Sequence[int] | None = None) -> list[bytes]:
     """Store keys of the request's full prompt blocks (`tokens` defaults to its prompt)."""
-    tokens = list(request.prompt_token_ids or []) if tokens is None else list(tokens)
-    num_full = len(tokens) // fingerprint.block_size * fingerprint.block_size
-    return chain_hashes(fingerprint, tokens, extras=block_extra_keys(request, fingerprint.block_size, num_full))
+    return request_keys(fingerprint, request, tokens)[0]
 
 
 def request_keys(fingerprint: ModelFingerprint, request: Any,
