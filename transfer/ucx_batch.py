@@ -1,5 +1,9 @@
 """Ops on the UCX route: each Read/Write becomes one ucp_get_nbx/ucp_put_nbx, polled to completion and
-reported with the native engine's status codes, so `Batch`, `OpResult` and the typed errors stay the same."""
+reported with the native engine's status codes, so `Batch`, `OpResult` and the typed errors stay the same.
+
+A put completes *locally* (its source may be reused) before its bytes are at the peer, so every endpoint
+a batch writes to is flushed (`ucp_ep_flush_nbx`) and its writes are reported done only once the flush
+completes: a write reported done has landed."""
 from __future__ import annotations
 
 import ctypes
@@ -72,6 +76,8 @@ class UcxOps:
         self._bytes = [0] * len(items)
         self._pending: dict[int, int] = {}
         self._failed: set = set()  # endpoints to retire once their failed requests are collected
+        self._flushes: dict[int, Any] = {}  # flush request -> its endpoint
+        self._unflushed: dict[Any, list[int]] = {}  # endpoint -> writes whose put completed, awaiting its flush
         lib, params = U.lib(), {}
         for index, item in enumerate(items):
             if item.status != PENDING:
@@ -87,13 +93,40 @@ class UcxOps:
             call = lib.ucp_put_nbx if item.write else lib.ucp_get_nbx
             ptr = call(item.endpoint.handle, item.local, item.length, item.remote, item.rkey, param)
             status = U.status_of(ptr)
+            if item.write:
+                self._unflushed.setdefault(item.endpoint, [])
             if status is None:
                 self._pending[index] = ptr
             else:
                 self._finish(index, status)
+        for endpoint in list(self._unflushed):  # issued after the puts: it completes once they have landed
+            self._flush(endpoint)
         self._last_progress = time.monotonic()
 
+    def _flush(self, endpoint: "UcxEndpoint") -> None:
+        lib = U.lib()
+        ptr = lib.ucp_ep_flush_nbx(endpoint.handle, ctypes.byref(U.RequestParam()))
+        status = U.status_of(ptr)
+        if status is None:
+            self._flushes[ptr] = endpoint
+        else:
+            self._flushed(endpoint, status)
+
+    def _flushed(self, endpoint: "UcxEndpoint", status: int) -> None:
+        """The endpoint's flush finished: its completed writes have landed (or, on failure, are lost)."""
+        for index in self._unflushed.pop(endpoint, []):
+            self._settle(index, status)
+        if status != U.UCS_OK:
+            self._failed.add(endpoint)
+
     def _finish(self, index: int, status: int) -> None:
+        item = self._items[index]
+        if status == U.UCS_OK and item.write and item.endpoint in self._unflushed:
+            self._unflushed[item.endpoint].append(index)  # landed only when the flush says so
+        else:
+            self._settle(index, status)
+
+    def _settle(self, index: int, status: int) -> None:
         if status == U.UCS_OK:
             self._status[index], self._bytes[index] = DONE, self._items[index].length
         else:  # the endpoint failed (peer died, reset, unreachable): same meaning as a dead TCP peer
@@ -103,40 +136,51 @@ class UcxOps:
     def _poll(self) -> bool:
         """Progress once and collect finished requests; True when UCX did work or something finished
         (shared-memory copies advance only inside progress calls, so a waiter keeps calling while busy)."""
-        if not self._pending:
+        if not self._pending and not self._flushes:
             return False
         busy = self._node.progress() > 0
-        lib, finished = U.lib(), []
+        lib, finished, flushed = U.lib(), [], []
         for index, ptr in self._pending.items():
             status = lib.ucp_request_check_status(ptr)
             if status != U.UCS_INPROGRESS:
                 lib.ucp_request_free(ptr)
                 finished.append((index, status))
+        for ptr in self._flushes:
+            status = lib.ucp_request_check_status(ptr)
+            if status != U.UCS_INPROGRESS:
+                lib.ucp_request_free(ptr)
+                flushed.append((ptr, status))
         for index, status in finished:
             del self._pending[index]
             self._finish(index, status)
+        for ptr, status in flushed:  # after the puts, so a put that failed is not reported landed
+            self._flushed(self._flushes.pop(ptr), status)
         self._retire_failed("failed")
         now = time.monotonic()
-        if finished:
+        if finished or flushed:
             self._last_progress = now
         elif busy:
             self._last_progress = now
         elif now - self._last_progress > self._stall:
             self._stalled()
-        return busy or bool(finished)
+        return busy or bool(finished) or bool(flushed)
 
     def _stalled(self) -> None:
         """Nothing finished for the stall time: fail what is left and retire its endpoints (a forced
         close cancels the requests, so no late byte lands after the failure was reported)."""
-        for index in self._pending:
+        waiting = list(self._pending) + [i for indices in self._unflushed.values() for i in indices]
+        for index in waiting:
             self._status[index] = STALLED
             self._failed.add(self._items[index].endpoint)
+        self._failed.update(self._flushes.values())
         self._retire_failed("stalled past the stall timeout")
         lib = U.lib()
-        for ptr in self._pending.values():  # cancelled by the forced close; one still running is UCX's
+        for ptr in list(self._pending.values()) + list(self._flushes):  # cancelled by the forced close
             if lib.ucp_request_check_status(ptr) != U.UCS_INPROGRESS:
                 lib.ucp_request_free(ptr)
         self._pending.clear()
+        self._flushes.clear()
+        self._unflushed.clear()
 
     def _retire_failed(self, why: str) -> None:
         """Retire endpoints with failed ops (other ops of this batch on them fail too)."""
@@ -150,13 +194,16 @@ class UcxOps:
     def __len__(self) -> int:
         return len(self._items)
 
+    def _busy(self) -> bool:
+        return bool(self._pending or self._flushes)
+
     def done(self) -> bool:
         self._poll()
-        return not self._pending
+        return not self._busy()
 
     def wait(self, timeout: float) -> bool:
         deadline, busy = time.monotonic() + timeout, time.monotonic()
-        while self._pending:
+        while self._busy():
             if self._poll():
                 busy = time.monotonic()
                 continue

@@ -71,6 +71,20 @@ def test_write_lands_byte_for_byte(engine, spawn_peer, target):
     assert peer_proc.sha(target) == sha(expected)
 
 
+def test_a_write_reported_done_has_landed_at_the_peer(engine, spawn_peer):
+    # A put completes locally before its bytes reach the peer (UCX's tcp emulation buffers 4 MiB):
+    # without the endpoint flush, 36 of 40 of these whole-region writes were not there yet.
+    peer_proc = spawn_peer(size=4 << 20)
+    remote = engine.connect(peer_proc.descriptor, transport="ucx").region(peer_proc.regions["shm"])
+    rng = np.random.default_rng(1)
+    for _ in range(12):
+        source = rng.integers(0, 256, peer_proc.size, dtype=np.uint8)
+        local = engine.register(source)
+        engine.transfer([Write(local, 0, remote, 0, peer_proc.size)])
+        assert peer_proc.sha("shm") == sha(source)
+        engine.unregister(local)
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_read_returns_peer_bytes(engine, spawn_peer, target):
     peer_proc = spawn_peer(size=4 << 20, seed=11)
