@@ -1,5 +1,6 @@
 """The ucx records of `python -m benchmarks.transfer`: our engine over UCX, and the same UCX transport
-driven raw (ucp_put_nbx/ucp_get_nbx on the same ucxx endpoint and rkey, polled in a tight loop, no
+driven raw (ucp_put_nbx/ucp_get_nbx on the same ucxx endpoint and rkey, writes ended by
+ucp_ep_flush_nbx so both sides count a write done when it landed, polled in a tight loop, no
 Engine/Batch/plan on the path) in the same run, against the same target process; and, for scale,
 UCX's own C benchmark `ucx_perftest` (ucp_put_bw, ucp_get) on the same transports.
 
@@ -43,6 +44,7 @@ def _raw_runner(engine: Engine, peer, remote, local) -> Callable[[list[tuple[boo
     lib, endpoint, node = U.lib(), peer._ucx, engine._ucx
     memory = endpoint.rkey(remote.id)
     param = U.RequestParam(op_attr_mask=U.OP_FIELD_MEMH, memh=local._ucx.memh)
+    flush = U.RequestParam()
     ep, rkey, base, rbase, worker = endpoint.handle, memory.handle, local._ucx.address, memory.address, node.worker.handle
 
     def run(ops: list[tuple[bool, int, int, int]]) -> None:
@@ -55,6 +57,10 @@ def _raw_runner(engine: Engine, peer, remote, local) -> Callable[[list[tuple[boo
                 pending.append(ptr)
             elif status != U.UCS_OK:
                 raise RuntimeError(U.status_text(status))
+        if any(write for write, *_ in ops):  # a put is done once it landed, as ours reports it
+            ptr = lib.ucp_ep_flush_nbx(ep, ctypes.byref(flush))
+            if U.status_of(ptr) is None:
+                pending.append(ptr)
         while pending:
             lib.ucp_worker_progress(worker)
             left = []

@@ -71,6 +71,11 @@ void Batch::part_done(size_t op, int32_t status, uint64_t nbytes) {
 }
 
 bool Batch::wait(double timeout_s) {
+  if (poller_) return poller_->wait(timeout_s);
+  return wait_events(timeout_s);
+}
+
+bool Batch::wait_events(double timeout_s) {
   // Spin briefly before sleeping: a waiter that parks lets its vCPU idle, and waking an idle vCPU
   // costs tens of microseconds, more than a small transfer takes on loopback.
   auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);

@@ -37,6 +37,8 @@ enum class RegionKind : uint8_t { kMemory = 0, kFile = 1 };
 // registered; file regions own their descriptors.
 struct Region {
   uint64_t id = 0;
+  std::atomic<void*> ucx_memh{nullptr};  // set when UCX mapped it (the ucx route); Python unmaps it
+  std::atomic<bool> ucx_cuda{false};
   RegionKind kind = RegionKind::kMemory;
   uint8_t* base = nullptr;
   uint64_t size = 0;
@@ -63,6 +65,17 @@ class RegionTable {
   uint64_t next_id_ = 1;
 };
 
+// Drives ops that complete only when someone progresses them (the ucx route), for a Batch.
+class Poller {
+ public:
+  virtual ~Poller() = default;
+  virtual bool poll() = 0;                 // progress once; true when something happened
+  virtual bool wait(double timeout_s) = 0;  // progress until the batch is done (or timeout)
+  // After failed ops' endpoints were closed: wait until their requests are over (cancelled), so no
+  // byte of theirs lands later. False when some are still running at the timeout.
+  virtual bool settle(double timeout_s) = 0;
+};
+
 // Completion state of one submitted batch. An op may be split into parts (stripes); the op is
 // done when all parts are, and failed if any part failed (first error wins).
 class Batch {
@@ -72,7 +85,14 @@ class Batch {
   void set_parts(size_t op, uint32_t parts) { parts_[op].store(parts, std::memory_order_relaxed); }
   void part_done(size_t op, int32_t status, uint64_t nbytes);
   bool wait(double timeout_s);
-  bool done() const { return remaining_.load(std::memory_order_acquire) == 0; }
+  bool wait_events(double timeout_s);  // wait for part_done calls of other threads only
+  bool finished() const { return remaining_.load(std::memory_order_acquire) == 0; }
+  bool done() const {  // finished(), after progressing once when ops need progress (ucx)
+    if (!finished() && poller_) poller_->poll();
+    return finished();
+  }
+  void set_poller(std::unique_ptr<Poller> poller) { poller_ = std::move(poller); }
+  bool settle(double timeout_s) { return !poller_ || poller_->settle(timeout_s); }
   int32_t status(size_t op) const { return status_[op].load(std::memory_order_acquire); }
   uint64_t bytes(size_t op) const { return bytes_[op].load(std::memory_order_acquire); }
 
@@ -84,6 +104,7 @@ class Batch {
   std::atomic<size_t> remaining_;
   std::mutex mu_;
   std::condition_variable cv_;
+  std::unique_ptr<Poller> poller_;  // set once in submit(), before the batch is handed out
 };
 using BatchPtr = std::shared_ptr<Batch>;
 
@@ -122,7 +143,7 @@ struct RespHeader {
 #pragma pack(pop)
 
 struct Counters {
-  std::atomic<uint64_t> tcp_tx{0}, tcp_rx{0}, local_bytes{0}, file_bytes{0}, served_ops{0},
+  std::atomic<uint64_t> tcp_tx{0}, tcp_rx{0}, local_bytes{0}, file_bytes{0}, ucx_bytes{0}, served_ops{0},
       refused_ops{0};
 };
 

@@ -212,8 +212,45 @@ void Engine::serve(int fd, const WireKeys& keys) {
   }
 }
 
+uint32_t Engine::add_ucx_peer(uintptr_t worker, uintptr_t ep, int watch_fd) {
+  auto peer = std::make_shared<UcxPeer>(reinterpret_cast<void*>(worker), reinterpret_cast<void*>(ep), watch_fd);
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  uint32_t id = kUcxRoute | next_ucx_++;
+  ucx_peers_[id] = std::move(peer);
+  return id;
+}
+
+void Engine::ucx_key(uint32_t route, uint64_t region, const UcxKey& key) {
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  auto it = ucx_peers_.find(route);
+  if (it != ucx_peers_.end()) it->second->set_key(region, key);
+}
+
+void Engine::remove_ucx_peer(uint32_t route) {
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  ucx_peers_.erase(route);
+}
+
+std::vector<uint32_t> Engine::ucx_broken() {
+  std::vector<uint32_t> out;
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  for (auto& kv : ucx_peers_)
+    if (kv.second->broken()) out.push_back(kv.first);
+  return out;
+}
+
+bool Engine::set_ucx_memh(uint64_t region, uintptr_t memh, bool cuda) {
+  RegionPtr r = regions_.get(region);
+  if (!r) return false;
+  r->ucx_cuda.store(cuda);
+  r->ucx_memh.store(reinterpret_cast<void*>(memh));
+  return true;
+}
+
 BatchPtr Engine::submit(const std::vector<OpSpec>& ops) {
   auto batch = std::make_shared<Batch>(ops.size());
+  std::vector<UcxItem> ucx;
+  std::vector<UcxPeer*> ucx_checked;  // peers whose liveness this batch has checked
   std::vector<Piece> pieces;
   uint64_t local_bytes = 0;
   struct PeerOps {
@@ -269,6 +306,10 @@ BatchPtr Engine::submit(const std::vector<OpSpec>& ops) {
       local_bytes += op.len;
       continue;
     }
+    if (op.route & kUcxRoute) {
+      if (int32_t st = plan_ucx(op, i, local, &ucx, &ucx_checked); st != kOk) batch->part_done(i, st, 0);
+      continue;
+    }
     auto it = remote.find(op.route);
     if (it == remote.end()) {
       std::lock_guard<std::mutex> lock(peers_mu_);
@@ -284,7 +325,40 @@ BatchPtr Engine::submit(const std::vector<OpSpec>& ops) {
   for (auto& kv : remote)
     if (kv.second.peer) kv.second.peer->dispatch(kv.second.reqs);
   if (!pieces.empty()) run_pieces(batch, pieces, local_bytes);
+  if (!ucx.empty()) {
+    auto ops_ucx = std::make_unique<UcxOps>(batch.get(), std::move(ucx), stall_ms_, &counters_.ucx_bytes);
+    UcxOps* started = ops_ucx.get();
+    batch->set_poller(std::move(ops_ucx));
+    started->start();
+  }
   return batch;
+}
+
+int32_t Engine::plan_ucx(const OpSpec& op, uint32_t index, const RegionPtr& local, std::vector<UcxItem>* out,
+                         std::vector<UcxPeer*>* checked) {
+  if (!ucx_loaded()) return kInvalid;
+  UcxPeerPtr peer;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    auto it = ucx_peers_.find(op.route);
+    if (it != ucx_peers_.end()) peer = it->second;
+  }
+  if (!peer) return kPeerClosed;
+  if (std::find(checked->begin(), checked->end(), peer.get()) == checked->end()) {
+    // Without peer-failure handling UCX aborts this process on a dead peer: refuse it up front.
+    if (peer->gone()) peer->mark_broken();
+    checked->push_back(peer.get());
+  }
+  if (peer->broken()) return kPeerClosed;
+  UcxKey key;
+  if (!peer->key(op.remote_region, &key)) return kUnknownRegion;
+  if (!local->ucx_memh.load() || local->kind != RegionKind::kMemory) return kInvalid;
+  // Checked here against what the peer advertised: over tcp and shared memory UCX checks nothing.
+  if (!key.contains(op.remote_off, op.len)) return kOutOfBounds;
+  if (op.opcode == kWrite && key.readonly) return kReadOnly;
+  out->push_back(UcxItem{index, op.opcode == kWrite, std::move(peer), local, local->base + op.local_off,
+                         key.addr + op.remote_off, op.len, key.rkey});
+  return kOk;
 }
 
 void Engine::run_pieces(const BatchPtr& batch, std::vector<Piece>& pieces, uint64_t total) {
@@ -325,6 +399,7 @@ void Engine::run_pieces(const BatchPtr& batch, std::vector<Piece>& pieces, uint6
 std::map<std::string, uint64_t> Engine::stats() const {
   return {{"tcp_tx_bytes", counters_.tcp_tx.load()},       {"tcp_rx_bytes", counters_.tcp_rx.load()},
           {"local_bytes", counters_.local_bytes.load()},   {"file_bytes", counters_.file_bytes.load()},
+          {"ucx_bytes", counters_.ucx_bytes.load()},
           {"served_ops", counters_.served_ops.load()},     {"refused_ops", counters_.refused_ops.load()},
           {"bounce_bytes", budget_.used()},                {"bounce_limit", budget_.limit()}};
 }
@@ -342,6 +417,10 @@ void Engine::close() {
   }
   for (auto& kv : peers) kv.second->shutdown();
   peers.clear();
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    ucx_peers_.clear();
+  }
   pool_.stop();
   regions_.clear();
 }

@@ -12,6 +12,7 @@
 #include "aead.h"
 #include "common.h"
 #include "tcp.h"
+#include "ucx.h"
 
 namespace kvt {
 
@@ -30,6 +31,8 @@ class WorkerPool {
   std::vector<std::thread> threads_;
   bool stopping_ = false;
 };
+
+constexpr uint32_t kUcxRoute = 1u << 31;
 
 class Engine {
  public:
@@ -50,6 +53,13 @@ class Engine {
   void serve(int fd, const WireKeys& keys);
   int serving() const;  // data connections being served now
 
+  // The ucx route: Python's ucxx endpoint on `worker`; route ids have kUcxRoute set.
+  uint32_t add_ucx_peer(uintptr_t worker, uintptr_t ep, int watch_fd);
+  void ucx_key(uint32_t route, uint64_t region, const UcxKey& key);
+  void remove_ucx_peer(uint32_t route);
+  std::vector<uint32_t> ucx_broken();  // routes whose ops failed or stalled: Python retires them
+  bool set_ucx_memh(uint64_t region, uintptr_t memh, bool cuda);
+
   BatchPtr submit(const std::vector<OpSpec>& ops);
   std::map<std::string, uint64_t> stats() const;
   void close();
@@ -69,6 +79,8 @@ class Engine {
     int active = 0;
   };
   void run_pieces(const BatchPtr& batch, std::vector<Piece>& pieces, uint64_t total);
+  int32_t plan_ucx(const OpSpec& op, uint32_t index, const RegionPtr& local, std::vector<UcxItem>* out,
+                   std::vector<UcxPeer*>* checked);
   void stop_connections();
 
   uint64_t stall_ms_, stripe_bytes_;
@@ -77,6 +89,8 @@ class Engine {
   std::mutex peers_mu_;
   std::map<uint32_t, std::shared_ptr<Peer>> peers_;
   uint32_t next_peer_ = 1;
+  std::map<uint32_t, UcxPeerPtr> ucx_peers_;  // under peers_mu_
+  uint32_t next_ucx_ = 1;
   std::shared_ptr<Conns> conns_ = std::make_shared<Conns>();
   std::atomic<bool> closing_{false};
   BounceBudget budget_;

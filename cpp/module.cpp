@@ -34,6 +34,11 @@ PYBIND11_MODULE(_native, m) {
 
   kvt::add_index_probe(m);
 
+  m.def("ucx_load", [](const std::string& path) {
+    std::string err;
+    if (!kvt::ucx_load(path, &err)) throw std::runtime_error(err);
+  }, py::arg("libucp_path"), "Resolve the UCX calls of the ucx route from libucp (the copy ucxx loaded).");
+
   m.def("buffer_address", [](const py::buffer& b) {
     py::buffer_info info = b.request();
     return py::make_tuple(reinterpret_cast<uintptr_t>(info.ptr), info.size * info.itemsize, info.readonly);
@@ -44,8 +49,20 @@ PYBIND11_MODULE(_native, m) {
         py::gil_scoped_release nogil;
         return b.wait(timeout_s);
       }, py::arg("timeout_s"))
-      .def("done", &Batch::done)
+      .def("done", [](Batch& b) {
+        py::gil_scoped_release nogil;  // may progress UCX once
+        return b.done();
+      })
       .def("__len__", &Batch::size)
+      .def("settle", [](Batch& b, double timeout_s) {
+        py::gil_scoped_release nogil;
+        return b.settle(timeout_s);
+      }, py::arg("timeout_s"), "After a failure: wait until cancelled ucx requests are over.")
+      .def("failures", [](const Batch& b) {
+        size_t n = 0;
+        for (size_t i = 0; i < b.size(); ++i) n += b.status(i) != kvt::kOk;
+        return n;
+      }, "Ops not (yet) done and ok: 0 once a batch fully succeeded.")
       .def("statuses", [](const Batch& b) {
         std::vector<int32_t> out(b.size());
         for (size_t i = 0; i < b.size(); ++i) out[i] = b.status(i);
@@ -95,6 +112,16 @@ PYBIND11_MODULE(_native, m) {
         py::gil_scoped_release nogil;
         e.serve(fd, keys);
       }, py::arg("fd"), py::arg("tx"), py::arg("rx"))
+      .def("add_ucx_peer", &Engine::add_ucx_peer, py::arg("worker"), py::arg("ep"), py::arg("watch_fd"),
+           "A ucx route over a ucxx endpoint (handles stay owned by Python); returns its route id. watch_fd: "
+           "the peer's control socket when UCX cannot detect the peer's death itself, else -1.")
+      .def("ucx_key", [](Engine& e, uint32_t route, uint64_t region, uint64_t addr, uint64_t size, uintptr_t rkey,
+                         bool readonly) {
+        e.ucx_key(route, region, kvt::UcxKey{addr, size, reinterpret_cast<void*>(rkey), readonly});
+      }, py::arg("route"), py::arg("region"), py::arg("addr"), py::arg("size"), py::arg("rkey"), py::arg("readonly"))
+      .def("remove_ucx_peer", &Engine::remove_ucx_peer)
+      .def("ucx_broken", &Engine::ucx_broken, "ucx routes whose ops failed or stalled.")
+      .def("set_ucx_memh", &Engine::set_ucx_memh, py::arg("region"), py::arg("memh"), py::arg("cuda"))
       .def("submit", [](Engine& e, const py::buffer& flat) {
         std::vector<kvt::OpSpec> ops = parse_ops(flat);
         py::gil_scoped_release nogil;

@@ -13,10 +13,11 @@ class Batch:
     """Handle on a batch of ops moving in the background."""
 
     def __init__(self, native: _native.Batch, ops: Sequence[Op], on_done: Callable[[], None] | None = None,
-                 default_timeout: float = 30.0) -> None:
+                 default_timeout: float = 30.0, on_failure: Callable[[_native.Batch], None] | None = None) -> None:
         self._native = native
         self._ops = ops
         self._on_done = on_done
+        self._on_failure = on_failure  # runs before a failed batch's results are handed out
         self._default_timeout = default_timeout
 
     def __len__(self) -> int:
@@ -39,7 +40,12 @@ class Batch:
         if self._on_done is not None:
             self._on_done()
             self._on_done = None
+        if not self._native.failures():  # the common case, kept cheap: every op moved all its bytes
+            return [OpResult(True, op.length) for op in self._ops]
         results = self.results()
+        if self._on_failure is not None:
+            self._on_failure(self._native)
+            self._on_failure = None
         if raise_on_error:
             for index, result in enumerate(results):
                 if not result.ok:

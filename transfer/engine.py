@@ -1,11 +1,12 @@
 """The Transfer Engine: register memory, export it, connect to peers, move bytes in batches."""
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import uuid
 from array import array
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from . import _native
 from .batch import Batch
@@ -18,11 +19,20 @@ from .ops import Op, OpResult, Read, Write
 from .peer import Peer
 from .regions import Region, RemoteRegion, anonymous_shared, buffer_view
 from .ucx_routes import direct_cuda, start_ucx
-from .ucx_batch import MergedBatch, UcxOps, plan as ucx_plan
 
+log = logging.getLogger("transfer.engine")
 DEFAULT_STREAMS = 4
 DEFAULT_STRIPE = 256 * 1024
 DEFAULT_BOUNCE_LIMIT = 256 << 20  # bytes of bounce buffers the serving side may hold at once
+UCX_ROUTE = 1 << 31  # native route ids of UCX endpoints (cpp/engine.h kUcxRoute)
+
+
+def _stage_in(cuda_reads: list[Read]) -> Callable[[], None]:
+    """CUDA destinations: staged host bytes -> device, once the reads landed."""
+    def stage_in() -> None:
+        for op in cuda_reads:
+            op.local.sync_to_device(op.local_offset, op.length)
+    return stage_in
 
 
 def _split_endpoint(listen: str) -> tuple[str, int]:
@@ -82,6 +92,8 @@ class Engine:
         region._cuda_tensor = view.cuda_tensor
         if view.cuda_tensor is not None and self._ucx is not None:
             direct_cuda(self._ucx, region, view.cuda_tensor)
+            mapped = region._ucx
+            self._native.set_ucx_memh(region.id, mapped.memh if mapped else 0, bool(mapped and mapped.cuda))
         return region
 
     def allocate(self, size: int, *, remote_access: bool = True) -> Region:
@@ -123,6 +135,8 @@ class Engine:
         region = Region(rid, size, kind, readonly, remote_access, buffer=buffer, _keepalive=keepalive)
         if self._ucx is not None:
             region._ucx = self._ucx.try_map(address, size, readonly=readonly, exported=remote_access)
+            if region._ucx is not None:
+                self._native.set_ucx_memh(rid, region._ucx.memh, False)
         with self._lock:
             self._regions[rid] = region
         return region
@@ -212,48 +226,46 @@ class Engine:
     # --- transfers ---------------------------------------------------------------------------
     def submit(self, ops: Sequence[Op]) -> Batch:
         """Start moving every op; returns at once (tiny local batches finish before it returns)."""
-        self._check_open()
+        if self._closed:
+            raise EngineClosed(f"engine {self.name} is closed")
         if self._graveyard:
             self._sweep_graveyard()
         flat = array("Q")
-        native_index: list[int] = []
-        ucx_items, ucx_index = [], []
         cuda_reads: list[Read] = []
-        shm_peers: set[Peer] = set()
+        unwatched: set[Peer] = set()
+        ucx = False
         try:
-            for index, op in enumerate(ops):
-                if self._ucx is not None and (item := ucx_plan(op, self._regions)) is not None:
-                    ucx_items.append(item)
-                    ucx_index.append(index)
-                    shm_peers.add(op.remote.peer)  # same liveness check: UCX shared memory has no failure handler
-                    continue
-                native_index.append(index)
+            for op in ops:  # the per-op path of every small transfer: kept to plain lookups
                 encoded = self._encode(op)
                 flat.extend(encoded)
-                if encoded[1] == 0 and isinstance(op.remote, RemoteRegion):
-                    shm_peers.add(op.remote.peer)
-                if op.local._cuda_tensor is not None:
-                    if isinstance(op, Write):
-                        op.local.sync_from_device(op.local_offset, op.length)
+                route, local = encoded[1], op.local
+                if route & UCX_ROUTE:
+                    ucx = True
+                elif route == 0 and isinstance(op.remote, RemoteRegion):
+                    unwatched.add(op.remote.peer)
+                if local._cuda_tensor is not None and not (route & UCX_ROUTE and local._ucx.cuda):
+                    if isinstance(op, Write):  # (UCX moves mapped device memory itself: no staging)
+                        local.sync_from_device(op.local_offset, op.length)
                     else:
                         cuda_reads.append(op)
         except (OverflowError, TypeError) as exc:
             raise InvalidOp(f"offsets and lengths must be non-negative 64-bit integers: {exc}") from exc
-        for peer in shm_peers:  # copies into a dead peer's memory would "succeed" unseen
+        for peer in unwatched:  # copies into a dead peer's memory would "succeed" unseen
             if not peer.alive:
                 raise PeerUnreachable(f"{peer.name} is gone")
+        return Batch(self._native.submit(flat), ops, _stage_in(cuda_reads) if cuda_reads else None,
+                     default_timeout=self.stall_timeout * 2 + 5, on_failure=self._retire_broken_ucx if ucx else None)
 
-        def stage_in() -> None:  # CUDA destinations: staged host bytes -> device, once the reads landed
-            for op in cuda_reads:
-                op.local.sync_to_device(op.local_offset, op.length)
-
-        if ucx_items:  # all-UCX batches skip the native engine entirely
-            part = UcxOps(self._ucx, ucx_items, self.stall_timeout)
-            native = MergedBatch(self._native.submit(flat), native_index, part, ucx_index) if native_index else part
-        else:
-            native = self._native.submit(flat)
-        return Batch(native, ops, stage_in if cuda_reads else None,
-                     default_timeout=self.stall_timeout * 2 + 5)
+    def _retire_broken_ucx(self, batch: _native.Batch) -> None:
+        """After a failed batch: peers whose UCX ops failed or stalled stop using UCX (force-closed,
+        and the batch's cancelled requests waited out, so no late byte of a failed op lands
+        afterwards); their TCP streams carry on."""
+        broken = set(self._native.ucx_broken())
+        for peer in list(self._peers):
+            if peer._ucx_route in broken:
+                peer.retire_ucx()
+        if not batch.settle(1.0):
+            log.warning("%s: UCX requests of a failed batch still run after their endpoint closed", self.name)
 
     def _encode(self, op: Op) -> tuple[int, ...]:
         if not isinstance(op, (Read, Write)):
@@ -262,7 +274,7 @@ class Engine:
         if not isinstance(local, Region) or self._regions.get(local.id) is not local:
             raise UnknownRegion(f"local side of {op!r} is not registered with {self.name}")
         if isinstance(remote, RemoteRegion):
-            route, remote_id = remote.peer.route(remote)
+            route, remote_id = remote.peer.route(remote, local)
         elif isinstance(remote, Region) and self._regions.get(remote.id) is remote:
             route, remote_id = 0, remote.id
         else:

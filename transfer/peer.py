@@ -112,10 +112,14 @@ class Peer:
             self._ctl.close()
             raise
         self._ucx = None  # the UCX endpoint when the route is ucx (transfer/ucx.py)
+        self._ucx_route = 0  # its native route id while it serves
+        self._ucx_keyed: set[int] = set()  # peer regions the native route has an rkey for
         try:
             self._ucx = connect_ucx(engine._ucx, descriptor, transport, self.transport == "shm")
             if self._ucx is not None:
                 self.transport = "ucx"
+                watch = -1 if self._ucx.error_handling else self._ctl.fileno()
+                self._ucx_route = engine._native.add_ucx_peer(engine._ucx.worker.handle, self._ucx.handle, watch)
             self.refresh()
         except BaseException:
             self.close()
@@ -176,8 +180,13 @@ class Peer:
                 local = self._engine._register_view(mapping, size, readonly=readonly, remote_access=False, kind="shm")
                 self._mapped[rid] = _Mapped(local, mapping)
             self._remote[rid] = RemoteRegion(self, rid, size, shm=rid in self._mapped, readonly=readonly)
-            if self._ucx is not None and isinstance(entry.get("ucx"), dict):
-                self._ucx.advertise(rid, int(entry["ucx"]["addr"]), size, bytes.fromhex(str(entry["ucx"]["rkey"])))
+            if self._ucx_route and isinstance(entry.get("ucx"), dict):
+                address = int(entry["ucx"]["addr"])
+                self._ucx.advertise(rid, address, size, bytes.fromhex(str(entry["ucx"]["rkey"])))
+                memory = self._ucx.rkey(rid)
+                if memory is not None:
+                    self._engine._native.ucx_key(self._ucx_route, rid, address, size, memory.handle, readonly)
+                    self._ucx_keyed.add(rid)
 
     def region(self, region_id: int) -> RemoteRegion:
         """The peer's exported region `region_id` (refreshing the table once if it is new)."""
@@ -191,14 +200,27 @@ class Peer:
     def regions(self) -> list[RemoteRegion]:
         return sorted(self._remote.values(), key=lambda r: r.id)
 
-    def route(self, region: RemoteRegion) -> tuple[int, int]:
-        """(native route, region id): 0 and a local mapping for shared memory, else the TCP peer.
-        Shared-memory routes need no peer at copy time, so the caller checks `alive` (once a batch)."""
-        self._check_open()
+    def route(self, region: RemoteRegion, local: Region) -> tuple[int, int]:
+        """(native route, region id): 0 and a local mapping for shared memory, the ucx route when
+        both sides are mapped with UCX, else the TCP peer. Shared-memory routes cannot see the peer
+        die, so the caller checks `alive` once a batch (the native ucx route checks for itself)."""
+        if self._closed:
+            raise EngineClosed(f"peer {self.name} was closed")
         mapped = self._mapped.get(region.id)
         if mapped is not None:
             return 0, mapped.region.id
+        if self._ucx_route and local._ucx is not None and region.id in self._ucx_keyed:
+            return self._ucx_route, region.id
         return self._native_id, region.id
+
+    def retire_ucx(self) -> None:
+        """Stop using the UCX endpoint after an op on it failed or stalled (TCP streams carry on)."""
+        if not self._ucx_route:
+            return
+        self._engine._native.remove_ucx_peer(self._ucx_route)
+        self._ucx_route = 0
+        self._ucx_keyed.clear()
+        self._ucx.retire("an op on it failed or stalled")
 
     def stream_bytes(self) -> list[int]:
         """Payload bytes each TCP stream to this peer has carried (how evenly ops were striped)."""
@@ -210,7 +232,7 @@ class Peer:
         if self._closed:
             return False
         try:
-            readable, _, _ = select.select([self._ctl], [], [], 0)
+            readable, _, _ = select.select([self._ctl], [], [], 0)  # (a poll object is not thread-safe)
             if readable and not self._lock.locked():
                 return self._ctl.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
         except (OSError, ValueError):
@@ -235,6 +257,9 @@ class Peer:
                 pass  # an op still holds it; the mapping goes when the engine does
         self._mapped.clear()
         if self._ucx is not None:
+            if self._ucx_route:
+                self._engine._native.remove_ucx_peer(self._ucx_route)
+                self._ucx_route = 0
             self._ucx.close()
         self._ctl.close()
 

@@ -11,7 +11,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from . import ucx_api as U
+from . import _native, ucx_api as U
 from .errors import PeerUnreachable, UnsupportedBuffer
 
 log = logging.getLogger("transfer.ucx")
@@ -42,6 +42,7 @@ class UcxNode:
     def __init__(self, tls: str, name: str) -> None:
         from ucxx._lib import libucxx
 
+        _native.ucx_load(U.libucp_path())  # the data path's calls (cpp/ucx.cpp)
         self._ucxx = libucxx
         self.context = libucxx.UCXContext(config_dict={"TLS": tls})
         self.transports = tuple(sorted(set(_RESOURCE.findall(self.context.info))))
@@ -141,6 +142,7 @@ class UcxEndpoint:
     address_bytes: bytes
     remote: dict[int, RemoteMemory] = field(default_factory=dict)
     broken: str | None = None
+    error_handling: bool = True  # False: UCX cannot tell this endpoint's peer died (opt-in, see below)
 
     def __post_init__(self) -> None:
         import numpy as np
@@ -159,6 +161,7 @@ class UcxEndpoint:
                     f"(or set {UNSAFE_ENV}=1 to accept that a dying peer aborts this process)") from exc
             log.warning("%s: UCX endpoint without peer-failure handling (%s=1): a peer that dies mid-transfer "
                         "aborts this process", self.node.name, UNSAFE_ENV)
+            self.error_handling = False
             try:
                 self.ep = lib.UCXEndpoint.create_from_worker_address(self.node.worker, address, False)
             except Exception as exc2:

@@ -31,8 +31,8 @@ class RequestParam(ctypes.Structure):
 
 
 @lru_cache(maxsize=1)
-def lib() -> ctypes.CDLL:
-    """libucp as ucxx loaded it (the wheel's copy, or the system's when ucxx was told to prefer it)."""
+def libucp_path() -> str:
+    """libucp as ucxx loads it (the wheel's copy, or the system's when ucxx was told to prefer it)."""
     # UCX reads these when libucs loads (importing ucxx): its log lines go to stderr, never into a
     # stdout that a process speaks a protocol on; and no warning about ucxx's own UCX_MEMTYPE_CACHE.
     os.environ.setdefault("UCX_LOG_FILE", "stderr")
@@ -41,7 +41,15 @@ def lib() -> ctypes.CDLL:
     import ucxx  # noqa: F401  (loads libucs/libuct/libucp in the order they need)
 
     path = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0")
-    ucp = ctypes.CDLL(path if os.path.exists(path) else "libucp.so.0")
+    return path if os.path.exists(path) else "libucp.so.0"
+
+
+@lru_cache(maxsize=1)
+def lib() -> ctypes.CDLL:
+    """libucp via ctypes, for the control-path calls (mapping, rkeys, wire-up); the data path's
+    put/get/flush/progress run in the native module (cpp/ucx.cpp)."""
+    path = libucp_path()
+    ucp = ctypes.CDLL(path)
     sigs = {
         "ucp_mem_map": (c_int, [c_void_p, ctypes.POINTER(MemMapParams), ctypes.POINTER(c_void_p)]),
         "ucp_mem_unmap": (c_int, [c_void_p, c_void_p]),

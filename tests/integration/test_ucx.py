@@ -143,6 +143,19 @@ def test_peer_killed_mid_transfer_fails_fast_and_engine_survives(engine, spawn_p
     assert sha(np.frombuffer(dst.buffer, np.uint8)[: survivor.size]) == sha(survivor.expected())
 
 
+def test_a_peer_that_died_before_the_batch_is_refused_not_fatal(engine, spawn_peer, tls):
+    """Over UCX_TLS=sm (no peer-failure handling) a copy into a dead process makes UCX abort this one,
+    so the native route checks the peer's control socket once a batch and refuses instead."""
+    victim = spawn_peer(size=1 << 20)
+    peer = engine.connect(victim.descriptor, transport="ucx")
+    remote = peer.region(victim.regions["numpy"])
+    dst = engine.register(np.zeros(victim.size, np.uint8))
+    engine.transfer([Read(dst, 0, remote, 0, 4096)])
+    victim.kill()
+    with pytest.raises(PeerUnreachable):
+        engine.transfer([Read(dst, 0, remote, 0, 4096)], timeout=10)
+
+
 def test_stalled_peer(engine, spawn_peer, tls):
     """tcp, sm+tcp: UCX emulates RMA with the target's help, so a stopped target times out in the
     stall time. sm: RMA is truly one-sided (cross-memory attach), so a stopped target is still read."""
