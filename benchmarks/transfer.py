@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             bench_mooncake(hello, args, records)
         if "ucx" in systems:
             args.ucx_tls = args.ucx_tls or list(ucx_bench.TLS)
-            ucx_bench.bench_ucx(hello, args, records, Record, measure, latency_iters, report)
+            ucx_bench.bench_ucx(hello, args, records, Record, latency_iters, report)
             ucx_bench.bench_perftest(args, records, Record, report)
     finally:
         child.stdin.write("\n")

@@ -58,6 +58,15 @@ PYBIND11_MODULE(_native, m) {
         py::gil_scoped_release nogil;
         return b.settle(timeout_s);
       }, py::arg("timeout_s"), "After a failure: wait until cancelled ucx requests are over.")
+      .def("wait_failures", [](Batch& b, double timeout_s) -> long {
+        {
+          py::gil_scoped_release nogil;
+          if (!b.wait(timeout_s)) return -1;
+        }
+        long n = 0;
+        for (size_t i = 0; i < b.size(); ++i) n += b.status(i) != kvt::kOk;
+        return n;
+      }, py::arg("timeout_s"), "wait, then the number of failed ops (-1: not done in time): one call on the hot path.")
       .def("failures", [](const Batch& b) {
         size_t n = 0;
         for (size_t i = 0; i < b.size(); ++i) n += b.status(i) != kvt::kOk;
@@ -127,6 +136,19 @@ PYBIND11_MODULE(_native, m) {
         py::gil_scoped_release nogil;
         return e.submit(ops);
       })
+      .def("run", [](Engine& e, const py::buffer& flat, double timeout_s) {
+        std::vector<kvt::OpSpec> ops = parse_ops(flat);
+        BatchPtr batch;
+        long failures = 0;
+        {
+          py::gil_scoped_release nogil;
+          batch = e.submit(ops);
+          if (!batch->wait(timeout_s)) failures = -1;
+          for (size_t i = 0; failures >= 0 && i < batch->size(); ++i) failures += batch->status(i) != kvt::kOk;
+        }
+        return py::make_tuple(failures, failures ? py::cast(batch) : py::none());
+      }, py::arg("ops"), py::arg("timeout_s"),
+         "submit + wait in one call: (failed ops, or -1 when not done in time; the batch when not 0).")
       .def("stats", &Engine::stats)
       .def("close", [](Engine& e) {
         py::gil_scoped_release nogil;

@@ -12,6 +12,8 @@ from .ops import Op, OpResult
 class Batch:
     """Handle on a batch of ops moving in the background."""
 
+    __slots__ = ("_native", "_ops", "_on_done", "_default_timeout", "_on_failure")
+
     def __init__(self, native: _native.Batch, ops: Sequence[Op], on_done: Callable[[], None] | None = None,
                  default_timeout: float = 30.0, on_failure: Callable[[_native.Batch], None] | None = None) -> None:
         self._native = native
@@ -35,12 +37,13 @@ class Batch:
     def wait(self, timeout: float | None = None, *, raise_on_error: bool = True) -> list[OpResult]:
         """Block (without the GIL) until every op finished; raise the first op's typed error."""
         timeout = self._default_timeout if timeout is None else timeout
-        if not self._native.wait(timeout):
+        failures = self._native.wait_failures(timeout)
+        if failures < 0:
             raise TransferTimeout(f"batch of {len(self)} ops not done after {timeout:.3f}s")
         if self._on_done is not None:
             self._on_done()
             self._on_done = None
-        if not self._native.failures():  # the common case, kept cheap: every op moved all its bytes
+        if not failures:  # the common case, kept cheap: every op moved all its bytes
             return [OpResult(True, op.length) for op in self._ops]
         results = self.results()
         if self._on_failure is not None:

@@ -12,8 +12,8 @@ from . import _native
 from .batch import Batch
 from .descriptor import EngineDescriptor, host_id
 from .auth import WIRE_MODES
-from .errors import (EngineClosed, InvalidOp, MissingSecret, PeerUnreachable, TransferIOError, UnknownRegion,
-                     UnsupportedBuffer)
+from .errors import (EngineClosed, InvalidOp, MissingSecret, PeerUnreachable, TransferIOError, TransferTimeout,
+                     UnknownRegion, UnsupportedBuffer)
 from .listener import Listener
 from .ops import Op, OpResult, Read, Write
 from .peer import Peer
@@ -66,6 +66,7 @@ class Engine:
         if self.wire not in WIRE_MODES:
             raise ValueError(f"wire must be one of {WIRE_MODES}, not {wire!r}")
         self.stall_timeout = stall_timeout
+        self._timeout = stall_timeout * 2 + 5  # a batch's default wait: past every op's stall time
         self.streams = streams
         self._native = _native.Engine(int(stall_timeout * 1000), stripe_bytes, local_workers, bounce_limit)
         self._ucx = start_ucx(ucx, self.name)  # optional; `ucx` and $UCX_TLS say which UCX transports
@@ -226,6 +227,31 @@ class Engine:
     # --- transfers ---------------------------------------------------------------------------
     def submit(self, ops: Sequence[Op]) -> Batch:
         """Start moving every op; returns at once (tiny local batches finish before it returns)."""
+        flat, cuda_reads, ucx = self._prepare(ops)
+        return self._batch(self._native.submit(flat), ops, cuda_reads, ucx)
+
+    def transfer(self, ops: Sequence[Op], timeout: float | None = None) -> list[OpResult]:
+        """submit + wait: raises the first failed op's typed error."""
+        flat, cuda_reads, ucx = self._prepare(ops)
+        if cuda_reads:
+            return self._batch(self._native.submit(flat), ops, cuda_reads, ucx).wait(timeout)
+        # One native call for the whole round (small transfers are dominated by call overheads);
+        # the batch object is made only when something failed or timed out.
+        timeout = self._timeout if timeout is None else timeout
+        failures, native = self._native.run(flat, timeout)
+        if not failures:
+            return [OpResult(True, op.length) for op in ops]
+        if failures < 0:
+            raise TransferTimeout(f"batch of {len(ops)} ops not done after {timeout:.3f}s")
+        return self._batch(native, ops, cuda_reads, ucx).wait(0)
+
+    def _batch(self, native: _native.Batch, ops: Sequence[Op], cuda_reads: list[Read], ucx: bool) -> Batch:
+        return Batch(native, ops, _stage_in(cuda_reads) if cuda_reads else None, default_timeout=self._timeout,
+                     on_failure=self._retire_broken_ucx if ucx else None)
+
+    def _prepare(self, ops: Sequence[Op]) -> tuple[array, list[Read], bool]:
+        """The ops as the native engine takes them, the CUDA reads to stage in afterwards, and
+        whether any op takes the ucx route; CUDA sources are staged out here."""
         if self._closed:
             raise EngineClosed(f"engine {self.name} is closed")
         if self._graveyard:
@@ -235,8 +261,9 @@ class Engine:
         unwatched: set[Peer] = set()
         ucx = False
         try:
+            encode = self._encode
             for op in ops:  # the per-op path of every small transfer: kept to plain lookups
-                encoded = self._encode(op)
+                encoded = encode(op)
                 flat.extend(encoded)
                 route, local = encoded[1], op.local
                 if route & UCX_ROUTE:
@@ -253,8 +280,7 @@ class Engine:
         for peer in unwatched:  # copies into a dead peer's memory would "succeed" unseen
             if not peer.alive:
                 raise PeerUnreachable(f"{peer.name} is gone")
-        return Batch(self._native.submit(flat), ops, _stage_in(cuda_reads) if cuda_reads else None,
-                     default_timeout=self.stall_timeout * 2 + 5, on_failure=self._retire_broken_ucx if ucx else None)
+        return flat, cuda_reads, ucx
 
     def _retire_broken_ucx(self, batch: _native.Batch) -> None:
         """After a failed batch: peers whose UCX ops failed or stalled stop using UCX (force-closed,
@@ -280,10 +306,6 @@ class Engine:
         else:
             raise UnknownRegion(f"remote side of {op!r} is neither a peer's region nor ours")
         return (op.opcode, route, local.id, op.local_offset, remote_id, op.remote_offset, op.length)
-
-    def transfer(self, ops: Sequence[Op], timeout: float | None = None) -> list[OpResult]:
-        """submit + wait: raises the first failed op's typed error."""
-        return self.submit(ops).wait(timeout)
 
     def stats(self) -> dict[str, int]:
         """Bytes moved per transport and ops served/refused, since start."""
