@@ -326,7 +326,7 @@ BatchPtr Engine::submit(const std::vector<OpSpec>& ops) {
     if (kv.second.peer) kv.second.peer->dispatch(kv.second.reqs);
   if (!pieces.empty()) run_pieces(batch, pieces, local_bytes);
   if (!ucx.empty()) {
-    auto ops_ucx = std::make_unique<UcxOps>(batch.get(), std::move(ucx), stall_ms_, &counters_.ucx_bytes);
+    auto ops_ucx = std::make_unique<UcxOps>(batch.get(), std::move(ucx), stall_ms_, &counters_.ucx_bytes, ucx_gate_);
     UcxOps* started = ops_ucx.get();
     batch->set_poller(std::move(ops_ucx));
     started->start();
@@ -420,6 +420,10 @@ void Engine::close() {
   {
     std::lock_guard<std::mutex> lock(peers_mu_);
     ucx_peers_.clear();
+  }
+  {
+    std::unique_lock<std::shared_mutex> gate(ucx_gate_->mu);  // waits out UCX calls in progress
+    ucx_gate_->open = false;  // before Python destroys the UCX worker: batches stop calling into it
   }
   pool_.stop();
   regions_.clear();

@@ -90,6 +90,7 @@ class Engine {
   std::map<uint32_t, std::shared_ptr<Peer>> peers_;
   uint32_t next_peer_ = 1;
   std::map<uint32_t, UcxPeerPtr> ucx_peers_;  // under peers_mu_
+  UcxGatePtr ucx_gate_ = std::make_shared<UcxGate>();
   uint32_t next_ucx_ = 1;
   std::shared_ptr<Conns> conns_ = std::make_shared<Conns>();
   std::atomic<bool> closing_{false};

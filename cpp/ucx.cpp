@@ -115,17 +115,38 @@ bool UcxPeer::key(uint64_t region, UcxKey* out) {
   return true;
 }
 
-UcxOps::UcxOps(Batch* batch, std::vector<UcxItem> items, uint64_t stall_ms, std::atomic<uint64_t>* bytes)
-    : batch_(batch), items_(std::move(items)), stall_ms_(stall_ms), bytes_(bytes) {}
+UcxOps::UcxOps(Batch* batch, std::vector<UcxItem> items, uint64_t stall_ms, std::atomic<uint64_t>* bytes,
+               UcxGatePtr gate)
+    : batch_(batch), items_(std::move(items)), stall_ms_(stall_ms), bytes_(bytes), gate_(std::move(gate)) {}
 
 UcxOps::~UcxOps() {
+  std::shared_lock<std::shared_mutex> gate(gate_->mu);
+  if (!gate_->open) return;  // the worker (and its requests) may be gone already
   // A request still running when the batch is dropped is released by UCX when it completes.
   for (auto& r : pending_) g_api.request_free(r.ptr);
   for (void* ptr : abandoned_) g_api.request_free(ptr);
 }
 
+void UcxOps::fail_closed() {
+  std::vector<Request> left;
+  left.swap(pending_);
+  for (auto& r : left) {
+    if (r.item >= 0) {
+      batch_->part_done(items_[r.item].op, kClosed, 0);
+    } else {
+      for (const UcxItem& it : items_)
+        if (it.write && it.peer.get() == r.peer) batch_->part_done(it.op, kClosed, 0);
+    }
+  }
+}
+
 void UcxOps::start() {
   std::lock_guard<std::mutex> lock(mu_);
+  std::shared_lock<std::shared_mutex> gate(gate_->mu);
+  if (!gate_->open) {
+    for (auto& it : items_) batch_->part_done(it.op, kClosed, 0);
+    return;
+  }
   std::vector<UcxPeer*> written;
   RequestParam host, cuda;
   for (size_t i = 0; i < items_.size(); ++i) {
@@ -172,6 +193,11 @@ void UcxOps::flushed(UcxPeer* peer, int32_t status) {
 bool UcxOps::poll() {
   std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
   if (!lock.owns_lock() || pending_.empty()) return false;  // another thread is polling this batch
+  std::shared_lock<std::shared_mutex> gate(gate_->mu);
+  if (!gate_->open) {
+    fail_closed();
+    return true;
+  }
   bool busy = false;
   for (void* worker : workers_) busy |= g_api.worker_progress(worker) > 0;
   std::vector<std::pair<Request, int32_t>> finished;
@@ -217,6 +243,8 @@ void UcxOps::stall() {
 
 bool UcxOps::settle(double timeout_s) {
   std::lock_guard<std::mutex> lock(mu_);
+  std::shared_lock<std::shared_mutex> gate(gate_->mu);
+  if (!gate_->open) return false;
   auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
   for (;;) {
     for (size_t i = 0; i < abandoned_.size();) {

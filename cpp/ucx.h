@@ -4,6 +4,7 @@
 #pragma once
 
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -50,6 +51,14 @@ class UcxPeer {
 };
 using UcxPeerPtr = std::shared_ptr<UcxPeer>;
 
+// Whether UCX may still be called: closed by the engine before Python destroys the worker. Calls
+// into UCX hold it shared, so close() waits for those in progress.
+struct UcxGate {
+  std::shared_mutex mu;
+  bool open = true;
+};
+using UcxGatePtr = std::shared_ptr<UcxGate>;
+
 // One op on the ucx route, checked against the local region and the peer's key.
 struct UcxItem {
   uint32_t op;
@@ -66,7 +75,10 @@ struct UcxItem {
 // completes the batch's ops as requests finish. A write has two parts: its put and its flush.
 class UcxOps : public Poller {
  public:
-  UcxOps(Batch* batch, std::vector<UcxItem> items, uint64_t stall_ms, std::atomic<uint64_t>* bytes);
+  // Once `gate` closed (the engine closed; Python then destroys the UCX worker) this object never
+  // calls into UCX again: its ops fail, its requests are left to the worker's end.
+  UcxOps(Batch* batch, std::vector<UcxItem> items, uint64_t stall_ms, std::atomic<uint64_t>* bytes,
+         UcxGatePtr gate);
   ~UcxOps() override;
   void start();
   bool poll() override;
@@ -82,11 +94,13 @@ class UcxOps : public Poller {
   void complete(const Request& r, int32_t ucs_status);
   void flushed(UcxPeer* peer, int32_t status);
   void stall();
+  void fail_closed();
 
   Batch* batch_;  // owns this object
   std::vector<UcxItem> items_;
   uint64_t stall_ms_;
   std::atomic<uint64_t>* bytes_;
+  UcxGatePtr gate_;
   std::mutex mu_;  // poll() runs from any thread that waits on or polls the batch
   std::vector<Request> pending_;
   std::vector<void*> abandoned_;  // stalled requests, released with the batch

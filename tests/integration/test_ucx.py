@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests_support import sha, wait_until_stopped
-from transfer import Engine, OutOfBounds, PeerUnreachable, Read, ReadOnlyRegion, RemoteRegion, TransferTimeout, Write
+from transfer import Engine, EngineClosed, OutOfBounds, PeerUnreachable, Read, ReadOnlyRegion, RemoteRegion, TransferTimeout, Write
 from transfer.ucx import UNSAFE_ENV
 from transfer.ucx_routes import unavailable
 
@@ -154,6 +154,28 @@ def test_a_peer_that_died_before_the_batch_is_refused_not_fatal(engine, spawn_pe
     victim.kill()
     with pytest.raises(PeerUnreachable):
         engine.transfer([Read(dst, 0, remote, 0, 4096)], timeout=10)
+
+
+def test_a_batch_that_outlives_its_engine_fails_and_never_touches_ucx_again(spawn_peer, tls):
+    """The engine's close lets UCX go (ucxx destroys the worker): a batch still in flight then fails
+    with EngineClosed, and waiting on it or dropping it later calls nothing of the dead worker."""
+    if tls == "sm":
+        pytest.skip("cma reads a stopped process at once: nothing stays in flight")
+    peer_proc = spawn_peer(size=1 << 20)
+    engine = Engine("short-lived", insecure=True, ucx=tls, stall_timeout=30.0)
+    remote = engine.connect(peer_proc.descriptor, transport="ucx").region(peer_proc.regions["numpy"])
+    dst = engine.register(np.zeros(peer_proc.size, np.uint8))
+    os.kill(peer_proc.proc.pid, signal.SIGSTOP)
+    wait_until_stopped(peer_proc.proc.pid)
+    try:
+        batch = engine.submit([Read(dst, 0, remote, 0, peer_proc.size)])
+        assert not batch.done()
+        engine.close()
+        with pytest.raises(EngineClosed):
+            batch.wait(5)
+        del batch
+    finally:
+        os.kill(peer_proc.proc.pid, signal.SIGCONT)
 
 
 def test_stalled_peer(engine, spawn_peer, tls):
