@@ -127,17 +127,19 @@ UcxOps::~UcxOps() {
   for (void* ptr : abandoned_) g_api.request_free(ptr);
 }
 
+void UcxOps::fail(const Request& r, int32_t status) {
+  if (r.item >= 0) {
+    batch_->part_done(items_[r.item].op, status, 0);
+    return;
+  }
+  for (const UcxItem& it : items_)  // a flush: the second part of every write on its endpoint
+    if (it.write && it.peer.get() == r.peer) batch_->part_done(it.op, status, 0);
+}
+
 void UcxOps::fail_closed() {
   std::vector<Request> left;
   left.swap(pending_);
-  for (auto& r : left) {
-    if (r.item >= 0) {
-      batch_->part_done(items_[r.item].op, kClosed, 0);
-    } else {
-      for (const UcxItem& it : items_)
-        if (it.write && it.peer.get() == r.peer) batch_->part_done(it.op, kClosed, 0);
-    }
-  }
+  for (auto& r : left) fail(r, kClosed);
 }
 
 void UcxOps::start() {
@@ -223,22 +225,15 @@ bool UcxOps::poll() {
 
 void UcxOps::stall() {
   // Nothing finished for the stall time: fail what is left. Python then force-closes the broken
-  // endpoints, which cancels these requests; they are released only with the batch, because a
-  // request released while running keeps going (measured: late bytes of a resumed peer landed).
+  // endpoints, which cancels these requests, and settle() waits until they are over (a stalled
+  // peer that resumed was measured landing late bytes of a get otherwise).
   std::vector<Request> left;
   left.swap(pending_);
   for (auto& r : left) {
     r.peer->mark_broken();
     abandoned_.push_back(r.ptr);
   }
-  for (auto& r : left) {
-    if (r.item >= 0) {
-      batch_->part_done(items_[r.item].op, kTimeout, 0);
-    } else {
-      for (const UcxItem& it : items_)
-        if (it.write && it.peer.get() == r.peer) batch_->part_done(it.op, kTimeout, 0);
-    }
-  }
+  for (auto& r : left) fail(r, kTimeout);
 }
 
 bool UcxOps::settle(double timeout_s) {

@@ -93,6 +93,7 @@ class UcxOps : public Poller {
   };
   void complete(const Request& r, int32_t ucs_status);
   void flushed(UcxPeer* peer, int32_t status);
+  void fail(const Request& r, int32_t status);  // the parts `r` stood for, failed with `status`
   void stall();
   void fail_closed();
 
