@@ -39,6 +39,7 @@ struct Region {
   uint64_t id = 0;
   std::atomic<void*> ucx_memh{nullptr};  // set when UCX mapped it (the ucx route); Python unmaps it
   std::atomic<bool> ucx_cuda{false};
+  std::atomic<uint8_t*> ucx_base{nullptr};  // what UCX mapped: `base`, or a CUDA region's device memory
   RegionKind kind = RegionKind::kMemory;
   uint8_t* base = nullptr;
   uint64_t size = 0;
@@ -74,6 +75,8 @@ class Poller {
   // After failed ops' endpoints were closed: wait until their requests are over (cancelled), so no
   // byte of theirs lands later. False when some are still running at the timeout.
   virtual bool settle(double timeout_s) = 0;
+  // The caller gives up on the batch (it timed out): fail what is left as a stall would.
+  virtual void abandon() = 0;
 };
 
 // Completion state of one submitted batch. An op may be split into parts (stripes); the op is
@@ -93,6 +96,9 @@ class Batch {
   }
   void set_poller(std::unique_ptr<Poller> poller) { poller_ = std::move(poller); }
   bool settle(double timeout_s) { return !poller_ || poller_->settle(timeout_s); }
+  void abandon() {
+    if (poller_) poller_->abandon();
+  }
   int32_t status(size_t op) const { return status_[op].load(std::memory_order_acquire); }
   uint64_t bytes(size_t op) const { return bytes_[op].load(std::memory_order_acquire); }
 

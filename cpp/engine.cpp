@@ -227,8 +227,15 @@ void Engine::ucx_key(uint32_t route, uint64_t region, const UcxKey& key) {
 }
 
 void Engine::remove_ucx_peer(uint32_t route) {
-  std::lock_guard<std::mutex> lock(peers_mu_);
-  ucx_peers_.erase(route);
+  UcxPeerPtr peer;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    auto it = ucx_peers_.find(route);
+    if (it == ucx_peers_.end()) return;
+    peer = std::move(it->second);
+    ucx_peers_.erase(it);
+  }
+  peer->retire();  // returns once no batch is issuing ops on it: Python may close the endpoint
 }
 
 std::vector<uint32_t> Engine::ucx_broken() {
@@ -239,10 +246,11 @@ std::vector<uint32_t> Engine::ucx_broken() {
   return out;
 }
 
-bool Engine::set_ucx_memh(uint64_t region, uintptr_t memh, bool cuda) {
+bool Engine::set_ucx_memh(uint64_t region, uintptr_t memh, bool cuda, uintptr_t address) {
   RegionPtr r = regions_.get(region);
   if (!r) return false;
   r->ucx_cuda.store(cuda);
+  r->ucx_base.store(reinterpret_cast<uint8_t*>(address));
   r->ucx_memh.store(reinterpret_cast<void*>(memh));
   return true;
 }
@@ -356,7 +364,8 @@ int32_t Engine::plan_ucx(const OpSpec& op, uint32_t index, const RegionPtr& loca
   // Checked here against what the peer advertised: over tcp and shared memory UCX checks nothing.
   if (!key.contains(op.remote_off, op.len)) return kOutOfBounds;
   if (op.opcode == kWrite && key.readonly) return kReadOnly;
-  out->push_back(UcxItem{index, op.opcode == kWrite, std::move(peer), local, local->base + op.local_off,
+  uint8_t* base = local->ucx_base.load();
+  out->push_back(UcxItem{index, op.opcode == kWrite, std::move(peer), local, (base ? base : local->base) + op.local_off,
                          key.addr + op.remote_off, op.len, key.rkey});
   return kOk;
 }

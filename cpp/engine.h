@@ -58,7 +58,7 @@ class Engine {
   void ucx_key(uint32_t route, uint64_t region, const UcxKey& key);
   void remove_ucx_peer(uint32_t route);
   std::vector<uint32_t> ucx_broken();  // routes whose ops failed or stalled: Python retires them
-  bool set_ucx_memh(uint64_t region, uintptr_t memh, bool cuda);
+  bool set_ucx_memh(uint64_t region, uintptr_t memh, bool cuda, uintptr_t address);
 
   BatchPtr submit(const std::vector<OpSpec>& ops);
   std::map<std::string, uint64_t> stats() const;

@@ -54,6 +54,10 @@ PYBIND11_MODULE(_native, m) {
         return b.done();
       })
       .def("__len__", &Batch::size)
+      .def("abandon", [](Batch& b) {
+        py::gil_scoped_release nogil;
+        b.abandon();
+      }, "The caller gives up on the batch (timed out): its ucx ops fail as stalled.")
       .def("settle", [](Batch& b, double timeout_s) {
         py::gil_scoped_release nogil;
         return b.settle(timeout_s);
@@ -128,9 +132,13 @@ PYBIND11_MODULE(_native, m) {
                          bool readonly) {
         e.ucx_key(route, region, kvt::UcxKey{addr, size, reinterpret_cast<void*>(rkey), readonly});
       }, py::arg("route"), py::arg("region"), py::arg("addr"), py::arg("size"), py::arg("rkey"), py::arg("readonly"))
-      .def("remove_ucx_peer", &Engine::remove_ucx_peer)
       .def("ucx_broken", &Engine::ucx_broken, "ucx routes whose ops failed or stalled.")
-      .def("set_ucx_memh", &Engine::set_ucx_memh, py::arg("region"), py::arg("memh"), py::arg("cuda"))
+      .def("set_ucx_memh", &Engine::set_ucx_memh, py::arg("region"), py::arg("memh"), py::arg("cuda"),
+           py::arg("address"), "The region's UCX mapping: memory handle, memory type and mapped address.")
+      .def("remove_ucx_peer", [](Engine& e, uint32_t route) {
+        py::gil_scoped_release nogil;  // waits out batches issuing ops on it
+        e.remove_ucx_peer(route);
+      })
       .def("submit", [](Engine& e, const py::buffer& flat) {
         std::vector<kvt::OpSpec> ops = parse_ops(flat);
         py::gil_scoped_release nogil;

@@ -102,6 +102,12 @@ bool UcxPeer::gone() const {
   return ::recv(watch_fd_, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
 }
 
+void UcxPeer::retire() {
+  std::unique_lock<std::shared_mutex> lock(use);
+  retired = true;
+  mark_broken();
+}
+
 void UcxPeer::set_key(uint64_t region, const UcxKey& key) {
   std::lock_guard<std::mutex> lock(mu_);
   keys_[region] = key;
@@ -150,9 +156,19 @@ void UcxOps::start() {
     return;
   }
   std::vector<UcxPeer*> written;
+  std::vector<std::shared_lock<std::shared_mutex>> using_peers;  // held while ops are issued
+  std::vector<UcxPeer*> used;
   RequestParam host, cuda;
   for (size_t i = 0; i < items_.size(); ++i) {
     UcxItem& it = items_[i];
+    if (std::find(used.begin(), used.end(), it.peer.get()) == used.end()) {
+      used.push_back(it.peer.get());
+      using_peers.emplace_back(it.peer->use);
+    }
+    if (it.peer->retired) {  // retired (its endpoint closing) between planning and now
+      batch_->part_done(it.op, kPeerClosed, 0);
+      continue;
+    }
     if (std::find(workers_.begin(), workers_.end(), it.peer->worker()) == workers_.end())
       workers_.push_back(it.peer->worker());
     RequestParam& param = it.local->ucx_cuda.load() ? cuda : host;
@@ -171,6 +187,7 @@ void UcxOps::start() {
   }
   RequestParam plain;
   for (UcxPeer* peer : written) {  // issued after the puts: completes once they have landed
+    if (peer->retired) continue;  // (its writes all failed above)
     void* ptr = g_api.ep_flush_nbx(peer->ep(), &plain);
     if (is_request(ptr)) pending_.push_back(Request{ptr, -1, peer});
     else flushed(peer, status_of(ptr));
@@ -217,8 +234,10 @@ bool UcxOps::poll() {
   // Puts before flushes: a write whose put failed is reported as such, not as landed.
   std::stable_partition(finished.begin(), finished.end(), [](const auto& f) { return f.first.item >= 0; });
   for (auto& f : finished) complete(f.first, f.second);
+  // Only our own completions count as progress: other traffic on the shared worker must not keep
+  // a stopped peer's ops from stalling out.
   auto now = std::chrono::steady_clock::now();
-  if (busy || !finished.empty()) last_progress_ = now;
+  if (!finished.empty()) last_progress_ = now;
   else if (!pending_.empty() && now - last_progress_ > std::chrono::milliseconds(stall_ms_)) stall();
   return busy || !finished.empty();
 }
@@ -234,6 +253,13 @@ void UcxOps::stall() {
     abandoned_.push_back(r.ptr);
   }
   for (auto& r : left) fail(r, kTimeout);
+}
+
+void UcxOps::abandon() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::shared_lock<std::shared_mutex> gate(gate_->mu);
+  if (!gate_->open) return fail_closed();
+  stall();
 }
 
 bool UcxOps::settle(double timeout_s) {
@@ -260,12 +286,16 @@ bool UcxOps::settle(double timeout_s) {
 
 bool UcxOps::wait(double timeout_s) {
   using clock = std::chrono::steady_clock;
-  auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
+  // Below 0: no deadline (as Batch::wait_events); huge values must not overflow the clock.
+  bool forever = timeout_s < 0 || timeout_s > 1e7;
+  auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
+                                     std::chrono::duration<double>(forever ? 0.0 : timeout_s));
   auto busy_at = clock::now();
   for (;;) {
     bool busy = poll();
     if (batch_->finished()) return true;
     auto now = clock::now();
+    if (!forever && now >= deadline) return false;
     if (busy) {
       busy_at = now;
       continue;
@@ -274,11 +304,11 @@ bool UcxOps::wait(double timeout_s) {
       std::lock_guard<std::mutex> lock(mu_);
       if (pending_.empty()) break;  // the rest are other routes' parts: wait on their events
     }
-    if (now >= deadline) return false;
     auto idle = now - busy_at;
     if (idle > kSpin)  // idle for a while: let UCX's progress thread (and a local peer) have the CPU
       std::this_thread::sleep_for(std::min<clock::duration>(std::chrono::milliseconds(1), idle / 10));
   }
+  if (forever) return batch_->wait_events(-1);
   double left = std::chrono::duration<double>(deadline - clock::now()).count();
   return batch_->wait_events(std::max(0.0, left));
 }

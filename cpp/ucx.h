@@ -40,6 +40,11 @@ class UcxPeer {
   void* ep() const { return ep_; }
   void mark_broken() { broken_.store(true, std::memory_order_release); }
   bool broken() const { return broken_.load(std::memory_order_acquire); }
+  // Issuing ops holds `use` shared; retire() takes it exclusively, so once it returns no op is
+  // being issued on the endpoint and none will be: Python may close it and destroy its rkeys.
+  std::shared_mutex use;
+  bool retired = false;  // under `use`
+  void retire();
 
  private:
   void* worker_;
@@ -84,6 +89,7 @@ class UcxOps : public Poller {
   bool poll() override;
   bool wait(double timeout_s) override;
   bool settle(double timeout_s) override;
+  void abandon() override;
 
  private:
   struct Request {

@@ -26,29 +26,46 @@ class Batch:
         return len(self._native)
 
     def done(self) -> bool:
-        return self._native.done()
+        if not self._native.done():
+            return False
+        if self._on_failure is not None and self._native.failures():
+            self._failed()
+        return True
 
     def results(self) -> list[OpResult]:
         """Per-op outcome so far (`status` 1 = still pending)."""
         statuses, counts = self._native.statuses(), self._native.byte_counts()
+        if self._on_failure is not None and any(s not in (0, 1) for s in statuses):
+            self._failed()
         return [OpResult(s == 0, n, None if s in (0, 1) else STATUS_NAMES.get(s, f"status {s}"), s)
                 for s, n in zip(statuses, counts)]
+
+    def _failed(self) -> None:
+        """Once, whoever sees a failure first: the engine retires what failed (ucx endpoints)."""
+        on_failure, self._on_failure = self._on_failure, None
+        if on_failure is not None:
+            on_failure(self._native)
+
+    def give_up(self) -> None:
+        """The caller stops waiting (a timeout): ops still in flight on the ucx route fail as
+        stalled and their endpoints are retired, so none of their bytes lands later."""
+        if self._on_failure is not None:
+            self._native.abandon()
+            self._failed()
 
     def wait(self, timeout: float | None = None, *, raise_on_error: bool = True) -> list[OpResult]:
         """Block (without the GIL) until every op finished; raise the first op's typed error."""
         timeout = self._default_timeout if timeout is None else timeout
         failures = self._native.wait_failures(timeout)
         if failures < 0:
+            self.give_up()
             raise TransferTimeout(f"batch of {len(self)} ops not done after {timeout:.3f}s")
         if self._on_done is not None:
             self._on_done()
             self._on_done = None
         if not failures:  # the common case, kept cheap: every op moved all its bytes
             return [OpResult(True, op.length) for op in self._ops]
-        results = self.results()
-        if self._on_failure is not None:
-            self._on_failure(self._native)
-            self._on_failure = None
+        results = self.results()  # (runs the failure hook)
         if raise_on_error:
             for index, result in enumerate(results):
                 if not result.ok:

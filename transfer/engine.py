@@ -73,6 +73,7 @@ class Engine:
         self._regions: dict[int, Region] = {}
         self._peers: list[Peer] = []
         self._graveyard: list[Region] = []  # unregistered while ops still used them
+        self._orphans: list[_native.Batch] = []  # failed ucx batches whose cancelled requests still ran
         self._lock = threading.Lock()
         self._closed = False
         self._listener: Listener | None = None
@@ -93,8 +94,9 @@ class Engine:
         region._cuda_tensor = view.cuda_tensor
         if view.cuda_tensor is not None and self._ucx is not None:
             direct_cuda(self._ucx, region, view.cuda_tensor)
-            mapped = region._ucx
-            self._native.set_ucx_memh(region.id, mapped.memh if mapped else 0, bool(mapped and mapped.cuda))
+            mapped = region._ucx  # the device memory itself (not the staging copy), or nothing
+            self._native.set_ucx_memh(region.id, mapped.memh if mapped else 0, bool(mapped and mapped.cuda),
+                                      mapped.address if mapped else 0)
         return region
 
     def allocate(self, size: int, *, remote_access: bool = True) -> Region:
@@ -137,7 +139,7 @@ class Engine:
         if self._ucx is not None:
             region._ucx = self._ucx.try_map(address, size, readonly=readonly, exported=remote_access)
             if region._ucx is not None:
-                self._native.set_ucx_memh(rid, region._ucx.memh, False)
+                self._native.set_ucx_memh(rid, region._ucx.memh, False, region._ucx.address)
         with self._lock:
             self._regions[rid] = region
         return region
@@ -241,9 +243,11 @@ class Engine:
         failures, native = self._native.run(flat, timeout)
         if not failures:
             return [OpResult(True, op.length) for op in ops]
+        batch = self._batch(native, ops, cuda_reads, ucx)
         if failures < 0:
+            batch.give_up()
             raise TransferTimeout(f"batch of {len(ops)} ops not done after {timeout:.3f}s")
-        return self._batch(native, ops, cuda_reads, ucx).wait(0)
+        return batch.wait(0)
 
     def _batch(self, native: _native.Batch, ops: Sequence[Op], cuda_reads: list[Read], ucx: bool) -> Batch:
         return Batch(native, ops, _stage_in(cuda_reads) if cuda_reads else None, default_timeout=self._timeout,
@@ -290,8 +294,10 @@ class Engine:
         for peer in list(self._peers):
             if peer._ucx_route in broken:
                 peer.retire_ucx()
-        if not batch.settle(1.0):
+        self._orphans = [b for b in self._orphans if not b.settle(0)]
+        if not batch.settle(1.0) and not self._closed:  # keep it (and its regions) until they are over
             log.warning("%s: UCX requests of a failed batch still run after their endpoint closed", self.name)
+            self._orphans.append(batch)
 
     def _encode(self, op: Op) -> tuple[int, ...]:
         if not isinstance(op, (Read, Write)):

@@ -215,11 +215,10 @@ class Peer:
 
     def retire_ucx(self) -> None:
         """Stop using the UCX endpoint after an op on it failed or stalled (TCP streams carry on)."""
-        if not self._ucx_route:
+        route, self._ucx_route = self._ucx_route, 0  # new ops take the TCP streams from here on
+        if not route:
             return
-        self._engine._native.remove_ucx_peer(self._ucx_route)
-        self._ucx_route = 0
-        self._ucx_keyed.clear()
+        self._engine._native.remove_ucx_peer(route)  # returns once no op is being issued on it
         self._ucx.retire("an op on it failed or stalled")
 
     def stream_bytes(self) -> list[int]:
@@ -257,9 +256,9 @@ class Peer:
                 pass  # an op still holds it; the mapping goes when the engine does
         self._mapped.clear()
         if self._ucx is not None:
-            if self._ucx_route:
-                self._engine._native.remove_ucx_peer(self._ucx_route)
-                self._ucx_route = 0
+            route, self._ucx_route = self._ucx_route, 0
+            if route:
+                self._engine._native.remove_ucx_peer(route)  # before the endpoint and its rkeys go
             self._ucx.close()
         self._ctl.close()
 

@@ -8,6 +8,7 @@ import ctypes
 import logging
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -143,6 +144,8 @@ class UcxEndpoint:
     remote: dict[int, RemoteMemory] = field(default_factory=dict)
     broken: str | None = None
     error_handling: bool = True  # False: UCX cannot tell this endpoint's peer died (opt-in, see below)
+    _replaced: list[int] = field(default_factory=list)  # rkeys re-advertised away, destroyed at close
+    _closing: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         import numpy as np
@@ -197,7 +200,7 @@ class UcxEndpoint:
         if old is not None and (old.packed, old.address, old.size) == (packed, address, size):
             return
         if old is not None and old.handle:
-            U.lib().ucp_rkey_destroy(old.handle)
+            self._replaced.append(old.handle)  # ops issued with it may still run: destroyed at close
         self.remote[region_id] = RemoteMemory(address, size, packed)
 
     def rkey(self, region_id: int) -> RemoteMemory | None:
@@ -220,13 +223,16 @@ class UcxEndpoint:
         self.close()
 
     def close(self) -> None:
-        for memory in self.remote.values():
-            if memory.handle:
-                U.lib().ucp_rkey_destroy(memory.handle)
-                memory.handle = 0
-        self.remote.clear()
-        if self.ep.alive:  # ucxx crashes closing an endpoint that an error already closed
-            try:  # with peer-failure handling ucxx closes by force: outstanding requests are cancelled
-                self.ep.close_blocking(CLOSE_WAIT_NS, 3)
-            except Exception:
-                pass
+        """Close the endpoint, then destroy its rkeys (UCX: only once no op uses them). The caller
+        has removed the native route first, so no op is being issued on it any more."""
+        with self._closing:  # retire (after a failure) and Peer.close may race
+            if self.ep.alive:  # ucxx crashes closing an endpoint that an error already closed
+                try:  # with peer-failure handling ucxx closes by force: outstanding requests are cancelled
+                    self.ep.close_blocking(CLOSE_WAIT_NS, 3)
+                except Exception:
+                    pass
+            handles = [m.handle for m in self.remote.values() if m.handle] + self._replaced
+            self.remote.clear()
+            self._replaced = []
+            for handle in handles:
+                U.lib().ucp_rkey_destroy(handle)

@@ -178,6 +178,67 @@ def test_a_batch_that_outlives_its_engine_fails_and_never_touches_ucx_again(spaw
         os.kill(peer_proc.proc.pid, signal.SIGCONT)
 
 
+def test_a_transfer_given_up_before_the_stall_time_leaves_no_late_bytes(spawn_peer, tls):
+    """transfer(timeout) shorter than the stall time: the op is abandoned, its endpoint retired and its
+    request waited out, so the peer resuming later writes nothing into the caller's buffer."""
+    if tls == "sm":
+        pytest.skip("cma reads a stopped process at once: nothing stays in flight")
+    peer_proc = spawn_peer(size=1 << 20)
+    with Engine("impatient", insecure=True, ucx=tls, stall_timeout=30.0) as engine:
+        remote = engine.connect(peer_proc.descriptor, transport="ucx").region(peer_proc.regions["numpy"])
+        buf = np.zeros(peer_proc.size, np.uint8)
+        dst = engine.register(buf)
+        os.kill(peer_proc.proc.pid, signal.SIGSTOP)
+        wait_until_stopped(peer_proc.proc.pid)
+        try:
+            with pytest.raises(TransferTimeout):
+                engine.transfer([Read(dst, 0, remote, 0, peer_proc.size)], timeout=0.5)
+        finally:
+            os.kill(peer_proc.proc.pid, signal.SIGCONT)
+        time.sleep(0.5)
+        for _ in range(100):  # progress the worker as a late get would need
+            engine._ucx.progress()
+            time.sleep(0.002)
+        assert not buf.any()
+        engine.transfer([Read(dst, 0, remote, 0, peer_proc.size)])  # over the peer's TCP streams now
+        assert sha(buf) == sha(peer_proc.expected())
+
+
+def test_retiring_the_endpoint_while_other_threads_transfer(engine, spawn_peer, tls):
+    """A failed batch retires its endpoint (closing it, destroying its rkeys) while other threads
+    may be issuing ops on it: they finish, fail cleanly or move to TCP, never touch a dead handle
+    (this crashed the process before the native route waited out ops being issued)."""
+    import threading
+
+    peer_proc = spawn_peer(size=1 << 20)
+    peer = engine.connect(peer_proc.descriptor, transport="ucx")
+    remote = peer.region(peer_proc.regions["numpy"])
+    dsts = [engine.register(np.zeros(peer_proc.size, np.uint8)) for _ in range(2)]
+    outcomes: list[str] = []
+    stop = threading.Event()
+
+    def work(dst) -> None:
+        while not stop.is_set():
+            try:
+                engine.transfer([Read(dst, k * 64, remote, k * 64, 64) for k in range(8000)], timeout=10)
+                outcomes.append("ok")
+            except PeerUnreachable:
+                outcomes.append("unreachable")
+
+    threads = [threading.Thread(target=work, args=(d,)) for d in dsts]
+    for t in threads:
+        t.start()
+    time.sleep(0.4)
+    peer.retire_ucx()
+    time.sleep(0.3)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert "ok" in outcomes and not any(t.is_alive() for t in threads)
+    engine.transfer([Read(dsts[0], 0, remote, 0, peer_proc.size)])  # TCP streams after the retire
+    assert sha(dsts[0].buffer) == sha(peer_proc.expected())
+
+
 def test_stalled_peer(engine, spawn_peer, tls):
     """tcp, sm+tcp: UCX emulates RMA with the target's help, so a stopped target times out in the
     stall time. sm: RMA is truly one-sided (cross-memory attach), so a stopped target is still read."""
