@@ -54,7 +54,9 @@ class Batch:
             self._failed()
 
     def wait(self, timeout: float | None = None, *, raise_on_error: bool = True) -> list[OpResult]:
-        """Block (without the GIL) until every op finished; raise the first op's typed error."""
+        """Block (without the GIL) until every op finished; raise the first op's typed error.
+        A timeout gives the batch up (ucx ops still in flight fail, see `give_up`): to wait again
+        later, poll `done()` instead."""
         timeout = self._default_timeout if timeout is None else timeout
         failures = self._native.wait_failures(timeout)
         if failures < 0:
