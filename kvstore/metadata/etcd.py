@@ -143,7 +143,11 @@ class EtcdMetadata(Metadata):
         self.url = f"{'etcd+tls' if tls else 'etcd'}://{host}:{port}"
         self.timeout = timeout
         self._client = _Client(host, port, username=username, password=password, timeout=timeout,
-                               options={"grpc.max_receive_message_length": 256 << 20},
+                               # Own subchannels: gRPC shares them per process by default, so a new
+                               # client inherited another's reconnect backoff after an etcd restart
+                               # and failed at once ("connection refused" with etcd already healthy).
+                               options={"grpc.max_receive_message_length": 256 << 20,
+                                        "grpc.use_local_subchannel_pool": 1},
                                credentials=tls.credentials() if tls else None)
 
     async def _call(self, coro):
