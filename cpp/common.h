@@ -90,6 +90,11 @@ class Batch {
   bool wait(double timeout_s);
   bool wait_events(double timeout_s);  // wait for part_done calls of other threads only
   bool finished() const { return remaining_.load(std::memory_order_acquire) == 0; }
+  long failures() const {  // ops not (yet) done and ok
+    long n = 0;
+    for (size_t i = 0; i < n_; ++i) n += status(i) != kOk;
+    return n;
+  }
   bool done() const {  // finished(), after progressing once when ops need progress (ucx)
     if (!finished() && poller_) poller_->poll();
     return finished();

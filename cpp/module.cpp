@@ -63,19 +63,10 @@ PYBIND11_MODULE(_native, m) {
         return b.settle(timeout_s);
       }, py::arg("timeout_s"), "After a failure: wait until cancelled ucx requests are over.")
       .def("wait_failures", [](Batch& b, double timeout_s) -> long {
-        {
-          py::gil_scoped_release nogil;
-          if (!b.wait(timeout_s)) return -1;
-        }
-        long n = 0;
-        for (size_t i = 0; i < b.size(); ++i) n += b.status(i) != kvt::kOk;
-        return n;
+        py::gil_scoped_release nogil;
+        return b.wait(timeout_s) ? b.failures() : -1;
       }, py::arg("timeout_s"), "wait, then the number of failed ops (-1: not done in time): one call on the hot path.")
-      .def("failures", [](const Batch& b) {
-        size_t n = 0;
-        for (size_t i = 0; i < b.size(); ++i) n += b.status(i) != kvt::kOk;
-        return n;
-      }, "Ops not (yet) done and ok: 0 once a batch fully succeeded.")
+      .def("failures", &Batch::failures, "Ops not (yet) done and ok: 0 once a batch fully succeeded.")
       .def("statuses", [](const Batch& b) {
         std::vector<int32_t> out(b.size());
         for (size_t i = 0; i < b.size(); ++i) out[i] = b.status(i);
@@ -151,8 +142,7 @@ PYBIND11_MODULE(_native, m) {
         {
           py::gil_scoped_release nogil;
           batch = e.submit(ops);
-          if (!batch->wait(timeout_s)) failures = -1;
-          for (size_t i = 0; failures >= 0 && i < batch->size(); ++i) failures += batch->status(i) != kvt::kOk;
+          failures = batch->wait(timeout_s) ? batch->failures() : -1;
         }
         return py::make_tuple(failures, failures ? py::cast(batch) : py::none());
       }, py::arg("ops"), py::arg("timeout_s"),

@@ -93,11 +93,15 @@ class Engine:
                                      remote_access=remote_access, kind=kind, address=view.address)
         region._cuda_tensor = view.cuda_tensor
         if view.cuda_tensor is not None and self._ucx is not None:
-            direct_cuda(self._ucx, region, view.cuda_tensor)
-            mapped = region._ucx  # the device memory itself (not the staging copy), or nothing
-            self._native.set_ucx_memh(region.id, mapped.memh if mapped else 0, bool(mapped and mapped.cuda),
-                                      mapped.address if mapped else 0)
+            direct_cuda(self._ucx, region, view.cuda_tensor)  # the device memory itself, or nothing
+            self._set_ucx_mapping(region)
         return region
+
+    def _set_ucx_mapping(self, region: Region) -> None:
+        """Tell the native route what UCX mapped for `region` (memh, memory type, address)."""
+        mapped = region._ucx
+        self._native.set_ucx_memh(region.id, mapped.memh if mapped else 0, bool(mapped and mapped.cuda),
+                                  mapped.address if mapped else 0)
 
     def allocate(self, size: int, *, remote_access: bool = True) -> Region:
         """A new zeroed shared-memory region; same-host peers map it and copy directly."""
@@ -138,8 +142,7 @@ class Engine:
         region = Region(rid, size, kind, readonly, remote_access, buffer=buffer, _keepalive=keepalive)
         if self._ucx is not None:
             region._ucx = self._ucx.try_map(address, size, readonly=readonly, exported=remote_access)
-            if region._ucx is not None:
-                self._native.set_ucx_memh(rid, region._ucx.memh, False, region._ucx.address)
+            self._set_ucx_mapping(region)
         with self._lock:
             self._regions[rid] = region
         return region
