@@ -28,6 +28,8 @@ def add_serve(commands) -> None:
     serve.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = any free port)")
     serve.add_argument("--lease-ttl", type=int, default=10, help="seconds a dead daemon's blocks stay listed")
     serve.add_argument("--timeout", type=float, default=5.0, help="timeout of every remote call")
+    serve.add_argument("--publish-window-ms", type=float, default=10.0,
+                       help="index publish batches start at least this far apart (a lone put goes at once)")
     serve.add_argument("--no-promote", action="store_true", help="leave NVMe blocks on NVMe when they are hit")
     serve.add_argument("--admin-token-file", help="admin bearer token for mutating admin calls (or KVSTORE_ADMIN_TOKEN)")
     serve.add_argument("--tls-cert", help="PEM certificate: serve gRPC over TLS (with --tls-key)")
@@ -98,6 +100,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           replicas=args.replicas, eviction=args.eviction, high_watermark=args.high_watermark,
                           low_watermark=args.low_watermark, metrics_port=args.metrics_port, lease_ttl=args.lease_ttl,
                           timeout=args.timeout, promote=not args.no_promote,
+                          publish_window=max(args.publish_window_ms, 0.0) / 1000,
                           admin_token=read_token(args.admin_token_file), tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
     try:
         daemon = Daemon(config).start()

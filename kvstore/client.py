@@ -15,6 +15,7 @@ step has a timeout.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import mmap
@@ -377,7 +378,14 @@ class Client:
         views = [host_bytes(d) for _, d in items]
         if any(v.nbytes == 0 for v in views):
             raise WrongSize("cannot store an empty block")
-        checksums = [block_checksum(h, v) for h, v in zip(hashes, views)]
+        sums: list[int | None] = [None] * len(views)
+
+        def checksums(start: int, end: int) -> list[int]:  # computed once, when a round first needs them
+            for i in range(start, end):
+                if sums[i] is None:
+                    sums[i] = block_checksum(hashes[i], views[i])
+            return sums[start:end]
+
         total = sum(v.nbytes for v in views)
         want = replicas or self.replicas
         stored, placed, errors, tried = 0, 0, [], set(exclude)
@@ -403,7 +411,7 @@ class Client:
                             size += views[end].nbytes
                             end += 1
                         stored += self._put_on(record.name, fp, hashes[start:end], views[start:end],
-                                               checksums[start:end], regions, start)
+                                               functools.partial(checksums, start, end), regions, start)
                         start = end
                     placed += 1
                 except AuthenticationFailed:
@@ -424,8 +432,8 @@ class Client:
             log.warning("stored %d of %d replicas: %s", placed, want, "; ".join(errors))
         return stored
 
-    def _put_on(self, name: str, fp: str, hashes: list[bytes], views: list[memoryview], checksums: list[int],
-                regions, first: int) -> int:
+    def _put_on(self, name: str, fp: str, hashes: list[bytes], views: list[memoryview],
+                checksums_of: Callable[[], list[int]], regions, first: int) -> int:
         """One round of blocks onto `name`; returns how many it newly stored."""
         local = self._local(name)
         size = sum(v.nbytes for v in views)
@@ -433,14 +441,15 @@ class Client:
         if local is not None and size <= LOCAL_INLINE_MAX:  # one round trip, bytes with the request
             self.stats["control_calls"] += 1
             reply, _ = local.call({"op": "put", "fp": fp, "hashes": [h.hex() for h in hashes],
-                                   "sizes": [v.nbytes for v in views], "checksums": checksums, "sync": sync}, views)
+                                   "sizes": [v.nbytes for v in views], "checksums": checksums_of(), "sync": sync},
+                                  views)
             self.stats["local_puts"] += 1
             return self._sealed(name, fp, hashes, reply["errors"], reply["records"], reply, hex_records=True)
         if local is None and size <= GRPC_INLINE_MAX:  # one gRPC round trip
             node = self._node(name)
             self.stats["control_calls"] += 1
             reply = self._rpc(node.stub.Put, store_pb2.PutRequest(
-                fingerprint=fp, hashes=hashes, payloads=[bytes(v) for v in views], checksums=checksums,
+                fingerprint=fp, hashes=hashes, payloads=[bytes(v) for v in views], checksums=checksums_of(),
                 client=self.engine.name, sync=sync))
             return self._sealed(name, fp, hashes, list(reply.errors), list(reply.records), reply)
         # Large: reserve, write with the engine (shared memory on this host), commit.
@@ -460,8 +469,12 @@ class Client:
             return 0
         tokens = [token for _, token, _, _ in slots]
         try:
-            self.engine.transfer([Write(regs[i], 0, node.peer.region(region), offset, regs[i].size)
-                                  for i, _, region, offset in slots], timeout=self.timeout)
+            moving = self.engine.submit([Write(regs[i], 0, node.peer.region(region), offset, regs[i].size)
+                                         for i, _, region, offset in slots])
+            try:
+                checksums = checksums_of()  # while the engine's threads move the bytes
+            finally:
+                moving.wait(self.timeout)
             self.stats["control_calls"] += 1
             todo = [hashes[i] for i, _, _, _ in slots]
             if local is not None:

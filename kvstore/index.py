@@ -288,11 +288,13 @@ class IndexMirror:
                      value: bytes) -> None:
         if len(block_hash) != HASH_BYTES:
             raise InvalidRecord(f"block hash of {len(block_hash)} bytes")
-        if kind == "put":
-            BlockRecord.decode(value)  # refuse what we could not serve later
         table = snap.table(fingerprint)
         number = self._node_number(node).to_bytes(2, "little")
         entry = table.records.get(block_hash)
+        if kind == "put":
+            if entry == number + value:  # known already: the watch echoing a putting client's own block
+                return
+            BlockRecord.decode(value)  # refuse what we could not serve later
         raws = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
         kept = tuple(r for r in raws if r[:2] != number)
         if kind == "put":

