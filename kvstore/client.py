@@ -499,13 +499,17 @@ class Client:
         """Check a put's answer, teach our own mirror what is now stored there; returns how many blocks."""
         self._seen(name, reply)
         failed = [e for e in errors if e]
+        learned = []
         for h, error, raw in zip(hashes, errors, records):
-            if error or not raw:
-                continue
-            try:  # read-your-writes: no wait for the watch (remember() checks the record)
-                self.mirror.remember(fp, h, name, bytes.fromhex(raw) if hex_records else bytes(raw))
-            except (ValueError, KVStoreError):
-                continue
+            if not error and raw:
+                try:
+                    learned.append((h, bytes.fromhex(raw) if hex_records else bytes(raw)))
+                except ValueError:
+                    continue
+        try:  # read-your-writes: no wait for the watch (the mirror checks each record)
+            self.mirror.remember_many(fp, name, learned)
+        except KVStoreError:
+            pass  # a malformed record is left for the watch to bring (or not)
         if failed:
             raise PutFailed(f"{name} refused {len(failed)} of {len(errors)} blocks: {failed[0]}")
         stored = reply.get("stored") if isinstance(reply, dict) else getattr(reply, "stored", None)

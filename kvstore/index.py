@@ -232,12 +232,26 @@ class IndexMirror:
     def remember(self, fingerprint: ModelFingerprint | str, block_hash: bytes, node: str,
                  record: BlockRecord | bytes) -> None:
         """Learn one replica now, as its watch 'put' event would (a putting client's own mirror)."""
-        value = record.encode() if isinstance(record, BlockRecord) else bytes(record)
+        self.remember_many(fingerprint, node, [(block_hash, record)])
+
+    def remember_many(self, fingerprint: ModelFingerprint | str, node: str,
+                      blocks: Sequence[tuple[bytes, BlockRecord | bytes]]) -> None:
+        """`remember` for many blocks of one node under one lock; InvalidRecord (after learning the
+        valid ones) if any record is malformed."""
+        fp, bad = _fingerprint_id(fingerprint), None
         with self._apply_lock:
-            for snap in {id(s): s for s in (self._snapshot, self._fresh) if s is not None}.values():
-                self._apply_block(snap, "put", _fingerprint_id(fingerprint), bytes(block_hash), node, value)
+            snaps = {id(s): s for s in (self._snapshot, self._fresh) if s is not None}.values()
+            for block_hash, record in blocks:
+                value = record.encode() if isinstance(record, BlockRecord) else bytes(record)
+                try:
+                    for snap in snaps:
+                        self._apply_block(snap, "put", fp, bytes(block_hash), node, value)
+                except (InvalidRecord, ValueError) as exc:
+                    bad = exc if isinstance(exc, InvalidRecord) else InvalidRecord(str(exc))
         with self._changed:
             self._changed.notify_all()
+        if bad is not None:
+            raise bad
 
     def wait_for_revision(self, revision: int, timeout: float = 5.0) -> bool:
         """Block until the mirror has applied `revision` (tests, benchmarks)."""
