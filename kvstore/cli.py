@@ -29,7 +29,8 @@ def add_serve(commands) -> None:
     serve.add_argument("--lease-ttl", type=int, default=10, help="seconds a dead daemon's blocks stay listed")
     serve.add_argument("--timeout", type=float, default=5.0, help="timeout of every remote call")
     serve.add_argument("--publish-window-ms", type=float, default=10.0,
-                       help="index publish batches start at least this far apart (a lone put goes at once)")
+                       help="under a stream of puts, index publish batches start up to this far apart "
+                       "(2 ms per update of the previous batch; a lone put goes at once)")
     serve.add_argument("--no-promote", action="store_true", help="leave NVMe blocks on NVMe when they are hit")
     serve.add_argument("--admin-token-file", help="admin bearer token for mutating admin calls (or KVSTORE_ADMIN_TOKEN)")
     serve.add_argument("--tls-cert", help="PEM certificate: serve gRPC over TLS (with --tls-key)")

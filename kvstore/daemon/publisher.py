@@ -26,9 +26,14 @@ from .store import Update
 log = logging.getLogger(__name__)
 
 
+STEP = 0.002  # seconds of gap after a batch per update it carried, up to the window
+
+
 class Publisher:
-    """See module docstring. `apply` publishes one batch (a coroutine on `loop`); batches start at
-    least `window` seconds apart (a stream of puts gathers; an update after a quiet spell goes at once)."""
+    """See module docstring. `apply` publishes one batch (a coroutine on `loop`). The next batch
+    starts at least STEP seconds per update of the last one later, and at most `window`: a lone
+    update after a quiet spell goes at once, sparse puts each go alone, and a stream gathers into
+    transactions up to `window` apart (less work per update for etcd, every watcher and us)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, apply: Callable[[list[Update]], Awaitable[None]],
                  timeout: float, counters: dict[str, float] | None = None,
@@ -46,6 +51,7 @@ class Publisher:
         self._wake = asyncio.Event()
         self.window = window
         self._last_batch = float("-inf")
+        self._gap = 0.0  # how long after _last_batch the next batch may start
         self._task = asyncio.run_coroutine_threadsafe(self._run(), loop)
 
     @property
@@ -83,9 +89,7 @@ class Publisher:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            # At most one batch per window: an update after a quiet spell goes at once, a stream of
-            # them gathers into fewer, larger transactions (less work for etcd and every watcher).
-            gap = self._last_batch + self.window - time.monotonic()
+            gap = self._last_batch + self._gap - time.monotonic()
             if gap > 0:
                 await asyncio.sleep(gap)
             self._last_batch = time.monotonic()
@@ -96,6 +100,7 @@ class Publisher:
                 batch, self._pending = self._pending, {}
                 since, self._since = self._since, None
                 upto = self._enqueued
+            self._gap = min(self.window, STEP * len(batch))
             if batch:
                 try:
                     await asyncio.wait_for(self._apply([(fp, h, r) for (fp, h), r in batch.items()]),

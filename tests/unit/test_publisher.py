@@ -83,3 +83,24 @@ def test_sync_publish_waits_and_times_out_while_etcd_is_down(sink_and_publisher)
     sink.fail = 0
     publisher.flush(5)  # and it gets there once etcd is back
     assert sink.state[("fp", b"t")] == rec(4)
+
+
+def test_sparse_updates_go_alone_and_a_stream_gathers_into_few_batches():
+    sink = Sink()
+    publisher = Publisher(shared_loop(), sink.apply, 2.0, window=0.2)
+    try:
+        for n in range(4):  # a put now and then: each published on its own, without waiting for others
+            publisher.flush(5)
+            publisher.enqueue([("fp", bytes([n]), rec(n))])
+            threading.Event().wait(0.05)
+        publisher.flush(5)
+        assert [len(b) for b in sink.batches] == [1, 1, 1, 1]
+        sink.batches.clear()
+        for n in range(200):  # a stream (~0.5 ms apart): the gap after a batch grows with its size
+            publisher.enqueue([("fp", b"s" + n.to_bytes(2, "little"), rec(n))])
+            threading.Event().wait(0.0005)
+        publisher.flush(5)
+        assert sum(len(b) for b in sink.batches) == 200
+        assert len(sink.batches) <= 15, [len(b) for b in sink.batches]  # a fixed 2 ms gap: ~50 batches
+    finally:
+        publisher.stop()
