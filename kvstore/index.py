@@ -479,6 +479,9 @@ class IndexMirror:
             for task in (events, health, stopper):
                 task.cancel()
             await watch.cancel()
+            # Both may have failed at once (the service went away): collect every outcome, so
+            # asyncio does not log the one not raised as "never retrieved".
+            await asyncio.gather(events, health, stopper, return_exceptions=True)
 
     async def _consume(self, watch) -> None:
         async for event in watch:
