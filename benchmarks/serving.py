@@ -25,6 +25,7 @@ import os
 import platform
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,25 @@ def percentile(samples: list[float], q: float) -> float:
 
 
 # ------------------------------------------------------------------ workload
+def spread_buckets(times: list[float]) -> list[float]:
+    """The trace stamps arrivals in 3 s buckets (10-16 requests share one stamp): spread each
+    bucket's requests evenly until the next stamp (the last bucket over the median bucket width),
+    instead of replaying them as one simultaneous burst."""
+    stamps = sorted(set(times))
+    widths = [b - a for a, b in zip(stamps, stamps[1:])]
+    last = statistics.median(widths) if widths else 1000.0
+    out, i = [], 0
+    while i < len(times):
+        j = i
+        while j < len(times) and times[j] == times[i]:
+            j += 1
+        later = [t for t in stamps if t > times[i]]
+        width = (later[0] - times[i]) if later else last
+        out += [times[i] + width * k / (j - i) for k in range(j - i)]
+        i = j
+    return out
+
+
 class Workload:
     """Trace rows -> text prompts whose token prefixes are shared exactly as the trace's blocks are."""
 
@@ -61,10 +81,10 @@ class Workload:
         self.words = sorted({w for s in SENTENCES for w in s.split()})
         self.rows = load_trace(str(TRACE), requests)
         self.blocks, self.output_tokens = blocks, output_tokens
-        t0 = self.rows[0].arrival_ms
-        span = max(r.arrival_ms - t0 for r in self.rows) or 1.0
         # Keep the trace's relative spacing; the whole slice arrives over requests / rate seconds.
-        self.arrivals = [(r.arrival_ms - t0) / span * (len(self.rows) / rate) for r in self.rows]
+        times = spread_buckets([r.arrival_ms for r in self.rows])
+        t0, span = times[0], (times[-1] - times[0]) or 1.0
+        self.arrivals = [(t - t0) / span * (len(self.rows) / rate) for t in times]
 
     def _block(self, seed: str) -> str:
         # Each word is " word": byte-level BPE then never merges across blocks, so prefixes stay exact.
