@@ -94,6 +94,9 @@ def run_serve(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             print(f"kvstore serve: no cluster secret: {exc} (or pass --insecure)", file=sys.stderr)
             return 1
+    if not 0 <= args.publish_window_ms <= 1000:  # also refuses nan
+        print("kvstore serve: --publish-window-ms must be within 0..1000", file=sys.stderr)
+        return 2
     config = DaemonConfig(node=args.node, metadata=args.metadata, cluster=args.cluster, listen=args.listen,
                           engine_listen=args.engine_listen, dram_bytes=parse_size(args.dram), disk_dir=args.disk_dir,
                           disk_bytes=parse_size(args.disk) if args.disk_dir else 0, secret=secret,
@@ -101,7 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           replicas=args.replicas, eviction=args.eviction, high_watermark=args.high_watermark,
                           low_watermark=args.low_watermark, metrics_port=args.metrics_port, lease_ttl=args.lease_ttl,
                           timeout=args.timeout, promote=not args.no_promote,
-                          publish_window=max(args.publish_window_ms, 0.0) / 1000,
+                          publish_window=args.publish_window_ms / 1000,
                           admin_token=read_token(args.admin_token_file), tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
     try:
         daemon = Daemon(config).start()

@@ -92,6 +92,22 @@ def _fingerprint_id(fingerprint: ModelFingerprint | str) -> str:
     return fingerprint.digest if isinstance(fingerprint, ModelFingerprint) else fingerprint
 
 
+async def _reap(tasks: set[asyncio.Task], rounds: int = 3) -> None:
+    """Let cancelled tasks finish (bounded: a task that swallowed its cancel is cancelled again)
+    and collect their outcomes, so asyncio does not log a failure not raised as "never retrieved"
+    (the watch and the health check both fail when the service goes away)."""
+    for _ in range(rounds):
+        pending = {t for t in tasks if not t.done()}
+        if not pending:
+            break
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=0.5)
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()
+
+
 class IndexMirror:
     """Mirror of one cluster's index, kept current by a task on the shared background loop."""
 
@@ -479,9 +495,7 @@ class IndexMirror:
             for task in (events, health, stopper):
                 task.cancel()
             await watch.cancel()
-            # Both may have failed at once (the service went away): collect every outcome, so
-            # asyncio does not log the one not raised as "never retrieved".
-            await asyncio.gather(events, health, stopper, return_exceptions=True)
+            await _reap({events, health, stopper})
 
     async def _consume(self, watch) -> None:
         async for event in watch:

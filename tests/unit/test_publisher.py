@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -96,9 +97,12 @@ def test_sparse_updates_go_alone_and_a_stream_gathers_into_few_batches():
         publisher.flush(5)
         assert [len(b) for b in sink.batches] == [1, 1, 1, 1]
         sink.batches.clear()
-        for n in range(200):  # a stream (~0.5 ms apart): the gap after a batch grows with its size
+        due = time.perf_counter()
+        for n in range(200):  # a stream, one update every 0.5 ms (catching up after a stall)
+            while time.perf_counter() < due:
+                time.sleep(0)
             publisher.enqueue([("fp", b"s" + n.to_bytes(2, "little"), rec(n))])
-            threading.Event().wait(0.0005)
+            due += 0.0005
         publisher.flush(5)
         assert sum(len(b) for b in sink.batches) == 200
         assert len(sink.batches) <= 15, [len(b) for b in sink.batches]  # a fixed 2 ms gap: ~50 batches
