@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -53,20 +54,11 @@ def percentile(samples: list[float], q: float) -> float:
 def spread_buckets(times: list[float]) -> list[float]:
     """The trace stamps arrivals in 3 s buckets (10-16 requests share one stamp): spread each
     bucket's requests evenly until the next stamp (the last bucket over the median bucket width),
-    instead of replaying them as one simultaneous burst."""
-    stamps = sorted(set(times))
-    widths = [b - a for a, b in zip(stamps, stamps[1:])]
-    last = statistics.median(widths) if widths else 1000.0
-    out, i = [], 0
-    while i < len(times):
-        j = i
-        while j < len(times) and times[j] == times[i]:
-            j += 1
-        later = [t for t in stamps if t > times[i]]
-        width = (later[0] - times[i]) if later else last
-        out += [times[i] + width * k / (j - i) for k in range(j - i)]
-        i = j
-    return out
+    instead of replaying them as one simultaneous burst. `times` in trace order (sorted)."""
+    buckets = [(t, len(list(same))) for t, same in itertools.groupby(times)]
+    widths = [b[0] - a[0] for a, b in zip(buckets, buckets[1:])]
+    widths.append(statistics.median(widths) if widths else 1000.0)
+    return [t + width * k / n for (t, n), width in zip(buckets, widths) for k in range(n)]
 
 
 class Workload:

@@ -93,8 +93,8 @@ def _fingerprint_id(fingerprint: ModelFingerprint | str) -> str:
 
 
 async def _reap(tasks: set[asyncio.Task], rounds: int = 3) -> None:
-    """Let cancelled tasks finish (bounded: a task that swallowed its cancel is cancelled again)
-    and collect their outcomes, so asyncio does not log a failure not raised as "never retrieved"
+    """Cancel tasks and let them finish (bounded: one that swallowed its cancel is cancelled again),
+    then collect their outcomes, so asyncio does not log a failure not raised as "never retrieved"
     (the watch and the health check both fail when the service goes away)."""
     for _ in range(rounds):
         pending = {t for t in tasks if not t.done()}
@@ -492,10 +492,8 @@ class IndexMirror:
                 if task is not stopper and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
         finally:
-            for task in (events, health, stopper):
-                task.cancel()
-            await watch.cancel()
             await _reap({events, health, stopper})
+            await watch.cancel()
 
     async def _consume(self, watch) -> None:
         async for event in watch:

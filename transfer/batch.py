@@ -53,6 +53,11 @@ class Batch:
             self._native.abandon()
             self._failed()
 
+    def timed_out(self, timeout: float) -> TransferTimeout:
+        """Give the batch up after waiting `timeout` seconds in vain; the error to raise."""
+        self.give_up()
+        return TransferTimeout(f"batch of {len(self)} ops not done after {timeout:.3f}s")
+
     def wait(self, timeout: float | None = None, *, raise_on_error: bool = True) -> list[OpResult]:
         """Block (without the GIL) until every op finished; raise the first op's typed error.
         A timeout gives the batch up (ucx ops still in flight fail, see `give_up`): to wait again
@@ -60,8 +65,7 @@ class Batch:
         timeout = self._default_timeout if timeout is None else timeout
         failures = self._native.wait_failures(timeout)
         if failures < 0:
-            self.give_up()
-            raise TransferTimeout(f"batch of {len(self)} ops not done after {timeout:.3f}s")
+            raise self.timed_out(timeout)
         if self._on_done is not None:
             self._on_done()
             self._on_done = None

@@ -12,8 +12,8 @@ from . import _native
 from .batch import Batch
 from .descriptor import EngineDescriptor, host_id
 from .auth import WIRE_MODES
-from .errors import (EngineClosed, InvalidOp, MissingSecret, PeerUnreachable, TransferIOError, TransferTimeout,
-                     UnknownRegion, UnsupportedBuffer)
+from .errors import (EngineClosed, InvalidOp, MissingSecret, PeerUnreachable, TransferIOError, UnknownRegion,
+                     UnsupportedBuffer)
 from .listener import Listener
 from .ops import Op, OpResult, Read, Write
 from .peer import Peer
@@ -248,8 +248,7 @@ class Engine:
             return [OpResult(True, op.length) for op in ops]
         batch = self._batch(native, ops, cuda_reads, ucx)
         if failures < 0:
-            batch.give_up()
-            raise TransferTimeout(f"batch of {len(ops)} ops not done after {timeout:.3f}s")
+            raise batch.timed_out(timeout)
         return batch.wait(0)
 
     def _batch(self, native: _native.Batch, ops: Sequence[Op], cuda_reads: list[Read], ucx: bool) -> Batch:

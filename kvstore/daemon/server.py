@@ -114,9 +114,9 @@ class Daemon:
         if c.metrics_port is not None:
             self.metrics_port = self.metrics.serve(c.metrics_port)
 
+        # The window never exceeds the timeout: no batch waits past a sync put's deadline.
         self.publisher = Publisher(self._loop, self._apply, c.timeout * 3, self.store.counters,
-                                   self.metrics.publish_delay.observe,
-                                   window=min(max(c.publish_window, 0.0), c.timeout))  # a batch never waits past a sync put's timeout
+                                   self.metrics.publish_delay.observe, window=min(max(c.publish_window, 0.0), c.timeout))
         self.metrics.publish_pending = lambda: self.publisher.pending
         # Same-host clients: puts in one round trip and the NVMe tier's fd over an authenticated unix socket.
         self.local = LocalControl(f"kvstore-local-{uuid.uuid4().hex}", secret, c.node, self.store, self.publish,

@@ -24,13 +24,23 @@ TLS = ["tcp", "sm,tcp", "sm"]
 TARGETS = ["shm", "numpy", "file"]
 
 
+def use_tls(monkeypatch, tls: str) -> str:
+    monkeypatch.setenv("UCX_TLS", tls)  # what the peer process (ucx="auto") will use
+    monkeypatch.setenv("UCX_WARN_UNUSED_ENV_VARS", "n")
+    if tls == "sm":
+        monkeypatch.setenv(UNSAFE_ENV, "1")
+    return tls
+
+
 @pytest.fixture(params=TLS)
 def tls(request, monkeypatch) -> str:
-    monkeypatch.setenv("UCX_TLS", request.param)  # what the peer process (ucx="auto") will use
-    monkeypatch.setenv("UCX_WARN_UNUSED_ENV_VARS", "n")
-    if request.param == "sm":
-        monkeypatch.setenv(UNSAFE_ENV, "1")
-    return request.param
+    return use_tls(monkeypatch, request.param)
+
+
+@pytest.fixture(params=[t for t in TLS if t != "sm"])
+def stalling_tls(request, monkeypatch) -> str:
+    """Where a stopped peer leaves ops in flight: over sm alone cma reads a stopped process at once."""
+    return use_tls(monkeypatch, request.param)
 
 
 @pytest.fixture
@@ -156,13 +166,11 @@ def test_a_peer_that_died_before_the_batch_is_refused_not_fatal(engine, spawn_pe
         engine.transfer([Read(dst, 0, remote, 0, 4096)], timeout=10)
 
 
-def test_a_batch_that_outlives_its_engine_fails_and_never_touches_ucx_again(spawn_peer, tls):
+def test_a_batch_that_outlives_its_engine_fails_and_never_touches_ucx_again(spawn_peer, stalling_tls):
     """The engine's close lets UCX go (ucxx destroys the worker): a batch still in flight then fails
     with EngineClosed, and waiting on it or dropping it later calls nothing of the dead worker."""
-    if tls == "sm":
-        pytest.skip("cma reads a stopped process at once: nothing stays in flight")
     peer_proc = spawn_peer(size=1 << 20)
-    engine = Engine("short-lived", insecure=True, ucx=tls, stall_timeout=30.0)
+    engine = Engine("short-lived", insecure=True, ucx=stalling_tls, stall_timeout=30.0)
     remote = engine.connect(peer_proc.descriptor, transport="ucx").region(peer_proc.regions["numpy"])
     dst = engine.register(np.zeros(peer_proc.size, np.uint8))
     os.kill(peer_proc.proc.pid, signal.SIGSTOP)
@@ -178,13 +186,11 @@ def test_a_batch_that_outlives_its_engine_fails_and_never_touches_ucx_again(spaw
         os.kill(peer_proc.proc.pid, signal.SIGCONT)
 
 
-def test_a_transfer_given_up_before_the_stall_time_leaves_no_late_bytes(spawn_peer, tls):
+def test_a_transfer_given_up_before_the_stall_time_leaves_no_late_bytes(spawn_peer, stalling_tls):
     """transfer(timeout) shorter than the stall time: the op is abandoned, its endpoint retired and its
     request waited out, so the peer resuming later writes nothing into the caller's buffer."""
-    if tls == "sm":
-        pytest.skip("cma reads a stopped process at once: nothing stays in flight")
     peer_proc = spawn_peer(size=1 << 20)
-    with Engine("impatient", insecure=True, ucx=tls, stall_timeout=30.0) as engine:
+    with Engine("impatient", insecure=True, ucx=stalling_tls, stall_timeout=30.0) as engine:
         remote = engine.connect(peer_proc.descriptor, transport="ucx").region(peer_proc.regions["numpy"])
         buf = np.zeros(peer_proc.size, np.uint8)
         dst = engine.register(buf)
