@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "checksum.h"
 #include "engine.h"
 #include "index_probe.h"
 
@@ -33,6 +34,7 @@ PYBIND11_MODULE(_native, m) {
   m.doc() = "kvstore transfer engine data plane";
 
   kvt::add_index_probe(m);
+  kvt::add_checksum(m);
 
   m.def("ucx_load", [](const std::string& path) {
     std::string err;

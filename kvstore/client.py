@@ -39,7 +39,7 @@ from .daemon import local as local_path
 from .daemon.store import AllocationFailed, WrongSize
 from .errors import AuthenticationFailed, FingerprintMismatch, KVStoreError
 from .index import IndexMirror
-from .integrity import block_checksum, checksum_state
+from .integrity import block_checksums, checksum_state
 from .keys import HASH_BYTES, ModelFingerprint
 from .layout import BlockRecord, NodeRecord
 from .store.v1 import store_pb2, store_pb2_grpc
@@ -381,9 +381,9 @@ class Client:
         sums: list[int | None] = [None] * len(views)
 
         def checksums(start: int, end: int) -> list[int]:  # computed once, when a round first needs them
-            for i in range(start, end):
-                if sums[i] is None:
-                    sums[i] = block_checksum(hashes[i], views[i])
+            todo = [i for i in range(start, end) if sums[i] is None]
+            for i, checksum in zip(todo, block_checksums([hashes[i] for i in todo], [views[i] for i in todo])):
+                sums[i] = checksum
             return sums[start:end]
 
         total = sum(v.nbytes for v in views)
@@ -636,7 +636,7 @@ class Client:
             if via_fd:  # same-host NVMe: straight from the tier file, no daemon, no network
                 failed.update(self._read_tier(tier, via_fd, targets))
                 if staged is not None:
-                    checked.update((i, self._landed_checksum(hashes[i], record, targets[i])) for i, record in via_fd)
+                    checked.update(self._landed_checksums(hashes, via_fd, targets))
             if staged is not None:
                 results, owners = self._read_in_stages(ops, owners, op_stages, staged[1], hashes, checked)
             else:
@@ -647,28 +647,27 @@ class Client:
             self._mark_down(name, exc)
             return []
         failed.update(owner for owner, result in zip(owners, results) if not result.ok)
-        good = []
-        for i, record in wanted:
-            if i in failed:
-                continue
-            # Also what makes a same-host NVMe read safe while the node evicts and reuses that extent:
-            # another block's bytes (or a half-written slot) never match this block's checksum.
-            checksum = checked[i] if i in checked else self._landed_checksum(hashes[i], record, targets[i])
-            if checksum == record.checksum:
-                good.append(i)
-        return good
+        # Also what makes a same-host NVMe read safe while the node evicts and reuses that extent:
+        # another block's bytes (or a half-written slot) never match this block's checksum.
+        checked.update(self._landed_checksums(
+            hashes, [(i, record) for i, record in wanted if i not in failed and i not in checked], targets))
+        return [i for i, record in wanted if i not in failed and checked[i] == record.checksum]
 
     @staticmethod
-    def _landed_checksum(block_hash: bytes, record: BlockRecord, segments: list[tuple[Region, int, int]]) -> int:
-        """Checksum of the bytes a read left in a block's destination segments."""
-        parts, done = [], 0
-        for region, offset, length in segments:
-            take = min(length, record.size - done)
-            if take <= 0:
-                break
-            parts.append(region.host_view()[offset : offset + take])
-            done += take
-        return block_checksum(bytes(block_hash), parts)
+    def _landed_checksums(hashes: Sequence[bytes], items: list[tuple[int, BlockRecord]],
+                          targets: list[list[tuple[Region, int, int]]]) -> list[tuple[int, int]]:
+        """(index, checksum) of the bytes a read left in each block's destination segments."""
+        blocks = []
+        for i, record in items:
+            parts, done = [], 0
+            for region, offset, length in targets[i]:
+                take = min(length, record.size - done)
+                if take <= 0:
+                    break
+                parts.append(region.host_view()[offset : offset + take])
+                done += take
+            blocks.append(parts)
+        return list(zip((i for i, _ in items), block_checksums([bytes(hashes[i]) for i, _ in items], blocks)))
 
     def _read_in_stages(self, ops: list[Read], owners: list[int], op_stages: list[int],
                         on_stage: Callable[[int], None], hashes: Sequence[bytes],

@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 from transfer import Engine, Read, Region, TransferError, Write
 
 from ..errors import KVStoreError
-from ..integrity import block_checksum
+from ..integrity import block_checksum, block_checksums
 from ..layout import BlockRecord
 from ..tiers import ExtentAllocator, EvictionPolicy, make_policy
 
@@ -146,9 +146,26 @@ class BlockStore:
         updates: list[Update] = []
         out = records if records is not None else []
         with self.lock:
-            for token, checksum in zip(tokens, checksums):
-                slot = self._pending.pop(token, None)
-                if slot is None or slot.key[0] != fingerprint:
+            # Popped, a slot is ours alone: expiry and eviction never see it, so its bytes can be
+            # verified without the lock (one native call, GIL released for big batches).
+            slots = []
+            for token in tokens:
+                slot = self._pending.get(token)
+                # A reservation made under another fingerprint is not this caller's: it stays pending.
+                slots.append(self._pending.pop(token) if slot is not None and slot.key[0] == fingerprint else None)
+        mine = [slot for slot in slots if slot is not None]
+        arena = self.dram.region.buffer
+        try:
+            actual = dict(zip(map(id, mine), block_checksums(
+                [slot.key[1] for slot in mine], [arena[slot.offset : slot.offset + slot.size] for slot in mine])))
+        except BaseException:
+            with self.lock:
+                for slot in mine:
+                    self.dram.allocator.release(slot.offset, slot.size)
+            raise
+        with self.lock:
+            for slot, checksum in zip(slots, checksums):
+                if slot is None:
                     errors.append("unknown or expired reservation")
                     out.append(None)
                     continue
@@ -158,10 +175,7 @@ class BlockStore:
                     errors.append("")
                     out.append(theirs.record())
                     continue
-                # Checksummed outside the lock would be faster, but a slot is only ever written by
-                # the client that reserved it, and eviction never touches pending slots.
-                view = self.dram.region.buffer[slot.offset : slot.offset + slot.size]
-                if block_checksum(slot.key[1], view) != checksum:
+                if actual[id(slot)] != checksum:
                     self.dram.allocator.release(slot.offset, slot.size)
                     self._count("corrupt_writes")
                     errors.append("checksum mismatch: the bytes that arrived are not the bytes sent")

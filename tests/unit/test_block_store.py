@@ -54,6 +54,35 @@ def test_commit_verifies_bytes_and_publishes(engine):
     assert store.commit(FP.digest, [999], [0])[0] == ["unknown or expired reservation"]
 
 
+def test_a_commit_under_another_fingerprint_leaves_the_reservation_to_its_owner(engine):
+    store = BlockStore(engine, engine.allocate(1 << 20))
+    h = external_hashes([1], FP)[0]
+    data = content(h)
+    (token, slot), = store.reserve(FP.digest, [h], [BLOCK])[0]
+    store.dram.region.buffer[slot.offset : slot.offset + BLOCK] = data.tobytes()
+    assert store.commit("another-model", [token], [block_checksum(h, data)])[0] == ["unknown or expired reservation"]
+    assert store.commit(FP.digest, [token], [block_checksum(h, data)])[0] == [""]
+    assert store.dram.used == BLOCK
+
+
+def test_a_big_commit_verifies_every_block_in_one_batch(engine):
+    """Past the size where checksums run natively on several threads, each block is still checked
+    against its own checksum: one bad block among many is refused, the rest sealed."""
+    store = BlockStore(engine, engine.allocate(16 << 20))
+    hashes = external_hashes(range(12), FP)
+    size = 1 << 20
+    slots, _ = store.reserve(FP.digest, hashes, [size] * len(hashes))
+    sums = []
+    for h, (_, slot) in zip(hashes, slots):
+        data = content(h, size)
+        store.dram.region.buffer[slot.offset : slot.offset + size] = data.tobytes()
+        sums.append(block_checksum(h, data))
+    sums[7] ^= 1
+    errors, updates = store.commit(FP.digest, [token for token, _ in slots], sums)
+    assert [e.startswith("checksum mismatch") for e in errors] == [i == 7 for i in range(12)]
+    assert len(updates) == 11 and store.dram.used == 11 * size
+
+
 def test_three_times_capacity_never_exceeds_any_tier(engine, tmp_path):
     dram, disk = 1 << 20, 2 << 20
     store = BlockStore(engine, engine.allocate(dram), engine.register_file(tmp_path / "t", disk))
