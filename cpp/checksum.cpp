@@ -17,7 +17,6 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -109,9 +108,12 @@ class Views {
     for (Py_buffer& v : views_) PyBuffer_Release(&v);
   }
   Span add(const py::handle& obj) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();  // contiguous only
-    views_.push_back(view);
+    views_.emplace_back();  // room first: a view taken is always released
+    if (PyObject_GetBuffer(obj.ptr(), &views_.back(), PyBUF_SIMPLE) != 0) {  // contiguous only
+      views_.pop_back();
+      throw py::error_already_set();
+    }
+    const Py_buffer& view = views_.back();
     return Span{static_cast<const uint8_t*>(view.buf), static_cast<size_t>(view.len)};
   }
 
@@ -131,7 +133,7 @@ std::vector<uint64_t> xxh3_many(const py::sequence& blocks, const std::vector<ui
   std::vector<Block> work(seeds.size());
   size_t total = 0;
   for (size_t i = 0; i < work.size(); ++i) {
-    py::handle item = blocks[i];
+    py::object item = blocks[i];  // owned: a sequence may hand out a fresh object per index
     work[i].seed = seeds[i];
     if (py::isinstance<py::list>(item) || py::isinstance<py::tuple>(item)) {
       for (const py::handle& part : py::reinterpret_borrow<py::sequence>(item)) work[i].parts.push_back(views.add(part));
@@ -161,8 +163,9 @@ std::vector<uint64_t> xxh3_many(const py::sequence& blocks, const std::vector<ui
   };
   std::vector<std::thread> pool;
   try {
+    pool.reserve(n);
     for (size_t t = 1; t < n; ++t) pool.emplace_back(run);
-  } catch (const std::system_error&) {
+  } catch (const std::exception&) {
     // no thread to spare: the threads already started and this one do the work
   }
   run();
@@ -177,7 +180,7 @@ namespace kvt {
 
 void add_checksum(py::module_& m) {
   m.def("xxh3_load", &load, py::arg("library_path"),
-        "Resolve xxh3 from a library exporting XXH3_* (python-xxhash's extension).");
+        "Resolve xxh3 from a library exporting XXH3_* (python-xxhash's extension); the first load stays.");
   m.def("xxh3_many", &xxh3_many, py::arg("blocks"), py::arg("seeds"), py::arg("threads") = 1,
         "xxh3-64 of each block (a buffer, or a list of buffers hashed in order) with its seed; the "
         "GIL is released and big batches spread over up to `threads` threads.");

@@ -37,7 +37,7 @@ def _seed(block_hash: bytes) -> int:
 
 
 def block_checksum(block_hash: bytes, data) -> int:
-    """Checksum of `data` (a buffer, or a list of buffers taken in order) as block `block_hash`."""
+    """Checksum of `data` (a buffer, or a list or tuple of buffers taken in order) as block `block_hash`."""
     return block_checksums([block_hash], [data])[0]
 
 
@@ -49,7 +49,7 @@ def block_checksums(block_hashes: Sequence[bytes], datas: Sequence) -> list[int]
 
 
 def _python_checksum(block_hash: bytes, data) -> int:
-    if not isinstance(data, list):
+    if not isinstance(data, (list, tuple)):
         return xxhash.xxh3_64_intdigest(data, seed=_seed(block_hash))
     state = checksum_state(block_hash)
     for part in data:

@@ -3,7 +3,8 @@ file), reservations for blocks being written, sealing with checksum verification
 eviction that demotes DRAM victims to NVMe and promotes NVMe hits back.
 
 Every method returns the index updates it implies — (fingerprint, hash, record or None) — for the
-daemon to publish; nothing here talks to the metadata service. One lock guards everything.
+daemon to publish; nothing here talks to the metadata service. One lock guards everything but a
+commit's checksum pass, which runs on slots popped from the pending set and so owned by that commit.
 """
 from __future__ import annotations
 
@@ -142,6 +143,8 @@ class BlockStore:
                records: list | None = None) -> tuple[list[str], list[Update]]:
         """Seal reserved slots whose bytes match their checksum; '' where sealed, else the reason.
         `records`, when given, gets each block's record here (None where not sealed)."""
+        if len(tokens) != len(checksums):
+            raise WrongSize(f"{len(tokens)} tokens but {len(checksums)} checksums")
         errors: list[str] = []
         updates: list[Update] = []
         out = records if records is not None else []

@@ -65,9 +65,22 @@ def test_a_commit_under_another_fingerprint_leaves_the_reservation_to_its_owner(
     assert store.dram.used == BLOCK
 
 
-def test_a_big_commit_verifies_every_block_in_one_batch(engine):
+def test_a_big_commit_verifies_every_block_in_one_batch(engine, monkeypatch):
     """Past the size where checksums run natively on several threads, each block is still checked
-    against its own checksum: one bad block among many is refused, the rest sealed."""
+    against its own checksum (one bad block among many is refused, the rest sealed), and the
+    checksum pass leaves the store's lock free for other requests."""
+    import kvstore.daemon.store as store_module
+
+    lock_free_while_hashing = []
+
+    def hashing(*args):
+        other = threading.Thread(target=lambda: lock_free_while_hashing.append(_try_lock(store.lock)))
+        other.start()
+        other.join()
+        return real(*args)
+
+    real = store_module.block_checksums
+    monkeypatch.setattr(store_module, "block_checksums", hashing)
     store = BlockStore(engine, engine.allocate(16 << 20))
     hashes = external_hashes(range(12), FP)
     size = 1 << 20
@@ -81,6 +94,16 @@ def test_a_big_commit_verifies_every_block_in_one_batch(engine):
     errors, updates = store.commit(FP.digest, [token for token, _ in slots], sums)
     assert [e.startswith("checksum mismatch") for e in errors] == [i == 7 for i in range(12)]
     assert len(updates) == 11 and store.dram.used == 11 * size
+    assert lock_free_while_hashing == [True]
+    with pytest.raises(WrongSize):  # never pops what it cannot seal
+        store.commit(FP.digest, [1, 2], [3])
+
+
+def _try_lock(lock) -> bool:
+    if not lock.acquire(timeout=1):
+        return False
+    lock.release()
+    return True
 
 
 def test_three_times_capacity_never_exceeds_any_tier(engine, tmp_path):
