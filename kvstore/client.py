@@ -565,7 +565,7 @@ class Client:
                 candidates[i] = [c for c in options if c[1].size == room]
             found = [False] * len(hashes)
             hits: dict[str, list[bytes]] = {}
-            corrupt: dict[str, list[bytes]] = {}
+            mismatched: dict[str, list[int]] = {}  # node -> blocks whose bytes failed there
             # A staged reader may already use early stages: bytes from a second replica would come too late.
             attempts = max((len(c) for c in candidates), default=0)
             if on_stage is not None:
@@ -583,12 +583,51 @@ class Client:
                         hits.setdefault(name, []).append(bytes(hashes[i]))
                     for i, record in wanted:
                         if not found[i] and self._usable(name):
-                            corrupt.setdefault(name, []).append(bytes(hashes[i]))
+                            mismatched.setdefault(name, []).append(i)
+            corrupt: dict[str, list[bytes]] = {}
+            for name, indexes in mismatched.items():
+                # Staged: a consumer may already use stages of the first read.
+                moved = self._reread_moved(name, fp, hashes, indexes, targets, found) if on_stage is None else []
+                for i in moved:
+                    hits.setdefault(name, []).append(bytes(hashes[i]))
+                corrupt[name] = [bytes(hashes[i]) for i in indexes if not found[i]]
         finally:
             for region in temporary:
                 self.engine.unregister(region)
         self._report(fp, hits, corrupt)
         return found
+
+    def _reread_moved(self, name: str, fp: str, hashes: Sequence[bytes], indexes: list[int],
+                      targets: list[list[tuple[Region, int, int]]], found: list[bool]) -> list[int]:
+        """Blocks whose bytes at `name` failed their checksum may have moved there (demoted, promoted)
+        since our mirror heard: ask the node where they are now, read those once more; the ones found."""
+        wanted = [i for i in indexes if not found[i]]
+        try:
+            fresh = self._lookup(name, fp, [bytes(hashes[i]) for i in wanted])
+        except AuthenticationFailed:
+            raise
+        except (grpc.RpcError, KVStoreError, TransferError, OSError, ValueError) as exc:
+            log.debug("lookup at %s failed: %s", name, exc)
+            return []
+        again = [(i, record) for i, record in zip(wanted, fresh)
+                 if record is not None and record.size == sum(length for _, _, length in targets[i])]
+        read = self._read_from(name, hashes, again, targets) if again else []
+        for i in read:
+            found[i] = True
+        return read
+
+    def _lookup(self, name: str, fp: str, hashes: list[bytes]) -> list[BlockRecord | None]:
+        """The node's current record of each block (None where it does not hold it)."""
+        local = self._local(name)
+        if local is not None:
+            reply, _ = local.call({"op": "lookup", "fp": fp, "hashes": [h.hex() for h in hashes]})
+            raws = [None if r is None else bytes.fromhex(r) for r in reply["records"]]
+        else:
+            reply = self._rpc(self._node(name).stub.Lookup, store_pb2.LookupRequest(fingerprint=fp, hashes=hashes))
+            raws = [bytes(r) or None for r in reply.records]
+        if len(raws) != len(hashes):
+            raise ValueError(f"{name} answered {len(raws)} records for {len(hashes)} blocks")
+        return [None if raw is None else BlockRecord.decode(raw) for raw in raws]
 
     def _read_from(self, name: str, hashes: Sequence[bytes], wanted: list[tuple[int, BlockRecord]],
                    targets: list[list[tuple[Region, int, int]]],

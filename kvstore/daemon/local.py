@@ -13,6 +13,7 @@ Requests (one reply frame each):
   reserve  {fp, hashes, sizes} -> {slots: [[token, region, offset, size] | null], used, capacity}
   commit   {fp, tokens, checksums, sync} -> {records, errors, used, capacity}
   abort    {tokens} -> {}
+  lookup   {fp, hashes} -> {records: [hex | null]}: where this node holds the blocks now
   tier     {} -> {region, size, direct} and, over SCM_RIGHTS, a read-only fd of the NVMe tier file
            (opened O_RDONLY|O_DIRECT here, for this client alone)
 Errors: {ok: false, code: invalid|exhausted|refused|unavailable, error}.
@@ -260,7 +261,7 @@ class LocalControl:
                 except KVStoreError as exc:
                     reply, fd = self._error(exc), None
                 # Counted before the reply goes out: whoever got the answer also sees it in the metrics.
-                self._observe(f"local_{op}" if op in ("put", "reserve", "commit", "abort", "tier") else "local_other",
+                self._observe(f"local_{op}" if op in ("put", "reserve", "commit", "abort", "tier", "lookup") else "local_other",
                               time.perf_counter() - started)
                 if fd is not None:
                     try:
@@ -310,6 +311,10 @@ class LocalControl:
             tokens = _ints(request.get("tokens"), "tokens", len(request.get("tokens") or []))
             checksums = _ints(request.get("checksums"), "checksums", len(tokens))
             return self._commit(fingerprint, tokens, checksums, bool(request.get("sync"))), None
+        if op == "lookup":
+            if not isinstance(fingerprint, str):
+                raise _Invalid("fp: a string")
+            return {"ok": True, "records": self._records(fingerprint, _hashes(request.get("hashes")))}, None
         if op == "abort":
             self.store.abort(_ints(request.get("tokens"), "tokens", len(request.get("tokens") or [])))
             return {"ok": True}, None

@@ -7,8 +7,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-OPS = ("reserve", "commit", "put", "abort", "touch", "remove", "stats",
-       "local_put", "local_reserve", "local_commit", "local_abort", "local_tier")
+OPS = ("reserve", "commit", "put", "abort", "touch", "remove", "lookup", "stats",
+       "local_put", "local_reserve", "local_commit", "local_abort", "local_tier", "local_lookup")
 
 
 class DaemonMetrics:

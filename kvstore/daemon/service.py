@@ -123,6 +123,16 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
 
         return self._run("remove", context, run)
 
+    def Lookup(self, request, context):
+        self._check_hashes(request.hashes, context)
+
+        def run():
+            with self.store.lock:
+                slots = [self.store.find((request.fingerprint, bytes(h))) for h in request.hashes]
+                return store_pb2.LookupResponse(records=[b"" if s is None else s.record().encode() for s in slots])
+
+        return self._run("lookup", context, run)
+
     def Stats(self, request, context):
         def run():
             with self.store.lock:

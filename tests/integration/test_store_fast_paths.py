@@ -90,6 +90,37 @@ def test_read_your_writes_with_background_publishing(etcd_server, spawn_daemon, 
         assert all(client.get_many(hashes, outs))
 
 
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_a_block_that_moved_since_the_mirror_heard_is_read_from_where_the_node_has_it(
+        etcd_server, spawn_daemon, transport):
+    """A mirror that still points at a block's old place (the node demoted or promoted it, and the
+    slot now holds another block) gets bytes that fail the checksum: the client asks the node where
+    the block is now and reads it from there, instead of reporting a miss or a corrupt copy."""
+    cluster = uuid.uuid4().hex[:8]
+    daemon = spawn_daemon("moved", etcd_server.url, cluster, secret=SECRET)
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport=transport) as client, \
+            Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET) as observer:
+        assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
+        moved, other = external_hashes([500, 501], FP)
+        client.put_many([(moved, content(moved, 8192)), (other, content(other, 8192))])
+        # Let the put's own watch events land first, or they would overwrite the stale record below.
+        assert observer.mirror.wait_until(lambda m: m.contains(FP, moved) and m.contains(FP, other), 5)
+        assert client.mirror.wait_for_revision(observer.mirror.revision, 5)
+        real, elsewhere = client.mirror.lookup(FP, moved)["moved"], client.mirror.lookup(FP, other)["moved"]
+        stale = BlockRecord(real.tier, real.region, elsewhere.offset, real.size, real.checksum)
+        client.mirror.remember_many(FP, "moved", [(moved, stale)])  # as if the move had not reached us
+        before = control_ops(daemon)
+        out = np.zeros(8192, np.uint8)
+        assert client.get(moved, out) and np.array_equal(out, content(moved, 8192))
+        assert control_ops(daemon).get(("local_" if transport == "auto" else "") + "lookup", 0) == \
+            before.get(("local_" if transport == "auto" else "") + "lookup", 0) + 1
+        # A block the node no longer holds stays a plain miss.
+        client.remove([other])
+        gone = BlockRecord(elsewhere.tier, elsewhere.region, real.offset, elsewhere.size, elsewhere.checksum)
+        client.mirror.remember_many(FP, "moved", [(other, gone)])
+        assert not client.get(other, out)
+
+
 def test_sync_publish_is_visible_to_others_when_put_returns(etcd_server, spawn_daemon):
     cluster = uuid.uuid4().hex[:8]
     spawn_daemon("sync-node", etcd_server.url, cluster, secret=SECRET)
