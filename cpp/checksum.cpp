@@ -9,7 +9,7 @@
 
 #include <pybind11/stl.h>
 
-#include <dlfcn.h>
+#include "symbols.h"
 
 #include <algorithm>
 #include <atomic>
@@ -47,21 +47,15 @@ Xxh3 g_xxh3;
 void load(const std::string& path) {
   std::lock_guard<std::mutex> lock(g_load_mu);
   if (g_loaded.load()) return;
-  void* lib = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);  // already loaded by Python: the same copy
-  if (!lib) throw std::runtime_error(std::string("dlopen ") + path + ": " + ::dlerror());
+  kvt::Symbols lib(path);  // already loaded by Python: the same copy
   Xxh3 api;
-  std::string missing;
-  auto resolve = [&](auto& fn, const char* name) {
-    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(::dlsym(lib, name));
-    if (!fn) missing += std::string(missing.empty() ? "" : ", ") + name;
-  };
-  resolve(api.hash, "XXH3_64bits_withSeed");
-  resolve(api.create, "XXH3_createState");
-  resolve(api.free, "XXH3_freeState");
-  resolve(api.reset, "XXH3_64bits_reset_withSeed");
-  resolve(api.update, "XXH3_64bits_update");
-  resolve(api.digest, "XXH3_64bits_digest");
-  if (!missing.empty()) throw std::runtime_error(path + " lacks " + missing);
+  lib.resolve(api.hash, "XXH3_64bits_withSeed");
+  lib.resolve(api.create, "XXH3_createState");
+  lib.resolve(api.free, "XXH3_freeState");
+  lib.resolve(api.reset, "XXH3_64bits_reset_withSeed");
+  lib.resolve(api.update, "XXH3_64bits_update");
+  lib.resolve(api.digest, "XXH3_64bits_digest");
+  if (std::string why = lib.error(); !why.empty()) throw std::runtime_error(why);
   g_xxh3 = api;
   g_loaded.store(true);
 }

@@ -565,7 +565,7 @@ class Client:
                 candidates[i] = [c for c in options if c[1].size == room]
             found = [False] * len(hashes)
             hits: dict[str, list[bytes]] = {}
-            mismatched: dict[str, list[int]] = {}  # node -> blocks whose bytes failed there
+            mismatched: dict[str, list[tuple[int, BlockRecord]]] = {}  # node -> blocks that failed there
             # A staged reader may already use early stages: bytes from a second replica would come too late.
             attempts = max((len(c) for c in candidates), default=0)
             if on_stage is not None:
@@ -583,45 +583,56 @@ class Client:
                         hits.setdefault(name, []).append(bytes(hashes[i]))
                     for i, record in wanted:
                         if not found[i] and self._usable(name):
-                            mismatched.setdefault(name, []).append(i)
+                            mismatched.setdefault(name, []).append((i, record))
             corrupt: dict[str, list[bytes]] = {}
-            for name, indexes in mismatched.items():
+            for name, failed in mismatched.items():
                 # Staged: a consumer may already use stages of the first read.
-                moved = self._reread_moved(name, fp, hashes, indexes, targets, found) if on_stage is None else []
+                moved, gone = self._reread_moved(name, fp, hashes, failed, targets, found) \
+                    if on_stage is None else ([], set())
                 for i in moved:
                     hits.setdefault(name, []).append(bytes(hashes[i]))
-                corrupt[name] = [bytes(hashes[i]) for i in indexes if not found[i]]
+                # Still corrupt there even when another replica served the block: the node re-checks it.
+                bad = [bytes(hashes[i]) for i, _ in failed if i not in moved and i not in gone]
+                if bad:
+                    corrupt[name] = bad
         finally:
             for region in temporary:
                 self.engine.unregister(region)
         self._report(fp, hits, corrupt)
         return found
 
-    def _reread_moved(self, name: str, fp: str, hashes: Sequence[bytes], indexes: list[int],
-                      targets: list[list[tuple[Region, int, int]]], found: list[bool]) -> list[int]:
+    def _reread_moved(self, name: str, fp: str, hashes: Sequence[bytes], failed: list[tuple[int, BlockRecord]],
+                      targets: list[list[tuple[Region, int, int]]], found: list[bool]) -> tuple[list[int], set[int]]:
         """Blocks whose bytes at `name` failed their checksum may have moved there (demoted, promoted)
-        since our mirror heard: ask the node where they are now, read those once more; the ones found."""
-        wanted = [i for i in indexes if not found[i]]
+        since our mirror heard: ask the node where they are now and read the moved ones once more.
+        Returns (blocks found that way, blocks the node no longer holds)."""
+        wanted = [(i, record) for i, record in failed if not found[i]]
+        if not wanted:
+            return [], set()
         try:
-            fresh = self._lookup(name, fp, [bytes(hashes[i]) for i in wanted])
+            fresh = self._lookup(name, fp, [bytes(hashes[i]) for i, _ in wanted])
         except AuthenticationFailed:
             raise
         except (grpc.RpcError, KVStoreError, TransferError, OSError, ValueError) as exc:
             log.debug("lookup at %s failed: %s", name, exc)
-            return []
-        again = [(i, record) for i, record in zip(wanted, fresh)
-                 if record is not None and record.size == sum(length for _, _, length in targets[i])]
+            return [], set()
+        gone = {i for (i, _), now in zip(wanted, fresh) if now is None}
+        again = [(i, now) for (i, was), now in zip(wanted, fresh)
+                 if now is not None and now != was and now.size == sum(length for _, _, length in targets[i])]
         read = self._read_from(name, hashes, again, targets) if again else []
         for i in read:
             found[i] = True
-        return read
+        return read, gone
 
     def _lookup(self, name: str, fp: str, hashes: list[bytes]) -> list[BlockRecord | None]:
         """The node's current record of each block (None where it does not hold it)."""
         local = self._local(name)
         if local is not None:
             reply, _ = local.call({"op": "lookup", "fp": fp, "hashes": [h.hex() for h in hashes]})
-            raws = [None if r is None else bytes.fromhex(r) for r in reply["records"]]
+            records = reply.get("records")
+            if not isinstance(records, list) or not all(r is None or isinstance(r, str) for r in records):
+                raise ValueError(f"{name} answered a malformed lookup")
+            raws = [None if r is None else bytes.fromhex(r) for r in records]
         else:
             reply = self._rpc(self._node(name).stub.Lookup, store_pb2.LookupRequest(fingerprint=fp, hashes=hashes))
             raws = [bytes(r) or None for r in reply.records]

@@ -20,6 +20,7 @@ from kvstore import Client
 from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.layout import BlockRecord
 from kvstore.store.v1 import store_pb2, store_pb2_grpc
+from transfer import Write
 
 FP = ModelFingerprint("fast-paths", "float16", 16, 2, 2, 64)
 SECRET = "fast-path-secret"
@@ -109,16 +110,55 @@ def test_a_block_that_moved_since_the_mirror_heard_is_read_from_where_the_node_h
         real, elsewhere = client.mirror.lookup(FP, moved)["moved"], client.mirror.lookup(FP, other)["moved"]
         stale = BlockRecord(real.tier, real.region, elsewhere.offset, real.size, real.checksum)
         client.mirror.remember_many(FP, "moved", [(moved, stale)])  # as if the move had not reached us
-        before = control_ops(daemon)
+        op = ("local_" if transport == "auto" else "") + "lookup"
+        lookups = control_ops(daemon).get(op, 0)
         out = np.zeros(8192, np.uint8)
         assert client.get(moved, out) and np.array_equal(out, content(moved, 8192))
-        assert control_ops(daemon).get(("local_" if transport == "auto" else "") + "lookup", 0) == \
-            before.get(("local_" if transport == "auto" else "") + "lookup", 0) + 1
-        # A block the node no longer holds stays a plain miss.
+        assert control_ops(daemon).get(op, 0) == lookups + 1
+        # A block the node no longer holds stays a plain miss, and is not reported as corrupt.
         client.remove([other])
         gone = BlockRecord(elsewhere.tier, elsewhere.region, real.offset, elsewhere.size, elsewhere.checksum)
         client.mirror.remember_many(FP, "moved", [(other, gone)])
+        lookups = control_ops(daemon).get(op, 0)
         assert not client.get(other, out)
+        assert control_ops(daemon).get(op, 0) == lookups + 1
+        hits = stats(daemon).counters.get("hits_dram", 0)
+        assert client.get(moved, out)  # its hit report goes out after anything queued before it
+        assert wait_for(lambda: stats(daemon).counters.get("hits_dram", 0) > hits)
+        assert stats(daemon).counters.get("client_reported_corrupt", 0) == 0
+
+
+def wait_for(condition, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_corrupt_replica_is_reported_even_when_another_serves_the_block(etcd_server, spawn_daemon):
+    """The first replica's bytes are damaged: the get is served by the second, and the first node
+    is told, so it re-checks the copy and drops it (its record did not move, so no second read)."""
+    cluster = uuid.uuid4().hex[:8]
+    first = spawn_daemon("a-node", etcd_server.url, cluster, secret=SECRET)
+    spawn_daemon("b-node", etcd_server.url, cluster, secret=SECRET)
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, replicas=2) as client:
+        assert client.mirror.wait_until(lambda m: len(m.nodes) == 2, 10)
+        h = external_hashes([600], FP)[0]
+        data = content(h, 8192)
+        assert client.put(h, data) == 2
+        record = client.mirror.lookup(FP, h)["a-node"]
+        garbage = np.full(8192, 7, np.uint8)
+        scratch = client.engine.register(garbage, remote_access=False)
+        try:  # a stray write into a-node's copy (the put path may write there, so this client can)
+            client.engine.transfer([Write(scratch, 0, client._node("a-node").peer.region(record.region),
+                                          record.offset, 8192)])
+        finally:
+            client.engine.unregister(scratch)
+        out = np.zeros(8192, np.uint8)
+        assert client.get(h, out) and np.array_equal(out, data)
+        assert wait_for(lambda: stats(first).counters.get("corrupt_blocks_dram", 0) == 1)
 
 
 def test_sync_publish_is_visible_to_others_when_put_returns(etcd_server, spawn_daemon):
