@@ -622,6 +622,12 @@ class Client:
         read = self._read_from(name, hashes, again, targets) if again else []
         for i in read:
             found[i] = True
+        if read:  # the next get goes straight there, without waiting for the watch to say so
+            landed = set(read)
+            try:
+                self.mirror.remember_many(fp, name, [(bytes(hashes[i]), now) for i, now in again if i in landed])
+            except KVStoreError:
+                pass
         return read, gone
 
     def _lookup(self, name: str, fp: str, hashes: list[bytes]) -> list[BlockRecord | None]:

@@ -115,6 +115,8 @@ def test_a_block_that_moved_since_the_mirror_heard_is_read_from_where_the_node_h
         out = np.zeros(8192, np.uint8)
         assert client.get(moved, out) and np.array_equal(out, content(moved, 8192))
         assert control_ops(daemon).get(op, 0) == lookups + 1
+        assert client.mirror.lookup(FP, moved)["moved"] == real  # learnt: the next get reads it straight
+        assert client.get(moved, out) and control_ops(daemon).get(op, 0) == lookups + 1
         # A block the node no longer holds stays a plain miss, and is not reported as corrupt.
         client.remove([other])
         gone = BlockRecord(elsewhere.tier, elsewhere.region, real.offset, elsewhere.size, elsewhere.checksum)
