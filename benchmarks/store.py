@@ -1,7 +1,7 @@
 """Store benchmark: our daemon and client in separate processes, side by side in one run with
 Mooncake Store and Redis on loopback, and our NVMe tier against a direct O_DIRECT read.
 
-    python -m benchmarks.store [--json PATH] [--quick]
+    python -m benchmarks.store [--json PATH] [--quick] [--rounds N]
 
 Records: system, path (shm|tcp|nvme|nvme-tcp), op (put|get), block_bytes, batch, gbps, p50_us, p99_us.
 A batch of 32 is one put_many/get_many (Mooncake: batch_put_from/batch_get_into; Redis: a pipeline);
@@ -11,6 +11,10 @@ gbps counts the batch's bytes over its median time; p50/p99 are of whole calls.
 page-aligned buffers), `nvme-tcp` the same gets forced over TCP (the daemon reads the file).
 Also: `visibility` (put return -> another client's mirror lists the block) and `burst` (256
 concurrent 64 KiB puts over 3 daemons: blocks per node).
+
+The systems run in `--rounds` rounds (ours, then Mooncake, then Redis, back to back), and each
+target ratio is the median of its per-round ratios: on a shared machine a burst of noise then
+skews one round's pairing, not the whole comparison. NVMe, visibility and burst run once.
 """
 from __future__ import annotations
 
@@ -56,6 +60,7 @@ class Record:
     gbps: float
     p50_us: float
     p99_us: float
+    round: int = 0
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -432,6 +437,11 @@ def bench_redis(args: argparse.Namespace, out: list[Record]) -> None:
 
 
 # --- report ------------------------------------------------------------------------------------
+def median_of(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
 def ratios(records: list[Record], nvme: dict) -> list[tuple[str, float | None]]:
     def find(system, path, op, block, batch):
         for r in records:
@@ -480,36 +490,52 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--systems", default="kvstore,nvme,visibility,burst,mooncake,redis")
     parser.add_argument("--disk-dir", default=None, help="where the NVMe tier lives (default: the temp dir)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the systems, back to back (default 3)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     systems = args.systems.split(",")
     records: list[Record] = []
     nvme: dict = {}
     extra: dict = {}
     print(f"  {'system':<9}{'path':<9}{'op':<5}{'block':>7}{'n':>4}{'GB/s':>9}{'p50 us':>11}{'p99 us':>11}")
-    with EtcdServer() as etcd:
-        if "kvstore" in systems:
-            bench_ours(etcd, args, records)
-        if "nvme" in systems:
-            nvme = bench_nvme(etcd, args, records)
-        if "visibility" in systems:
-            extra["visibility"] = bench_visibility(etcd, args)
-        if "burst" in systems:
-            extra["burst"] = bench_burst(etcd, args)
-    if "mooncake" in systems:
-        bench_mooncake(args, records)
-    if "redis" in systems:
-        bench_redis(args, records)
-    summary = ratios(records, nvme)
+    per_round: list[list[tuple[str, float | None]]] = []
+    for round_ in range(args.rounds):
+        if args.rounds > 1:
+            print(f"  -- round {round_ + 1} of {args.rounds}")
+        these: list[Record] = []
+        with EtcdServer() as etcd:
+            if "kvstore" in systems:
+                bench_ours(etcd, args, these)
+            if round_ == 0 and "nvme" in systems:
+                nvme = bench_nvme(etcd, args, these)
+            if round_ == 0 and "visibility" in systems:
+                extra["visibility"] = bench_visibility(etcd, args)
+            if round_ == 0 and "burst" in systems:
+                extra["burst"] = bench_burst(etcd, args)
+        if "mooncake" in systems:
+            bench_mooncake(args, these)
+        if "redis" in systems:
+            bench_redis(args, these)
+        for r in these:
+            r.round = round_
+        records += these
+        per_round.append(ratios(these, nvme))
+    summary = [(label, median_of([values[i][1] for values in per_round]))
+               for i, (label, _) in enumerate(per_round[0])]
     if "burst" in extra:
         summary.append(("burst max/min blocks per node (<=1.3)", extra["burst"]["max_over_min"]))
-    print("\n  targets (ratios in this run)")
-    for label, value in summary:
-        print(f"  {label:<56}{'n/a' if value is None else f'{value:.2f}':>9}")
+    print(f"\n  targets (ratios in this run{f', median of {args.rounds} rounds' if args.rounds > 1 else ''})")
+    for i, (label, value) in enumerate(summary):
+        rounds = "" if args.rounds == 1 or i >= len(per_round[0]) else \
+            "   (" + ", ".join("n/a" if v[i][1] is None else f"{v[i][1]:.2f}" for v in per_round) + ")"
+        print(f"  {label:<56}{'n/a' if value is None else f'{value:.2f}':>9}{rounds}")
     if args.json:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count()}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "records": [asdict(r) for r in records], "nvme_baseline": nvme,
-                       "ratios": dict(summary), **extra}, f, indent=1)
+                       "ratios": dict(summary), "ratios_per_round": [dict(r) for r in per_round], **extra},
+                      f, indent=1)
     return 0
 
 
