@@ -12,9 +12,10 @@ page-aligned buffers), `nvme-tcp` the same gets forced over TCP (the daemon read
 Also: `visibility` (put return -> another client's mirror lists the block) and `burst` (256
 concurrent 64 KiB puts over 3 daemons: blocks per node).
 
-The systems run in `--rounds` rounds (ours, then Mooncake, then Redis, back to back), and each
-target ratio is the median of its per-round ratios: on a shared machine a burst of noise then
-skews one round's pairing, not the whole comparison. NVMe, visibility and burst run once.
+The systems run in `--rounds` paired rounds (ours and the peers back to back, who goes first
+alternating), and each target ratio is the median of its per-round ratios: on a shared machine a
+burst of noise then skews one round's pairing, not the whole comparison. NVMe, visibility and
+burst run once, after the rounds.
 """
 from __future__ import annotations
 
@@ -437,7 +438,23 @@ def bench_redis(args: argparse.Namespace, out: list[Record]) -> None:
 
 
 # --- report ------------------------------------------------------------------------------------
+def bench_store(args: argparse.Namespace, systems: list[str], out: list[Record]) -> None:
+    """Our store's rows of one round (its own etcd)."""
+    if "kvstore" in systems:
+        with EtcdServer() as etcd:
+            bench_ours(etcd, args, out)
+
+
+def bench_peers(args: argparse.Namespace, systems: list[str], out: list[Record]) -> None:
+    """Mooncake Store's and Redis's rows of one round."""
+    if "mooncake" in systems:
+        bench_mooncake(args, out)
+    if "redis" in systems:
+        bench_redis(args, out)
+
+
 def median_of(values: list[float | None]) -> float | None:
+    """Median of the known values (a pair's median is their mean); None when none is known."""
     known = [v for v in values if v is not None]
     return statistics.median(known) if known else None
 
@@ -490,8 +507,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--systems", default="kvstore,nvme,visibility,burst,mooncake,redis")
     parser.add_argument("--disk-dir", default=None, help="where the NVMe tier lives (default: the temp dir)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the systems, back to back (default 3)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="paired rounds of ours and the peers (default 3; 1 with --quick)")
     args = parser.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     systems = args.systems.split(",")
@@ -499,42 +519,43 @@ def main(argv: list[str] | None = None) -> int:
     nvme: dict = {}
     extra: dict = {}
     print(f"  {'system':<9}{'path':<9}{'op':<5}{'block':>7}{'n':>4}{'GB/s':>9}{'p50 us':>11}{'p99 us':>11}")
-    per_round: list[list[tuple[str, float | None]]] = []
+    per_round: list[list[Record]] = []
     for round_ in range(args.rounds):
         if args.rounds > 1:
             print(f"  -- round {round_ + 1} of {args.rounds}")
         these: list[Record] = []
-        with EtcdServer() as etcd:
-            if "kvstore" in systems:
-                bench_ours(etcd, args, these)
-            if round_ == 0 and "nvme" in systems:
-                nvme = bench_nvme(etcd, args, these)
-            if round_ == 0 and "visibility" in systems:
-                extra["visibility"] = bench_visibility(etcd, args)
-            if round_ == 0 and "burst" in systems:
-                extra["burst"] = bench_burst(etcd, args)
-        if "mooncake" in systems:
-            bench_mooncake(args, these)
-        if "redis" in systems:
-            bench_redis(args, these)
+        order = [bench_peers, bench_store] if round_ % 2 else [bench_store, bench_peers]  # who goes first alternates
+        for bench in order:
+            bench(args, systems, these)
         for r in these:
             r.round = round_
         records += these
-        per_round.append(ratios(these, nvme))
-    summary = [(label, median_of([values[i][1] for values in per_round]))
-               for i, (label, _) in enumerate(per_round[0])]
+        per_round.append(these)
+    if {"nvme", "visibility", "burst"} & set(systems):  # once, after the paired rounds
+        with EtcdServer() as etcd:
+            if "nvme" in systems:
+                nvme = bench_nvme(etcd, args, records)
+            if "visibility" in systems:
+                extra["visibility"] = bench_visibility(etcd, args)
+            if "burst" in systems:
+                extra["burst"] = bench_burst(etcd, args)
+    nvme_rows = [r for r in records if r.path.startswith("nvme")]
+    per_round_ratios = [ratios(these + nvme_rows, nvme) for these in per_round]
+    summary = [(label, median_of([values[i][1] for values in per_round_ratios]))
+               for i, (label, _) in enumerate(per_round_ratios[0])]
     if "burst" in extra:
         summary.append(("burst max/min blocks per node (<=1.3)", extra["burst"]["max_over_min"]))
     print(f"\n  targets (ratios in this run{f', median of {args.rounds} rounds' if args.rounds > 1 else ''})")
     for i, (label, value) in enumerate(summary):
-        rounds = "" if args.rounds == 1 or i >= len(per_round[0]) else \
-            "   (" + ", ".join("n/a" if v[i][1] is None else f"{v[i][1]:.2f}" for v in per_round) + ")"
+        spread = {v[i][1] for v in per_round_ratios} if i < len(per_round_ratios[0]) else set()
+        rounds = "" if len(spread) < 2 else \
+            "   (" + ", ".join("n/a" if v[i][1] is None else f"{v[i][1]:.2f}" for v in per_round_ratios) + ")"
         print(f"  {label:<56}{'n/a' if value is None else f'{value:.2f}':>9}{rounds}")
     if args.json:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count()}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "records": [asdict(r) for r in records], "nvme_baseline": nvme,
-                       "ratios": dict(summary), "ratios_per_round": [dict(r) for r in per_round], **extra},
+                       "ratios": dict(summary), "per_round_ratios": [dict(r) for r in per_round_ratios], **extra},
                       f, indent=1)
     return 0
 

@@ -2,7 +2,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "checksum.h"
 #include "engine.h"
 #include "index_probe.h"
 
@@ -34,7 +33,6 @@ PYBIND11_MODULE(_native, m) {
   m.doc() = "kvstore transfer engine data plane";
 
   kvt::add_index_probe(m);
-  kvt::add_checksum(m);
 
   m.def("ucx_load", [](const std::string& path) {
     std::string err;

@@ -1,7 +1,6 @@
 #include "ucx.h"
 
-#include "symbols.h"
-
+#include <dlfcn.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -56,16 +55,30 @@ constexpr auto kSpin = std::chrono::milliseconds(2);  // poll this long after UC
 bool ucx_load(const std::string& libucp_path, std::string* err) {
   std::lock_guard<std::mutex> lock(g_load_mu);
   if (g_loaded.load()) return true;
-  Symbols lib(libucp_path);  // already loaded by ucxx: the same copy
+  void* lib = ::dlopen(libucp_path.c_str(), RTLD_NOW | RTLD_LOCAL);  // already loaded by ucxx: same copy
+  if (!lib) {
+    *err = std::string("dlopen ") + libucp_path + ": " + ::dlerror();
+    return false;
+  }
   UcpApi api;
-  lib.resolve(api.put_nbx, "ucp_put_nbx");
-  lib.resolve(api.get_nbx, "ucp_get_nbx");
-  lib.resolve(api.ep_flush_nbx, "ucp_ep_flush_nbx");
-  lib.resolve(api.request_check_status, "ucp_request_check_status");
-  lib.resolve(api.request_free, "ucp_request_free");
-  lib.resolve(api.worker_progress, "ucp_worker_progress");
-  *err = lib.error();
-  if (!err->empty()) return false;
+  bool ok = true;
+  auto sym = [&](auto& fn, const char* name) {
+    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(::dlsym(lib, name));
+    if (!fn) {
+      *err += std::string(err->empty() ? "" : ", ") + name;
+      ok = false;
+    }
+  };
+  sym(api.put_nbx, "ucp_put_nbx");
+  sym(api.get_nbx, "ucp_get_nbx");
+  sym(api.ep_flush_nbx, "ucp_ep_flush_nbx");
+  sym(api.request_check_status, "ucp_request_check_status");
+  sym(api.request_free, "ucp_request_free");
+  sym(api.worker_progress, "ucp_worker_progress");
+  if (!ok) {
+    *err = libucp_path + " lacks " + *err;
+    return false;
+  }
   g_api = api;
   g_loaded.store(true);
   return true;
