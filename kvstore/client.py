@@ -622,12 +622,15 @@ class Client:
         read = self._read_from(name, hashes, again, targets) if again else []
         for i in read:
             found[i] = True
-        if read:  # the next get goes straight there, without waiting for the watch to say so
-            landed = set(read)
-            try:
-                self.mirror.remember_many(fp, name, [(bytes(hashes[i]), now) for i, now in again if i in landed])
-            except KVStoreError:
-                pass
+        # The next get goes straight to the right place without waiting for the watch. Forgetting
+        # what the node no longer holds also ends a replica we remembered just before its delete
+        # event passed (the mirror keeps no per-key revision to refuse that).
+        landed = set(read)
+        try:
+            self.mirror.remember_many(fp, name, [(bytes(hashes[i]), now) for i, now in again if i in landed])
+            self.mirror.forget_many(fp, name, [bytes(hashes[i]) for i in gone])
+        except KVStoreError:
+            pass
         return read, gone
 
     def _lookup(self, name: str, fp: str, hashes: list[bytes]) -> list[BlockRecord | None]:

@@ -254,14 +254,23 @@ class IndexMirror:
                       blocks: Sequence[tuple[bytes, BlockRecord | bytes]]) -> None:
         """`remember` for many blocks of one node under one lock; InvalidRecord (after learning the
         valid ones) if any record is malformed."""
+        self._learn(fingerprint, node, "put", [(h, r.encode() if isinstance(r, BlockRecord) else bytes(r))
+                                               for h, r in blocks])
+
+    def forget_many(self, fingerprint: ModelFingerprint | str, node: str, hashes: Sequence[bytes]) -> None:
+        """Drop `node`'s replica of each block now, as its watch 'delete' event would (a reader that
+        found the node no longer holds them)."""
+        self._learn(fingerprint, node, "delete", [(h, b"") for h in hashes])
+
+    def _learn(self, fingerprint: ModelFingerprint | str, node: str, kind: str,
+               blocks: list[tuple[bytes, bytes]]) -> None:
         fp, bad = _fingerprint_id(fingerprint), None
         with self._apply_lock:
             snaps = {id(s): s for s in (self._snapshot, self._fresh) if s is not None}.values()
-            for block_hash, record in blocks:
-                value = record.encode() if isinstance(record, BlockRecord) else bytes(record)
+            for block_hash, value in blocks:
                 try:
                     for snap in snaps:
-                        self._apply_block(snap, "put", fp, bytes(block_hash), node, value)
+                        self._apply_block(snap, kind, fp, bytes(block_hash), node, value)
                 except (InvalidRecord, ValueError) as exc:
                     bad = exc if isinstance(exc, InvalidRecord) else InvalidRecord(str(exc))
         with self._changed:

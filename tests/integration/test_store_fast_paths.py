@@ -119,11 +119,13 @@ def test_a_block_that_moved_since_the_mirror_heard_is_read_from_where_the_node_h
         assert client.get(moved, out) and control_ops(daemon).get(op, 0) == lookups + 1
         # A block the node no longer holds stays a plain miss, and is not reported as corrupt.
         client.remove([other])
+        assert client.mirror.wait_until(lambda m: not m.contains(FP, other), 5)  # its delete event has passed
         gone = BlockRecord(elsewhere.tier, elsewhere.region, real.offset, elsewhere.size, elsewhere.checksum)
         client.mirror.remember_many(FP, "moved", [(other, gone)])
         lookups = control_ops(daemon).get(op, 0)
         assert not client.get(other, out)
         assert control_ops(daemon).get(op, 0) == lookups + 1
+        assert not client.contains(other)  # forgotten: the next get does not try again
         hits = stats(daemon).counters.get("hits_dram", 0)
         assert client.get(moved, out)  # its hit report goes out after anything queued before it
         assert wait_for(lambda: stats(daemon).counters.get("hits_dram", 0) > hits)
