@@ -43,7 +43,9 @@ def test_load_at_one_revision_while_nodes_publish_and_unpublish(etcd_server, mon
         pages = []
         writer = asyncio.create_task(churn())
         count = await index_load.load_prefix(md, prefix, expected.revision, pages.append, timeout=5)
-        mirror = IndexMirror(etcd_server.url, layout.cluster).start(wait=0.01)  # starts mid-churn
+        # start() returns once its snapshot has begun loading, so the load overlaps the churn; a
+        # 10 ms bound here (as before) failed on a busy CI host before even connecting.
+        mirror = IndexMirror(etcd_server.url, layout.cluster).start(wait=10)
         await writer
         got = sorted((k, v) for page in pages for k, v in zip(page.keys, page.values))
         assert count == len(expected.keys) == 6000 + 2000 and len(pages) > 30
