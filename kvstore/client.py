@@ -39,7 +39,7 @@ from .daemon import local as local_path
 from .daemon.store import AllocationFailed, WrongSize
 from .errors import AuthenticationFailed, FingerprintMismatch, KVStoreError
 from .index import IndexMirror
-from .integrity import block_checksums, checksum_state
+from .integrity import block_checksum, block_checksums, checksum_state
 from .keys import HASH_BYTES, ModelFingerprint
 from .layout import BlockRecord, NodeRecord
 from .store.v1 import store_pb2, store_pb2_grpc
@@ -381,9 +381,9 @@ class Client:
         sums: list[int | None] = [None] * len(views)
 
         def checksums(start: int, end: int) -> list[int]:  # computed once, when a round first needs them
-            todo = [i for i in range(start, end) if sums[i] is None]
-            for i, checksum in zip(todo, block_checksums([hashes[i] for i in todo], [views[i] for i in todo])):
-                sums[i] = checksum
+            for i in range(start, end):
+                if sums[i] is None:
+                    sums[i] = block_checksum(hashes[i], views[i])
             return sums[start:end]
 
         total = sum(v.nbytes for v in views)

@@ -284,9 +284,7 @@ class LocalControl:
         return {"used": self.store.dram.used, "capacity": self.store.dram.capacity}
 
     def _records(self, fingerprint: str, hashes: list[bytes]) -> list[str | None]:
-        with self.store.lock:
-            slots = [self.store.find((fingerprint, h)) for h in hashes]
-            return [None if s is None else s.record().encode().hex() for s in slots]
+        return [None if r is None else r.encode().hex() for r in self.store.records(fingerprint, hashes)]
 
     def _handle(self, op: str, request: dict, frames: Frames, deadline: float) -> tuple[dict, int | None]:
         fingerprint = request.get("fp", "")

@@ -127,9 +127,8 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
         self._check_hashes(request.hashes, context)
 
         def run():
-            with self.store.lock:
-                slots = [self.store.find((request.fingerprint, bytes(h))) for h in request.hashes]
-                return store_pb2.LookupResponse(records=[b"" if s is None else s.record().encode() for s in slots])
+            records = self.store.records(request.fingerprint, list(request.hashes))
+            return store_pb2.LookupResponse(records=[b"" if r is None else r.encode() for r in records])
 
         return self._run("lookup", context, run)
 

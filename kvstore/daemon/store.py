@@ -103,6 +103,12 @@ class BlockStore:
                 return slot
         return None
 
+    def records(self, fingerprint: str, hashes: Sequence[bytes]) -> list[BlockRecord | None]:
+        """Where this node holds each block now (None where it does not)."""
+        with self.lock:
+            slots = [self.find((fingerprint, bytes(h))) for h in hashes]
+            return [None if s is None else s.record() for s in slots]
+
     # --- writes -------------------------------------------------------------------------------
     def reserve(self, fingerprint: str, hashes: Sequence[bytes], sizes: Sequence[int]) -> tuple[list[tuple[int, Slot | None]], list[Update]]:
         """A (token, slot) per block to write; token 0 and slot None where it is already sealed here."""
@@ -150,7 +156,7 @@ class BlockStore:
         out = records if records is not None else []
         with self.lock:
             # Popped, a slot is ours alone: expiry and eviction never see it, so its bytes can be
-            # verified without the lock (one native call, GIL released for big batches).
+            # verified without the lock (python-xxhash releases the GIL as well).
             slots = []
             for token in tokens:
                 slot = self._pending.get(token)
@@ -159,8 +165,8 @@ class BlockStore:
         mine = [slot for slot in slots if slot is not None]
         arena = self.dram.region.buffer
         try:
-            actual = dict(zip(map(id, mine), block_checksums(
-                [slot.key[1] for slot in mine], [arena[slot.offset : slot.offset + slot.size] for slot in mine])))
+            actual = iter(block_checksums([slot.key[1] for slot in mine],
+                                          [arena[slot.offset : slot.offset + slot.size] for slot in mine]))
         except BaseException:
             with self.lock:
                 for slot in mine:
@@ -172,13 +178,14 @@ class BlockStore:
                     errors.append("unknown or expired reservation")
                     out.append(None)
                     continue
+                landed = next(actual)  # one per popped slot, in order
                 theirs = self.find(slot.key)
                 if theirs is not None:  # another writer sealed it first: keep theirs
                     self.dram.allocator.release(slot.offset, slot.size)
                     errors.append("")
                     out.append(theirs.record())
                     continue
-                if actual[id(slot)] != checksum:
+                if landed != checksum:
                     self.dram.allocator.release(slot.offset, slot.size)
                     self._count("corrupt_writes")
                     errors.append("checksum mismatch: the bytes that arrived are not the bytes sent")
@@ -211,11 +218,9 @@ class BlockStore:
         records: list[BlockRecord | None] = [None] * len(hashes)
         for i, error, record in zip(todo, errors, got):
             all_errors[i], records[i] = error, record
-        with self.lock:
-            for i, (_, slot) in enumerate(slots):
-                if slot is None:  # already held here
-                    held = self.find((fingerprint, bytes(hashes[i])))
-                    records[i] = held.record() if held is not None else None
+        held = [i for i, (_, slot) in enumerate(slots) if slot is None]  # already held here
+        for i, record in zip(held, self.records(fingerprint, [hashes[i] for i in held])):
+            records[i] = record
         return all_errors, records, updates + sealed, sum(1 for e in errors if not e)
 
     def abort(self, tokens: Iterable[int]) -> None:
