@@ -410,8 +410,9 @@ class Client:
                         while end < len(views) and (end == start or size + views[end].nbytes <= limit):
                             size += views[end].nbytes
                             end += 1
-                        stored += self._put_on(record.name, fp, hashes[start:end], views[start:end],
-                                               functools.partial(checksums, start, end), regions, start)
+                        with self.mirror.asking() as since:
+                            stored += self._put_on(record.name, fp, hashes[start:end], views[start:end],
+                                                   functools.partial(checksums, start, end), regions, start, since)
                         start = end
                     placed += 1
                 except AuthenticationFailed:
@@ -433,8 +434,9 @@ class Client:
         return stored
 
     def _put_on(self, name: str, fp: str, hashes: list[bytes], views: list[memoryview],
-                checksums_of: Callable[[], list[int]], regions, first: int) -> int:
-        """One round of blocks onto `name`; returns how many it newly stored."""
+                checksums_of: Callable[[], list[int]], regions, first: int, since: int) -> int:
+        """One round of blocks onto `name`; returns how many it newly stored (`since`: from the
+        mirror's `asking`, taken before the round's first request)."""
         local = self._local(name)
         size = sum(v.nbytes for v in views)
         sync = self.publish == "sync"
@@ -444,14 +446,14 @@ class Client:
                                    "sizes": [v.nbytes for v in views], "checksums": checksums_of(), "sync": sync},
                                   views)
             self.stats["local_puts"] += 1
-            return self._sealed(name, fp, hashes, reply["errors"], reply["records"], reply, hex_records=True)
+            return self._sealed(name, fp, hashes, reply["errors"], reply["records"], reply, since, hex_records=True)
         if local is None and size <= GRPC_INLINE_MAX:  # one gRPC round trip
             node = self._node(name)
             self.stats["control_calls"] += 1
             reply = self._rpc(node.stub.Put, store_pb2.PutRequest(
                 fingerprint=fp, hashes=hashes, payloads=[bytes(v) for v in views], checksums=checksums_of(),
                 client=self.engine.name, sync=sync))
-            return self._sealed(name, fp, hashes, list(reply.errors), list(reply.records), reply)
+            return self._sealed(name, fp, hashes, list(reply.errors), list(reply.records), reply, since)
         # Large: reserve, write with the engine (shared memory on this host), commit.
         node = self._node(name)
         regs = regions()[first : first + len(views)]
@@ -480,10 +482,11 @@ class Client:
             if local is not None:
                 commit, _ = local.call({"op": "commit", "fp": fp, "tokens": tokens,
                                         "checksums": [checksums[i] for i, _, _, _ in slots], "sync": sync})
-                return self._sealed(name, fp, todo, commit["errors"], commit["records"], commit, hex_records=True)
+                return self._sealed(name, fp, todo, commit["errors"], commit["records"], commit, since,
+                                    hex_records=True)
             commit = self._rpc(node.stub.Commit, store_pb2.CommitRequest(
                 fingerprint=fp, tokens=tokens, checksums=[checksums[i] for i, _, _, _ in slots], sync=sync))
-            return self._sealed(name, fp, todo, list(commit.errors), list(commit.records), commit)
+            return self._sealed(name, fp, todo, list(commit.errors), list(commit.records), commit, since)
         except BaseException:
             try:
                 if local is not None:
@@ -495,7 +498,7 @@ class Client:
             raise
 
     def _sealed(self, name: str, fp: str, hashes: list[bytes], errors: list[str], records: list, reply: Any,
-                hex_records: bool = False) -> int:
+                since: int, hex_records: bool = False) -> int:
         """Check a put's answer, teach our own mirror what is now stored there; returns how many blocks."""
         self._seen(name, reply)
         failed = [e for e in errors if e]
@@ -506,8 +509,8 @@ class Client:
                     learned.append((h, bytes.fromhex(raw) if hex_records else bytes(raw)))
                 except ValueError:
                     continue
-        try:  # read-your-writes: no wait for the watch (the mirror checks each record)
-            self.mirror.remember_many(fp, name, learned)
+        try:  # read-your-writes: no wait for the watch (unless its newer news came first)
+            self.mirror.remember_many(fp, name, learned, since)
         except KVStoreError:
             pass  # a malformed record is left for the watch to bring (or not)
         if failed:
@@ -609,26 +612,31 @@ class Client:
         wanted = [(i, record) for i, record in failed if not found[i]]
         if not wanted:
             return [], set()
-        try:
-            fresh = self._lookup(name, fp, [bytes(hashes[i]) for i, _ in wanted])
-        except AuthenticationFailed:
-            raise
-        except (grpc.RpcError, KVStoreError, TransferError, OSError, ValueError) as exc:
-            log.debug("lookup at %s failed: %s", name, exc)
-            return [], set()
+        with self.mirror.asking() as since:
+            try:
+                fresh = self._lookup(name, fp, [bytes(hashes[i]) for i, _ in wanted])
+            except AuthenticationFailed:
+                raise
+            except (grpc.RpcError, KVStoreError, TransferError, OSError, ValueError) as exc:
+                log.debug("lookup at %s failed: %s", name, exc)
+                return [], set()
+            return self._reread_at(name, fp, hashes, wanted, fresh, targets, found, since)
+
+    def _reread_at(self, name: str, fp: str, hashes: Sequence[bytes], wanted: list[tuple[int, BlockRecord]],
+                   fresh: list[BlockRecord | None], targets: list[list[tuple[Region, int, int]]],
+                   found: list[bool], since: int) -> tuple[list[int], set[int]]:
         gone = {i for (i, _), now in zip(wanted, fresh) if now is None}
         again = [(i, now) for (i, was), now in zip(wanted, fresh)
                  if now is not None and now != was and now.size == sum(length for _, _, length in targets[i])]
         read = self._read_from(name, hashes, again, targets) if again else []
         for i in read:
             found[i] = True
-        # The next get goes straight to the right place without waiting for the watch. Forgetting
-        # what the node no longer holds also ends a replica we remembered just before its delete
-        # event passed (the mirror keeps no per-key revision to refuse that).
+        # The next get goes straight to the right place without waiting for the watch (whose newer
+        # news, arrived while we asked, wins).
         landed = set(read)
         try:
-            self.mirror.remember_many(fp, name, [(bytes(hashes[i]), now) for i, now in again if i in landed])
-            self.mirror.forget_many(fp, name, [bytes(hashes[i]) for i in gone])
+            self.mirror.remember_many(fp, name, [(bytes(hashes[i]), now) for i, now in again if i in landed], since)
+            self.mirror.forget_many(fp, name, [bytes(hashes[i]) for i in gone], since)
         except KVStoreError:
             pass
         return read, gone

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import binascii
+import collections
+import contextlib
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -126,6 +128,13 @@ class IndexMirror:
         self._placement_ids: dict[frozenset, int] = {}
         self._single = np.full(0, -1, np.int32)  # node * len(TIERS) + tier -> id of that lone replica
         self._revision = 0
+        # Who asked a node about blocks (`asking`) learns from its answer only what no newer watch
+        # event has settled: the revision each open question started at, and while any is open, the
+        # revision of the last event per block replica (oldest first) and where this snapshot began.
+        self._questions: collections.Counter[int] = collections.Counter()
+        self._recent: collections.OrderedDict[tuple[str, bytes, str], int] = collections.OrderedDict()
+        self._applied = 0  # the last revision applied, under _apply_lock
+        self._base = 0  # the revision the current snapshot was loaded at
         self._last_ok = float("-inf")
         self._connected = False
         self._loading = False
@@ -245,32 +254,60 @@ class IndexMirror:
         raws = entry if isinstance(entry, tuple) else (entry,)
         return {self._node_names[int.from_bytes(r[:2], "little")]: BlockRecord.decode(r[2:]) for r in raws}
 
+    @contextlib.contextmanager
+    def asking(self) -> Iterator[int]:
+        """Around a question to a node whose answer the caller will pass to `remember_many` or
+        `forget_many`: yields the `since` for them, so that a watch event for a block that arrives
+        while the question is out (a delete of a block just put, a newer record) wins over the answer."""
+        with self._apply_lock:
+            since = self._applied
+            self._questions[since] += 1
+        try:
+            yield since
+        finally:
+            with self._apply_lock:
+                self._questions[since] -= 1
+                if not self._questions[since]:
+                    del self._questions[since]
+                oldest = min(self._questions, default=None)
+                while self._recent and (oldest is None or next(iter(self._recent.values())) <= oldest):
+                    self._recent.popitem(last=False)
+
     def remember(self, fingerprint: ModelFingerprint | str, block_hash: bytes, node: str,
                  record: BlockRecord | bytes) -> None:
         """Learn one replica now, as its watch 'put' event would (a putting client's own mirror)."""
         self.remember_many(fingerprint, node, [(block_hash, record)])
 
     def remember_many(self, fingerprint: ModelFingerprint | str, node: str,
-                      blocks: Sequence[tuple[bytes, BlockRecord | bytes]]) -> None:
+                      blocks: Sequence[tuple[bytes, BlockRecord | bytes]], since: int | None = None) -> None:
         """`remember` for many blocks of one node under one lock; InvalidRecord (after learning the
-        valid ones) if any record is malformed."""
+        valid ones) if any record is malformed. `since` (from `asking`): skip blocks a newer watch
+        event has settled."""
         self._learn(fingerprint, node, "put", [(h, r.encode() if isinstance(r, BlockRecord) else bytes(r))
-                                               for h, r in blocks])
+                                               for h, r in blocks], since)
 
-    def forget_many(self, fingerprint: ModelFingerprint | str, node: str, hashes: Sequence[bytes]) -> None:
+    def forget_many(self, fingerprint: ModelFingerprint | str, node: str, hashes: Sequence[bytes],
+                    since: int | None = None) -> None:
         """Drop `node`'s replica of each block now, as its watch 'delete' event would (a reader that
-        found the node no longer holds them)."""
-        self._learn(fingerprint, node, "delete", [(h, b"") for h in hashes])
+        found the node no longer holds them); `since` as for `remember_many`."""
+        self._learn(fingerprint, node, "delete", [(h, b"") for h in hashes], since)
+
+    def _settled_since(self, since: int, fingerprint: str, block_hash: bytes, node: str) -> bool:
+        """Whether the current snapshot knows something newer than `since` about this replica (a
+        resync after `since` may have folded such an event in unseen: then assume it does)."""
+        return since < self._base or self._recent.get((fingerprint, block_hash, node), 0) > since
 
     def _learn(self, fingerprint: ModelFingerprint | str, node: str, kind: str,
-               blocks: list[tuple[bytes, bytes]]) -> None:
+               blocks: list[tuple[bytes, bytes]], since: int | None = None) -> None:
         fp, bad = _fingerprint_id(fingerprint), None
         with self._apply_lock:
-            snaps = {id(s): s for s in (self._snapshot, self._fresh) if s is not None}.values()
             for block_hash, value in blocks:
+                block_hash = bytes(block_hash)
+                snaps = [s for s in (self._snapshot, self._fresh) if s is not None and not (
+                    s is self._snapshot and since is not None and self._settled_since(since, fp, block_hash, node))]
                 try:
                     for snap in snaps:
-                        self._apply_block(snap, kind, fp, bytes(block_hash), node, value)
+                        self._apply_block(snap, kind, fp, block_hash, node, value)
                 except (InvalidRecord, ValueError) as exc:
                     bad = exc if isinstance(exc, InvalidRecord) else InvalidRecord(str(exc))
         with self._changed:
@@ -306,12 +343,15 @@ class IndexMirror:
             self._placements.append(Placement(locations, frozenset(n for n, _ in locations)))
         return pid
 
-    def _apply(self, snap: _Snapshot, kind: str, key: bytes, value: bytes) -> None:
+    def _apply(self, snap: _Snapshot, kind: str, key: bytes, value: bytes) -> tuple[str, bytes, str] | None:
+        """Apply one key's change; returns the block replica it was about, if any."""
         rest = key[len(self._root):].decode()
         section, _, name = rest.partition("/")
         if section == "blocks":
             fingerprint, hash_hex, node = name.split("/", 2)
-            self._apply_block(snap, kind, fingerprint, bytes.fromhex(hash_hex), node, value)
+            replica = (fingerprint, bytes.fromhex(hash_hex), node)
+            self._apply_block(snap, kind, *replica, value)
+            return replica
         elif section == "nodes":
             if kind == "put":
                 snap.nodes[name] = NodeRecord.decode(value)
@@ -487,6 +527,7 @@ class IndexMirror:
         with self._changed:
             with self._apply_lock:
                 self._snapshot, self._fresh = snapshot, None
+                self._applied = self._base = revision
             self._revision, self._loading = revision, False
             self._connected, self._last_ok = True, time.monotonic()
             self.resyncs += 1
@@ -510,11 +551,16 @@ class IndexMirror:
         raise MetadataUnavailable("watch ended")
 
     def _on_event(self, event: WatchEvent) -> None:
-        try:
-            with self._apply_lock:
-                self._apply(self._snapshot, event.kind, event.key, event.value)
-        except (InvalidRecord, ValueError, UnicodeDecodeError) as exc:
-            log.warning("ignoring malformed index event %r: %s", event.key[:200], exc)
+        with self._apply_lock:
+            try:
+                replica = self._apply(self._snapshot, event.kind, event.key, event.value)
+            except (InvalidRecord, ValueError, UnicodeDecodeError) as exc:
+                log.warning("ignoring malformed index event %r: %s", event.key[:200], exc)
+                replica = None
+            self._applied = max(self._applied, event.revision)
+            if replica is not None and self._questions:
+                self._recent[replica] = event.revision
+                self._recent.move_to_end(replica)
         with self._changed:
             self._revision = event.revision
             self._last_ok = time.monotonic()

@@ -132,6 +132,36 @@ def test_a_block_that_moved_since_the_mirror_heard_is_read_from_where_the_node_h
         assert stats(daemon).counters.get("client_reported_corrupt", 0) == 0
 
 
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_a_put_reply_learned_after_the_blocks_delete_event_does_not_bring_it_back(
+        etcd_server, spawn_daemon, transport):
+    """The node drops a block between sealing it and the putter learning the reply, and the delete's
+    watch event reaches the putter's mirror first: the late reply must not list the block again."""
+    cluster = uuid.uuid4().hex[:8]
+    spawn_daemon("late", etcd_server.url, cluster, secret=SECRET)
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport=transport) as client, \
+            Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET) as other:
+        assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
+        h, kept = external_hashes([700, 701], FP)
+        learn = client.mirror.remember_many
+
+        def late(fp, node, blocks, since=None):
+            assert other.mirror.wait_until(lambda m: m.contains(FP, h), 5)
+            assert other.remove([h]) == 1
+            assert other.mirror.wait_until(lambda m: not m.contains(FP, h), 5)
+            assert client.mirror.wait_for_revision(other.mirror.revision, 5)  # the delete event has passed
+            learn(fp, node, blocks, since)
+
+        client.mirror.remember_many = late
+        client.put_many([(h, content(h, 8192)), (kept, content(kept, 8192))])
+        client.mirror.remember_many = learn
+        assert not client.contains(h) and client.match_prefix([h]) == 0
+        out = np.zeros(8192, np.uint8)
+        assert not client.get(h, out)
+        assert client.mirror.wait_until(lambda m: m.contains(FP, kept), 5)  # the other block is listed
+        assert client.get(kept, out) and np.array_equal(out, content(kept, 8192))
+
+
 def wait_for(condition, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while not condition():

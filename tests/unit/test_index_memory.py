@@ -103,6 +103,47 @@ def test_unreachable_metadata_fails_start_with_typed_error():
         mirror.start(wait=1.5)
 
 
+async def test_an_answer_learned_after_a_newer_watch_event_does_not_undo_it(url):
+    """A put's reply remembered after the block's delete event passed must not resurrect it; a
+    'not held' answer forgotten after a re-put event must not hide it; with no newer event the
+    answer is learned at once (read-your-writes)."""
+    with IndexMirror(url, "c") as mirror:
+        node = await start_node(url, "a")
+        assert mirror.wait_for_revision(await node.publish(FP.digest, records(HASHES[:3])))
+        with mirror.asking() as since:  # the put is out; meanwhile the node evicts block 0 ...
+            assert mirror.wait_for_revision(await node.unpublish(FP.digest, [HASHES[0]]))
+            mirror.remember_many(FP, "a", records(HASHES[:1]) + records(HASHES[5:6]), since)  # ... the reply lands
+        assert not mirror.contains(FP, HASHES[0])  # the delete was newer than the question
+        assert mirror.contains(FP, HASHES[5])  # nothing newer about this one: learned at once
+        with mirror.asking() as since:  # a lookup says "not held"; meanwhile block 1 is put again
+            assert mirror.wait_for_revision(await node.publish(FP.digest, records(HASHES[1:2], "nvme")))
+            mirror.forget_many(FP, "a", [HASHES[1], HASHES[2]], since)
+        assert mirror.lookup(FP, HASHES[1]) == {"a": BlockRecord("nvme", 3, 0, 4096, 1000)}
+        assert not mirror.contains(FP, HASHES[2])
+        assert not mirror._recent and not mirror._questions  # nothing kept once no question is out
+        mirror.remember_many(FP, "a", records(HASHES[:1]))  # without `since`: learned as before
+        assert mirror.contains(FP, HASHES[0])
+        await node.close()
+
+
+async def test_events_are_kept_only_as_long_as_a_question_that_began_before_them_is_out(url):
+    with IndexMirror(url, "c") as mirror:
+        node = await start_node(url, "a")
+        assert mirror.wait_for_revision(await node.publish(FP.digest, records(HASHES[:1])))
+        with mirror.asking() as first:
+            assert mirror.wait_for_revision(await node.publish(FP.digest, records(HASHES[1:2])))
+            with mirror.asking() as second:
+                assert second > first
+                assert mirror.wait_for_revision(await node.publish(FP.digest, records(HASHES[2:3])))
+                assert len(mirror._recent) == 2
+            assert len(mirror._recent) == 2  # `first` still needs both
+        assert not mirror._recent
+        await node.publish(FP.digest, records(HASHES[3:4]))
+        assert mirror.wait_until(lambda m: m.contains(FP, HASHES[3]))
+        assert not mirror._recent  # no question out: nothing recorded
+        await node.close()
+
+
 async def test_remember_makes_a_block_visible_before_its_watch_event(url):
     with IndexMirror(url, "c") as mirror:
         mirror.remember(FP, HASHES[0], "a", BlockRecord("dram", 3, 0, 4096, 7))
