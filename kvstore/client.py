@@ -18,9 +18,7 @@ import asyncio
 import functools
 import json
 import logging
-import mmap
 import os
-import socket
 import threading
 import time
 import uuid
@@ -31,17 +29,16 @@ from typing import Any, Callable, Collection, Sequence
 import grpc
 
 from transfer import Engine, Peer, Read, Region, TransferError, UnsupportedBuffer, Write
-from transfer import _native
 from transfer.descriptor import host_id
 
 from .access import ControlAuth, cluster_secret
-from .daemon import local as local_path
-from .daemon.store import AllocationFailed, WrongSize
-from .errors import AuthenticationFailed, FingerprintMismatch, KVStoreError
+from .errors import (AllocationFailed, AuthenticationFailed, FingerprintMismatch, KVStoreError,  # noqa: F401
+                     NodeRefused, NoStoreNodes, PutFailed, WrongSize)
 from .index import IndexMirror
 from .integrity import block_checksum, block_checksums, checksum_state
 from .keys import HASH_BYTES, ModelFingerprint
 from .layout import BlockRecord, NodeRecord
+from .local_node import LocalNode, Tier, read_block
 from .store.v1 import store_pb2, store_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -51,16 +48,6 @@ STRIPE_BYTES = 512 << 10  # a 1 MiB block goes out as two 512 KiB pieces in para
 LOCAL_INLINE_MAX = 4 << 20  # same host: puts up to this many bytes carry them in the one request
 GRPC_INLINE_MAX = 256 << 10  # other hosts: puts up to this many bytes carry them in one gRPC Put
 USAGE_FRESH_S = 2.5  # a node's use from its last reply beats its published record (every 2 s) this long
-LOCAL_CONNECTIONS = 32  # idle same-host connections kept per node (one per concurrent caller)
-DIRECT_ALIGN = 4096
-
-
-class NoStoreNodes(KVStoreError):
-    """No live store node can take the request."""
-
-
-class PutFailed(KVStoreError):
-    """A block could not be stored on enough nodes."""
 
 
 @dataclass
@@ -69,110 +56,6 @@ class _Node:
     peer: Peer
     channel: grpc.Channel
     stub: store_pb2_grpc.StoreControlStub
-
-
-class NodeRefused(KVStoreError):
-    """A node refused a request (draining, metadata service unavailable); others may take it."""
-
-
-@dataclass
-class _Tier:
-    """A same-host node's NVMe tier file, opened read-only by the node for this client."""
-
-    region: int
-    size: int
-    fd: int
-    direct: bool
-
-
-class _LocalNode:
-    """A same-host node's fast path: pooled authenticated unix connections and its NVMe tier fd."""
-
-    def __init__(self, name: str, address: str, secret: bytes, client: str, timeout: float) -> None:
-        self.name, self.address, self._secret, self._client, self.timeout = name, address, secret, client, timeout
-        self._idle: list[local_path.Frames] = []
-        self._lock = threading.Lock()
-        self._tier: _Tier | None = None
-        self._tier_checked = 0.0
-        self.closed = False
-
-    def call(self, message: dict, attachments: Sequence = (), want_fd: bool = False) -> tuple[dict, int | None]:
-        """One request and its reply (and fd). Raises the typed error a refusal maps to."""
-        with self._lock:
-            frames = self._idle.pop() if self._idle else None
-        if frames is None:
-            frames = local_path.connect(self.address, self._secret, self._client, self.timeout)
-        fd = None
-        try:
-            frames.send(message, attachments)  # each send bounded by the socket's timeout
-            reply = frames.recv(self.timeout, exact=want_fd)
-            if want_fd and reply.get("ok"):
-                _, fds, _, _ = socket.recv_fds(frames.sock, 1, 1)
-                if len(fds) != 1:
-                    for extra in fds:
-                        os.close(extra)
-                    raise ConnectionError("node announced a descriptor but sent none")
-                fd = fds[0]
-        except BaseException:
-            frames.sock.close()
-            raise
-        with self._lock:  # a refused put may have left its bytes unread: that stream is done
-            if self.closed or len(self._idle) >= LOCAL_CONNECTIONS or not reply.get("ok"):
-                frames.sock.close()
-            else:
-                self._idle.append(frames)
-        if not reply.get("ok"):
-            code, error = reply.get("code"), str(reply.get("error", ""))[:500]
-            if code == "invalid":
-                raise WrongSize(error)
-            if code == "exhausted":
-                raise AllocationFailed(error)
-            raise NodeRefused(f"{self.name}: {error}")
-        return reply, fd
-
-    def tier(self) -> _Tier | None:
-        """The node's NVMe tier fd (asked for once; again a minute after a refusal)."""
-        if self._tier is not None or time.monotonic() - self._tier_checked < 60:
-            return self._tier
-        self._tier_checked = time.monotonic()
-        try:
-            reply, fd = self.call({"op": "tier"}, want_fd=True)
-        except NodeRefused:
-            return None
-        tier = _Tier(int(reply["region"]), int(reply["size"]), fd, bool(reply.get("direct")))
-        with self._lock:
-            if self.closed or self._tier is not None:
-                os.close(fd)
-            else:
-                self._tier = tier
-        return self._tier
-
-    def close(self) -> None:
-        with self._lock:
-            self.closed = True
-            idle, self._idle = self._idle, []
-            tier, self._tier = self._tier, None
-        for frames in idle:
-            frames.sock.close()
-        if tier is not None:
-            os.close(tier.fd)
-
-
-_bounce = threading.local()
-
-
-def _bounce_buffer(size: int) -> mmap.mmap:
-    """A page-aligned scratch buffer of at least `size` bytes for this thread (O_DIRECT reads)."""
-    buf = getattr(_bounce, "buf", None)
-    if buf is None or len(buf) < size:
-        if buf is not None:
-            buf.close()
-        buf = _bounce.buf = mmap.mmap(-1, max(size, 1 << 20))
-    return buf
-
-
-def _align_up(n: int) -> int:
-    return (n + DIRECT_ALIGN - 1) // DIRECT_ALIGN * DIRECT_ALIGN
 
 
 def host_bytes(data: Any) -> memoryview:
@@ -223,7 +106,7 @@ class Client:
         # (grpc segfaults on a call racing its channel's close).
         self._flush_lock = threading.Lock()
         self._closed = self._channels_closed = False
-        self._locals: dict[str, _LocalNode] = {}
+        self._locals: dict[str, LocalNode] = {}
         self._local_addresses: dict[str, tuple[str, Any]] = {}  # node -> (segment seen, its socket name)
         self._inflight: dict[str, int] = {}  # node -> bytes of this client's puts under way there
         self._usage: dict[str, tuple[int, int, float]] = {}  # node -> (used, capacity, when) from its replies
@@ -264,7 +147,7 @@ class Client:
             node = self._nodes[name] = _Node(name, peer, channel, store_pb2_grpc.StoreControlStub(channel))
             return node
 
-    def _local(self, name: str) -> _LocalNode | None:
+    def _local(self, name: str) -> LocalNode | None:
         """The same-host fast path to `name`, or None (another host, forced TCP, an older daemon)."""
         if self.transport not in ("auto", "shm"):
             return None
@@ -288,7 +171,7 @@ class Client:
                 return node
             if node is not None:
                 node.close()
-            node = self._locals[name] = _LocalNode(name, address, self._secret, self.engine.name, self.timeout)
+            node = self._locals[name] = LocalNode(name, address, self._secret, self.engine.name, self.timeout)
             return node
 
     def _mark_down(self, name: str, why: Exception) -> None:
@@ -761,13 +644,17 @@ class Client:
         checked.update((i, state.intdigest()) for i, state in states.items())
         return results, ordered
 
-    def _read_tier(self, tier: _Tier, items: list[tuple[int, BlockRecord]],
+    def _read_tier(self, tier: Tier, items: list[tuple[int, BlockRecord]],
                    targets: list[list[tuple[Region, int, int]]]) -> set[int]:
         """Read NVMe blocks from a same-host node's tier fd; returns the indexes that failed."""
         def one(item: tuple[int, BlockRecord]) -> bool:
             i, record = item
             try:
-                return self._pread_block(tier, record, targets[i])
+                if not read_block(tier, record, targets[i]):
+                    return False
+                self.stats["nvme_fd_reads"] += 1
+                self.stats["nvme_fd_bytes"] += record.size
+                return True
             except (OSError, UnsupportedBuffer, ValueError) as exc:
                 log.debug("tier read of block %d failed: %s", i, exc)
                 return False
@@ -781,36 +668,6 @@ class Client:
                         self._io = ThreadPoolExecutor(8, thread_name_prefix="kvs-tier")  # queue depth
             oks = list(self._io.map(one, items))
         return {i for (i, _), ok in zip(items, oks) if not ok}
-
-    def _pread_block(self, tier: _Tier, record: BlockRecord, segments: list[tuple[Region, int, int]]) -> bool:
-        """One block from the tier fd into its destination segments, bounds-checked against the
-        record and the tier; O_DIRECT straight into the caller's buffer when it is aligned, else
-        through an aligned bounce buffer."""
-        size, offset = record.size, record.offset
-        span = _align_up(size) if tier.direct else size
-        if size <= 0 or offset < 0 or offset + span > tier.size or sum(n for _, _, n in segments) != size:
-            return False  # a record that does not fit the tier (or the buffer) is never read
-        if tier.direct and offset % DIRECT_ALIGN:
-            return False
-        views = [(region, off, region.host_view()[off : off + n]) for region, off, n in segments]
-        if len(views) == 1 and (not tier.direct or (size == span and
-                                                    _native.buffer_address(views[0][2])[0] % DIRECT_ALIGN == 0)):
-            got = os.preadv(tier.fd, [views[0][2]], offset)
-        else:
-            bounce = _bounce_buffer(span)
-            got = min(os.preadv(tier.fd, [memoryview(bounce)[:span]], offset), size)
-            done = 0
-            for _, _, view in views:
-                view[:] = memoryview(bounce)[done : done + view.nbytes]
-                done += view.nbytes
-        if got < size:
-            return False
-        for region, off, view in views:
-            if region._cuda_tensor is not None:
-                region.sync_to_device(off, view.nbytes)
-        self.stats["nvme_fd_reads"] += 1
-        self.stats["nvme_fd_bytes"] += size
-        return True
 
     def _report(self, fp: str, hits: dict[str, list[bytes]], corrupt: dict[str, list[bytes]]) -> None:
         """Queue what was read (recency, NVMe promotion) and what was corrupt, for the next flush."""

@@ -87,3 +87,28 @@ class UnsupportedKVLayout(UnsupportedDeployment):
 
 
 __all__ += ["UnsupportedDeployment", "UnsupportedKVLayout"]
+
+
+class AllocationFailed(KVStoreError):
+    """No room for the block even after evicting everything evictable. `updates` lists the
+    evictions done on the way, which still have to be published."""
+
+    def __init__(self, message: str, updates: list | None = None) -> None:
+        super().__init__(message)
+        self.updates = updates or []
+
+
+class WrongSize(KVStoreError, ValueError):
+    """A block size is zero, too large, or does not match the buffer it goes to."""
+
+
+class NoStoreNodes(KVStoreError):
+    """No live store node can take the request."""
+
+
+class PutFailed(KVStoreError):
+    """A block could not be stored on enough nodes."""
+
+
+class NodeRefused(KVStoreError):
+    """A node refused a request (draining, metadata service unavailable); others may take it."""

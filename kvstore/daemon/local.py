@@ -3,7 +3,8 @@
 Who may connect: processes of the daemon's own user (or root), checked with SO_PEERCRED, that
 then pass the Transfer Engine's handshake (both ends prove they know the cluster secret; a
 relayed handshake yields nothing). Every control frame afterwards carries an HMAC under the
-session key over its sequence number, so frames cannot be injected, replayed or reordered. Block
+session key over its sequence number (`kvstore.local_wire`), so frames cannot be injected,
+replayed or reordered. Block
 bytes follow a `put` frame raw: nobody else can write into an established unix stream, and the
 authenticated frame names their length and checksum, which the daemon verifies before sealing.
 
@@ -20,160 +21,23 @@ Errors: {ok: false, code: invalid|exhausted|refused|unavailable, error}.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import logging
 import os
 import socket
-import struct
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-from transfer.auth import client_handshake, server_handshake
+from transfer.auth import server_handshake
 from transfer.listener import peer_uid
 
-from ..errors import KVStoreError, MetadataError
-from ..layout import BlockRecord
-from .store import MAX_BLOCK_BYTES, AllocationFailed, BlockStore, Update, WrongSize
+from ..errors import AllocationFailed, KVStoreError, MetadataError, WrongSize
+from ..local_wire import Frames
+from .store import MAX_BLOCK_BYTES, BlockStore, Update
 
 log = logging.getLogger(__name__)
-MAX_FRAME = 4 << 20  # a put of 4096 blocks still fits its header
 MAX_ATTACHMENT = 256 << 20
 MAX_CONNECTIONS = 256
-_MAC = 32
-
-
-class Frames:
-    """Length-prefixed JSON frames with an HMAC over (sequence, payload) in each direction, and raw
-    attachments after a frame. The socket keeps one timeout for every single send and receive;
-    a whole receive also ends at its deadline (TimeoutError)."""
-
-    BUFFER = 64 << 10
-
-    def __init__(self, sock: socket.socket, tx: bytes, rx: bytes, timeout: float) -> None:
-        self.sock, self._tx, self._rx, self.timeout = sock, tx, rx, timeout
-        self._sent = self._received = 0
-        self._buf = bytearray(self.BUFFER)
-        self._view = memoryview(self._buf)
-        self._head = self._tail = 0  # bytes received but not consumed yet
-        sock.settimeout(timeout)
-
-    @staticmethod
-    def _tag(key: bytes, seq: int, payload) -> bytes:
-        return hmac.digest(key, struct.pack("<Q", seq) + bytes(payload), "sha256")
-
-    def send(self, message: dict[str, Any], attachments: Sequence = ()) -> None:
-        payload = json.dumps(message, separators=(",", ":")).encode()
-        head = struct.pack("<I", len(payload)) + payload + self._tag(self._tx, self._sent, payload)
-        self._sent += 1
-        if not attachments:
-            self.sock.sendall(head)
-            return
-        # One gather write for the frame and its blocks (the peer wakes once), finishing what the
-        # socket buffer did not take.
-        parts = [memoryview(head)] + [memoryview(a).cast("B") for a in attachments]
-        while parts:
-            sent = self.sock.sendmsg(parts[:512])
-            while parts and sent >= parts[0].nbytes:
-                sent -= parts[0].nbytes
-                parts.pop(0)
-            if sent:
-                parts[0] = parts[0][sent:]
-
-    def _fill(self, need: int, deadline: float | None, idle: bool = False, exact: bool = False) -> None:
-        """Have at least `need` (<= BUFFER) unconsumed bytes in the buffer (`exact`: never more, so
-        that a descriptor sent after a frame is not read past)."""
-        if self._tail - self._head >= need:
-            return
-        if self._head:
-            left = self._tail - self._head
-            self._buf[:left] = self._buf[self._head : self._tail]
-            self._head, self._tail = 0, left
-        while self._tail < need:
-            try:
-                got = self.sock.recv_into(self._view[self._tail : need if exact else None])
-            except socket.timeout:
-                if idle and self._tail == 0:
-                    continue  # a server waiting for the next request: no deadline until it starts
-                raise TimeoutError("no answer in time") from None
-            if got == 0:
-                raise ConnectionError("connection closed")
-            self._tail += got
-            idle = False
-            if deadline is not None and self._tail < need and time.monotonic() > deadline:
-                raise TimeoutError("no answer before the deadline")
-
-    def recv_into(self, view: memoryview, deadline: float | None) -> None:
-        """Exactly view.nbytes bytes (an attachment) into `view`."""
-        n = view.nbytes
-        take = min(n, self._tail - self._head)
-        if take:
-            view[:take] = self._view[self._head : self._head + take]
-            self._head += take
-        while take < n:
-            try:
-                got = self.sock.recv_into(view[take:], n - take)
-            except socket.timeout:
-                raise TimeoutError("no data in time") from None
-            if got == 0:
-                raise ConnectionError("connection closed")
-            take += got
-            if take < n and deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError("no data before the deadline")
-
-    def discard(self, n: int, deadline: float | None) -> None:
-        scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
-        while n > 0:
-            take = min(n, scratch.nbytes)
-            self.recv_into(scratch[:take], deadline)
-            n -= take
-
-    def recv(self, timeout: float, idle: bool = False, exact: bool = False) -> dict[str, Any]:
-        """One frame within `timeout`; with `idle`, the wait for its first byte is unbounded (a
-        server waiting for the next request), the rest still has `timeout`. `exact`: read nothing
-        past the frame (a descriptor follows it)."""
-        deadline = None if idle else time.monotonic() + timeout
-        self._fill(4, deadline, idle, exact)
-        deadline = time.monotonic() + timeout if deadline is None else deadline
-        (length,) = struct.unpack_from("<I", self._buf, self._head)
-        if length > MAX_FRAME:
-            raise ValueError(f"frame of {length} bytes exceeds {MAX_FRAME}")
-        total = 4 + length + _MAC
-        if total <= self.BUFFER:
-            self._fill(total, deadline, exact=exact)
-            body = bytes(self._view[self._head + 4 : self._head + total])
-            self._head += total
-        else:
-            self._head += 4
-            whole = bytearray(length + _MAC)
-            self.recv_into(memoryview(whole), deadline)
-            body = bytes(whole)
-        payload, tag = body[:length], body[length:]
-        if not hmac.compare_digest(tag, self._tag(self._rx, self._received, payload)):
-            raise PermissionError("frame failed authentication (injected or replayed)")
-        self._received += 1
-        message = json.loads(payload)
-        if not isinstance(message, dict):
-            raise ValueError("frame is not a JSON object")
-        return message
-
-
-def connect(name: str, secret: bytes, client: str, timeout: float) -> Frames:
-    """A client's authenticated connection to a daemon's same-host socket."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        # Room for a whole inline put in the socket (the kernel caps it at net.core.wmem_max): the
-        # sender writes it in one go instead of waking the node once per 200 KiB.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        sock.settimeout(timeout)
-        sock.connect("\0" + name)
-        session = client_handshake(sock, secret, "ctl", client, wire="plain", timeout=timeout)
-        return Frames(sock, session.tx, session.rx, timeout)
-    except BaseException:
-        sock.close()
-        raise
 
 
 class _Invalid(Exception):

@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 
 from transfer import Engine, Read, Region, TransferError, Write
 
-from ..errors import KVStoreError
+from ..errors import AllocationFailed, WrongSize  # noqa: F401 - importable from here too
 from ..integrity import block_checksum, block_checksums
 from ..layout import BlockRecord
 from ..tiers import ExtentAllocator, EvictionPolicy, make_policy
@@ -24,19 +24,6 @@ from ..tiers import ExtentAllocator, EvictionPolicy, make_policy
 Key = tuple[str, bytes]  # (fingerprint, block hash)
 Update = tuple[str, bytes, BlockRecord | None]
 MAX_BLOCK_BYTES = 64 << 20
-
-
-class AllocationFailed(KVStoreError):
-    """No room for the block even after evicting everything evictable. `updates` lists the
-    evictions done on the way, which still have to be published."""
-
-    def __init__(self, message: str, updates: list | None = None) -> None:
-        super().__init__(message)
-        self.updates = updates or []
-
-
-class WrongSize(KVStoreError, ValueError):
-    """A block size is zero, too large, or does not match the buffer it goes to."""
 
 
 @dataclass

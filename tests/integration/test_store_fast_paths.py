@@ -19,6 +19,7 @@ import pytest
 from kvstore import Client
 from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.layout import BlockRecord
+from kvstore.local_node import read_block
 from kvstore.store.v1 import store_pb2, store_pb2_grpc
 from transfer import Write
 
@@ -267,7 +268,7 @@ def test_same_host_nvme_reads_go_through_the_tier_fd(nvme_node):
     forged = BlockRecord("nvme", tier.region, tier.size - 4096, 2 * 4096, 0)
     region = client.engine.register(np.zeros(2 * 4096, np.uint8), remote_access=False)
     try:
-        assert client._pread_block(tier, forged, [(region, 0, 2 * 4096)]) is False
+        assert read_block(tier, forged, [(region, 0, 2 * 4096)]) is False
     finally:
         client.engine.unregister(region)
 

@@ -1,0 +1,151 @@
+"""A store daemon on this host, as its clients reach it: pooled authenticated unix connections
+(`kvstore.local_wire`) for control requests and inline puts, and the NVMe tier file's read-only fd,
+read with O_DIRECT straight into the caller's buffer."""
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from transfer import Region
+from transfer import _native
+
+from .errors import AllocationFailed, NodeRefused, WrongSize
+from .layout import BlockRecord
+from .local_wire import Frames, connect
+
+LOCAL_CONNECTIONS = 32  # idle same-host connections kept per node (one per concurrent caller)
+DIRECT_ALIGN = 4096
+
+
+@dataclass
+class Tier:
+    """A same-host node's NVMe tier file, opened read-only by the node for this client."""
+
+    region: int
+    size: int
+    fd: int
+    direct: bool
+
+
+class LocalNode:
+    """A same-host node's fast path: pooled authenticated unix connections and its NVMe tier fd."""
+
+    def __init__(self, name: str, address: str, secret: bytes, client: str, timeout: float) -> None:
+        self.name, self.address, self._secret, self._client, self.timeout = name, address, secret, client, timeout
+        self._idle: list[Frames] = []
+        self._lock = threading.Lock()
+        self._tier: Tier | None = None
+        self._tier_checked = 0.0
+        self.closed = False
+
+    def call(self, message: dict, attachments: Sequence = (), want_fd: bool = False) -> tuple[dict, int | None]:
+        """One request and its reply (and fd). Raises the typed error a refusal maps to."""
+        with self._lock:
+            frames = self._idle.pop() if self._idle else None
+        if frames is None:
+            frames = connect(self.address, self._secret, self._client, self.timeout)
+        fd = None
+        try:
+            frames.send(message, attachments)  # each send bounded by the socket's timeout
+            reply = frames.recv(self.timeout, exact=want_fd)
+            if want_fd and reply.get("ok"):
+                _, fds, _, _ = socket.recv_fds(frames.sock, 1, 1)
+                if len(fds) != 1:
+                    for extra in fds:
+                        os.close(extra)
+                    raise ConnectionError("node announced a descriptor but sent none")
+                fd = fds[0]
+        except BaseException:
+            frames.sock.close()
+            raise
+        with self._lock:  # a refused put may have left its bytes unread: that stream is done
+            if self.closed or len(self._idle) >= LOCAL_CONNECTIONS or not reply.get("ok"):
+                frames.sock.close()
+            else:
+                self._idle.append(frames)
+        if not reply.get("ok"):
+            code, error = reply.get("code"), str(reply.get("error", ""))[:500]
+            if code == "invalid":
+                raise WrongSize(error)
+            if code == "exhausted":
+                raise AllocationFailed(error)
+            raise NodeRefused(f"{self.name}: {error}")
+        return reply, fd
+
+    def tier(self) -> Tier | None:
+        """The node's NVMe tier fd (asked for once; again a minute after a refusal)."""
+        if self._tier is not None or time.monotonic() - self._tier_checked < 60:
+            return self._tier
+        self._tier_checked = time.monotonic()
+        try:
+            reply, fd = self.call({"op": "tier"}, want_fd=True)
+        except NodeRefused:
+            return None
+        tier = Tier(int(reply["region"]), int(reply["size"]), fd, bool(reply.get("direct")))
+        with self._lock:
+            if self.closed or self._tier is not None:
+                os.close(fd)
+            else:
+                self._tier = tier
+        return self._tier
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            idle, self._idle = self._idle, []
+            tier, self._tier = self._tier, None
+        for frames in idle:
+            frames.sock.close()
+        if tier is not None:
+            os.close(tier.fd)
+
+
+def read_block(tier: Tier, record: BlockRecord, segments: list[tuple[Region, int, int]]) -> bool:
+    """One block from the tier fd into its destination segments, bounds-checked against the
+    record and the tier; O_DIRECT straight into the caller's buffer when it is aligned, else
+    through an aligned bounce buffer. False when the record does not fit or the read came short."""
+    size, offset = record.size, record.offset
+    span = _align_up(size) if tier.direct else size
+    if size <= 0 or offset < 0 or offset + span > tier.size or sum(n for _, _, n in segments) != size:
+        return False  # a record that does not fit the tier (or the buffer) is never read
+    if tier.direct and offset % DIRECT_ALIGN:
+        return False
+    views = [(region, off, region.host_view()[off : off + n]) for region, off, n in segments]
+    if len(views) == 1 and (not tier.direct or (size == span and
+                                                _native.buffer_address(views[0][2])[0] % DIRECT_ALIGN == 0)):
+        got = os.preadv(tier.fd, [views[0][2]], offset)
+    else:
+        bounce = _bounce_buffer(span)
+        got = min(os.preadv(tier.fd, [memoryview(bounce)[:span]], offset), size)
+        done = 0
+        for _, _, view in views:
+            view[:] = memoryview(bounce)[done : done + view.nbytes]
+            done += view.nbytes
+    if got < size:
+        return False
+    for region, off, view in views:
+        if region._cuda_tensor is not None:
+            region.sync_to_device(off, view.nbytes)
+    return True
+
+
+_bounce = threading.local()
+
+
+def _bounce_buffer(size: int) -> mmap.mmap:
+    """A page-aligned scratch buffer of at least `size` bytes for this thread (O_DIRECT reads)."""
+    buf = getattr(_bounce, "buf", None)
+    if buf is None or len(buf) < size:
+        if buf is not None:
+            buf.close()
+        buf = _bounce.buf = mmap.mmap(-1, max(size, 1 << 20))
+    return buf
+
+
+def _align_up(n: int) -> int:
+    return (n + DIRECT_ALIGN - 1) // DIRECT_ALIGN * DIRECT_ALIGN
