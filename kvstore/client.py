@@ -293,7 +293,7 @@ class Client:
                         while end < len(views) and (end == start or size + views[end].nbytes <= limit):
                             size += views[end].nbytes
                             end += 1
-                        with self.mirror.asking() as since:
+                        with self.mirror.asking(fp, record.name, hashes[start:end]) as since:
                             stored += self._put_on(record.name, fp, hashes[start:end], views[start:end],
                                                    functools.partial(checksums, start, end), regions, start, since)
                         start = end
@@ -495,7 +495,7 @@ class Client:
         wanted = [(i, record) for i, record in failed if not found[i]]
         if not wanted:
             return [], set()
-        with self.mirror.asking() as since:
+        with self.mirror.asking(fp, name, [bytes(hashes[i]) for i, _ in wanted]) as since:
             try:
                 fresh = self._lookup(name, fp, [bytes(hashes[i]) for i, _ in wanted])
             except AuthenticationFailed:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import binascii
-import collections
 import contextlib
 import logging
 import threading
@@ -128,13 +127,15 @@ class IndexMirror:
         self._placement_ids: dict[frozenset, int] = {}
         self._single = np.full(0, -1, np.int32)  # node * len(TIERS) + tier -> id of that lone replica
         self._revision = 0
-        # Who asked a node about blocks (`asking`) learns from its answer only what no newer watch
-        # event has settled: the revision each open question started at, and while any is open, the
-        # revision of the last event per block replica (oldest first) and where this snapshot began.
-        self._questions: collections.Counter[int] = collections.Counter()
-        self._recent: collections.OrderedDict[tuple[str, bytes, str], int] = collections.OrderedDict()
-        self._applied = 0  # the last revision applied, under _apply_lock
+        # Who asked a node about blocks (`asking`) learns from its answer only what no watch event
+        # that arrived meanwhile has settled: the replicas asked about (with how many questions are
+        # open on each), the revision of the last event on each of those, and where the current and
+        # the loading snapshot began. All under _apply_lock.
+        self._asked: dict[tuple[str, bytes, str], int] = {}
+        self._recent: dict[tuple[str, bytes, str], int] = {}
+        self._applied = 0  # the last revision applied
         self._base = 0  # the revision the current snapshot was loaded at
+        self._fresh_base = 0  # the revision the snapshot being loaded is read at
         self._last_ok = float("-inf")
         self._connected = False
         self._loading = False
@@ -255,23 +256,28 @@ class IndexMirror:
         return {self._node_names[int.from_bytes(r[:2], "little")]: BlockRecord.decode(r[2:]) for r in raws}
 
     @contextlib.contextmanager
-    def asking(self) -> Iterator[int]:
-        """Around a question to a node whose answer the caller will pass to `remember_many` or
-        `forget_many`: yields the `since` for them, so that a watch event for a block that arrives
-        while the question is out (a delete of a block just put, a newer record) wins over the answer."""
+    def asking(self, fingerprint: ModelFingerprint | str, node: str, hashes: Sequence[bytes]) -> Iterator[int]:
+        """Around a question to `node` about these blocks whose answer the caller passes to
+        `remember_many` or `forget_many`: yields the `since` for them, so that a watch event about one
+        of these replicas that arrives while the question is out wins over the answer."""
+        fp = _fingerprint_id(fingerprint)
+        replicas = [(fp, bytes(h), node) for h in hashes]
         with self._apply_lock:
-            since = self._applied
-            self._questions[since] += 1
+            # Every event up to the loading snapshot's revision was in etcd before this question.
+            since = max(self._applied, self._fresh_base if self._fresh is not None else 0)
+            for replica in replicas:
+                self._asked[replica] = self._asked.get(replica, 0) + 1
         try:
             yield since
         finally:
             with self._apply_lock:
-                self._questions[since] -= 1
-                if not self._questions[since]:
-                    del self._questions[since]
-                oldest = min(self._questions, default=None)
-                while self._recent and (oldest is None or next(iter(self._recent.values())) <= oldest):
-                    self._recent.popitem(last=False)
+                for replica in replicas:
+                    left = self._asked[replica] - 1
+                    if left:
+                        self._asked[replica] = left
+                    else:
+                        del self._asked[replica]
+                        self._recent.pop(replica, None)
 
     def remember(self, fingerprint: ModelFingerprint | str, block_hash: bytes, node: str,
                  record: BlockRecord | bytes) -> None:
@@ -281,8 +287,8 @@ class IndexMirror:
     def remember_many(self, fingerprint: ModelFingerprint | str, node: str,
                       blocks: Sequence[tuple[bytes, BlockRecord | bytes]], since: int | None = None) -> None:
         """`remember` for many blocks of one node under one lock; InvalidRecord (after learning the
-        valid ones) if any record is malformed. `since` (from `asking`): skip blocks a newer watch
-        event has settled."""
+        valid ones) if any record is malformed. `since` (from `asking`): skip blocks that a watch event
+        arriving while the question was out has settled."""
         self._learn(fingerprint, node, "put", [(h, r.encode() if isinstance(r, BlockRecord) else bytes(r))
                                                for h, r in blocks], since)
 
@@ -292,10 +298,12 @@ class IndexMirror:
         found the node no longer holds them); `since` as for `remember_many`."""
         self._learn(fingerprint, node, "delete", [(h, b"") for h in hashes], since)
 
-    def _settled_since(self, since: int, fingerprint: str, block_hash: bytes, node: str) -> bool:
-        """Whether the current snapshot knows something newer than `since` about this replica (a
-        resync after `since` may have folded such an event in unseen: then assume it does)."""
-        return since < self._base or self._recent.get((fingerprint, block_hash, node), 0) > since
+    def _settled(self, snap: _Snapshot, since: int, replica: tuple[str, bytes, str]) -> bool:
+        """Whether `snap` may know something about this replica that is newer than `since`: an event
+        arrived after it, or the snapshot was read at a later revision (which folds events in unseen)."""
+        if snap is self._fresh and since < self._fresh_base:
+            return True
+        return snap is self._snapshot and (since < self._base or self._recent.get(replica, 0) > since)
 
     def _learn(self, fingerprint: ModelFingerprint | str, node: str, kind: str,
                blocks: list[tuple[bytes, bytes]], since: int | None = None) -> None:
@@ -303,8 +311,8 @@ class IndexMirror:
         with self._apply_lock:
             for block_hash, value in blocks:
                 block_hash = bytes(block_hash)
-                snaps = [s for s in (self._snapshot, self._fresh) if s is not None and not (
-                    s is self._snapshot and since is not None and self._settled_since(since, fp, block_hash, node))]
+                snaps = [s for s in {id(s): s for s in (self._snapshot, self._fresh) if s is not None}.values()
+                         if since is None or not self._settled(s, since, (fp, block_hash, node))]
                 try:
                     for snap in snaps:
                         self._apply_block(snap, kind, fp, block_hash, node, value)
@@ -498,7 +506,7 @@ class IndexMirror:
         with self._apply_lock:
             for page in (nodes, segments):
                 self._apply_slowly(snap, page.keys, page.values)
-            self._fresh = snap
+            self._fresh, self._fresh_base = snap, revision
             if not self._synced.is_set():  # nothing better to answer from: serve it as it fills
                 self._snapshot = snap
             self._loading = True
@@ -558,9 +566,8 @@ class IndexMirror:
                 log.warning("ignoring malformed index event %r: %s", event.key[:200], exc)
                 replica = None
             self._applied = max(self._applied, event.revision)
-            if replica is not None and self._questions:
+            if replica is not None and replica in self._asked:
                 self._recent[replica] = event.revision
-                self._recent.move_to_end(replica)
         with self._changed:
             self._revision = event.revision
             self._last_ok = time.monotonic()

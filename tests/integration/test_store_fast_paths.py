@@ -163,6 +163,41 @@ def test_a_put_reply_learned_after_the_blocks_delete_event_does_not_bring_it_bac
         assert client.get(kept, out) and np.array_equal(out, content(kept, 8192))
 
 
+def test_a_lookup_answer_older_than_a_re_put_does_not_hide_the_block(etcd_server, spawn_daemon):
+    """A get's bytes fail their checksum, the node answers that it no longer holds the block, and the
+    block is put there again before that answer is learned: the re-put's event wins, the block stays
+    listed and the next get reads it."""
+    cluster = uuid.uuid4().hex[:8]
+    spawn_daemon("reput", etcd_server.url, cluster, secret=SECRET)
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET) as client, \
+            Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET) as other:
+        assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
+        h, filler = external_hashes([800, 801], FP)
+        client.put_many([(h, content(h, 8192)), (filler, content(filler, 8192))])
+        assert other.mirror.wait_until(lambda m: m.contains(FP, h) and m.contains(FP, filler), 5)
+        assert client.mirror.wait_for_revision(other.mirror.revision, 5)
+        real, elsewhere = client.mirror.lookup(FP, h)["reput"], client.mirror.lookup(FP, filler)["reput"]
+        assert client.remove([h]) == 1
+        assert client.mirror.wait_until(lambda m: not m.contains(FP, h), 5)
+        stale = BlockRecord(real.tier, real.region, elsewhere.offset, real.size, real.checksum)
+        client.mirror.remember_many(FP, "reput", [(h, stale)])  # as if the remove had not reached us
+        ask = client._lookup
+
+        def answer_then_re_put(name, fp, hashes):
+            answer = ask(name, fp, hashes)
+            assert answer == [None]  # the node does not hold it ...
+            other.put(h, content(h, 8192))  # ... until another client puts it there again
+            assert client.mirror.wait_until(lambda m: m.lookup(FP, h).get("reput") not in (None, stale), 5)
+            return answer
+
+        client._lookup = answer_then_re_put
+        out = np.zeros(8192, np.uint8)
+        assert not client.get(h, out)  # this read missed: its bytes were the filler's
+        client._lookup = ask
+        assert client.contains(h)  # but the re-put block stays listed ...
+        assert client.get(h, out) and np.array_equal(out, content(h, 8192))  # ... and reads
+
+
 def wait_for(condition, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while not condition():

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 
 import pytest
 
 from kvstore.errors import InvalidRecord, MetadataUnavailable
+from kvstore import index as index_module
 from kvstore.index import IndexMirror
 from kvstore.keys import ModelFingerprint, chain_hashes
 from kvstore.layout import BlockRecord, Layout, NodeRecord
@@ -103,44 +105,107 @@ def test_unreachable_metadata_fails_start_with_typed_error():
         mirror.start(wait=1.5)
 
 
-async def test_an_answer_learned_after_a_newer_watch_event_does_not_undo_it(url):
+async def test_an_answer_learned_after_a_watch_event_about_it_does_not_undo_it(url):
     """A put's reply remembered after the block's delete event passed must not resurrect it; a
-    'not held' answer forgotten after a re-put event must not hide it; with no newer event the
+    'not held' answer forgotten after a re-put event must not hide it; with no event meanwhile the
     answer is learned at once (read-your-writes)."""
     with IndexMirror(url, "c") as mirror:
         node = await start_node(url, "a")
         assert mirror.wait_for_revision(await node.publish(FP.digest, records(HASHES[:3])))
-        with mirror.asking() as since:  # the put is out; meanwhile the node evicts block 0 ...
-            assert mirror.wait_for_revision(await node.unpublish(FP.digest, [HASHES[0]]))
-            mirror.remember_many(FP, "a", records(HASHES[:1]) + records(HASHES[5:6]), since)  # ... the reply lands
-        assert not mirror.contains(FP, HASHES[0])  # the delete was newer than the question
-        assert mirror.contains(FP, HASHES[5])  # nothing newer about this one: learned at once
-        with mirror.asking() as since:  # a lookup says "not held"; meanwhile block 1 is put again
+        with mirror.asking(FP, "a", [HASHES[0], HASHES[5]]) as since:  # the put is out; meanwhile ...
+            assert mirror.wait_for_revision(await node.unpublish(FP.digest, [HASHES[0]]))  # ... an eviction
+            mirror.remember_many(FP, "a", records(HASHES[:1]) + records(HASHES[5:6]), since)  # the reply lands
+        assert not mirror.contains(FP, HASHES[0])  # the delete came while the question was out
+        assert mirror.contains(FP, HASHES[5])  # nothing came about this one: learned at once
+        with mirror.asking(FP, "a", HASHES[1:3]) as since:  # a lookup says "not held"; meanwhile a re-put
             assert mirror.wait_for_revision(await node.publish(FP.digest, records(HASHES[1:2], "nvme")))
             mirror.forget_many(FP, "a", [HASHES[1], HASHES[2]], since)
         assert mirror.lookup(FP, HASHES[1]) == {"a": BlockRecord("nvme", 3, 0, 4096, 1000)}
         assert not mirror.contains(FP, HASHES[2])
-        assert not mirror._recent and not mirror._questions  # nothing kept once no question is out
         mirror.remember_many(FP, "a", records(HASHES[:1]))  # without `since`: learned as before
         assert mirror.contains(FP, HASHES[0])
         await node.close()
 
 
-async def test_events_are_kept_only_as_long_as_a_question_that_began_before_them_is_out(url):
+async def test_only_replicas_under_an_open_question_are_tracked(url):
     with IndexMirror(url, "c") as mirror:
         node = await start_node(url, "a")
-        assert mirror.wait_for_revision(await node.publish(FP.digest, records(HASHES[:1])))
-        with mirror.asking() as first:
-            assert mirror.wait_for_revision(await node.publish(FP.digest, records(HASHES[1:2])))
-            with mirror.asking() as second:
-                assert second > first
-                assert mirror.wait_for_revision(await node.publish(FP.digest, records(HASHES[2:3])))
-                assert len(mirror._recent) == 2
-            assert len(mirror._recent) == 2  # `first` still needs both
-        assert not mirror._recent
-        await node.publish(FP.digest, records(HASHES[3:4]))
-        assert mirror.wait_until(lambda m: m.contains(FP, HASHES[3]))
-        assert not mirror._recent  # no question out: nothing recorded
+        with mirror.asking(FP, "a", HASHES[:2]) as first:
+            with mirror.asking(FP, "a", HASHES[1:3]) as second:
+                revision = await node.publish(FP.digest, records(HASHES[:4]))
+                assert mirror.wait_for_revision(revision)
+                assert mirror._recent == {(FP.digest, h, "a"): revision for h in HASHES[:3]}  # not block 3
+                mirror.forget_many(FP, "a", HASHES[1:3], second)  # put meanwhile: nothing forgotten
+            assert set(mirror._recent) == {(FP.digest, h, "a") for h in HASHES[:2]}  # the older one still out
+            mirror.forget_many(FP, "a", HASHES[:2], first)
+        assert not mirror._recent and not mirror._asked
+        assert mirror.match(FP, HASHES).length == 4
+        await node.close()
+
+
+@pytest.mark.parametrize("learned", ["while loading", "after the swap"])
+async def test_an_answer_to_a_question_older_than_a_resync_is_not_learned(url, monkeypatch, learned):
+    """The watch breaks while a put is out, and the block's eviction is folded into the fresh
+    snapshot unseen: the late reply must not list the block again, in the loading snapshot or after."""
+    loading, release = threading.Event(), threading.Event()
+    real_load = index_module.load_prefix
+
+    async def held_load(*args, **kwargs):  # the resync's load, held open until the reply has landed
+        keys = await real_load(*args, **kwargs)
+        if armed:
+            loading.set()
+            await asyncio.to_thread(release.wait, 10)
+        return keys
+
+    armed = False
+    monkeypatch.setattr(index_module, "load_prefix", held_load)
+    with IndexMirror(url, "c") as mirror:
+        node = await start_node(url, "a")
+        assert mirror.wait_for_revision(await node.publish(FP.digest, records(HASHES[:2])))
+        real_event = mirror._on_event
+
+        def watch_breaks(event):
+            mirror._on_event = real_event
+            raise MetadataUnavailable("watch lost")
+
+        with mirror.asking(FP, "a", HASHES[:1]) as since:  # the put is out
+            mirror._on_event, armed = watch_breaks, True
+            await node.unpublish(FP.digest, [HASHES[0]])  # the node evicts the block; the watch breaks
+            assert await asyncio.to_thread(loading.wait, 10)
+            if learned == "after the swap":
+                release.set()
+                assert await asyncio.to_thread(mirror.wait_until, lambda m: not m.loading, 10)
+            mirror.remember_many(FP, "a", records(HASHES[:1]), since)  # the late reply lands
+            release.set()
+        assert await asyncio.to_thread(mirror.wait_until, lambda m: not m.loading and m.resyncs == 2, 10)
+        assert not mirror.contains(FP, HASHES[0]) and mirror.contains(FP, HASHES[1])
+        await node.close()
+
+
+async def test_a_question_asked_while_the_first_snapshot_loads_is_learned_at_once(url, monkeypatch):
+    release = threading.Event()
+    real_load = index_module.load_prefix
+
+    async def held_load(*args, **kwargs):
+        keys = await real_load(*args, **kwargs)
+        await asyncio.to_thread(release.wait, 10)
+        return keys
+
+    monkeypatch.setattr(index_module, "load_prefix", held_load)
+    node = await start_node(url, "a")
+    await node.publish(FP.digest, records(HASHES[1:2]))  # the snapshot is read at a later revision
+    mirror = IndexMirror(url, "c").start(wait=0.5)  # returns once loading has begun
+    try:
+        assert mirror.loading and mirror._fresh_base > 0
+        with mirror.asking(FP, "a", HASHES[:1]) as since:  # a put right after the client started
+            mirror.remember_many(FP, "a", records(HASHES[:1]), since)
+        assert mirror.contains(FP, HASHES[0])  # read-your-writes while the index still loads
+        release.set()
+        assert await asyncio.to_thread(mirror.wait_until, lambda m: not m.loading, 10)
+        assert mirror.contains(FP, HASHES[0]) and mirror.contains(FP, HASHES[1])
+    finally:
+        release.set()
+        mirror.stop()
         await node.close()
 
 
