@@ -24,6 +24,7 @@ from ..tiers import ExtentAllocator, EvictionPolicy, make_policy
 Key = tuple[str, bytes]  # (fingerprint, block hash)
 Update = tuple[str, bytes, BlockRecord | None]
 MAX_BLOCK_BYTES = 64 << 20
+LOCK_SPAN = 4096  # blocks a lookup, touch or remove handles per hold of the lock: a huge one never stalls puts
 
 
 @dataclass
@@ -92,9 +93,12 @@ class BlockStore:
 
     def records(self, fingerprint: str, hashes: Sequence[bytes]) -> list[BlockRecord | None]:
         """Where this node holds each block now (None where it does not)."""
-        with self.lock:
-            slots = [self.find((fingerprint, bytes(h))) for h in hashes]
-            return [None if s is None else s.record() for s in slots]
+        out: list[BlockRecord | None] = []
+        for start in range(0, len(hashes), LOCK_SPAN):
+            with self.lock:
+                slots = [self.find((fingerprint, bytes(h))) for h in hashes[start : start + LOCK_SPAN]]
+                out.extend(None if s is None else s.record() for s in slots)
+        return out
 
     # --- writes -------------------------------------------------------------------------------
     def reserve(self, fingerprint: str, hashes: Sequence[bytes], sizes: Sequence[int]) -> tuple[list[tuple[int, Slot | None]], list[Update]]:
@@ -321,14 +325,16 @@ class BlockStore:
     def touch(self, fingerprint: str, hashes: Sequence[bytes], corrupt: Sequence[bytes] = ()) -> list[Update]:
         """Record client hits (promoting NVMe hits) and check blocks a client found corrupt."""
         updates: list[Update] = []
+        for start in range(0, len(hashes), LOCK_SPAN):
+            with self.lock:
+                for block_hash in hashes[start : start + LOCK_SPAN]:
+                    slot = self._touch((fingerprint, bytes(block_hash)))
+                    if slot is None:
+                        continue
+                    self._count(f"hits_{slot.tier.name}")
+                    if slot.tier is self.nvme and self.promote:
+                        self._promote(slot, updates)
         with self.lock:
-            for block_hash in hashes:
-                slot = self._touch((fingerprint, bytes(block_hash)))
-                if slot is None:
-                    continue
-                self._count(f"hits_{slot.tier.name}")
-                if slot.tier is self.nvme and self.promote:
-                    self._promote(slot, updates)
             for block_hash in corrupt:
                 slot = self.find((fingerprint, bytes(block_hash)))
                 self._count("client_reported_corrupt")
@@ -385,12 +391,13 @@ class BlockStore:
 
     def remove(self, fingerprint: str, hashes: Sequence[bytes]) -> tuple[int, list[Update]]:
         updates: list[Update] = []
-        with self.lock:
-            for block_hash in hashes:
-                slot = self.find((fingerprint, bytes(block_hash)))
-                if slot is not None:
-                    self._drop(slot)
-                    updates.append((fingerprint, bytes(block_hash), None))
+        for start in range(0, len(hashes), LOCK_SPAN):
+            with self.lock:
+                for block_hash in hashes[start : start + LOCK_SPAN]:
+                    slot = self.find((fingerprint, bytes(block_hash)))
+                    if slot is not None:
+                        self._drop(slot)
+                        updates.append((fingerprint, bytes(block_hash), None))
         return len(updates), updates
 
     def all_records(self) -> list[Update]:

@@ -203,3 +203,36 @@ def test_stale_locations_of_reused_slots_never_verify():
             else:
                 refused += 1
         assert refused == len(first)  # the first 12 blocks were all evicted: no stale read may pass
+
+
+def test_huge_lookups_touches_and_removes_take_the_lock_a_span_at_a_time(engine):
+    """A request naming many blocks lets puts in between: each hold of the store lock covers at most
+    LOCK_SPAN of its blocks, and the answer is the same as in one go."""
+    import kvstore.daemon.store as store_module
+
+    class CountingLock:
+        def __init__(self, lock):
+            self.lock, self.holds = lock, 0
+
+        def __enter__(self):
+            self.lock.acquire()
+            self.holds += 1
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    store = BlockStore(engine, engine.allocate(1 << 20))
+    held = external_hashes(range(3), FP)
+    slots, _ = store.reserve(FP.digest, held, [4096] * 3)
+    for h, (_, slot) in zip(held, slots):
+        store.dram.region.buffer[slot.offset : slot.offset + 4096] = content(h, 4096).tobytes()
+    store.commit(FP.digest, [t for t, _ in slots], [block_checksum(h, content(h, 4096)) for h in held])
+    many = external_hashes(range(100, 100 + 3 * store_module.LOCK_SPAN), FP) + held
+    store.lock = counting = CountingLock(store.lock)
+    records = store.records(FP.digest, many)
+    assert counting.holds == 4 and [r is not None for r in records] == [False] * (len(many) - 3) + [True] * 3
+    counting.holds = 0
+    store.touch(FP.digest, many)
+    assert counting.holds == 4 + 1 and store.counters["hits_dram"] == 3  # (+1: the corrupt reports)
+    counting.holds = 0
+    assert store.remove(FP.digest, many)[0] == 3 and counting.holds == 4
