@@ -298,24 +298,22 @@ class IndexMirror:
         found the node no longer holds them); `since` as for `remember_many`."""
         self._learn(fingerprint, node, "delete", [(h, b"") for h in hashes], since)
 
-    def _settled(self, snap: _Snapshot, since: int, replica: tuple[str, bytes, str]) -> bool:
-        """Whether `snap` may know something about this replica that is newer than `since`: an event
-        arrived after it, or the snapshot was read at a later revision (which folds events in unseen)."""
-        if snap is self._fresh and since < self._fresh_base:
-            return True
-        return snap is self._snapshot and (since < self._base or self._recent.get(replica, 0) > since)
-
     def _learn(self, fingerprint: ModelFingerprint | str, node: str, kind: str,
                blocks: list[tuple[bytes, bytes]], since: int | None = None) -> None:
         fp, bad = _fingerprint_id(fingerprint), None
         with self._apply_lock:
+            snaps = list({id(s): s for s in (self._snapshot, self._fresh) if s is not None}.values())
+            if since is not None:  # a snapshot read at a revision after `since` folded in news unseen
+                snaps = [s for s in snaps if not (s is self._fresh and since < self._fresh_base)
+                         and not (s is self._snapshot and since < self._base)]
             for block_hash, value in blocks:
                 block_hash = bytes(block_hash)
-                snaps = [s for s in {id(s): s for s in (self._snapshot, self._fresh) if s is not None}.values()
-                         if since is None or not self._settled(s, since, (fp, block_hash, node))]
+                # An event about this replica arrived while the question was out: it wins.
+                news = since is not None and self._recent.get((fp, block_hash, node), 0) > since
                 try:
                     for snap in snaps:
-                        self._apply_block(snap, kind, fp, block_hash, node, value)
+                        if not (news and snap is self._snapshot):
+                            self._apply_block(snap, kind, fp, block_hash, node, value)
                 except (InvalidRecord, ValueError) as exc:
                     bad = exc if isinstance(exc, InvalidRecord) else InvalidRecord(str(exc))
         with self._changed:

@@ -194,7 +194,7 @@ async def test_a_question_asked_while_the_first_snapshot_loads_is_learned_at_onc
     monkeypatch.setattr(index_module, "load_prefix", held_load)
     node = await start_node(url, "a")
     await node.publish(FP.digest, records(HASHES[1:2]))  # the snapshot is read at a later revision
-    mirror = IndexMirror(url, "c").start(wait=0.5)  # returns once loading has begun
+    mirror = IndexMirror(url, "c").start(wait=5)  # returns once loading has begun
     try:
         assert mirror.loading and mirror._fresh_base > 0
         with mirror.asking(FP, "a", HASHES[:1]) as since:  # a put right after the client started
