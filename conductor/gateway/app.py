@@ -46,7 +46,7 @@ class Gateway:
         self.tracker = PrefixTracker()
         self.followers: list[KVEventFollower] = []
         self.metrics = GatewayMetrics(self.pool, lambda: float(sum(f.events for f in self.followers)))
-        self.tokens = Tokens(config.model_dir)
+        self.tokens = Tokens(config.model_dir, config.tokenize_threads)
         self.fingerprint: ModelFingerprint = gateway_fingerprint(config)
         self.mirror = None
         self.router: Router | None = None
@@ -92,6 +92,7 @@ class Gateway:
             await self.session.close()
         if self.mirror is not None:
             await asyncio.to_thread(self.mirror.stop)
+        self.tokens.close()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes,

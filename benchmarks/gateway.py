@@ -1,0 +1,186 @@
+"""The gateway's own cost, against stand-in engines that answer at once: short requests alone and
+beside a stream of long prompts (about 18k tokens each), with long prompts tokenized on worker
+threads (the default) and on the event loop (`tokenize_threads: 0`), side by side in one run.
+
+    python -m benchmarks.gateway [--json PATH] [--requests N] [--quick]
+
+The gateway runs in its own process (`conductor serve --config`); the stand-in prefill and decode
+engines and the clients share this one. Figures: each short request's latency at the client, and
+the gateway's overhead p50 (its time minus upstream time, from its own /metrics).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import aiohttp
+from aiohttp import web
+
+from kvstore.integrations.vllm.tiny_model import SENTENCES, build_tokenizer
+
+MODEL = "bench-model"
+SHORT_WORDS = 400  # about 700 characters per 100 words: short prompts stay under the thread cut-off
+LONG_REPEAT = 400  # SENTENCES x 400: about 100k characters, 18k tokens
+
+
+async def stand_in_engine(request: web.Request) -> web.StreamResponse:
+    """A vLLM engine that answers at once: a prefill gets `kv_transfer_params`, a decode a short stream."""
+    body = await request.json()
+    if not body.get("stream"):
+        return web.json_response({"id": "c", "object": "text_completion", "model": MODEL,
+                                  "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                                  "kv_transfer_params": {"remote_block_ids": [1]}})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for piece in ("a", "b"):
+        await resp.write(b"data: " + json.dumps({"id": "c", "choices": [{"index": 0, "text": piece}]}).encode()
+                         + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+def engine_app() -> web.Application:
+    app = web.Application(client_max_size=8 << 20)
+    app.router.add_get("/health", lambda r: web.Response(text="ok"))
+    app.router.add_get("/v1/models", lambda r: web.json_response({"object": "list", "data": [{"id": MODEL}]}))
+    app.router.add_get("/metrics", lambda r: web.Response(text='vllm:num_requests_running{engine="0"} 0.0\n'))
+    app.router.add_post("/v1/completions", stand_in_engine)
+    return app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def start_engine() -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(engine_app(), access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def start_gateway(config: dict, workdir: str) -> tuple[subprocess.Popen, str]:
+    path = os.path.join(workdir, f"gateway-{config['tokenize_threads']}.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "conductor.cli", "serve", "--config", path,
+                             "--listen", f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    proc.stdout.readline()  # {"listen": ...} once it serves
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def overhead_p50_ms(http: aiohttp.ClientSession, url: str) -> float:
+    text = await (await http.get(url + "/metrics")).text()
+    match = re.search(r"^conductor_gateway_overhead_p50_seconds ([0-9.e+-]+)$", text, re.M)
+    return float(match.group(1)) * 1e3 if match else float("nan")
+
+
+async def measure(url: str, requests: int, beside_long: bool) -> dict:
+    words = " ".join(SENTENCES).split()
+    shorts = [f"{i} " + " ".join(words[(i + k) % len(words)] for k in range(SHORT_WORDS)) for i in range(requests)]
+    long = " ".join(SENTENCES * LONG_REPEAT)
+    async with aiohttp.ClientSession() as http:
+        async def one(prompt: str) -> float:
+            started = time.perf_counter()
+            async with http.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4,
+                                                                "stream": True}) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"gateway answered {resp.status}")
+            return time.perf_counter() - started
+
+        for prompt in shorts[:10]:
+            await one(prompt)
+        stop = asyncio.Event()
+        long_latencies: list[float] = []
+
+        async def long_stream() -> None:
+            while not stop.is_set():
+                long_latencies.append(await one(f"{len(long_latencies)} {long}"))
+
+        streamer = asyncio.create_task(long_stream()) if beside_long else None
+        latencies = [await one(prompt) for prompt in shorts]
+        stop.set()
+        if streamer is not None:
+            await streamer
+        overhead = await overhead_p50_ms(http, url)
+    latencies.sort()
+    long_latencies.sort()
+    return {"short_p50_ms": latencies[len(latencies) // 2] * 1e3,
+            "short_p90_ms": latencies[len(latencies) * 9 // 10] * 1e3, "gateway_overhead_p50_ms": overhead,
+            "long_prompts": len(long_latencies),
+            "long_p50_ms": long_latencies[len(long_latencies) // 2] * 1e3 if long_latencies else None,
+            "requests": requests}
+
+
+async def run(args: argparse.Namespace) -> list[dict]:
+    workdir = tempfile.mkdtemp(prefix="kvstore-gateway-bench-")
+    model_dir = build_tokenizer(os.path.join(workdir, "model"))
+    (p_runner, prefill), (d_runner, decode) = await start_engine(), await start_engine()
+    records = []
+    try:
+        for scenario in ("alone", "beside long prompts"):
+            for threads in (2, 0, 0, 2):  # twice each, who goes first alternates
+                config = {"prefill": [prefill], "decode": [decode], "model_dir": model_dir, "block_tokens": 128,
+                          "local_prefill_tokens": 0, "tokenize_threads": threads, "health_interval_s": 5.0}
+                proc, url = await asyncio.to_thread(start_gateway, config, workdir)
+                try:
+                    result = await measure(url, args.requests, scenario != "alone")
+                finally:
+                    proc.terminate()
+                    proc.wait(10)
+                records.append({"scenario": scenario, "tokenize": "threads" if threads else "event loop",
+                                "tokenize_threads": threads, **result})
+    finally:
+        await p_runner.cleanup()
+        await d_runner.cleanup()
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--requests", type=int, default=200, help="short requests per measurement")
+    parser.add_argument("--quick", action="store_true", help="50 short requests per measurement")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests = 50
+    records = asyncio.run(run(args))
+    print(f"\n  {'scenario':22} {'tokenize on':12} {'short p50 ms':>13} {'short p90 ms':>13} {'overhead p50 ms':>16} "
+          f"{'long prompts':>13} {'long p50 ms':>12}")
+    for r in records:
+        long_p50 = "-" if r["long_p50_ms"] is None else f"{r['long_p50_ms']:.1f}"
+        print(f"  {r['scenario']:22} {r['tokenize']:12} {r['short_p50_ms']:13.2f} {r['short_p90_ms']:13.2f} "
+              f"{r['gateway_overhead_p50_ms']:16.2f} {r['long_prompts']:13d} {long_p50:>12}")
+
+    def short_p50(threads: int) -> float:
+        return statistics.median(r["short_p50_ms"] for r in records
+                                 if r["scenario"] == "beside long prompts" and r["tokenize_threads"] == threads)
+
+    ratio = short_p50(2) / short_p50(0)
+    print(f"\n  beside long prompts, short p50 with threads / on the event loop (mean of two runs each): {ratio:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": {"machine": platform.node(), "cpus": os.cpu_count(),
+                                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
+                       "records": records, "ratio_beside_long_threads_vs_loop": ratio}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
