@@ -92,6 +92,21 @@ def test_read_your_writes_with_background_publishing(etcd_server, spawn_daemon, 
         assert all(client.get_many(hashes, outs))
 
 
+def put_two_and_settle(client: Client, observer: Client, node: str, ids: list[int]):
+    """Put two 8 KiB blocks on `node` and wait until the client's mirror has their watch events (a
+    stale record set before they land would be overwritten); returns both hashes and records."""
+    first, second = external_hashes(ids, FP)
+    client.put_many([(first, content(first, 8192)), (second, content(second, 8192))])
+    assert observer.mirror.wait_until(lambda m: m.contains(FP, first) and m.contains(FP, second), 5)
+    assert client.mirror.wait_for_revision(observer.mirror.revision, 5)
+    return first, second, client.mirror.lookup(FP, first)[node], client.mirror.lookup(FP, second)[node]
+
+
+def at_offset_of(record: BlockRecord, other: BlockRecord) -> BlockRecord:
+    """`record` pointing at `other`'s bytes: what a mirror that missed a move would hold."""
+    return BlockRecord(record.tier, record.region, other.offset, record.size, record.checksum)
+
+
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_a_block_that_moved_since_the_mirror_heard_is_read_from_where_the_node_has_it(
         etcd_server, spawn_daemon, transport):
@@ -103,13 +118,8 @@ def test_a_block_that_moved_since_the_mirror_heard_is_read_from_where_the_node_h
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport=transport) as client, \
             Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET) as observer:
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
-        moved, other = external_hashes([500, 501], FP)
-        client.put_many([(moved, content(moved, 8192)), (other, content(other, 8192))])
-        # Let the put's own watch events land first, or they would overwrite the stale record below.
-        assert observer.mirror.wait_until(lambda m: m.contains(FP, moved) and m.contains(FP, other), 5)
-        assert client.mirror.wait_for_revision(observer.mirror.revision, 5)
-        real, elsewhere = client.mirror.lookup(FP, moved)["moved"], client.mirror.lookup(FP, other)["moved"]
-        stale = BlockRecord(real.tier, real.region, elsewhere.offset, real.size, real.checksum)
+        moved, other, real, elsewhere = put_two_and_settle(client, observer, "moved", [500, 501])
+        stale = at_offset_of(real, elsewhere)
         client.mirror.remember_many(FP, "moved", [(moved, stale)])  # as if the move had not reached us
         op = ("local_" if transport == "auto" else "") + "lookup"
         lookups = control_ops(daemon).get(op, 0)
@@ -121,7 +131,7 @@ def test_a_block_that_moved_since_the_mirror_heard_is_read_from_where_the_node_h
         # A block the node no longer holds stays a plain miss, and is not reported as corrupt.
         client.remove([other])
         assert client.mirror.wait_until(lambda m: not m.contains(FP, other), 5)  # its delete event has passed
-        gone = BlockRecord(elsewhere.tier, elsewhere.region, real.offset, elsewhere.size, elsewhere.checksum)
+        gone = at_offset_of(elsewhere, real)
         client.mirror.remember_many(FP, "moved", [(other, gone)])
         lookups = control_ops(daemon).get(op, 0)
         assert not client.get(other, out)
@@ -172,14 +182,10 @@ def test_a_lookup_answer_older_than_a_re_put_does_not_hide_the_block(etcd_server
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET) as client, \
             Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET) as other:
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
-        h, filler = external_hashes([800, 801], FP)
-        client.put_many([(h, content(h, 8192)), (filler, content(filler, 8192))])
-        assert other.mirror.wait_until(lambda m: m.contains(FP, h) and m.contains(FP, filler), 5)
-        assert client.mirror.wait_for_revision(other.mirror.revision, 5)
-        real, elsewhere = client.mirror.lookup(FP, h)["reput"], client.mirror.lookup(FP, filler)["reput"]
+        h, filler, real, elsewhere = put_two_and_settle(client, other, "reput", [800, 801])
         assert client.remove([h]) == 1
         assert client.mirror.wait_until(lambda m: not m.contains(FP, h), 5)
-        stale = BlockRecord(real.tier, real.region, elsewhere.offset, real.size, real.checksum)
+        stale = at_offset_of(real, elsewhere)
         client.mirror.remember_many(FP, "reput", [(h, stale)])  # as if the remove had not reached us
         ask = client._lookup
 
