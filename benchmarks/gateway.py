@@ -1,5 +1,5 @@
 """The gateway's own cost, against stand-in engines that answer at once: short requests alone and
-beside a stream of long prompts (about 18k tokens each), with long prompts tokenized on worker
+beside a stream of long prompts (about 22k tokens each), with long prompts tokenized on worker
 threads (the default) and on the event loop (`tokenize_threads: 0`), side by side in one run.
 
     python -m benchmarks.gateway [--json PATH] [--requests N] [--quick]
@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,11 +25,12 @@ import time
 import aiohttp
 from aiohttp import web
 
+from kvstore.etcd_server import free_port
 from kvstore.integrations.vllm.tiny_model import SENTENCES, build_tokenizer
 
 MODEL = "bench-model"
 SHORT_WORDS = 400  # about 700 characters per 100 words: short prompts stay under the thread cut-off
-LONG_REPEAT = 400  # SENTENCES x 400: about 100k characters, 18k tokens
+LONG_REPEAT = 400  # SENTENCES x 400: about 109k characters, 22k tokens
 
 
 async def stand_in_engine(request: web.Request) -> web.StreamResponse:
@@ -56,12 +56,6 @@ def engine_app() -> web.Application:
     app.router.add_get("/metrics", lambda r: web.Response(text='vllm:num_requests_running{engine="0"} 0.0\n'))
     app.router.add_post("/v1/completions", stand_in_engine)
     return app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def start_engine() -> tuple[web.AppRunner, str]:

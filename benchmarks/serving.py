@@ -38,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 from vllm_server import connector_config as connector  # noqa: E402
+from vllm_server import free_port  # noqa: E402
 from vllm_server import scrape_metrics as scrape  # noqa: E402
 TRACE = ROOT / "tests" / "data" / "mooncake_conversation_trace.jsonl.xz"
 BLOCK_TOKENS = 128
@@ -155,12 +156,6 @@ async def replay(url: str, model: str, prompts: list[str], arrivals: list[float]
 
 
 # ------------------------------------------------------------------ processes
-def free_port() -> int:
-    from vllm_server import free_port as fp
-
-    return fp()
-
-
 def wait_http(url: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

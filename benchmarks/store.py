@@ -27,7 +27,6 @@ import os
 import platform
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,7 @@ import numpy as np
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 from kvstore import Client  # noqa: E402
-from kvstore.etcd_server import EtcdServer  # noqa: E402
+from kvstore.etcd_server import EtcdServer, free_port  # noqa: E402
 from kvstore.keys import ModelFingerprint, external_hashes  # noqa: E402
 
 KIB, MIB = 1024, 1 << 20
@@ -89,12 +88,6 @@ def record(out: list[Record], system: str, path: str, op: str, block: int, batch
     out.append(r)
     print(f"  {system:<9}{path:<9}{op:<5}{block // KIB:>6}K{batch:>4}{r.gbps:9.2f}{r.p50_us:11.0f}{r.p99_us:11.0f}",
           flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def reps_for(block: int, batch: int, quick: bool) -> int:

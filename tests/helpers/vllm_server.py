@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from kvstore.etcd_server import free_port  # noqa: F401 - importable from here too
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 # Small settings that fit this CPU machine: fp32 (CPU), no graph capture, 1 GiB of KV cache.
@@ -44,12 +45,6 @@ def scrape_metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
             name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
             out[name] = out.get(name, 0.0) + value
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class VllmServer:

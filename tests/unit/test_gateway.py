@@ -267,6 +267,9 @@ async def test_long_prompts_are_tokenized_off_the_event_loop_to_the_same_ids(tmp
     from kvstore.integrations.vllm.tiny_model import build_tokenizer
 
     model_dir = build_tokenizer(str(tmp_path))
+    with_template = AutoTokenizer.from_pretrained(model_dir)
+    with_template.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    with_template.save_pretrained(model_dir)
     where = []
     real = tokens_module.Tokens._local
 
@@ -276,6 +279,7 @@ async def test_long_prompts_are_tokenized_off_the_event_loop_to_the_same_ids(tmp
 
     monkeypatch.setattr(tokens_module.Tokens, "_local", spy)
     reference = AutoTokenizer.from_pretrained(model_dir)
+    assert reference.chat_template
     short = "the quick brown fox " * 10
     longs = [f"{i} " + "the quick brown fox jumps over the lazy dog " * 200 for i in range(4)]
     p, d = FakeEngine("p0"), FakeEngine("d0")
@@ -290,6 +294,16 @@ async def test_long_prompts_are_tokenized_off_the_event_loop_to_the_same_ids(tmp
         assert where and all(name.startswith("gw-tokenize") for name in where)
         status, _ = await rig.post("/v1/completions", completion(longs[0]))  # and through the front door
         assert status == 200 and d.requests[-1]["prompt"] == longs[0]
+        for text in (short, longs[2]):  # chat, on the loop and on a worker: the template's ids
+            messages = [{"role": "user", "content": [{"type": "text", "text": text}]}]
+            got = await tokens.ids("chat", {"messages": messages}, rig.gateway.session, None, 5.0)
+            want = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            assert got == list(want["input_ids"] if hasattr(want, "keys") else want)
+        assert where[-1].startswith("gw-tokenize")
+        tokens.close()  # stopping: what still comes is tokenized on the loop
+        where.clear()
+        assert await tokens.ids("completions", {"prompt": longs[3]}, rig.gateway.session, None, 5.0) \
+            == reference(longs[3]).input_ids and where == ["MainThread"]
     where.clear()
     async with Rig([p], [d], model_dir=model_dir, tokenize_threads=0) as rig:  # asked for: on the loop
         got = await rig.gateway.tokens.ids("completions", {"prompt": longs[1]}, rig.gateway.session, None, 5.0)
