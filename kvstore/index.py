@@ -128,10 +128,10 @@ class IndexMirror:
         self._single = np.full(0, -1, np.int32)  # node * len(TIERS) + tier -> id of that lone replica
         self._revision = 0
         # Who asked a node about blocks (`asking`) learns from its answer only what no watch event
-        # that arrived meanwhile has settled: the replicas asked about (with how many questions are
-        # open on each), the revision of the last event on each of those, and where the current and
-        # the loading snapshot began. All under _apply_lock.
-        self._asked: dict[tuple[str, bytes, str], int] = {}
+        # that arrived meanwhile has settled: the open questions (fingerprint, node, hashes), the
+        # revision of the last event on each replica they ask about, and where the current and the
+        # loading snapshot began. All under _apply_lock.
+        self._questions: list[tuple[str, str, frozenset[bytes]]] = []
         self._recent: dict[tuple[str, bytes, str], int] = {}
         self._applied = 0  # the last revision applied
         self._base = 0  # the revision the current snapshot was loaded at
@@ -260,24 +260,22 @@ class IndexMirror:
         """Around a question to `node` about these blocks whose answer the caller passes to
         `remember_many` or `forget_many`: yields the `since` for them, so that a watch event about one
         of these replicas that arrives while the question is out wins over the answer."""
-        fp = _fingerprint_id(fingerprint)
-        replicas = [(fp, bytes(h), node) for h in hashes]
+        question = (_fingerprint_id(fingerprint), node, frozenset(map(bytes, hashes)))
         with self._apply_lock:
             # Every event up to the loading snapshot's revision was in etcd before this question.
             since = max(self._applied, self._fresh_base if self._fresh is not None else 0)
-            for replica in replicas:
-                self._asked[replica] = self._asked.get(replica, 0) + 1
+            self._questions.append(question)
         try:
             yield since
         finally:
             with self._apply_lock:
-                for replica in replicas:
-                    left = self._asked[replica] - 1
-                    if left:
-                        self._asked[replica] = left
-                    else:
-                        del self._asked[replica]
-                        self._recent.pop(replica, None)
+                self._questions.remove(question)
+                for replica in [r for r in self._recent if not self._asked(r)]:
+                    del self._recent[replica]
+
+    def _asked(self, replica: tuple[str, bytes, str]) -> bool:
+        fingerprint, block_hash, node = replica
+        return any(fp == fingerprint and n == node and block_hash in hashes for fp, n, hashes in self._questions)
 
     def remember(self, fingerprint: ModelFingerprint | str, block_hash: bytes, node: str,
                  record: BlockRecord | bytes) -> None:
@@ -564,7 +562,7 @@ class IndexMirror:
                 log.warning("ignoring malformed index event %r: %s", event.key[:200], exc)
                 replica = None
             self._applied = max(self._applied, event.revision)
-            if replica is not None and replica in self._asked:
+            if replica is not None and self._questions and self._asked(replica):
                 self._recent[replica] = event.revision
         with self._changed:
             self._revision = event.revision

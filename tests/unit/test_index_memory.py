@@ -138,7 +138,7 @@ async def test_only_replicas_under_an_open_question_are_tracked(url):
                 mirror.forget_many(FP, "a", HASHES[1:3], second)  # put meanwhile: nothing forgotten
             assert set(mirror._recent) == {(FP.digest, h, "a") for h in HASHES[:2]}  # the older one still out
             mirror.forget_many(FP, "a", HASHES[:2], first)
-        assert not mirror._recent and not mirror._asked
+        assert not mirror._recent and not mirror._questions
         assert mirror.match(FP, HASHES).length == 4
         await node.close()
 
