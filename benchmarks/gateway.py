@@ -29,7 +29,7 @@ from kvstore.etcd_server import free_port
 from kvstore.integrations.vllm.tiny_model import SENTENCES, build_tokenizer
 
 MODEL = "bench-model"
-SHORT_WORDS = 400  # about 700 characters per 100 words: short prompts stay under the thread cut-off
+SHORT_WORDS = 400  # about 2,400 characters (500 tokens): short prompts stay under the thread cut-off
 LONG_REPEAT = 400  # SENTENCES x 400: about 109k characters, 22k tokens
 
 
@@ -74,7 +74,9 @@ def start_gateway(config: dict, workdir: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "conductor.cli", "serve", "--config", path,
                              "--listen", f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True)
-    proc.stdout.readline()  # {"listen": ...} once it serves
+    if not proc.stdout.readline():  # {"listen": ...} once it serves
+        proc.wait(10)
+        raise RuntimeError(f"the gateway did not start (exit code {proc.returncode})")
     return proc, f"http://127.0.0.1:{port}"
 
 

@@ -38,8 +38,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 from vllm_server import connector_config as connector  # noqa: E402
-from vllm_server import free_port  # noqa: E402
 from vllm_server import scrape_metrics as scrape  # noqa: E402
+
+from kvstore.etcd_server import free_port  # noqa: E402
 TRACE = ROOT / "tests" / "data" / "mooncake_conversation_trace.jsonl.xz"
 BLOCK_TOKENS = 128
 

@@ -6,7 +6,8 @@ the use each node reported in its last reply) -> store the blocks there in one c
 other hosts: a gRPC Put carrying small blocks) or, for large batches, Reserve -> write with the
 Transfer Engine straight into the node's memory -> Commit. The node verifies the checksum, seals
 and queues the index update; the putting client's own mirror learns the block at once
-(read-your-writes), other clients when the node's next publish batch reaches etcd.
+(read-your-writes, unless a watch event about the block came first: see the README), other
+clients when the node's next publish batch reaches etcd.
 Get: index-mirror lookup -> read with the engine (or, for a same-host node's NVMe tier, with
 O_DIRECT from the tier file's read-only fd) straight into the caller's buffer -> verify the
 checksum -> on a dead node or corrupt copy try the next replica, else report a miss. Every remote
@@ -32,13 +33,13 @@ from transfer import Engine, Peer, Read, Region, TransferError, UnsupportedBuffe
 from transfer.descriptor import host_id
 
 from .access import ControlAuth, cluster_secret
-from .errors import (AllocationFailed, AuthenticationFailed, FingerprintMismatch, KVStoreError,  # noqa: F401
+from .errors import (AllocationFailed, AuthenticationFailed, FingerprintMismatch, KVStoreError,
                      NodeRefused, NoStoreNodes, PutFailed, WrongSize)
 from .index import IndexMirror
 from .integrity import block_checksum, block_checksums, checksum_state
 from .keys import HASH_BYTES, ModelFingerprint
 from .layout import BlockRecord, NodeRecord
-from .local_node import LocalNode, Tier, read_block
+from .local_node import LocalNode, TierFile, read_block
 from .store.v1 import store_pb2, store_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -495,19 +496,22 @@ class Client:
         wanted = [(i, record) for i, record in failed if not found[i]]
         if not wanted:
             return [], set()
-        with self.mirror.asking(fp, name, [bytes(hashes[i]) for i, _ in wanted]) as since:
+        asked = [bytes(hashes[i]) for i, _ in wanted]
+        with self.mirror.asking(fp, name, asked) as since:
             try:
-                fresh = self._lookup(name, fp, [bytes(hashes[i]) for i, _ in wanted])
+                fresh = self._lookup(name, fp, asked)
             except AuthenticationFailed:
                 raise
             except (grpc.RpcError, KVStoreError, TransferError, OSError, ValueError) as exc:
                 log.debug("lookup at %s failed: %s", name, exc)
                 return [], set()
-            return self._reread_at(name, fp, hashes, wanted, fresh, targets, found, since)
+            return self._apply_lookup_answer(name, fp, hashes, wanted, fresh, targets, found, since)
 
-    def _reread_at(self, name: str, fp: str, hashes: Sequence[bytes], wanted: list[tuple[int, BlockRecord]],
-                   fresh: list[BlockRecord | None], targets: list[list[tuple[Region, int, int]]],
-                   found: list[bool], since: int) -> tuple[list[int], set[int]]:
+    def _apply_lookup_answer(self, name: str, fp: str, hashes: Sequence[bytes], wanted: list[tuple[int, BlockRecord]],
+                             fresh: list[BlockRecord | None], targets: list[list[tuple[Region, int, int]]],
+                             found: list[bool], since: int) -> tuple[list[int], set[int]]:
+        """Read the moved blocks from where the node says they are and teach the mirror the answer
+        (call while the mirror's question is still open)."""
         gone = {i for (i, _), now in zip(wanted, fresh) if now is None}
         again = [(i, now) for (i, was), now in zip(wanted, fresh)
                  if now is not None and now != was and now.size == sum(length for _, _, length in targets[i])]
@@ -644,7 +648,7 @@ class Client:
         checked.update((i, state.intdigest()) for i, state in states.items())
         return results, ordered
 
-    def _read_tier(self, tier: Tier, items: list[tuple[int, BlockRecord]],
+    def _read_tier(self, tier: TierFile, items: list[tuple[int, BlockRecord]],
                    targets: list[list[tuple[Region, int, int]]]) -> set[int]:
         """Read NVMe blocks from a same-host node's tier fd; returns the indexes that failed."""
         def one(item: tuple[int, BlockRecord]) -> bool:

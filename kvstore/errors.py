@@ -89,6 +89,7 @@ class UnsupportedKVLayout(UnsupportedDeployment):
 __all__ += ["UnsupportedDeployment", "UnsupportedKVLayout"]
 
 
+# --- store and client --------------------------------------------------------------------------
 class AllocationFailed(KVStoreError):
     """No room for the block even after evicting everything evictable. `updates` lists the
     evictions done on the way, which still have to be published."""
@@ -112,3 +113,6 @@ class PutFailed(KVStoreError):
 
 class NodeRefused(KVStoreError):
     """A node refused a request (draining, metadata service unavailable); others may take it."""
+
+
+__all__ += ["AllocationFailed", "WrongSize", "NoStoreNodes", "PutFailed", "NodeRefused"]

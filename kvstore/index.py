@@ -132,7 +132,7 @@ class IndexMirror:
         # revision of the last event on each replica they ask about, and where the current and the
         # loading snapshot began. All under _apply_lock.
         self._questions: list[tuple[str, str, frozenset[bytes]]] = []
-        self._recent: dict[tuple[str, bytes, str], int] = {}
+        self._event_revisions: dict[tuple[str, bytes, str], int] = {}
         self._applied = 0  # the last revision applied
         self._base = 0  # the revision the current snapshot was loaded at
         self._fresh_base = 0  # the revision the snapshot being loaded is read at
@@ -270,8 +270,8 @@ class IndexMirror:
         finally:
             with self._apply_lock:
                 self._questions.remove(question)
-                for replica in [r for r in self._recent if not self._asked(r)]:
-                    del self._recent[replica]
+                for replica in [r for r in self._event_revisions if not self._asked(r)]:
+                    del self._event_revisions[replica]
 
     def _asked(self, replica: tuple[str, bytes, str]) -> bool:
         fingerprint, block_hash, node = replica
@@ -279,7 +279,7 @@ class IndexMirror:
 
     def remember(self, fingerprint: ModelFingerprint | str, block_hash: bytes, node: str,
                  record: BlockRecord | bytes) -> None:
-        """Learn one replica now, as its watch 'put' event would (a putting client's own mirror)."""
+        """Learn one replica now, as its watch 'put' event would (no `since`: tests and tools)."""
         self.remember_many(fingerprint, node, [(block_hash, record)])
 
     def remember_many(self, fingerprint: ModelFingerprint | str, node: str,
@@ -307,7 +307,7 @@ class IndexMirror:
             for block_hash, value in blocks:
                 block_hash = bytes(block_hash)
                 # An event about this replica arrived while the question was out: it wins.
-                news = since is not None and self._recent.get((fp, block_hash, node), 0) > since
+                news = since is not None and self._event_revisions.get((fp, block_hash, node), 0) > since
                 try:
                     for snap in snaps:
                         if not (news and snap is self._snapshot):
@@ -563,7 +563,7 @@ class IndexMirror:
                 replica = None
             self._applied = max(self._applied, event.revision)
             if replica is not None and self._questions and self._asked(replica):
-                self._recent[replica] = event.revision
+                self._event_revisions[replica] = event.revision
         with self._changed:
             self._revision = event.revision
             self._last_ok = time.monotonic()

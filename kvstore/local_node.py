@@ -23,7 +23,7 @@ DIRECT_ALIGN = 4096
 
 
 @dataclass
-class Tier:
+class TierFile:
     """A same-host node's NVMe tier file, opened read-only by the node for this client."""
 
     region: int
@@ -39,7 +39,7 @@ class LocalNode:
         self.name, self.address, self._secret, self._client, self.timeout = name, address, secret, client, timeout
         self._idle: list[Frames] = []
         self._lock = threading.Lock()
-        self._tier: Tier | None = None
+        self._tier: TierFile | None = None
         self._tier_checked = 0.0
         self.closed = False
 
@@ -77,7 +77,7 @@ class LocalNode:
             raise NodeRefused(f"{self.name}: {error}")
         return reply, fd
 
-    def tier(self) -> Tier | None:
+    def tier(self) -> TierFile | None:
         """The node's NVMe tier fd (asked for once; again a minute after a refusal)."""
         if self._tier is not None or time.monotonic() - self._tier_checked < 60:
             return self._tier
@@ -86,7 +86,7 @@ class LocalNode:
             reply, fd = self.call({"op": "tier"}, want_fd=True)
         except NodeRefused:
             return None
-        tier = Tier(int(reply["region"]), int(reply["size"]), fd, bool(reply.get("direct")))
+        tier = TierFile(int(reply["region"]), int(reply["size"]), fd, bool(reply.get("direct")))
         with self._lock:
             if self.closed or self._tier is not None:
                 os.close(fd)
@@ -105,7 +105,7 @@ class LocalNode:
             os.close(tier.fd)
 
 
-def read_block(tier: Tier, record: BlockRecord, segments: list[tuple[Region, int, int]]) -> bool:
+def read_block(tier: TierFile, record: BlockRecord, segments: list[tuple[Region, int, int]]) -> bool:
     """One block from the tier fd into its destination segments, bounds-checked against the
     record and the tier; O_DIRECT straight into the caller's buffer when it is aligned, else
     through an aligned bounce buffer. False when the record does not fit or the read came short."""

@@ -4,9 +4,9 @@ Who may connect: processes of the daemon's own user (or root), checked with SO_P
 then pass the Transfer Engine's handshake (both ends prove they know the cluster secret; a
 relayed handshake yields nothing). Every control frame afterwards carries an HMAC under the
 session key over its sequence number (`kvstore.local_wire`), so frames cannot be injected,
-replayed or reordered. Block
-bytes follow a `put` frame raw: nobody else can write into an established unix stream, and the
-authenticated frame names their length and checksum, which the daemon verifies before sealing.
+replayed or reordered. Block bytes follow a `put` frame raw: nobody else can write into an
+established unix stream, and the authenticated frame names their length and checksum, which the
+daemon verifies before sealing.
 
 Requests (one reply frame each):
   put      {fp, hashes (hex), sizes, checksums, sync} + the bytes -> {records, errors, used, capacity}

@@ -24,7 +24,7 @@ from transfer import Engine, TransferError
 from transfer.descriptor import host_id
 
 from ..aio import shared_loop
-from ..errors import KVStoreError, MetadataError, MetadataUnavailable
+from ..errors import KVStoreError, MetadataError
 from ..layout import Layout, NodeRecord, check_name
 from ..metadata import open_metadata
 from ..session import NodeSession

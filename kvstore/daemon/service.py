@@ -6,10 +6,10 @@ from typing import Callable
 
 import grpc
 
-from ..errors import KVStoreError, MetadataError
+from ..errors import AllocationFailed, KVStoreError, MetadataError, WrongSize
 from ..store.v1 import store_pb2, store_pb2_grpc
 from .metrics import DaemonMetrics
-from .store import AllocationFailed, BlockStore, Update, WrongSize
+from .store import BlockStore, Update
 
 
 MAX_INLINE_BYTES = 64 << 20  # bytes of blocks one Put may carry (the gRPC message limit is set above it)

@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 
 from transfer import Engine, Read, Region, TransferError, Write
 
-from ..errors import AllocationFailed, WrongSize  # noqa: F401 - importable from here too
+from ..errors import AllocationFailed, WrongSize
 from ..integrity import block_checksum, block_checksums
 from ..layout import BlockRecord
 from ..tiers import ExtentAllocator, EvictionPolicy, make_policy
@@ -24,7 +24,7 @@ from ..tiers import ExtentAllocator, EvictionPolicy, make_policy
 Key = tuple[str, bytes]  # (fingerprint, block hash)
 Update = tuple[str, bytes, BlockRecord | None]
 MAX_BLOCK_BYTES = 64 << 20
-LOCK_SPAN = 4096  # blocks a lookup, touch or remove handles per hold of the lock: a huge one never stalls puts
+LOCK_SPAN = 4096  # blocks a lookup, touch or remove handles per hold of the lock: a huge one delays a put by one span
 
 
 @dataclass

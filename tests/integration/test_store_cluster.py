@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvstore import Client
-from kvstore.daemon.store import AllocationFailed, WrongSize
+from kvstore.errors import AllocationFailed, WrongSize
 from kvstore.errors import AuthenticationFailed, FingerprintMismatch
 from kvstore.keys import ModelFingerprint, chain_hashes, external_hashes
 from kvstore.store.v1 import store_pb2, store_pb2_grpc

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore.daemon.store import AllocationFailed, BlockStore, WrongSize
+from kvstore.daemon.store import BlockStore
+from kvstore.errors import AllocationFailed, WrongSize
 from kvstore.integrity import block_checksum
 from kvstore.keys import ModelFingerprint, external_hashes
 from transfer import Engine

@@ -134,11 +134,11 @@ async def test_only_replicas_under_an_open_question_are_tracked(url):
             with mirror.asking(FP, "a", HASHES[1:3]) as second:
                 revision = await node.publish(FP.digest, records(HASHES[:4]))
                 assert mirror.wait_for_revision(revision)
-                assert mirror._recent == {(FP.digest, h, "a"): revision for h in HASHES[:3]}  # not block 3
+                assert mirror._event_revisions == {(FP.digest, h, "a"): revision for h in HASHES[:3]}  # not block 3
                 mirror.forget_many(FP, "a", HASHES[1:3], second)  # put meanwhile: nothing forgotten
-            assert set(mirror._recent) == {(FP.digest, h, "a") for h in HASHES[:2]}  # the older one still out
+            assert set(mirror._event_revisions) == {(FP.digest, h, "a") for h in HASHES[:2]}  # the older one still out
             mirror.forget_many(FP, "a", HASHES[:2], first)
-        assert not mirror._recent and not mirror._questions
+        assert not mirror._event_revisions and not mirror._questions
         assert mirror.match(FP, HASHES).length == 4
         await node.close()
 
