@@ -280,6 +280,10 @@ async def test_long_prompts_are_tokenized_off_the_event_loop_to_the_same_ids(tmp
     monkeypatch.setattr(tokens_module.Tokens, "_local", spy)
     reference = AutoTokenizer.from_pretrained(model_dir)
     assert reference.chat_template
+
+    def template_ids(messages: list) -> list[int]:
+        ids = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     short = "the quick brown fox " * 10
     longs = [f"{i} " + "the quick brown fox jumps over the lazy dog " * 200 for i in range(4)]
     p, d = FakeEngine("p0"), FakeEngine("d0")
@@ -297,12 +301,13 @@ async def test_long_prompts_are_tokenized_off_the_event_loop_to_the_same_ids(tmp
         for text in (short, longs[2]):  # chat, on the loop and on a worker: the template's ids
             messages = [{"role": "user", "content": [{"type": "text", "text": text}]}]
             got = await tokens.ids("chat", {"messages": messages}, rig.gateway.session, None, 5.0)
-            want = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            assert got == list(want["input_ids"] if hasattr(want, "keys") else want)
+            assert got == template_ids(messages)
         assert where[-1].startswith("gw-tokenize")
-        status, _ = await rig.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 4, "messages": [
-            {"role": "user", "content": short}]})  # through the front door (was a 500 under transformers 5)
-        assert status == 200
+        routed = rig.gateway.metrics.prompt_tokens._value.get()
+        chat = [{"role": "user", "content": short}]
+        status, _ = await rig.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 4, "messages": chat})
+        # Through the front door the prompt is routed by its real length (it was 2: the key names).
+        assert status == 200 and rig.gateway.metrics.prompt_tokens._value.get() - routed == len(template_ids(chat))
         tokens.close()  # stopping: what still comes is tokenized on the loop
         where.clear()
         assert await tokens.ids("completions", {"prompt": longs[3]}, rig.gateway.session, None, 5.0) \
