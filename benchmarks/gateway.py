@@ -5,8 +5,9 @@ threads (the default) and on the event loop (`tokenize_threads: 0`), side by sid
     python -m benchmarks.gateway [--json PATH] [--requests N] [--quick]
 
 The gateway runs in its own process (`conductor serve --config`); the stand-in prefill and decode
-engines and the clients share this one. Figures: each short request's latency at the client, and
-the gateway's overhead p50 (its time minus upstream time, from its own /metrics).
+engines (the gateway tests' `FakeEngine`) and the clients share this process. Figures: each short
+request's latency at the client, and the gateway's overhead p50 (its time minus upstream time,
+from its own /metrics).
 """
 from __future__ import annotations
 
@@ -22,48 +23,19 @@ import sys
 import tempfile
 import time
 
+from pathlib import Path
+
 import aiohttp
-from aiohttp import web
 
-from kvstore.etcd_server import free_port
-from kvstore.integrations.vllm.tiny_model import SENTENCES, build_tokenizer
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+from gateway_fakes import MODEL, FakeEngine, start_fakes  # noqa: E402
 
-MODEL = "bench-model"
+from kvstore.etcd_server import free_port  # noqa: E402
+from kvstore.integrations.vllm.tiny_model import SENTENCES, build_tokenizer  # noqa: E402
+
 SHORT_WORDS = 400  # about 2,400 characters (500 tokens): short prompts stay under the thread cut-off
 LONG_REPEAT = 400  # SENTENCES x 400: about 109k characters, 22k tokens
-
-
-async def stand_in_engine(request: web.Request) -> web.StreamResponse:
-    """A vLLM engine that answers at once: a prefill gets `kv_transfer_params`, a decode a short stream."""
-    body = await request.json()
-    if not body.get("stream"):
-        return web.json_response({"id": "c", "object": "text_completion", "model": MODEL,
-                                  "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
-                                  "kv_transfer_params": {"remote_block_ids": [1]}})
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
-    for piece in ("a", "b"):
-        await resp.write(b"data: " + json.dumps({"id": "c", "choices": [{"index": 0, "text": piece}]}).encode()
-                         + b"\n\n")
-    await resp.write(b"data: [DONE]\n\n")
-    return resp
-
-
-def engine_app() -> web.Application:
-    app = web.Application(client_max_size=8 << 20)
-    app.router.add_get("/health", lambda r: web.Response(text="ok"))
-    app.router.add_get("/v1/models", lambda r: web.json_response({"object": "list", "data": [{"id": MODEL}]}))
-    app.router.add_get("/metrics", lambda r: web.Response(text='vllm:num_requests_running{engine="0"} 0.0\n'))
-    app.router.add_post("/v1/completions", stand_in_engine)
-    return app
-
-
-async def start_engine() -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(engine_app(), access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
 
 
 def start_gateway(config: dict, workdir: str) -> tuple[subprocess.Popen, str]:
@@ -127,13 +99,15 @@ async def measure(url: str, requests: int, beside_long: bool) -> dict:
 async def run(args: argparse.Namespace) -> list[dict]:
     workdir = tempfile.mkdtemp(prefix="kvstore-gateway-bench-")
     model_dir = build_tokenizer(os.path.join(workdir, "model"))
-    (p_runner, prefill), (d_runner, decode) = await start_engine(), await start_engine()
+    prefill, decode = FakeEngine("p0"), FakeEngine("d0")  # they answer at once
+    runners = await start_fakes(prefill, decode)
     records = []
     try:
         for scenario in ("alone", "beside long prompts"):
             for threads in (2, 0, 0, 2):  # twice each, who goes first alternates
-                config = {"prefill": [prefill], "decode": [decode], "model_dir": model_dir, "block_tokens": 128,
-                          "local_prefill_tokens": 0, "tokenize_threads": threads, "health_interval_s": 5.0}
+                config = {"prefill": [prefill.url], "decode": [decode.url], "model_dir": model_dir,
+                          "block_tokens": 128, "local_prefill_tokens": 0, "tokenize_threads": threads,
+                          "health_interval_s": 5.0}
                 proc, url = await asyncio.to_thread(start_gateway, config, workdir)
                 try:
                     result = await measure(url, args.requests, scenario != "alone")
@@ -143,8 +117,8 @@ async def run(args: argparse.Namespace) -> list[dict]:
                 records.append({"scenario": scenario, "tokenize": "threads" if threads else "event loop",
                                 "tokenize_threads": threads, **result})
     finally:
-        await p_runner.cleanup()
-        await d_runner.cleanup()
+        for runner in runners:
+            await runner.cleanup()
     return records
 
 

@@ -430,7 +430,6 @@ def bench_redis(args: argparse.Namespace, out: list[Record]) -> None:
         server.wait(10)
 
 
-# --- report ------------------------------------------------------------------------------------
 def bench_store(args: argparse.Namespace, systems: list[str], out: list[Record]) -> None:
     """Our store's rows of one round (its own etcd)."""
     if "kvstore" in systems:
@@ -446,6 +445,7 @@ def bench_peers(args: argparse.Namespace, systems: list[str], out: list[Record])
         bench_redis(args, out)
 
 
+# --- report ------------------------------------------------------------------------------------
 def median_of(values: list[float | None]) -> float | None:
     """Median of the known values (a pair's median is their mean); None when none is known."""
     known = [v for v in values if v is not None]

@@ -330,14 +330,14 @@ class Client:
                                    "sizes": [v.nbytes for v in views], "checksums": checksums_of(), "sync": sync},
                                   views)
             self.stats["local_puts"] += 1
-            return self._sealed(name, fp, hashes, reply["errors"], reply["records"], reply, since, hex_records=True)
+            return self._sealed(name, fp, hashes, reply, since)
         if local is None and size <= GRPC_INLINE_MAX:  # one gRPC round trip
             node = self._node(name)
             self.stats["control_calls"] += 1
             reply = self._rpc(node.stub.Put, store_pb2.PutRequest(
                 fingerprint=fp, hashes=hashes, payloads=[bytes(v) for v in views], checksums=checksums_of(),
                 client=self.engine.name, sync=sync))
-            return self._sealed(name, fp, hashes, list(reply.errors), list(reply.records), reply, since)
+            return self._sealed(name, fp, hashes, reply, since)
         # Large: reserve, write with the engine (shared memory on this host), commit.
         node = self._node(name)
         regs = regions()[first : first + len(views)]
@@ -366,11 +366,10 @@ class Client:
             if local is not None:
                 commit, _ = local.call({"op": "commit", "fp": fp, "tokens": tokens,
                                         "checksums": [checksums[i] for i, _, _, _ in slots], "sync": sync})
-                return self._sealed(name, fp, todo, commit["errors"], commit["records"], commit, since,
-                                    hex_records=True)
+                return self._sealed(name, fp, todo, commit, since)
             commit = self._rpc(node.stub.Commit, store_pb2.CommitRequest(
                 fingerprint=fp, tokens=tokens, checksums=[checksums[i] for i, _, _, _ in slots], sync=sync))
-            return self._sealed(name, fp, todo, list(commit.errors), list(commit.records), commit, since)
+            return self._sealed(name, fp, todo, commit, since)
         except BaseException:
             try:
                 if local is not None:
@@ -381,10 +380,12 @@ class Client:
                 pass  # the node reclaims expired reservations by itself
             raise
 
-    def _sealed(self, name: str, fp: str, hashes: list[bytes], errors: list[str], records: list, reply: Any,
-                since: int, hex_records: bool = False) -> int:
-        """Check a put's answer, teach our own mirror what is now stored there; returns how many blocks."""
+    def _sealed(self, name: str, fp: str, hashes: list[bytes], reply: Any, since: int) -> int:
+        """Check a put's answer (a same-host dict with hex records, or a gRPC reply), teach our own
+        mirror what is now stored there; returns how many blocks."""
         self._seen(name, reply)
+        hex_records = isinstance(reply, dict)
+        errors, records = (reply["errors"], reply["records"]) if hex_records else (reply.errors, reply.records)
         failed = [e for e in errors if e]
         learned = []
         for h, error, raw in zip(hashes, errors, records):
@@ -505,27 +506,21 @@ class Client:
             except (grpc.RpcError, KVStoreError, TransferError, OSError, ValueError) as exc:
                 log.debug("lookup at %s failed: %s", name, exc)
                 return [], set()
-            return self._apply_lookup_answer(name, fp, hashes, wanted, fresh, targets, found, since)
-
-    def _apply_lookup_answer(self, name: str, fp: str, hashes: Sequence[bytes], wanted: list[tuple[int, BlockRecord]],
-                             fresh: list[BlockRecord | None], targets: list[list[tuple[Region, int, int]]],
-                             found: list[bool], since: int) -> tuple[list[int], set[int]]:
-        """Read the moved blocks from where the node says they are and teach the mirror the answer
-        (call while the mirror's question is still open)."""
-        gone = {i for (i, _), now in zip(wanted, fresh) if now is None}
-        again = [(i, now) for (i, was), now in zip(wanted, fresh)
-                 if now is not None and now != was and now.size == sum(length for _, _, length in targets[i])]
-        read = self._read_from(name, hashes, again, targets) if again else []
-        for i in read:
-            found[i] = True
-        # The next get goes straight to the right place without waiting for the watch (whose newer
-        # news, arrived while we asked, wins).
-        landed = set(read)
-        try:
-            self.mirror.remember_many(fp, name, [(bytes(hashes[i]), now) for i, now in again if i in landed], since)
-            self.mirror.forget_many(fp, name, [bytes(hashes[i]) for i in gone], since)
-        except KVStoreError:
-            pass
+            gone = {i for (i, _), now in zip(wanted, fresh) if now is None}
+            again = [(i, now) for (i, was), now in zip(wanted, fresh)
+                     if now is not None and now != was and now.size == sum(length for _, _, length in targets[i])]
+            read = self._read_from(name, hashes, again, targets) if again else []
+            for i in read:
+                found[i] = True
+            # The next get goes straight to the right place without waiting for the watch (whose
+            # news, if it arrived while we asked, wins: hence still inside the question).
+            landed = set(read)
+            try:
+                self.mirror.remember_many(fp, name, [(bytes(hashes[i]), now) for i, now in again if i in landed],
+                                          since)
+                self.mirror.forget_many(fp, name, [bytes(hashes[i]) for i in gone], since)
+            except KVStoreError:
+                pass
         return read, gone
 
     def _lookup(self, name: str, fp: str, hashes: list[bytes]) -> list[BlockRecord | None]:

@@ -12,7 +12,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from transfer import Engine, Read, Region, TransferError, Write
 
@@ -25,6 +25,12 @@ Key = tuple[str, bytes]  # (fingerprint, block hash)
 Update = tuple[str, bytes, BlockRecord | None]
 MAX_BLOCK_BYTES = 64 << 20
 LOCK_SPAN = 4096  # blocks a lookup, touch or remove handles per hold of the lock: a huge one delays a put by one span
+
+
+def _spans(hashes: Sequence[bytes]) -> Iterator[Sequence[bytes]]:
+    """`hashes` in runs of LOCK_SPAN, each to handle under one hold of the store lock."""
+    for start in range(0, len(hashes), LOCK_SPAN):
+        yield hashes[start : start + LOCK_SPAN]
 
 
 @dataclass
@@ -94,9 +100,9 @@ class BlockStore:
     def records(self, fingerprint: str, hashes: Sequence[bytes]) -> list[BlockRecord | None]:
         """Where this node holds each block now (None where it does not)."""
         out: list[BlockRecord | None] = []
-        for start in range(0, len(hashes), LOCK_SPAN):
+        for span in _spans(hashes):
             with self.lock:
-                slots = [self.find((fingerprint, bytes(h))) for h in hashes[start : start + LOCK_SPAN]]
+                slots = [self.find((fingerprint, bytes(h))) for h in span]
                 out.extend(None if s is None else s.record() for s in slots)
         return out
 
@@ -325,9 +331,9 @@ class BlockStore:
     def touch(self, fingerprint: str, hashes: Sequence[bytes], corrupt: Sequence[bytes] = ()) -> list[Update]:
         """Record client hits (promoting NVMe hits) and check blocks a client found corrupt."""
         updates: list[Update] = []
-        for start in range(0, len(hashes), LOCK_SPAN):
+        for span in _spans(hashes):
             with self.lock:
-                for block_hash in hashes[start : start + LOCK_SPAN]:
+                for block_hash in span:
                     slot = self._touch((fingerprint, bytes(block_hash)))
                     if slot is None:
                         continue
@@ -391,9 +397,9 @@ class BlockStore:
 
     def remove(self, fingerprint: str, hashes: Sequence[bytes]) -> tuple[int, list[Update]]:
         updates: list[Update] = []
-        for start in range(0, len(hashes), LOCK_SPAN):
+        for span in _spans(hashes):
             with self.lock:
-                for block_hash in hashes[start : start + LOCK_SPAN]:
+                for block_hash in span:
                     slot = self.find((fingerprint, bytes(block_hash)))
                     if slot is not None:
                         self._drop(slot)
