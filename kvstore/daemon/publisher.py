@@ -2,8 +2,10 @@
 
 A put returns once its block is sealed on the node; the record reaches etcd with the next batch
 (usually a few milliseconds later). Updates are coalesced per block — the last word on a block
-wins, so a put followed by an eviction publishes the deletion only — and one batch is in flight at
-a time while the next one gathers. A batch that fails (etcd down, lease lost) goes back under
+wins — and one batch is in flight at a time while the next one gathers. One exception: a deletion
+that follows a put not yet sent is held for the batch after that put's, because deleting a key
+etcd never had is no event at all, and the putting client, whose mirror learned the block from the
+put's reply, would keep listing it. A batch that fails (etcd down, lease lost) goes back under
 whatever arrived since (newer words still win) and is retried with a backoff.
 
 What this keeps true: the index never lists a block the node does not hold sealed under that
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 
 
 STEP = 0.002  # seconds of gap after a batch per update it carried, up to the window
+_NEVER = 1 << 62
 
 
 class Publisher:
@@ -42,6 +45,8 @@ class Publisher:
         self.counters = counters if counters is not None else {}
         self._on_published = on_published  # called with the oldest update's wait (seconds) per batch
         self._pending: dict[tuple[str, bytes], object] = {}
+        self._after: set[tuple[str, bytes]] = set()  # deletions held for the batch after their put's
+        self._after_ticket = _NEVER  # the first ticket whose deletion was held
         self._since: float | None = None  # when the oldest pending update arrived
         self._lock = threading.Condition()
         self._enqueued = 0  # tickets handed out
@@ -57,21 +62,31 @@ class Publisher:
     @property
     def pending(self) -> int:
         with self._lock:
-            return len(self._pending)
+            return len(self._pending) + len(self._after)
 
     def enqueue(self, updates: list[Update]) -> int:
         """Queue updates; returns a ticket for `wait`."""
         with self._lock:
-            for fingerprint, block_hash, record in updates:
-                self._pending[(fingerprint, bytes(block_hash))] = record
-            if self._since is None and self._pending:
-                self._since = time.monotonic()
             self._enqueued += 1
             ticket = self._enqueued
+            for fingerprint, block_hash, record in updates:
+                key = (fingerprint, bytes(block_hash))
+                if record is None and self._pending.get(key) is not None:
+                    self._hold_deletion(key, ticket)
+                else:
+                    self._pending[key] = record
+                    self._after.discard(key)
+            if self._since is None and self._pending:
+                self._since = time.monotonic()
             wake, self._scheduled = not self._scheduled, True
         if wake:  # once per batch: waking the loop thread costs the caller a GIL hand-off
             self._loop.call_soon_threadsafe(self._wake.set)
         return ticket
+
+    def _hold_deletion(self, key: tuple[str, bytes], ticket: int) -> None:
+        """Delete `key` in the batch after the one carrying its pending put (see module docstring)."""
+        self._after.add(key)
+        self._after_ticket = min(self._after_ticket, ticket)
 
     def wait(self, ticket: int, timeout: float) -> None:
         """Block until everything queued up to `ticket` is published (MetadataUnavailable after timeout)."""
@@ -96,10 +111,13 @@ class Publisher:
             with self._lock:
                 if self._stopped:
                     return
-                self._scheduled = False
-                batch, self._pending = self._pending, {}
-                since, self._since = self._since, None
-                upto = self._enqueued
+                batch, self._pending = self._pending, dict.fromkeys(self._after)
+                # A ticket whose deletion was held is done only once the next batch lands.
+                upto = self._enqueued if not self._after else self._after_ticket - 1
+                held, self._after, self._after_ticket = bool(self._after), set(), _NEVER
+                self._scheduled = held  # the held deletions wake the next round themselves
+                since = self._since
+                self._since = since if held else None
             self._gap = min(self.window, STEP * len(batch))
             if batch:
                 try:
@@ -108,7 +126,10 @@ class Publisher:
                 except Exception as exc:  # noqa: BLE001 - etcd down, lease lost, timeout: retry the batch
                     with self._lock:
                         for key, record in batch.items():
-                            self._pending.setdefault(key, record)  # what arrived since is newer
+                            newer = self._pending.setdefault(key, record)  # what arrived since is newer
+                            if newer is None and record is not None:  # a deletion behind a put that failed
+                                self._pending[key] = record
+                                self._hold_deletion(key, self._done + 1)
                         if self._since is None or (since is not None and since < self._since):
                             self._since = since
                     self.counters["publish_failures"] = self.counters.get("publish_failures", 0) + 1
@@ -125,6 +146,8 @@ class Publisher:
             with self._lock:
                 self._done = max(self._done, upto)
                 self._lock.notify_all()
+            if held:
+                self._wake.set()
 
     def flush(self, timeout: float) -> None:
         """Wait until everything queued so far is published."""

@@ -173,6 +173,24 @@ def test_a_put_reply_learned_after_the_blocks_delete_event_does_not_bring_it_bac
         assert client.get(kept, out) and np.array_equal(out, content(kept, 8192))
 
 
+def test_a_block_dropped_before_its_put_was_published_leaves_the_putters_mirror(etcd_server, spawn_daemon):
+    """The putter's mirror lists a block from the put's reply; if the node drops it before the put's
+    record went out, the putter still hears of the deletion (etcd has no event for deleting a key
+    it never had, so the node publishes the put first)."""
+    cluster = uuid.uuid4().hex[:8]
+    spawn_daemon("unpublished", etcd_server.url, cluster, secret=SECRET, extra=["--publish-window-ms", "1000"])
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET) as client:
+        assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
+        many = external_hashes(range(800, 1300), FP)
+        client.put_many([(h, content(h, 1024)) for h in many])  # its batch holds the next one back ~1 s
+        h = external_hashes([1300], FP)[0]
+        client.put(h, content(h, 4096))
+        assert client.contains(h)  # read-your-writes, from the reply
+        assert client.remove([h]) == 1  # the node drops it while its put still waits to go out
+        assert client.mirror.wait_until(lambda m: not m.contains(FP, h), 10)
+        assert not client.contains(h) and client.match_prefix([h]) == 0
+
+
 def test_a_lookup_answer_older_than_a_re_put_does_not_hide_the_block(etcd_server, spawn_daemon):
     """A get's bytes fail their checksum, the node answers that it no longer holds the block, and the
     block is put there again before that answer is learned: the re-put's event wins, the block stays

@@ -23,6 +23,7 @@ class Sink:
     def __init__(self) -> None:
         self.state: dict = {}
         self.batches: list[list] = []
+        self.events: list[tuple[str, bytes]] = []  # what a watcher would see: etcd has no event for deleting nothing
         self.fail = 0
         self.gate = threading.Event()
         self.gate.set()
@@ -36,9 +37,11 @@ class Sink:
         self.batches.append(list(updates))
         for fp, h, record in updates:
             if record is None:
-                self.state.pop((fp, h), None)
+                if self.state.pop((fp, h), None) is not None:
+                    self.events.append(("delete", h))
             else:
                 self.state[(fp, h)] = record
+                self.events.append(("put", h))
 
 
 @pytest.fixture
@@ -108,3 +111,47 @@ def test_sparse_updates_go_alone_and_a_stream_gathers_into_few_batches():
         assert len(sink.batches) <= 15, [len(b) for b in sink.batches]  # a fixed 2 ms gap: ~50 batches
     finally:
         publisher.stop()
+
+
+def test_an_eviction_before_the_put_went_out_still_reaches_watchers(sink_and_publisher):
+    """The putting client learned the block from the put's reply: merging the put and its deletion
+    into a bare delete would leave no event, and that client listing the block for good."""
+    sink, publisher, _ = sink_and_publisher
+    sink.gate.clear()  # a batch is in flight; the next gathers behind it
+    publisher.enqueue([("fp", b"other", rec(9))])
+    time.sleep(0.05)
+    publisher.enqueue([("fp", b"b", rec(1))])
+    ticket = publisher.enqueue([("fp", b"b", None)])
+    sink.gate.set()
+    publisher.wait(ticket, 5)  # a sync deletion returns only once the deletion itself is out
+    assert ("fp", b"b") not in sink.state
+    assert [e for e in sink.events if e[1] == b"b"] == [("put", b"b"), ("delete", b"b")]
+    assert publisher.pending == 0
+
+
+def test_a_re_put_after_a_held_deletion_is_the_last_word(sink_and_publisher):
+    sink, publisher, _ = sink_and_publisher
+    sink.gate.clear()
+    publisher.enqueue([("fp", b"other", rec(9))])
+    time.sleep(0.05)
+    publisher.enqueue([("fp", b"b", rec(1))])
+    publisher.enqueue([("fp", b"b", None)])
+    publisher.enqueue([("fp", b"b", rec(2))])
+    sink.gate.set()
+    publisher.flush(5)
+    assert sink.state[("fp", b"b")] == rec(2)
+    assert [e for e in sink.events if e[1] == b"b"] == [("put", b"b")]
+
+
+def test_a_deletion_behind_a_failed_put_still_reaches_watchers(sink_and_publisher):
+    sink, publisher, counters = sink_and_publisher
+    sink.gate.clear()
+    sink.fail = 1  # the batch carrying the put fails...
+    publisher.enqueue([("fp", b"b", rec(1))])
+    time.sleep(0.05)  # ...and the deletion arrives while it is in flight
+    ticket = publisher.enqueue([("fp", b"b", None)])
+    sink.gate.set()
+    publisher.wait(ticket, 5)
+    assert counters["publish_failures"] == 1
+    assert ("fp", b"b") not in sink.state
+    assert sink.events == [("put", b"b"), ("delete", b"b")]
