@@ -109,15 +109,24 @@ class Tokens:
 
 
 def _text_size(kind: str, body: dict) -> int:
-    """About how much text a request asks to tokenize (characters; a message's text parts)."""
+    """About how much text a request asks to tokenize (characters): a message's text parts and
+    tool-call arguments, and the tool schemas a chat template renders into the prompt."""
     if kind == "completions":
         prompt = body.get("prompt")
         return len(prompt) if isinstance(prompt, str) else 0
-    size = 0
-    for message in body.get("messages") or []:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            size += len(content)
-        elif isinstance(content, list):
-            size += sum(len(str(part.get("text", ""))) for part in content if isinstance(part, dict))
+    size = sum(_message_size(m) for m in body.get("messages") or [] if isinstance(m, dict))
+    tools = body.get("tools")
+    return size + (sum(len(str(tool)) for tool in tools) if isinstance(tools, list) else 0)
+
+
+def _message_size(message: dict) -> int:
+    content = message.get("content")
+    size = len(content) if isinstance(content, str) else 0
+    if isinstance(content, list):
+        size += sum(len(str(part.get("text", ""))) for part in content if isinstance(part, dict))
+    calls = message.get("tool_calls")
+    for call in calls if isinstance(calls, list) else []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            size += len(str(function.get("arguments", "")))
     return size

@@ -316,3 +316,19 @@ async def test_long_prompts_are_tokenized_off_the_event_loop_to_the_same_ids(tmp
     async with Rig([p], [d], model_dir=model_dir, tokenize_threads=0) as rig:  # asked for: on the loop
         got = await rig.gateway.tokens.ids("completions", {"prompt": longs[1]}, rig.gateway.session, None, 5.0)
         assert got == reference(longs[1]).input_ids and where == ["MainThread"]
+
+
+def test_tool_call_arguments_and_tool_schemas_count_as_prompt_text():
+    """A chat whose bulk is a tool call's arguments or the tool schemas is a long prompt too (the
+    template renders both), so it is tokenized off the event loop like any other."""
+    from conductor.gateway.tokens import LONG_PROMPT_CHARS, _text_size
+
+    bulk = "x" * (LONG_PROMPT_CHARS + 1)
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": bulk}}]}
+    assert _text_size("chat", {"messages": [{"role": "user", "content": "hi"}, call]}) > LONG_PROMPT_CHARS
+    tool = {"type": "function", "function": {"name": "f", "description": bulk, "parameters": {}}}
+    assert _text_size("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": [tool]}) > LONG_PROMPT_CHARS
+    parts = [{"type": "text", "text": "ab"}, {"type": "image_url", "image_url": {"url": "data:..."}}]
+    assert _text_size("chat", {"messages": [{"role": "user", "content": parts}, "junk"], "tools": "junk"}) == 2
+    assert _text_size("completions", {"prompt": "abc"}) == 3
