@@ -56,7 +56,7 @@ class DaemonMetrics:
                                   "Blocks this node must re-replicate (fewer live replicas than --replicas)")
         under.add_metric([], c.get("under_replicated_blocks", 0))
         yield under
-        pending = GaugeMetricFamily("kvstore_publish_pending", "Index updates queued for the next publish batch")
+        pending = GaugeMetricFamily("kvstore_publish_pending", "Index updates queued and not yet published")
         pending.add_metric([], self.publish_pending())
         yield pending
         for name, help_text in (("publish_batches", "Index update batches published"),

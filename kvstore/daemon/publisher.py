@@ -47,6 +47,7 @@ class Publisher:
         self._pending: dict[tuple[str, bytes], object] = {}
         self._after: set[tuple[str, bytes]] = set()  # deletions held for the batch after their put's
         self._after_ticket = _NEVER  # the first ticket whose deletion was held
+        self._after_since: float | None = None  # when the first held deletion arrived
         self._since: float | None = None  # when the oldest pending update arrived
         self._lock = threading.Condition()
         self._enqueued = 0  # tickets handed out
@@ -72,7 +73,7 @@ class Publisher:
             for fingerprint, block_hash, record in updates:
                 key = (fingerprint, bytes(block_hash))
                 if record is None and self._pending.get(key) is not None:
-                    self._hold_deletion(key, ticket)
+                    self._hold_deletion(key, ticket, time.monotonic())
                 else:
                     self._pending[key] = record
                     self._after.discard(key)
@@ -83,10 +84,11 @@ class Publisher:
             self._loop.call_soon_threadsafe(self._wake.set)
         return ticket
 
-    def _hold_deletion(self, key: tuple[str, bytes], ticket: int) -> None:
+    def _hold_deletion(self, key: tuple[str, bytes], ticket: int, since: float) -> None:
         """Delete `key` in the batch after the one carrying its pending put (see module docstring)."""
         self._after.add(key)
         self._after_ticket = min(self._after_ticket, ticket)
+        self._after_since = since if self._after_since is None else min(self._after_since, since)
 
     def wait(self, ticket: int, timeout: float) -> None:
         """Block until everything queued up to `ticket` is published (MetadataUnavailable after timeout)."""
@@ -116,8 +118,7 @@ class Publisher:
                 upto = self._enqueued if not self._after else self._after_ticket - 1
                 held, self._after, self._after_ticket = bool(self._after), set(), _NEVER
                 self._scheduled = held  # the held deletions wake the next round themselves
-                since = self._since
-                self._since = since if held else None
+                since, self._since, self._after_since = self._since, self._after_since, None
             self._gap = min(self.window, STEP * len(batch))
             if batch:
                 try:
@@ -129,7 +130,7 @@ class Publisher:
                             newer = self._pending.setdefault(key, record)  # what arrived since is newer
                             if newer is None and record is not None:  # a deletion behind a put that failed
                                 self._pending[key] = record
-                                self._hold_deletion(key, self._done + 1)
+                                self._hold_deletion(key, self._done + 1, time.monotonic() if since is None else since)
                         if self._since is None or (since is not None and since < self._since):
                             self._since = since
                     self.counters["publish_failures"] = self.counters.get("publish_failures", 0) + 1

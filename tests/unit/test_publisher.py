@@ -25,12 +25,14 @@ class Sink:
         self.batches: list[list] = []
         self.events: list[tuple[str, bytes]] = []  # what a watcher would see: etcd has no event for deleting nothing
         self.fail = 0
+        self.delay = 0.0  # seconds each batch spends "in etcd"
         self.gate = threading.Event()
         self.gate.set()
 
     async def apply(self, updates) -> None:
         while not self.gate.is_set():
             await asyncio.sleep(0.005)
+        await asyncio.sleep(self.delay)
         if self.fail:
             self.fail -= 1
             raise MetadataUnavailable("etcd is down")
@@ -117,6 +119,7 @@ def test_an_eviction_before_the_put_went_out_still_reaches_watchers(sink_and_pub
     """The putting client learned the block from the put's reply: merging the put and its deletion
     into a bare delete would leave no event, and that client listing the block for good."""
     sink, publisher, _ = sink_and_publisher
+    sink.delay = 0.02  # a wait that returned one batch early would see the deletion still to come
     sink.gate.clear()  # a batch is in flight; the next gathers behind it
     publisher.enqueue([("fp", b"other", rec(9))])
     time.sleep(0.05)
@@ -145,6 +148,7 @@ def test_a_re_put_after_a_held_deletion_is_the_last_word(sink_and_publisher):
 
 def test_a_deletion_behind_a_failed_put_still_reaches_watchers(sink_and_publisher):
     sink, publisher, counters = sink_and_publisher
+    sink.delay = 0.02
     sink.gate.clear()
     sink.fail = 1  # the batch carrying the put fails...
     publisher.enqueue([("fp", b"b", rec(1))])
@@ -155,3 +159,26 @@ def test_a_deletion_behind_a_failed_put_still_reaches_watchers(sink_and_publishe
     assert counters["publish_failures"] == 1
     assert ("fp", b"b") not in sink.state
     assert sink.events == [("put", b"b"), ("delete", b"b")]
+    later = publisher.enqueue([("fp", b"c", rec(2))])  # and later tickets still wait for their batch
+    publisher.wait(later, 5)
+    assert sink.state[("fp", b"c")] == rec(2)
+
+
+def test_the_publish_delay_counts_from_each_update_not_from_an_older_batch():
+    """Evictions right behind every put hold a deletion in every batch: the reported wait is each
+    batch's oldest update's, not one that keeps growing from the first batch."""
+    sink, waits = Sink(), []
+    sink.delay = 0.005
+    publisher = Publisher(shared_loop(), sink.apply, 2.0, on_published=waits.append)
+    try:
+        until = time.monotonic() + 0.5
+        n = 0
+        while time.monotonic() < until:
+            publisher.enqueue([("fp", n.to_bytes(4, "little"), rec(n))])
+            publisher.enqueue([("fp", n.to_bytes(4, "little"), None)])
+            n += 1
+            time.sleep(0.001)
+        publisher.flush(5)
+        assert waits and max(waits) < 0.25, max(waits)
+    finally:
+        publisher.stop()
