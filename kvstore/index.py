@@ -475,7 +475,7 @@ class IndexMirror:
                 await self._sync_and_watch(metadata)
                 backoff = 0.1
             except (KVStoreError, OSError) as exc:
-                log.info("index mirror lost %s: %s", self.url, exc)
+                log.warning("index mirror lost %s (answers are stale until it reloads): %s", self.url, exc)
             finally:
                 self._connected = False
                 with self._apply_lock:
