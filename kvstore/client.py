@@ -48,6 +48,7 @@ TOUCH_BACKLOG = 10_000  # hashes kept per node between reports
 STRIPE_BYTES = 512 << 10  # a 1 MiB block goes out as two 512 KiB pieces in parallel
 LOCAL_INLINE_MAX = 4 << 20  # same host: puts up to this many bytes carry them in the one request
 GRPC_INLINE_MAX = 256 << 10  # other hosts: puts up to this many bytes carry them in one gRPC Put
+SYNC_PUBLISH_WAITS = 4  # a sync put answers within this many timeouts (the node waits up to 3 to publish)
 USAGE_FRESH_S = 2.5  # a node's use from its last reply beats its published record (every 2 s) this long
 
 
@@ -229,9 +230,9 @@ class Client:
         if isinstance(used, int) and isinstance(capacity, int) and capacity > 0:
             self._usage[name] = (used, capacity, time.monotonic())
 
-    def _rpc(self, method, request):
+    def _rpc(self, method, request, timeout: float | None = None):
         try:
-            return method(request, timeout=self.timeout, metadata=self._metadata)
+            return method(request, timeout=timeout or self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -324,11 +325,13 @@ class Client:
         local = self._local(name)
         size = sum(v.nbytes for v in views)
         sync = self.publish == "sync"
+        # A sync put's answer waits for the node's publish, which the node bounds by 3 of its timeouts.
+        answer_within = self.timeout * (SYNC_PUBLISH_WAITS if sync else 1)
         if local is not None and size <= LOCAL_INLINE_MAX:  # one round trip, bytes with the request
             self.stats["control_calls"] += 1
             reply, _ = local.call({"op": "put", "fp": fp, "hashes": [h.hex() for h in hashes],
                                    "sizes": [v.nbytes for v in views], "checksums": checksums_of(), "sync": sync},
-                                  views)
+                                  views, timeout=answer_within)
             self.stats["local_puts"] += 1
             return self._sealed(name, fp, hashes, reply, since)
         if local is None and size <= GRPC_INLINE_MAX:  # one gRPC round trip
@@ -336,7 +339,7 @@ class Client:
             self.stats["control_calls"] += 1
             reply = self._rpc(node.stub.Put, store_pb2.PutRequest(
                 fingerprint=fp, hashes=hashes, payloads=[bytes(v) for v in views], checksums=checksums_of(),
-                client=self.engine.name, sync=sync))
+                client=self.engine.name, sync=sync), answer_within)
             return self._sealed(name, fp, hashes, reply, since)
         # Large: reserve, write with the engine (shared memory on this host), commit.
         node = self._node(name)
@@ -365,10 +368,12 @@ class Client:
             todo = [hashes[i] for i, _, _, _ in slots]
             if local is not None:
                 commit, _ = local.call({"op": "commit", "fp": fp, "tokens": tokens,
-                                        "checksums": [checksums[i] for i, _, _, _ in slots], "sync": sync})
+                                        "checksums": [checksums[i] for i, _, _, _ in slots], "sync": sync},
+                                       timeout=answer_within)
                 return self._sealed(name, fp, todo, commit, since)
             commit = self._rpc(node.stub.Commit, store_pb2.CommitRequest(
-                fingerprint=fp, tokens=tokens, checksums=[checksums[i] for i, _, _, _ in slots], sync=sync))
+                fingerprint=fp, tokens=tokens, checksums=[checksums[i] for i, _, _, _ in slots], sync=sync),
+                answer_within)
             return self._sealed(name, fp, todo, commit, since)
         except BaseException:
             try:

@@ -99,7 +99,11 @@ class AllocationFailed(KVStoreError):
         self.updates = updates or []
 
 
-class WrongSize(KVStoreError, ValueError):
+class InvalidRequest(KVStoreError, ValueError):
+    """A request a node refuses as malformed (a fingerprint that cannot name an index key, ...)."""
+
+
+class WrongSize(InvalidRequest):
     """A block size is zero, too large, or does not match the buffer it goes to."""
 
 
@@ -115,4 +119,4 @@ class NodeRefused(KVStoreError):
     """A node refused a request (draining, metadata service unavailable); others may take it."""
 
 
-__all__ += ["AllocationFailed", "WrongSize", "NoStoreNodes", "PutFailed", "NodeRefused"]
+__all__ += ["AllocationFailed", "InvalidRequest", "WrongSize", "NoStoreNodes", "PutFailed", "NodeRefused"]

@@ -19,6 +19,7 @@ from .layout import BlockRecord
 from .local_wire import Frames, connect
 
 LOCAL_CONNECTIONS = 32  # idle same-host connections kept per node (one per concurrent caller)
+POOLED_IDLE_S = 60.0  # a pooled connection idle longer is dropped: the node closes them after 120 s
 DIRECT_ALIGN = 4096
 
 
@@ -37,22 +38,31 @@ class LocalNode:
 
     def __init__(self, name: str, address: str, secret: bytes, client: str, timeout: float) -> None:
         self.name, self.address, self._secret, self._client, self.timeout = name, address, secret, client, timeout
-        self._idle: list[Frames] = []
+        self._idle: list[tuple[Frames, float]] = []  # (connection, when it was last used)
         self._lock = threading.Lock()
         self._tier: TierFile | None = None
-        self._tier_checked = 0.0
+        self._tier_checked = float("-inf")  # monotonic time starts at boot: 0.0 is 'just now' for a minute
         self.closed = False
 
-    def call(self, message: dict, attachments: Sequence = (), want_fd: bool = False) -> tuple[dict, int | None]:
-        """One request and its reply (and fd). Raises the typed error a refusal maps to."""
+    def call(self, message: dict, attachments: Sequence = (), want_fd: bool = False,
+             timeout: float | None = None) -> tuple[dict, int | None]:
+        """One request and its reply (and fd) within `timeout` (default: this node's). Raises the
+        typed error a refusal maps to."""
+        frames, stale = None, []
         with self._lock:
-            frames = self._idle.pop() if self._idle else None
+            while self._idle and frames is None:
+                frames, used = self._idle.pop()
+                if time.monotonic() - used > POOLED_IDLE_S:
+                    stale.append(frames)
+                    frames = None
+        for old in stale:
+            old.sock.close()
         if frames is None:
             frames = connect(self.address, self._secret, self._client, self.timeout)
         fd = None
         try:
             frames.send(message, attachments)  # each send bounded by the socket's timeout
-            reply = frames.recv(self.timeout, exact=want_fd)
+            reply = frames.recv(timeout or self.timeout, exact=want_fd)
             if want_fd and reply.get("ok"):
                 _, fds, _, _ = socket.recv_fds(frames.sock, 1, 1)
                 if len(fds) != 1:
@@ -67,7 +77,7 @@ class LocalNode:
             if self.closed or len(self._idle) >= LOCAL_CONNECTIONS or not reply.get("ok"):
                 frames.sock.close()
             else:
-                self._idle.append(frames)
+                self._idle.append((frames, time.monotonic()))
         if not reply.get("ok"):
             code, error = reply.get("code"), str(reply.get("error", ""))[:500]
             if code == "invalid":
@@ -99,7 +109,7 @@ class LocalNode:
             self.closed = True
             idle, self._idle = self._idle, []
             tier, self._tier = self._tier, None
-        for frames in idle:
+        for frames, _ in idle:
             frames.sock.close()
         if tier is not None:
             os.close(tier.fd)

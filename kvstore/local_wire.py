@@ -29,6 +29,7 @@ class Frames:
         self._buf = bytearray(self.BUFFER)
         self._view = memoryview(self._buf)
         self._head = self._tail = 0  # bytes received but not consumed yet
+        self._idle_until = 0.0
         sock.settimeout(timeout)
 
     @staticmethod
@@ -64,17 +65,32 @@ class Frames:
             self._head, self._tail = 0, left
         while self._tail < need:
             try:
-                got = self.sock.recv_into(self._view[self._tail : need if exact else None])
+                got = self._recv_some(self._view[self._tail : need if exact else None], deadline)
             except socket.timeout:
                 if idle and self._tail == 0:
-                    continue  # a server waiting for the next request: no deadline until it starts
+                    if time.monotonic() < self._idle_until:
+                        continue  # a server waiting for the next request: no deadline until it starts
+                    raise ConnectionAbortedError("idle connection") from None
                 raise TimeoutError("no answer in time") from None
             if got == 0:
                 raise ConnectionError("connection closed")
             self._tail += got
             idle = False
-            if deadline is not None and self._tail < need and time.monotonic() > deadline:
-                raise TimeoutError("no answer before the deadline")
+
+    def _recv_some(self, view: memoryview, deadline: float | None) -> int:
+        """One recv, never waiting past `deadline`: a peer that sends just often enough to beat the
+        socket's timeout still cannot stretch a receive beyond it."""
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no data before the deadline")
+            if left < self.timeout:
+                self.sock.settimeout(left)
+                try:
+                    return self.sock.recv_into(view)
+                finally:
+                    self.sock.settimeout(self.timeout)
+        return self.sock.recv_into(view)
 
     def recv_into(self, view: memoryview, deadline: float | None) -> None:
         """Exactly view.nbytes bytes (an attachment) into `view`."""
@@ -85,14 +101,12 @@ class Frames:
             self._head += take
         while take < n:
             try:
-                got = self.sock.recv_into(view[take:], n - take)
+                got = self._recv_some(view[take:], deadline)
             except socket.timeout:
                 raise TimeoutError("no data in time") from None
             if got == 0:
                 raise ConnectionError("connection closed")
             take += got
-            if take < n and deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError("no data before the deadline")
 
     def discard(self, n: int, deadline: float | None) -> None:
         scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
@@ -101,12 +115,13 @@ class Frames:
             self.recv_into(scratch[:take], deadline)
             n -= take
 
-    def recv(self, timeout: float, idle: bool = False, exact: bool = False) -> dict[str, Any]:
-        """One frame within `timeout`; with `idle`, the wait for its first byte is unbounded (a
-        server waiting for the next request), the rest still has `timeout`. `exact`: read nothing
-        past the frame (a descriptor follows it)."""
+    def recv(self, timeout: float, idle: float = 0.0, exact: bool = False) -> dict[str, Any]:
+        """One frame within `timeout`; with `idle` (seconds), the wait for its first byte may last
+        that long instead (a server waiting for the next request; ConnectionAbortedError after it),
+        the rest still has `timeout`. `exact`: read nothing past the frame (a descriptor follows it)."""
         deadline = None if idle else time.monotonic() + timeout
-        self._fill(4, deadline, idle, exact)
+        self._idle_until = time.monotonic() + idle
+        self._fill(4, deadline, bool(idle), exact)
         deadline = time.monotonic() + timeout if deadline is None else deadline
         (length,) = struct.unpack_from("<I", self._buf, self._head)
         if length > MAX_FRAME:

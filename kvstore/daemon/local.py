@@ -31,13 +31,16 @@ from typing import Any, Callable
 from transfer.auth import server_handshake
 from transfer.listener import peer_uid
 
-from ..errors import AllocationFailed, KVStoreError, MetadataError, WrongSize
+from ..errors import AllocationFailed, InvalidRequest, KVStoreError, MetadataError
 from ..local_wire import Frames
 from .store import MAX_BLOCK_BYTES, BlockStore, Update
 
 log = logging.getLogger(__name__)
 MAX_ATTACHMENT = 256 << 20
 MAX_CONNECTIONS = 256
+# An idle connection is closed after this long, so clients' pools cannot hold every slot for good
+# (clients drop pooled connections idle for half of it: kvstore.local_node.POOLED_IDLE_S).
+IDLE_S = 120.0
 
 
 class _Invalid(Exception):
@@ -114,7 +117,7 @@ class LocalControl:
             session = server_handshake(conn, self._secret, self._node, wire="plain", timeout=self._timeout)
             frames = Frames(conn, session.tx, session.rx, self._timeout)
             while not self._closed.is_set():
-                request = frames.recv(self._timeout, idle=True)
+                request = frames.recv(self._timeout, idle=IDLE_S)
                 deadline = time.monotonic() + self._timeout
                 started = time.perf_counter()
                 op = str(request.get("op"))
@@ -163,7 +166,7 @@ class LocalControl:
             sizes = _ints(request.get("sizes"), "sizes", len(hashes), MAX_BLOCK_BYTES)
             try:
                 slots, updates = self.store.reserve(fingerprint, hashes, sizes)
-            except (AllocationFailed, WrongSize) as exc:
+            except (AllocationFailed, InvalidRequest) as exc:
                 return self._error(exc), None
             if updates:
                 self._publish(updates, False)
@@ -189,7 +192,7 @@ class LocalControl:
             if exc.updates:
                 self._publish(exc.updates, False)
             return {"ok": False, "code": "exhausted", "error": str(exc)}
-        if isinstance(exc, WrongSize):
+        if isinstance(exc, InvalidRequest):
             return {"ok": False, "code": "invalid", "error": str(exc)}
         if isinstance(exc, MetadataError):
             return {"ok": False, "code": "unavailable", "error": f"metadata service: {exc}"}
@@ -219,11 +222,14 @@ class LocalControl:
                 frames.discard(total, deadline)
                 return {"ok": False, "code": "refused", "error": f"{self._node} is draining: it takes no new blocks"}
             slots, updates = self.store.reserve(fingerprint, hashes, sizes)
-        except (AllocationFailed, WrongSize) as exc:
+        except (AllocationFailed, InvalidRequest) as exc:
             frames.discard(total, deadline)
             return self._error(exc)
         if updates:
             self._publish(updates, False)
+        # Done receiving well before the reservations could expire: an expired slot is given to
+        # another block, and bytes still arriving for it would land on that block.
+        deadline = min(deadline, time.monotonic() + self.store.reservation_timeout / 2)
         arena = self.store.dram.region.buffer
         try:
             for (token, slot), size in zip(slots, sizes):

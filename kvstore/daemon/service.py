@@ -6,7 +6,7 @@ from typing import Callable
 
 import grpc
 
-from ..errors import AllocationFailed, KVStoreError, MetadataError, WrongSize
+from ..errors import AllocationFailed, InvalidRequest, KVStoreError, MetadataError
 from ..store.v1 import store_pb2, store_pb2_grpc
 from .metrics import DaemonMetrics
 from .store import BlockStore, Update
@@ -31,7 +31,7 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
         started = time.perf_counter()
         try:
             return fn()
-        except WrongSize as exc:
+        except InvalidRequest as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except AllocationFailed as exc:
             if exc.updates:

@@ -8,7 +8,7 @@ commit's checksum pass, which runs on slots popped from the pending set and so o
 """
 from __future__ import annotations
 
-import itertools
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,10 +16,11 @@ from typing import Iterable, Iterator, Sequence
 
 from transfer import Engine, Read, Region, TransferError, Write
 
-from ..errors import AllocationFailed, WrongSize
+from ..errors import AllocationFailed, InvalidRequest, WrongSize
 from ..integrity import block_checksum, block_checksums
-from ..layout import BlockRecord
+from ..layout import NAME, BlockRecord
 from ..tiers import ExtentAllocator, EvictionPolicy, make_policy
+from ..tiers.allocator import align_up
 
 Key = tuple[str, bytes]  # (fingerprint, block hash)
 Update = tuple[str, bytes, BlockRecord | None]
@@ -80,7 +81,6 @@ class BlockStore:
         self.promote = promote  # move NVMe blocks back to DRAM when clients hit them
         self.counters = counters if counters is not None else {}
         self._pending: dict[int, Slot] = {}
-        self._tokens = itertools.count(1)
         self.lock = threading.RLock()
 
     @property
@@ -111,16 +111,21 @@ class BlockStore:
         """A (token, slot) per block to write; token 0 and slot None where it is already sealed here."""
         if len(hashes) != len(sizes):
             raise WrongSize(f"{len(hashes)} hashes but {len(sizes)} sizes")
+        if not isinstance(fingerprint, str) or not NAME.fullmatch(fingerprint):
+            raise InvalidRequest(f"fingerprint {str(fingerprint)[:80]!r} must be 1-128 chars of [A-Za-z0-9_.:-]")
         for size in sizes:
             if not 0 < size <= MAX_BLOCK_BYTES:
                 raise WrongSize(f"block size {size} outside 1..{MAX_BLOCK_BYTES}")
-        if sum(sizes) > self.dram.capacity:  # could never fit: refuse before evicting anything
-            self._count("allocation_failures_dram")
-            raise AllocationFailed(f"{sum(sizes)} bytes of blocks cannot fit in {self.dram.capacity} bytes of DRAM")
+        need = sum(align_up(size) for size in sizes)  # what the slots take, not what the blocks hold
         out: list[tuple[int, Slot | None]] = []
         updates: list[Update] = []
         with self.lock:
             self._expire_reservations()
+            held = sum(align_up(slot.size) for slot in self._pending.values())  # evicting cannot free these
+            if need > self.dram.capacity - held:  # could never fit: refuse before evicting anything
+                self._count("allocation_failures_dram")
+                raise AllocationFailed(f"{need} bytes of slots cannot fit in {self.dram.capacity} bytes of DRAM "
+                                       f"({held} reserved by puts in flight)")
             for block_hash, size in zip(hashes, sizes):
                 key = (fingerprint, bytes(block_hash))
                 if self.find(key) is not None:
@@ -137,7 +142,7 @@ class BlockStore:
                     raise AllocationFailed(f"no room for a {size}-byte block in {self.dram.capacity} bytes of DRAM",
                                            updates)
                 slot = Slot(key, self.dram, offset, size)
-                token = next(self._tokens)
+                token = _new_token(self._pending)
                 self._pending[token] = slot
                 out.append((token, slot))
         return out, updates
@@ -410,3 +415,12 @@ class BlockStore:
         """Every sealed block as an update (republishing after a lost lease)."""
         with self.lock:
             return [(k[0], k[1], s.record()) for tier in self.tiers for k, s in tier.sealed.items()]
+
+
+def _new_token(pending: dict) -> int:
+    """An unguessable reservation token: a client that could guess another's could abort or commit
+    it while that client's bytes are still arriving, and they would land in space given to others."""
+    while True:
+        token = secrets.randbits(63) or 1
+        if token not in pending:
+            return token

@@ -1,0 +1,136 @@
+"""A store daemon's same-host socket against clients that hold the secret but misbehave: a put that
+trickles its bytes, guessed reservation tokens, a fingerprint that cannot name an index key, a
+reserve that could never fit. Real etcd, a real daemon in its own process, raw authenticated frames."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from kvstore import Client
+from kvstore.integrity import block_checksum
+from kvstore.keys import ModelFingerprint, external_hashes
+from kvstore.local_wire import Frames, connect
+
+FP = ModelFingerprint("local-abuse", "float16", 16, 2, 2, 64)
+SECRET = "local-abuse-secret"
+
+
+@pytest.fixture
+def node(etcd_server, spawn_daemon):
+    """(daemon, a well-behaved client, the daemon's same-host socket address)."""
+    cluster = uuid.uuid4().hex[:8]
+    daemon = spawn_daemon("abused", etcd_server.url, cluster, secret=SECRET, extra=["--timeout", "1"])
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET) as client:
+        assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
+        local = client._local(daemon.name)
+        assert local is not None
+        yield daemon, client, local.address
+
+
+def raw(address: str) -> Frames:
+    return connect(address, SECRET.encode(), "probe", 5.0)
+
+
+def stored_blocks(client: Client, n: int, first: int, size: int = 4096) -> list[tuple[bytes, np.ndarray]]:
+    items = [(h, np.full(size, i % 251, np.uint8)) for i, h in enumerate(external_hashes(range(first, first + n), FP))]
+    client.put_many(items)
+    return items
+
+
+def reads_back(client: Client, items: list[tuple[bytes, np.ndarray]]) -> bool:
+    outs = [np.zeros_like(d) for _, d in items]
+    return all(client.get_many([h for h, _ in items], outs)) and \
+        all(np.array_equal(o, d) for o, (_, d) in zip(outs, items))
+
+
+def test_a_put_that_trickles_its_bytes_is_cut_off_at_its_deadline(node):
+    """Each block arrives within the socket's timeout, but the put as a whole takes longer than the
+    node's 1 s: the node stops receiving (its reservations could otherwise expire and be given to
+    other blocks while bytes still land in them) and stores none of it."""
+    daemon, client, address = node
+    kept = stored_blocks(client, 8, 0)
+    hashes = external_hashes(range(100, 105), FP)
+    block = bytes([0xAA]) * 4096
+    frames = raw(address)
+    frames.send({"op": "put", "fp": FP.digest, "hashes": [h.hex() for h in hashes], "sizes": [4096] * 5,
+                 "checksums": [block_checksum(h, block) for h in hashes], "sync": False})
+    cut_off = False
+    try:
+        for _ in hashes:
+            frames.sock.sendall(block)
+            time.sleep(0.6)
+        reply = frames.recv(5.0)
+        cut_off = not reply.get("ok")
+    except (OSError, TimeoutError):  # closed by the node (reset, broken pipe, end of stream)
+        cut_off = True
+    assert cut_off
+    assert client.contains(kept[0][0]) and not any(client.contains(h) for h in hashes)
+    assert reads_back(client, kept)
+    assert reads_back(client, stored_blocks(client, 4, 200))  # and it keeps serving
+
+
+def test_reservation_tokens_cannot_be_guessed_by_another_client(node):
+    """Tokens name reservations in commit and abort: a client aborting every small number must not
+    release another's reservation while its bytes are on the way."""
+    daemon, client, address = node
+    h = external_hashes([300], FP)[0]
+    owner, other = raw(address), raw(address)
+    owner.send({"op": "reserve", "fp": FP.digest, "hashes": [h.hex()], "sizes": [4096]})
+    reply = owner.recv(5.0)
+    assert reply["ok"]
+    other.send({"op": "abort", "tokens": list(range(1, 4097))})
+    assert other.recv(5.0)["ok"]
+    owner.send({"op": "commit", "fp": FP.digest, "tokens": [reply["slots"][0][0]], "checksums": [0], "sync": False})
+    commit = owner.recv(5.0)
+    # Still reserved: the commit reaches the checksum (nothing was written), not "unknown or expired".
+    assert commit["ok"] and commit["errors"][0].startswith("checksum mismatch")
+
+
+@pytest.mark.parametrize("fingerprint", ["\ud800", "a/b", "x" * 200, ""])
+def test_a_fingerprint_that_cannot_name_an_index_key_is_refused_and_publishing_goes_on(node, fingerprint):
+    daemon, client, address = node
+    h = external_hashes([400], FP)[0]
+    block = bytes(4096)
+    frames = raw(address)
+    frames.send({"op": "put", "fp": fingerprint, "hashes": [h.hex()], "sizes": [4096],
+                 "checksums": [block_checksum(h, block)], "sync": False}, [block])
+    reply = frames.recv(5.0)
+    assert not reply["ok"] and reply["code"] == "invalid"
+    with Client(client.mirror.url, cluster=client.mirror.layout.cluster, fingerprint=FP, secret=SECRET,
+                publish="sync") as syncing:
+        items = [(h2, np.full(4096, 3, np.uint8)) for h2 in external_hashes([401, 402], FP)]
+        syncing.put_many(items)  # published before it returns: the node's publisher is not stuck
+        assert client.mirror.wait_until(lambda m: all(m.contains(FP, h2) for h2, _ in items), 5)
+
+
+def test_a_reserve_that_could_never_fit_evicts_nothing(node):
+    """20,000 one-byte blocks add up to 20 kB but take 4 KiB slots each (80 MB > 64 MiB): refused
+    before a single stored block is evicted."""
+    daemon, client, address = node
+    kept = stored_blocks(client, 64, 500, 64 << 10)
+    frames = raw(address)
+    hashes = [os.urandom(16).hex() for _ in range(20_000)]
+    frames.send({"op": "reserve", "fp": FP.digest, "hashes": hashes, "sizes": [1] * len(hashes)})
+    reply = frames.recv(5.0)
+    assert not reply["ok"] and reply["code"] == "exhausted"
+    assert reads_back(client, kept)
+
+
+def test_an_idle_connection_ends_after_its_idle_limit():
+    """A server's wait for the next request is bounded (the daemon's IDLE_S), so idle clients cannot
+    hold every connection slot for good."""
+    ours, theirs = socket.socketpair()
+    try:
+        frames = Frames(ours, b"t" * 32, b"r" * 32, 0.1)
+        started = time.monotonic()
+        with pytest.raises(ConnectionAbortedError):
+            frames.recv(0.1, idle=0.5)
+        assert time.monotonic() - started >= 0.5  # the idle limit, not the first socket timeout
+    finally:
+        ours.close()
+        theirs.close()
