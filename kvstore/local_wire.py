@@ -78,19 +78,25 @@ class Frames:
             idle = False
 
     def _recv_some(self, view: memoryview, deadline: float | None) -> int:
-        """One recv, never waiting past `deadline`: a peer that sends just often enough to beat the
-        socket's timeout still cannot stretch a receive beyond it."""
-        if deadline is not None:
+        """One recv that ends by `deadline`: a peer that sends just often enough to beat the
+        socket's timeout cannot stretch a receive past it, and a call given longer than the socket's
+        timeout (a sync put's answer) waits that long. Bytes already here count even when late."""
+        if deadline is None:
+            return self.sock.recv_into(view)
+        while True:
             left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("no data before the deadline")
-            if left < self.timeout:
-                self.sock.settimeout(left)
+            if left >= self.timeout:
                 try:
                     return self.sock.recv_into(view)
-                finally:
-                    self.sock.settimeout(self.timeout)
-        return self.sock.recv_into(view)
+                except socket.timeout:
+                    continue  # the deadline is further off than one socket wait
+            self.sock.settimeout(max(left, 0.0))
+            try:
+                return self.sock.recv_into(view)
+            except BlockingIOError:  # past the deadline and nothing buffered
+                raise TimeoutError("no data before the deadline") from None
+            finally:
+                self.sock.settimeout(self.timeout)
 
     def recv_into(self, view: memoryview, deadline: float | None) -> None:
         """Exactly view.nbytes bytes (an attachment) into `view`."""

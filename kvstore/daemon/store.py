@@ -107,7 +107,8 @@ class BlockStore:
         return out
 
     # --- writes -------------------------------------------------------------------------------
-    def reserve(self, fingerprint: str, hashes: Sequence[bytes], sizes: Sequence[int]) -> tuple[list[tuple[int, Slot | None]], list[Update]]:
+    def reserve(self, fingerprint: str, hashes: Sequence[bytes], sizes: Sequence[int]
+                ) -> tuple[list[tuple[int, Slot | None]], list[Update]]:
         """A (token, slot) per block to write; token 0 and slot None where it is already sealed here."""
         if len(hashes) != len(sizes):
             raise WrongSize(f"{len(hashes)} hashes but {len(sizes)} sizes")
@@ -116,12 +117,14 @@ class BlockStore:
         for size in sizes:
             if not 0 < size <= MAX_BLOCK_BYTES:
                 raise WrongSize(f"block size {size} outside 1..{MAX_BLOCK_BYTES}")
-        need = sum(align_up(size) for size in sizes)  # what the slots take, not what the blocks hold
         out: list[tuple[int, Slot | None]] = []
         updates: list[Update] = []
         with self.lock:
             self._expire_reservations()
-            held = sum(align_up(slot.size) for slot in self._pending.values())  # evicting cannot free these
+            # What the new slots take (4 KiB each at least), beside what puts in flight hold: evicting
+            # cannot free those.
+            need = sum(align_up(size) for h, size in zip(hashes, sizes) if self.find((fingerprint, bytes(h))) is None)
+            held = sum(align_up(slot.size) for slot in self._pending.values())
             if need > self.dram.capacity - held:  # could never fit: refuse before evicting anything
                 self._count("allocation_failures_dram")
                 raise AllocationFailed(f"{need} bytes of slots cannot fit in {self.dram.capacity} bytes of DRAM "
