@@ -50,11 +50,11 @@ class LocalNode:
         typed error a refusal maps to."""
         frames, stale = None, []
         with self._lock:
-            while self._idle and frames is None:
-                frames, used = self._idle.pop()
-                if time.monotonic() - used > POOLED_IDLE_S:
-                    stale.append(frames)
-                    frames = None
+            old_enough = time.monotonic() - POOLED_IDLE_S
+            while self._idle and self._idle[0][1] < old_enough:  # oldest first: free their fds too
+                stale.append(self._idle.pop(0)[0])
+            if self._idle:
+                frames = self._idle.pop()[0]
         for old in stale:
             old.sock.close()
         if frames is None:

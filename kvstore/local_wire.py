@@ -16,6 +16,10 @@ MAX_FRAME = 4 << 20  # a put of 4096 blocks still fits its header
 _MAC = 32
 
 
+class MalformedFrame(ValueError):
+    """An authentic frame whose payload is not a JSON object: the stream is still in step."""
+
+
 class Frames:
     """Length-prefixed JSON frames with an HMAC over (sequence, payload) in each direction, and raw
     attachments after a frame. The socket keeps one timeout for every single send and receive;
@@ -146,9 +150,12 @@ class Frames:
         if not hmac.compare_digest(tag, self._tag(self._rx, self._received, payload)):
             raise PermissionError("frame failed authentication (injected or replayed)")
         self._received += 1
-        message = json.loads(payload)
+        try:
+            message = json.loads(payload)
+        except (ValueError, RecursionError) as exc:
+            raise MalformedFrame(f"frame is not JSON: {str(exc)[:200]}") from None
         if not isinstance(message, dict):
-            raise ValueError("frame is not a JSON object")
+            raise MalformedFrame("frame is not a JSON object")
         return message
 
 

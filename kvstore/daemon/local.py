@@ -32,7 +32,7 @@ from transfer.auth import server_handshake
 from transfer.listener import peer_uid
 
 from ..errors import AllocationFailed, InvalidRequest, KVStoreError, MetadataError
-from ..local_wire import Frames
+from ..local_wire import Frames, MalformedFrame
 from .store import MAX_BLOCK_BYTES, BlockStore, Update
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,11 @@ class LocalControl:
             session = server_handshake(conn, self._secret, self._node, wire="plain", timeout=self._timeout)
             frames = Frames(conn, session.tx, session.rx, self._timeout)
             while not self._closed.is_set():
-                request = frames.recv(self._timeout, idle=IDLE_S)
+                try:
+                    request = frames.recv(self._timeout, idle=IDLE_S)
+                except MalformedFrame as exc:
+                    frames.send({"ok": False, "code": "invalid", "error": str(exc)})
+                    continue
                 deadline = time.monotonic() + self._timeout
                 started = time.perf_counter()
                 op = str(request.get("op"))

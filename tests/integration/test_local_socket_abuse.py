@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -171,3 +172,17 @@ def test_bytes_already_here_are_read_even_past_the_deadline():
     finally:
         for sock in socks:
             sock.close()
+
+
+@pytest.mark.parametrize("payload", [b"not json", b"[1, 2]", b"[" * 100_000], ids=["text", "array", "deep"])
+def test_an_authentic_frame_that_is_not_a_json_object_gets_invalid_and_the_connection_goes_on(node, payload):
+    daemon, client, address = node
+    frames = raw(address)
+    signed = struct.pack("<I", len(payload)) + payload + frames._tag(frames._tx, frames._sent, payload)
+    frames._sent += 1
+    frames.sock.sendall(signed)
+    reply = frames.recv(5.0)
+    assert not reply["ok"] and reply["code"] == "invalid"
+    h = external_hashes([600], FP)[0]
+    frames.send({"op": "lookup", "fp": FP.digest, "hashes": [h.hex()]})  # the same connection still serves
+    assert frames.recv(5.0) == {"ok": True, "records": [None]}
