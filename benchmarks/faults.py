@@ -31,7 +31,6 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvstore import Client  # noqa: E402
-from kvstore.etcd_server import EtcdServer, free_port  # noqa: E402
+from kvstore.etcd_server import EtcdServer  # noqa: E402
 from kvstore.keys import ModelFingerprint, external_hashes  # noqa: E402
 
 FP = ModelFingerprint("faults", "float16", 16, 2, 2, 64)
