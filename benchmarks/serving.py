@@ -131,12 +131,9 @@ def engine_counters(before: dict, after: dict) -> dict[str, float]:
             for k in ENGINE_COUNTERS}
 
 
-def recomputed(before: dict, after: dict) -> float:
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("vllm:prefix_cache_queries_total",
-                                                              "vllm:prefix_cache_hits_total",
-                                                              "vllm:external_prefix_cache_hits_total")}
-    return d["vllm:prefix_cache_queries_total"] - d["vllm:prefix_cache_hits_total"] - \
-        d["vllm:external_prefix_cache_hits_total"]
+def recomputed(engine: dict[str, float]) -> float:
+    """Prompt tokens an engine computed (its `engine_counters`): neither its own cache nor the store had them."""
+    return engine["prefix_cache_queries"] - engine["prefix_cache_hits"] - engine["external_prefix_cache_hits"]
 
 
 async def one_request(session, url: str, model: str, prompt: str, max_tokens: int, delay: float) -> dict:
@@ -270,16 +267,16 @@ def run_mode(mode: str, work: Workload, model: str, etcd: str, cluster: str, sec
             ok = [r for r in results if "ttft_ms" in r]
             errors = [r["error"] for r in results if "error" in r]
             client_tokens = work.prompt_tokens(prompts)
-            redone = sum(recomputed(b, a) for b, a in zip(before, after))
+            engines = [engine_counters(b, a) for b, a in zip(before, after)]
+            redone = sum(recomputed(e) for e in engines)
             record = {"router": kind, "mode": mode, "requests": len(results), "errors": len(errors),
                       "ttft_p50_ms": percentile([r["ttft_ms"] for r in ok], 0.5),
                       "ttft_p99_ms": percentile([r["ttft_ms"] for r in ok], 0.99),
                       "tpot_p50_ms": percentile([r["tpot_ms"] for r in ok if r["tpot_ms"] is not None], 0.5),
                       "prefix_hit_ratio": max(0.0, 1.0 - redone / client_tokens),
                       "prompt_tokens": client_tokens, "recomputed_tokens": redone,
-                      "engine_requests": [a.get("vllm:request_success_total", 0.0) -
-                                          b.get("vllm:request_success_total", 0.0) for b, a in zip(before, after)],
-                      "engines": [engine_counters(b, a) for b, a in zip(before, after)],
+                      "engine_requests": [e["request_success"] for e in engines],
+                      "engines": engines,
                       "store": {k: store_after.get(k, 0.0) - store_before.get(k, 0.0)
                                 for k in ("kvstore_hits_total", "kvstore_evictions_total",
                                           "kvstore_allocation_failures_total")},

@@ -19,13 +19,14 @@ from .keys import HASH_BYTES
 
 TIERS = ("dram", "nvme")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")  # node and fingerprint names (fullmatch)
+NAME_RULE = "1-128 chars of [A-Za-z0-9_.:-]"
 _BLOCK = struct.Struct("<BBIQIQ")  # version, tier, region, offset, size, checksum
 BLOCK_RECORD_VERSION = 1
 
 
 def check_name(kind: str, name: str) -> str:
     if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise InvalidRecord(f"{kind} name {name!r} must be 1-128 chars of [A-Za-z0-9_.:-]")
+        raise InvalidRecord(f"{kind} name {name!r} must be {NAME_RULE}")
     return name
 
 

@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 
 
 STEP = 0.002  # seconds of gap after a batch per update it carried, up to the window
-_NEVER = 1 << 62
 
 
 class Publisher:
@@ -45,9 +44,8 @@ class Publisher:
         self.counters = counters if counters is not None else {}
         self._on_published = on_published  # called with the oldest update's wait (seconds) per batch
         self._pending: dict[tuple[str, bytes], object] = {}
-        self._after: set[tuple[str, bytes]] = set()  # deletions held for the batch after their put's
-        self._after_ticket = _NEVER  # the first ticket whose deletion was held
-        self._after_since: float | None = None  # when the first held deletion arrived
+        # Deletions held for the batch after their put's: key -> (ticket, when it arrived).
+        self._after: dict[tuple[str, bytes], tuple[int, float]] = {}
         self._since: float | None = None  # when the oldest pending update arrived
         self._lock = threading.Condition()
         self._enqueued = 0  # tickets handed out
@@ -76,7 +74,7 @@ class Publisher:
                     self._hold_deletion(key, ticket, time.monotonic())
                 else:
                     self._pending[key] = record
-                    self._after.discard(key)
+                    self._after.pop(key, None)
             if self._since is None and self._pending:
                 self._since = time.monotonic()
             wake, self._scheduled = not self._scheduled, True
@@ -86,9 +84,7 @@ class Publisher:
 
     def _hold_deletion(self, key: tuple[str, bytes], ticket: int, since: float) -> None:
         """Delete `key` in the batch after the one carrying its pending put (see module docstring)."""
-        self._after.add(key)
-        self._after_ticket = min(self._after_ticket, ticket)
-        self._after_since = since if self._after_since is None else min(self._after_since, since)
+        self._after.setdefault(key, (ticket, since))  # a deletion held already is the older
 
     def wait(self, ticket: int, timeout: float) -> None:
         """Block until everything queued up to `ticket` is published (MetadataUnavailable after timeout)."""
@@ -113,12 +109,13 @@ class Publisher:
             with self._lock:
                 if self._stopped:
                     return
-                batch, self._pending = self._pending, dict.fromkeys(self._after)
+                after, self._after = self._after, {}
+                batch, self._pending = self._pending, dict.fromkeys(after)
                 # A ticket whose deletion was held is done only once the next batch lands.
-                upto = self._enqueued if not self._after else self._after_ticket - 1
-                held, self._after, self._after_ticket = bool(self._after), set(), _NEVER
+                upto = min((ticket for ticket, _ in after.values()), default=self._enqueued + 1) - 1
+                held = bool(after)
                 self._scheduled = held  # the held deletions wake the next round themselves
-                since, self._since, self._after_since = self._since, self._after_since, None
+                since, self._since = self._since, min((t for _, t in after.values()), default=None)
             self._gap = min(self.window, STEP * len(batch))
             if batch:
                 try:

@@ -18,7 +18,7 @@ from transfer import Engine, Read, Region, TransferError, Write
 
 from ..errors import AllocationFailed, InvalidRequest, WrongSize
 from ..integrity import block_checksum, block_checksums
-from ..layout import NAME, BlockRecord
+from ..layout import NAME, NAME_RULE, BlockRecord
 from ..tiers import ExtentAllocator, EvictionPolicy, make_policy
 from ..tiers.allocator import align_up
 
@@ -113,7 +113,7 @@ class BlockStore:
         if len(hashes) != len(sizes):
             raise WrongSize(f"{len(hashes)} hashes but {len(sizes)} sizes")
         if not isinstance(fingerprint, str) or not NAME.fullmatch(fingerprint):
-            raise InvalidRequest(f"fingerprint {str(fingerprint)[:80]!r} must be 1-128 chars of [A-Za-z0-9_.:-]")
+            raise InvalidRequest(f"fingerprint {str(fingerprint)[:80]!r} must be {NAME_RULE}")
         for size in sizes:
             if not 0 < size <= MAX_BLOCK_BYTES:
                 raise WrongSize(f"block size {size} outside 1..{MAX_BLOCK_BYTES}")
@@ -122,13 +122,16 @@ class BlockStore:
         with self.lock:
             self._expire_reservations()
             # What the new slots take (4 KiB each at least), beside what puts in flight hold: evicting
-            # cannot free those.
-            need = sum(align_up(size) for h, size in zip(hashes, sizes) if self.find((fingerprint, bytes(h))) is None)
-            held = sum(align_up(slot.size) for slot in self._pending.values())
-            if need > self.dram.capacity - held:  # could never fit: refuse before evicting anything
+            # cannot free those. Blocks held here already take nothing (looked up only when it matters).
+            room = self.dram.capacity - sum(align_up(slot.size) for slot in self._pending.values())
+            need = sum(align_up(size) for size in sizes)
+            if need > room:
+                need = sum(align_up(size) for h, size in zip(hashes, sizes)
+                           if self.find((fingerprint, bytes(h))) is None)
+            if need > room:  # could never fit: refuse before evicting anything
                 self._count("allocation_failures_dram")
                 raise AllocationFailed(f"{need} bytes of slots cannot fit in {self.dram.capacity} bytes of DRAM "
-                                       f"({held} reserved by puts in flight)")
+                                       f"({self.dram.capacity - room} reserved by puts in flight)")
             for block_hash, size in zip(hashes, sizes):
                 key = (fingerprint, bytes(block_hash))
                 if self.find(key) is not None:
