@@ -33,7 +33,6 @@ class Frames:
         self._buf = bytearray(self.BUFFER)
         self._view = memoryview(self._buf)
         self._head = self._tail = 0  # bytes received but not consumed yet
-        self._idle_until = 0.0
         sock.settimeout(timeout)
 
     @staticmethod
@@ -58,7 +57,7 @@ class Frames:
             if sent:
                 parts[0] = parts[0][sent:]
 
-    def _fill(self, need: int, deadline: float | None, idle: bool = False, exact: bool = False) -> None:
+    def _fill(self, need: int, deadline: float | None, idle_until: float | None = None, exact: bool = False) -> None:
         """Have at least `need` (<= BUFFER) unconsumed bytes in the buffer (`exact`: never more, so
         that a descriptor sent after a frame is not read past)."""
         if self._tail - self._head >= need:
@@ -71,15 +70,15 @@ class Frames:
             try:
                 got = self._recv_some(self._view[self._tail : need if exact else None], deadline)
             except socket.timeout:
-                if idle and self._tail == 0:
-                    if time.monotonic() < self._idle_until:
+                if idle_until is not None and self._tail == 0:
+                    if time.monotonic() < idle_until:
                         continue  # a server waiting for the next request: no deadline until it starts
                     raise ConnectionAbortedError("idle connection") from None
                 raise TimeoutError("no answer in time") from None
             if got == 0:
                 raise ConnectionError("connection closed")
             self._tail += got
-            idle = False
+            idle_until = None
 
     def _recv_some(self, view: memoryview, deadline: float | None) -> int:
         """One recv that ends by `deadline`: a peer that sends just often enough to beat the
@@ -130,8 +129,7 @@ class Frames:
         that long instead (a server waiting for the next request; ConnectionAbortedError after it),
         the rest still has `timeout`. `exact`: read nothing past the frame (a descriptor follows it)."""
         deadline = None if idle else time.monotonic() + timeout
-        self._idle_until = time.monotonic() + idle
-        self._fill(4, deadline, bool(idle), exact)
+        self._fill(4, deadline, time.monotonic() + idle if idle else None, exact)
         deadline = time.monotonic() + timeout if deadline is None else deadline
         (length,) = struct.unpack_from("<I", self._buf, self._head)
         if length > MAX_FRAME:
