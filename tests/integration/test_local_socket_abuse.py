@@ -3,12 +3,14 @@ trickles its bytes, guessed reservation tokens, a fingerprint that cannot name a
 reserve that could never fit. Real etcd, a real daemon in its own process, raw authenticated frames."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
 import threading
 import time
 import uuid
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -123,45 +125,41 @@ def test_a_reserve_that_could_never_fit_evicts_nothing(node):
     assert reads_back(client, kept)
 
 
-@pytest.mark.timeout(20)
-def test_an_idle_connection_ends_after_its_idle_limit():
-    """A server's wait for the next request is bounded (the daemon's IDLE_S), so idle clients cannot
-    hold every connection slot for good."""
+@contextlib.contextmanager
+def frames_pair(timeout: float) -> Iterator[tuple[Frames, Frames]]:
+    """Both ends of an authenticated-looking frame stream over a socketpair (no handshake)."""
     ours, theirs = socket.socketpair()
     try:
-        frames = Frames(ours, b"t" * 32, b"r" * 32, 0.1)
-        started = time.monotonic()
-        with pytest.raises(ConnectionAbortedError):
-            frames.recv(0.1, idle=0.5)
-        assert time.monotonic() - started >= 0.5  # the idle limit, not the first socket timeout
+        yield Frames(ours, b"a" * 32, b"b" * 32, timeout), Frames(theirs, b"b" * 32, b"a" * 32, timeout)
     finally:
         ours.close()
         theirs.close()
 
 
-def frames_pair(timeout: float) -> tuple[Frames, Frames, socket.socket, socket.socket]:
-    ours, theirs = socket.socketpair()
-    return Frames(ours, b"a" * 32, b"b" * 32, timeout), Frames(theirs, b"b" * 32, b"a" * 32, timeout), ours, theirs
+@pytest.mark.timeout(20)
+def test_an_idle_connection_ends_after_its_idle_limit():
+    """A server's wait for the next request is bounded (the daemon's IDLE_S), so idle clients cannot
+    hold every connection slot for good."""
+    with frames_pair(0.1) as (_, server):
+        started = time.monotonic()
+        with pytest.raises(ConnectionAbortedError):
+            server.recv(0.1, idle=0.5)
+        assert time.monotonic() - started >= 0.5  # the idle limit, not the first socket timeout
 
 
 @pytest.mark.timeout(20)
 def test_a_call_given_longer_than_the_socket_timeout_waits_for_its_answer():
     """A sync put's answer comes after the node's publish: the client gives it several socket
     timeouts, and must not give up after the first."""
-    client, server, *socks = frames_pair(0.1)
-    try:
+    with frames_pair(0.1) as (client, server):
         threading.Timer(0.3, lambda: server.send({"ok": True})).start()
         assert client.recv(1.0) == {"ok": True}
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def test_bytes_already_here_are_read_even_past_the_deadline():
     """The deadline bounds waiting, not reading: a put whose bytes all arrived while the node was
     busy reserving still lands."""
-    client, server, *socks = frames_pair(1.0)
-    try:
+    with frames_pair(1.0) as (client, server):
         client.sock.sendall(b"x" * 4096)
         time.sleep(0.05)
         into = bytearray(4096)
@@ -169,9 +167,6 @@ def test_bytes_already_here_are_read_even_past_the_deadline():
         assert into == b"x" * 4096
         with pytest.raises(TimeoutError):  # and nothing more is waited for
             server.recv_into(memoryview(bytearray(1)), time.monotonic() - 1.0)
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 @pytest.mark.parametrize("payload", [b"not json", b"[1, 2]", b"[" * 100_000], ids=["text", "array", "deep"])
