@@ -10,7 +10,8 @@ daemon verifies before sealing.
 
 Requests (one reply frame each):
   put      {fp, hashes (hex), sizes, checksums, sync} + the bytes -> {records, errors, used, capacity}
-           one round trip: reserve, receive straight into the DRAM arena, verify, seal, queue publish
+           one round trip: reserve, receive straight into the DRAM arena, then (sync) verify, seal and
+           publish before answering, or answer and leave verifying and publishing to the verifier
   reserve  {fp, hashes, sizes} -> {slots: [[token, region, offset, size] | null], used, capacity}
   commit   {fp, tokens, checksums, sync} -> {records, errors, used, capacity}
   abort    {tokens} -> {}
@@ -204,7 +205,8 @@ class LocalControl:
 
     def _commit(self, fingerprint: str, tokens: list[int], checksums: list[int], sync: bool) -> dict:
         records: list = []
-        errors, updates = self.store.commit(fingerprint, tokens, checksums, records)
+        # Verified now only when the client waits for publication; else by the verifier, after the answer.
+        errors, updates = self.store.commit(fingerprint, tokens, checksums, records, verify=sync)
         if updates:
             try:
                 self._publish(updates, sync)
@@ -246,7 +248,8 @@ class LocalControl:
             raise
         todo = [(i, t) for i, (t, s) in enumerate(slots) if s is not None]
         got: list = []
-        errors, updates = self.store.commit(fingerprint, [t for _, t in todo], [checksums[i] for i, _ in todo], got)
+        errors, updates = self.store.commit(fingerprint, [t for _, t in todo], [checksums[i] for i, _ in todo], got,
+                                            verify=bool(request.get("sync")))
         if updates:
             try:
                 self._publish(updates, bool(request.get("sync")))

@@ -38,6 +38,7 @@ from .metrics import DaemonMetrics
 from .publisher import Publisher
 from .service import MAX_INLINE_BYTES, StoreControlService
 from .store import BlockStore, Update
+from .verifier import Verifier
 
 log = logging.getLogger(__name__)
 DRAIN_BATCH = 32  # blocks moved per round of a drain
@@ -94,6 +95,7 @@ class Daemon:
         self._published_usage: dict[str, int] = {}
         self.repairer: Repairer | None = None
         self.publisher: Publisher | None = None
+        self.verifier: Verifier | None = None
         self.local: LocalControl | None = None
 
     # --- start -----------------------------------------------------------------------------
@@ -118,6 +120,7 @@ class Daemon:
         self.publisher = Publisher(self._loop, self._apply, c.timeout * 3, self.store.counters,
                                    self.metrics.publish_delay.observe, window=min(max(c.publish_window, 0.0), c.timeout))
         self.metrics.publish_pending = lambda: self.publisher.pending
+        self.verifier = Verifier(self.store, self.publish, c.node)  # puts answered before their checksum pass
         # Same-host clients: puts in one round trip and the NVMe tier's fd over an authenticated unix socket.
         self.local = LocalControl(f"kvstore-local-{uuid.uuid4().hex}", secret, c.node, self.store, self.publish,
                                   lambda: not self.draining, lambda op, s: self.metrics.latency.labels(op).observe(s),
@@ -251,6 +254,7 @@ class Daemon:
         client = None
         try:
             self.set_draining(True)
+            self.verifier.seal()  # blocks written before the drain began are sealed, so they move too
             blocks = self.store.keys()
             progress = admin_pb2.DrainProgress(total=len(blocks))
             yield admin_pb2.DrainProgress(total=len(blocks))
@@ -315,6 +319,8 @@ class Daemon:
         if self.server is not None:
             self.health.enter_graceful_shutdown()
             self.server.stop(grace).wait(grace + 1)
+        if self.verifier is not None:
+            self.verifier.stop()
         if self.publisher is not None:
             self.publisher.stop()  # the lease revocation below removes whatever it published
         if self.session is not None:

@@ -73,7 +73,7 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
         def run():
             records: list = []
             errors, updates = self.store.commit(request.fingerprint, list(request.tokens), list(request.checksums),
-                                                records)
+                                                records, verify=request.sync)  # else verified after answering
             if updates:
                 self.publish(updates, request.sync)  # queued; published before we answer only when asked
             return store_pb2.CommitResponse(sealed=[not e for e in errors], errors=errors,
@@ -90,7 +90,8 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
 
         def run():
             errors, records, updates, stored = self.store.put_inline(request.fingerprint, list(request.hashes),
-                                                             list(request.payloads), list(request.checksums))
+                                                             list(request.payloads), list(request.checksums),
+                                                             verify=request.sync)  # else verified after answering
             if updates:
                 self.publish(updates, request.sync)
             return store_pb2.PutResponse(sealed=[not e for e in errors], errors=errors, stored=stored,

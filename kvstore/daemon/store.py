@@ -2,9 +2,13 @@
 file), reservations for blocks being written, sealing with checksum verification, and watermark
 eviction that demotes DRAM victims to NVMe and promotes NVMe hits back.
 
+A commit either verifies its blocks' bytes at once, or (`verify=False`) answers first and leaves
+them *written*: held in place, in no tier's index or eviction order, until `seal_written` verifies
+them and returns their index updates. So nothing is published, evicted or demoted unverified.
+
 Every method returns the index updates it implies — (fingerprint, hash, record or None) — for the
-daemon to publish; nothing here talks to the metadata service. One lock guards everything but a
-commit's checksum pass, which runs on slots popped from the pending set and so owned by that commit.
+daemon to publish; nothing here talks to the metadata service. One lock guards everything but the
+checksum passes, which run on slots no one else can reach (popped from the pending or written set).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ Key = tuple[str, bytes]  # (fingerprint, block hash)
 Update = tuple[str, bytes, BlockRecord | None]
 MAX_BLOCK_BYTES = 64 << 20
 LOCK_SPAN = 4096  # blocks a lookup, touch or remove handles per hold of the lock: a huge one delays a put by one span
+WRITTEN_MAX = 256 << 20  # bytes committed but not yet verified; past it a commit verifies at once (backpressure)
 
 
 def _spans(hashes: Sequence[bytes]) -> Iterator[Sequence[bytes]]:
@@ -81,7 +86,11 @@ class BlockStore:
         self.promote = promote  # move NVMe blocks back to DRAM when clients hit them
         self.counters = counters if counters is not None else {}
         self._pending: dict[int, Slot] = {}
+        self._written: dict[Key, Slot] = {}  # committed, to be verified by seal_written (in order)
+        self._written_bytes = 0
+        self._verifying: dict[Key, Slot] = {}  # taken by seal_written, being verified now
         self.lock = threading.RLock()
+        self._has_written = threading.Condition(self.lock)
 
     @property
     def tiers(self) -> list[Tier]:
@@ -97,12 +106,16 @@ class BlockStore:
                 return slot
         return None
 
+    def _held(self, key: Key) -> Slot | None:
+        """The block's slot, sealed or written (awaiting or under verification)."""
+        return self.find(key) or self._written.get(key) or self._verifying.get(key)
+
     def records(self, fingerprint: str, hashes: Sequence[bytes]) -> list[BlockRecord | None]:
         """Where this node holds each block now (None where it does not)."""
         out: list[BlockRecord | None] = []
         for span in _spans(hashes):
             with self.lock:
-                slots = [self.find((fingerprint, bytes(h))) for h in span]
+                slots = [self._held((fingerprint, bytes(h))) for h in span]
                 out.extend(None if s is None else s.record() for s in slots)
         return out
 
@@ -127,14 +140,14 @@ class BlockStore:
             need = sum(align_up(size) for size in sizes)
             if need > room:
                 need = sum(align_up(size) for h, size in zip(hashes, sizes)
-                           if self.find((fingerprint, bytes(h))) is None)
+                           if self._held((fingerprint, bytes(h))) is None)
             if need > room:  # could never fit: refuse before evicting anything
                 self._count("allocation_failures_dram")
                 raise AllocationFailed(f"{need} bytes of slots cannot fit in {self.dram.capacity} bytes of DRAM "
                                        f"({self.dram.capacity - room} reserved by puts in flight)")
             for block_hash, size in zip(hashes, sizes):
                 key = (fingerprint, bytes(block_hash))
-                if self.find(key) is not None:
+                if self._held(key) is not None:
                     self._touch(key)
                     out.append((0, None))
                     continue
@@ -154,13 +167,14 @@ class BlockStore:
         return out, updates
 
     def commit(self, fingerprint: str, tokens: Sequence[int], checksums: Sequence[int],
-               records: list | None = None) -> tuple[list[str], list[Update]]:
+               records: list | None = None, verify: bool = True) -> tuple[list[str], list[Update]]:
         """Seal reserved slots whose bytes match their checksum; '' where sealed, else the reason.
-        `records`, when given, gets each block's record here (None where not sealed)."""
+        `records`, when given, gets each block's record here (None where not stored).
+        `verify=False`: take the client's checksums now and verify later (`seal_written`), unless
+        WRITTEN_MAX bytes already wait; '' then means written, and no updates come back for them."""
         if len(tokens) != len(checksums):
             raise WrongSize(f"{len(tokens)} tokens but {len(checksums)} checksums")
         errors: list[str] = []
-        updates: list[Update] = []
         out = records if records is not None else []
         with self.lock:
             # Popped, a slot is ours alone: expiry and eviction never see it, so its bytes can be
@@ -170,48 +184,103 @@ class BlockStore:
                 slot = self._pending.get(token)
                 # A reservation made under another fingerprint is not this caller's: it stays pending.
                 slots.append(self._pending.pop(token) if slot is not None and slot.key[0] == fingerprint else None)
-        mine = [slot for slot in slots if slot is not None]
-        arena = self.dram.region.buffer
+            mine = [slot for slot in slots if slot is not None]
+            later = not verify and self._written_bytes + sum(slot.size for slot in mine) <= WRITTEN_MAX
+            if later:
+                for slot, checksum in zip(slots, checksums):
+                    if slot is None:
+                        errors.append("unknown or expired reservation")
+                        out.append(None)
+                        continue
+                    theirs = self._held(slot.key)
+                    if theirs is not None:  # another writer got there first: keep theirs
+                        self.dram.allocator.release(slot.offset, slot.size)
+                    else:
+                        slot.checksum = checksum
+                        self._written[slot.key] = theirs = slot
+                        self._written_bytes += slot.size
+                    errors.append("")
+                    out.append(theirs.record())
+                self._has_written.notify_all()
+                return errors, []
         try:
-            actual = iter(block_checksums([slot.key[1] for slot in mine],
-                                          [arena[slot.offset : slot.offset + slot.size] for slot in mine]))
+            actual = self._checksums(mine)
         except BaseException:
             with self.lock:
                 for slot in mine:
                     self.dram.allocator.release(slot.offset, slot.size)
             raise
         with self.lock:
-            for slot, checksum in zip(slots, checksums):
-                if slot is None:
-                    errors.append("unknown or expired reservation")
-                    out.append(None)
-                    continue
-                landed = next(actual)  # one per popped slot, in order
-                theirs = self.find(slot.key)
-                if theirs is not None:  # another writer sealed it first: keep theirs
-                    self.dram.allocator.release(slot.offset, slot.size)
-                    errors.append("")
-                    out.append(theirs.record())
-                    continue
-                if landed != checksum:
-                    self.dram.allocator.release(slot.offset, slot.size)
-                    self._count("corrupt_writes")
-                    errors.append("checksum mismatch: the bytes that arrived are not the bytes sent")
-                    out.append(None)
-                    continue
-                slot.checksum = checksum
-                self.dram.sealed[slot.key] = slot
-                self.dram.policy.insert(slot.key)
-                updates.append((slot.key[0], slot.key[1], slot.record()))
-                errors.append("")
-                out.append(slot.record())
+            updates = self._seal([(slot, checksum, next(actual) if slot is not None else 0)
+                                  for slot, checksum in zip(slots, checksums)], errors, out)
         return errors, updates
 
-    def put_inline(self, fingerprint: str, hashes: Sequence[bytes], payloads: Sequence, checksums: Sequence[int]
-                   ) -> tuple[list[str], list[BlockRecord | None], list[Update], int]:
-        """Reserve, copy in, verify and seal blocks whose bytes came with the request (one call).
-        Returns (error or '' per block, record per block (None where not stored), index updates,
-        how many blocks this call newly stored)."""
+    def _checksums(self, slots: list[Slot]) -> Iterator[int]:
+        """The checksums of DRAM slots' bytes as they are now (call without the lock)."""
+        arena = self.dram.region.buffer
+        return iter(block_checksums([slot.key[1] for slot in slots],
+                                    [arena[slot.offset : slot.offset + slot.size] for slot in slots]))
+
+    def _seal(self, checked: list[tuple[Slot | None, int, int]], errors: list[str], out: list) -> list[Update]:
+        """Seal each (slot, expected checksum, checksum of its bytes) that matches (lock held)."""
+        updates: list[Update] = []
+        for slot, checksum, landed in checked:
+            if slot is None:
+                errors.append("unknown or expired reservation")
+                out.append(None)
+                continue
+            theirs = self.find(slot.key)
+            if theirs is not None:  # another writer sealed it first: keep theirs
+                self.dram.allocator.release(slot.offset, slot.size)
+                errors.append("")
+                out.append(theirs.record())
+                continue
+            if landed != checksum:
+                self.dram.allocator.release(slot.offset, slot.size)
+                self._count("corrupt_writes")
+                errors.append("checksum mismatch: the bytes that arrived are not the bytes sent")
+                out.append(None)
+                continue
+            slot.checksum = checksum
+            self.dram.sealed[slot.key] = slot
+            self.dram.policy.insert(slot.key)
+            updates.append((slot.key[0], slot.key[1], slot.record()))
+            errors.append("")
+            out.append(slot.record())
+        return updates
+
+    def wait_written(self, timeout: float) -> bool:
+        """Wait up to `timeout` for committed blocks awaiting verification; whether there are any."""
+        with self.lock:
+            return self._has_written.wait_for(lambda: bool(self._written), timeout)
+
+    def seal_written(self) -> list[Update]:
+        """Verify every block committed with `verify=False` so far, in commit order: seal those
+        whose bytes match (their index updates come back), drop the others (`corrupt_writes`)."""
+        with self.lock:
+            batch, self._written = list(self._written.values()), {}
+            self._written_bytes = 0
+            # Being verified, a slot is still held (reserve and records see it); a removal takes it
+            # out of `_verifying`, and its slot is freed below instead of sealed.
+            self._verifying.update((slot.key, slot) for slot in batch)
+        if not batch:
+            return []
+        actual = self._checksums(batch)
+        with self.lock:
+            checked = []
+            for slot, landed in zip(batch, actual):
+                if self._verifying.get(slot.key) is slot:
+                    del self._verifying[slot.key]
+                    checked.append((slot, slot.checksum, landed))
+                else:  # removed while it was being verified
+                    self.dram.allocator.release(slot.offset, slot.size)
+            return self._seal(checked, [], [])
+
+    def put_inline(self, fingerprint: str, hashes: Sequence[bytes], payloads: Sequence, checksums: Sequence[int],
+                   verify: bool = True) -> tuple[list[str], list[BlockRecord | None], list[Update], int]:
+        """Reserve, copy in and commit (`verify` as for commit) blocks whose bytes came with the
+        request, in one call. Returns (error or '' per block, record per block (None where not
+        stored), index updates, how many blocks this call newly stored)."""
         if not (len(hashes) == len(payloads) == len(checksums)):
             raise WrongSize(f"{len(hashes)} hashes, {len(payloads)} payloads, {len(checksums)} checksums")
         slots, updates = self.reserve(fingerprint, hashes, [len(p) for p in payloads])
@@ -221,7 +290,8 @@ class BlockStore:
                 arena[slot.offset : slot.offset + slot.size] = payload
         todo = [i for i, (_, slot) in enumerate(slots) if slot is not None]
         got: list = []
-        errors, sealed = self.commit(fingerprint, [slots[i][0] for i in todo], [checksums[i] for i in todo], got)
+        errors, sealed = self.commit(fingerprint, [slots[i][0] for i in todo], [checksums[i] for i in todo], got,
+                                     verify)
         all_errors = [""] * len(hashes)
         records: list[BlockRecord | None] = [None] * len(hashes)
         for i, error, record in zip(todo, errors, got):
@@ -411,10 +481,16 @@ class BlockStore:
         for span in _spans(hashes):
             with self.lock:
                 for block_hash in span:
-                    slot = self.find((fingerprint, bytes(block_hash)))
+                    key = (fingerprint, bytes(block_hash))
+                    slot = self.find(key)
                     if slot is not None:
                         self._drop(slot)
-                        updates.append((fingerprint, bytes(block_hash), None))
+                    elif (slot := self._written.pop(key, None)) is not None:  # never published
+                        self._written_bytes -= slot.size
+                        self.dram.allocator.release(slot.offset, slot.size)
+                    elif self._verifying.pop(key, None) is None:  # (a verifying slot is freed by its verifier)
+                        continue
+                    updates.append((fingerprint, bytes(block_hash), None))
         return len(updates), updates
 
     def all_records(self) -> list[Update]:

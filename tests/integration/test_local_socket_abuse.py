@@ -89,9 +89,10 @@ def test_reservation_tokens_cannot_be_guessed_by_another_client(node):
     assert reply["ok"]
     other.send({"op": "abort", "tokens": list(range(1, 4097))})
     assert other.recv(5.0)["ok"]
-    owner.send({"op": "commit", "fp": FP.digest, "tokens": [reply["slots"][0][0]], "checksums": [0], "sync": False})
+    owner.send({"op": "commit", "fp": FP.digest, "tokens": [reply["slots"][0][0]], "checksums": [0], "sync": True})
     commit = owner.recv(5.0)
-    # Still reserved: the commit reaches the checksum (nothing was written), not "unknown or expired".
+    # Still reserved: the commit (sync: checked before the answer) reaches the checksum (nothing was
+    # written), not "unknown or expired".
     assert commit["ok"] and commit["errors"][0].startswith("checksum mismatch")
 
 

@@ -1,0 +1,101 @@
+"""Commits answered before their checksum pass (`verify=False`): the blocks stay *written* (held,
+unlisted, unevictable, unpublished) until `seal_written` verifies them; bad bytes never get sealed."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvstore.daemon.store as store_module
+from kvstore.daemon.store import BlockStore
+from kvstore.errors import AllocationFailed
+from kvstore.integrity import block_checksum
+from kvstore.keys import ModelFingerprint, external_hashes
+from transfer import Engine
+
+FP = ModelFingerprint("m", "float16", 16, 2, 2, 64)
+BLOCK = 64 * 1024
+
+
+def content(block_hash: bytes) -> np.ndarray:
+    return np.random.default_rng(int.from_bytes(block_hash[:8], "little")).integers(0, 256, BLOCK, dtype=np.uint8)
+
+
+@pytest.fixture
+def store():
+    with Engine("written-unit", listen=None) as engine:
+        yield BlockStore(engine, engine.allocate(4 * BLOCK))
+
+
+def write_later(store: BlockStore, ids: list[int], wrong: bool = False) -> tuple[list[bytes], list, list[str], list]:
+    """Reserve, write and commit blocks `ids` with verify=False: (hashes, records, errors, updates)."""
+    hashes = external_hashes(ids, FP)
+    slots, _ = store.reserve(FP.digest, hashes, [BLOCK] * len(hashes))
+    for h, (_, slot) in zip(hashes, slots):
+        store.dram.region.buffer[slot.offset : slot.offset + BLOCK] = content(h).tobytes()
+    checksums = [12345 if wrong else block_checksum(h, content(h)) for h in hashes]
+    records: list = []
+    errors, updates = store.commit(FP.digest, [t for t, _ in slots], checksums, records, verify=False)
+    return hashes, records, errors, updates
+
+
+def test_a_written_block_is_held_but_unpublished_and_unlisted_until_verified(store):
+    (h,), (record,), errors, updates = write_later(store, [1])
+    assert errors == [""] and updates == [] and record.tier == "dram"
+    assert store.keys() == [] and store.all_records() == []  # nothing lists or republishes it yet
+    assert store.records(FP.digest, [h]) == [record]  # but it is held: no second copy is taken
+    assert store.reserve(FP.digest, [h], [BLOCK])[0] == [(0, None)]
+    sealed = store.seal_written()
+    assert sealed == [(FP.digest, h, record)]
+    assert [k for k, _ in store.keys()] == [(FP.digest, h)]
+    assert store.read_block((FP.digest, h)) == content(h).tobytes()
+    assert store.seal_written() == []
+
+
+def test_a_written_block_whose_bytes_do_not_match_is_dropped_when_verified(store):
+    (h,), _, errors, updates = write_later(store, [1], wrong=True)
+    assert errors == [""] and updates == []  # answered before the pass: the pass decides
+    assert store.seal_written() == []
+    assert store.counters["corrupt_writes"] == 1
+    assert store.records(FP.digest, [h]) == [None] and store.dram.used == 0
+
+
+def test_a_block_removed_before_or_while_it_is_verified_is_never_sealed(store, monkeypatch):
+    (h,), _, _, _ = write_later(store, [1])
+    assert store.remove(FP.digest, [h])[0] == 1 and store.dram.used == 0
+    assert store.seal_written() == []
+
+    (h2,), _, _, _ = write_later(store, [2])
+    checksums = store._checksums
+
+    def removed_meanwhile(slots):
+        assert store.remove(FP.digest, [h2])[0] == 1
+        return checksums(slots)
+
+    monkeypatch.setattr(store, "_checksums", removed_meanwhile)
+    assert store.seal_written() == []
+    assert store.records(FP.digest, [h2]) == [None] and store.dram.used == 0 and store.keys() == []
+
+
+def test_written_blocks_are_never_evicted_before_they_are_verified(store):
+    hashes, _, _, _ = write_later(store, [1, 2, 3])  # 3 of the 4 slots
+    with pytest.raises(AllocationFailed):  # evicting cannot free written blocks
+        store.reserve(FP.digest, external_hashes([4, 5], FP), [BLOCK, BLOCK])
+    assert [u[1] for u in store.seal_written()] == hashes
+    assert all(store.read_block((FP.digest, h)) == content(h).tobytes() for h in hashes)
+
+
+def test_past_the_written_bound_a_commit_verifies_at_once(store, monkeypatch):
+    monkeypatch.setattr(store_module, "WRITTEN_MAX", BLOCK)
+    (h1,), _, _, first = write_later(store, [1])
+    (h2,), _, _, second = write_later(store, [2])
+    assert first == [] and [u[1] for u in second] == [h2]  # the second found the bound full
+    assert [u[1] for u in store.seal_written()] == [h1]
+
+
+def test_a_verified_commit_still_seals_at_once(store):
+    h = external_hashes([1], FP)[0]
+    (token, slot), = store.reserve(FP.digest, [h], [BLOCK])[0]
+    store.dram.region.buffer[slot.offset : slot.offset + BLOCK] = content(h).tobytes()
+    errors, updates = store.commit(FP.digest, [token], [block_checksum(h, content(h))])
+    assert errors == [""] and [u[1] for u in updates] == [h]
+    assert store.seal_written() == []
