@@ -251,8 +251,9 @@ class Client:
     def put_many(self, items: Sequence[tuple[bytes, Any]], fingerprint: ModelFingerprint | str | None = None,
                  replicas: int | None = None, exclude: Collection[str] = ()) -> int:
         """Store blocks on `replicas` distinct nodes each (none of them in `exclude`); returns blocks
-        newly stored (all nodes). When it returns, every block is sealed (checksum verified) on each
-        node counted, and this client's mirror lists it there; see the README for what others see."""
+        newly stored (all nodes). When it returns, every block's bytes are on each node counted (the
+        node verifies them before it publishes them; sync: before it answers), and this client's
+        mirror lists it there; see the README for what others see."""
         fp = self._fp(fingerprint)
         if not items:
             return 0
