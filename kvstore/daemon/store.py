@@ -185,22 +185,8 @@ class BlockStore:
                 # A reservation made under another fingerprint is not this caller's: it stays pending.
                 slots.append(self._pending.pop(token) if slot is not None and slot.key[0] == fingerprint else None)
             mine = [slot for slot in slots if slot is not None]
-            later = not verify and self._written_bytes + sum(slot.size for slot in mine) <= WRITTEN_MAX
-            if later:
-                for slot, checksum in zip(slots, checksums):
-                    if slot is None:
-                        errors.append("unknown or expired reservation")
-                        out.append(None)
-                        continue
-                    theirs = self._held(slot.key)
-                    if theirs is not None:  # another writer got there first: keep theirs
-                        self.dram.allocator.release(slot.offset, slot.size)
-                    else:
-                        slot.checksum = checksum
-                        self._written[slot.key] = theirs = slot
-                        self._written_bytes += slot.size
-                    errors.append("")
-                    out.append(theirs.record())
+            if not verify and self._written_bytes + sum(slot.size for slot in mine) <= WRITTEN_MAX:
+                self._seal([(slot, checksum, None) for slot, checksum in zip(slots, checksums)], errors, out)
                 self._has_written.notify_all()
                 return errors, []
         try:
@@ -221,19 +207,27 @@ class BlockStore:
         return iter(block_checksums([slot.key[1] for slot in slots],
                                     [arena[slot.offset : slot.offset + slot.size] for slot in slots]))
 
-    def _seal(self, checked: list[tuple[Slot | None, int, int]], errors: list[str], out: list) -> list[Update]:
-        """Seal each (slot, expected checksum, checksum of its bytes) that matches (lock held)."""
+    def _seal(self, checked: list[tuple[Slot | None, int, int | None]], errors: list[str], out: list) -> list[Update]:
+        """Seal each (slot, expected checksum, checksum of its bytes) that matches, or, where the
+        bytes' checksum is None (not checked yet), leave the slot written for seal_written (lock held)."""
         updates: list[Update] = []
         for slot, checksum, landed in checked:
             if slot is None:
                 errors.append("unknown or expired reservation")
                 out.append(None)
                 continue
-            theirs = self.find(slot.key)
-            if theirs is not None:  # another writer sealed it first: keep theirs
+            theirs = self.find(slot.key) if landed is not None else self._held(slot.key)
+            if theirs is not None:  # another writer got there first: keep theirs
                 self.dram.allocator.release(slot.offset, slot.size)
                 errors.append("")
                 out.append(theirs.record())
+                continue
+            if landed is None:
+                slot.checksum = checksum
+                self._written[slot.key] = slot
+                self._written_bytes += slot.size
+                errors.append("")
+                out.append(slot.record())
                 continue
             if landed != checksum:
                 self.dram.allocator.release(slot.offset, slot.size)
