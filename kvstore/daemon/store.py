@@ -115,7 +115,7 @@ class BlockStore:
         out: list[BlockRecord | None] = []
         for span in _spans(hashes):
             with self.lock:
-                slots = [self._held((fingerprint, bytes(h))) for h in span]
+                slots = [self.find((fingerprint, bytes(h))) for h in span]  # never an unverified one
                 out.extend(None if s is None else s.record() for s in slots)
         return out
 
@@ -238,10 +238,21 @@ class BlockStore:
             slot.checksum = checksum
             self.dram.sealed[slot.key] = slot
             self.dram.policy.insert(slot.key)
+            self._unwrite(slot.key)  # a verified copy wins over an unverified one: one copy per key
             updates.append((slot.key[0], slot.key[1], slot.record()))
             errors.append("")
             out.append(slot.record())
         return updates
+
+    def _unwrite(self, key: Key) -> bool:
+        """Drop a written block's claim on `key` (lock held): a written slot is freed here, one being
+        verified by its verifier. Whether there was one."""
+        slot = self._written.pop(key, None)
+        if slot is not None:
+            self._written_bytes -= slot.size
+            self.dram.allocator.release(slot.offset, slot.size)
+            return True
+        return self._verifying.pop(key, None) is not None
 
     def wait_written(self, timeout: float) -> bool:
         """Wait up to `timeout` for committed blocks awaiting verification; whether there are any."""
@@ -259,7 +270,15 @@ class BlockStore:
             self._verifying.update((slot.key, slot) for slot in batch)
         if not batch:
             return []
-        actual = self._checksums(batch)
+        try:
+            actual = self._checksums(batch)
+        except BaseException:
+            with self.lock:
+                for slot in batch:
+                    if self._verifying.get(slot.key) is slot:
+                        del self._verifying[slot.key]
+                    self.dram.allocator.release(slot.offset, slot.size)
+            raise
         with self.lock:
             checked = []
             for slot, landed in zip(batch, actual):
@@ -479,10 +498,7 @@ class BlockStore:
                     slot = self.find(key)
                     if slot is not None:
                         self._drop(slot)
-                    elif (slot := self._written.pop(key, None)) is not None:  # never published
-                        self._written_bytes -= slot.size
-                        self.dram.allocator.release(slot.offset, slot.size)
-                    elif self._verifying.pop(key, None) is None:  # (a verifying slot is freed by its verifier)
+                    if not self._unwrite(key) and slot is None:
                         continue
                     updates.append((fingerprint, bytes(block_hash), None))
         return len(updates), updates

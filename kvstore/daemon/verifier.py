@@ -27,17 +27,22 @@ class Verifier:
     def __init__(self, store: BlockStore, publish: Callable[[list[Update], bool], None], node: str) -> None:
         self._store, self._publish = store, publish
         self._stopped = threading.Event()
+        self._sealing = threading.Lock()  # a drain's seal waits for the thread's batch in flight
         self._thread = threading.Thread(target=self._run, name=f"kvs-verify-{node}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stopped.is_set():
             if self._store.wait_written(POLL_S):
-                self.seal()
+                try:
+                    self.seal()
+                except Exception:  # noqa: BLE001 - that batch is dropped (freed, never published); go on
+                    log.exception("verifying written blocks failed")
 
     def seal(self) -> None:
         """Verify and publish (queue) everything written so far; also what a drain does first."""
-        updates = self._store.seal_written()
+        with self._sealing:
+            updates = self._store.seal_written()
         if updates:
             try:
                 self._publish(updates, False)

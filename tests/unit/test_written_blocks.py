@@ -42,8 +42,8 @@ def test_a_written_block_is_held_but_unpublished_and_unlisted_until_verified(sto
     (h,), (record,), errors, updates = write_later(store, [1])
     assert errors == [""] and updates == [] and record.tier == "dram"
     assert store.keys() == [] and store.all_records() == []  # nothing lists or republishes it yet
-    assert store.records(FP.digest, [h]) == [record]  # but it is held: no second copy is taken
-    assert store.reserve(FP.digest, [h], [BLOCK])[0] == [(0, None)]
+    assert store.records(FP.digest, [h]) == [None]  # nor answers a Lookup with it
+    assert store.reserve(FP.digest, [h], [BLOCK])[0] == [(0, None)]  # but it is held: no second copy
     sealed = store.seal_written()
     assert sealed == [(FP.digest, h, record)]
     assert [k for k, _ in store.keys()] == [(FP.digest, h)]
@@ -99,3 +99,31 @@ def test_a_verified_commit_still_seals_at_once(store):
     errors, updates = store.commit(FP.digest, [token], [block_checksum(h, content(h))])
     assert errors == [""] and [u[1] for u in updates] == [h]
     assert store.seal_written() == []
+
+
+def test_a_verified_copy_of_a_block_retires_its_unverified_one(store):
+    """Two puts of one block in flight at once, one verified at once: one copy stays, and a
+    removal then leaves nothing for the verifier to bring back."""
+    h = external_hashes([1], FP)[0]
+    (t1, s1), (t2, s2) = store.reserve(FP.digest, [h], [BLOCK])[0] + store.reserve(FP.digest, [external_hashes([2], FP)[0]], [BLOCK])[0]
+    s2.key = s1.key  # a second reservation of the same block (as two clients racing would hold)
+    for slot in (s1, s2):
+        store.dram.region.buffer[slot.offset : slot.offset + BLOCK] = content(h).tobytes()
+    checksum = block_checksum(h, content(h))
+    assert store.commit(FP.digest, [t1], [checksum], verify=False) == ([""], [])
+    assert [u[1] for u in store.commit(FP.digest, [t2], [checksum])[1]] == [h]
+    assert store.dram.used == BLOCK  # the written copy went when the verified one was sealed
+    assert store.remove(FP.digest, [h])[0] == 1
+    assert store.seal_written() == [] and store.dram.used == 0 and store.keys() == []
+
+
+def test_a_checksum_pass_that_fails_frees_its_blocks(store, monkeypatch):
+    (h,), _, _, _ = write_later(store, [1])
+
+    def broken(slots):
+        raise OSError("arena gone")
+
+    monkeypatch.setattr(store, "_checksums", broken)
+    with pytest.raises(OSError):
+        store.seal_written()
+    assert store.dram.used == 0 and store.reserve(FP.digest, [h], [BLOCK])[0][0][1] is not None
