@@ -134,9 +134,12 @@ class BlockStore:
         updates: list[Update] = []
         with self.lock:
             self._expire_reservations()
-            # What the new slots take (4 KiB each at least), beside what puts in flight hold: evicting
-            # cannot free those. Blocks held here already take nothing (looked up only when it matters).
-            room = self.dram.capacity - sum(align_up(slot.size) for slot in self._pending.values())
+            # What the new slots take (4 KiB each at least), beside what puts in flight and written
+            # blocks hold: evicting cannot free those. Blocks held here already take nothing (looked up
+            # only when it matters).
+            room = self.dram.capacity - sum(align_up(slot.size) for slots in (self._pending, self._written,
+                                                                            self._verifying)
+                                            for slot in slots.values())
             need = sum(align_up(size) for size in sizes)
             if need > room:
                 need = sum(align_up(size) for h, size in zip(hashes, sizes)
@@ -144,7 +147,7 @@ class BlockStore:
             if need > room:  # could never fit: refuse before evicting anything
                 self._count("allocation_failures_dram")
                 raise AllocationFailed(f"{need} bytes of slots cannot fit in {self.dram.capacity} bytes of DRAM "
-                                       f"({self.dram.capacity - room} reserved by puts in flight)")
+                                       f"({self.dram.capacity - room} held by puts in flight)")
             for block_hash, size in zip(hashes, sizes):
                 key = (fingerprint, bytes(block_hash))
                 if self._held(key) is not None:

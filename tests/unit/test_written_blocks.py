@@ -77,9 +77,15 @@ def test_a_block_removed_before_or_while_it_is_verified_is_never_sealed(store, m
 
 
 def test_written_blocks_are_never_evicted_before_they_are_verified(store):
-    hashes, _, _, _ = write_later(store, [1, 2, 3])  # 3 of the 4 slots
-    with pytest.raises(AllocationFailed):  # evicting cannot free written blocks
-        store.reserve(FP.digest, external_hashes([4, 5], FP), [BLOCK, BLOCK])
+    store = BlockStore(store.engine, store.engine.allocate(8 * BLOCK))
+    sealed = external_hashes([9], FP)
+    (token, slot), = store.reserve(FP.digest, sealed, [BLOCK])[0]
+    store.dram.region.buffer[slot.offset : slot.offset + BLOCK] = content(sealed[0]).tobytes()
+    store.commit(FP.digest, [token], [block_checksum(sealed[0], content(sealed[0]))])
+    hashes, _, _, _ = write_later(store, [1, 2, 3, 4, 5])  # 6 of the 8 slots taken
+    with pytest.raises(AllocationFailed):  # evicting cannot free written blocks: refused up front
+        store.reserve(FP.digest, external_hashes([6, 7, 8, 10], FP), [BLOCK] * 4)
+    assert store.read_block((FP.digest, sealed[0])) is not None  # and nothing was evicted for it
     assert [u[1] for u in store.seal_written()] == hashes
     assert all(store.read_block((FP.digest, h)) == content(h).tobytes() for h in hashes)
 
