@@ -113,6 +113,7 @@ class Client:
         self._inflight: dict[str, int] = {}  # node -> bytes of this client's puts under way there
         self._usage: dict[str, tuple[int, int, float]] = {}  # node -> (used, capacity, when) from its replies
         self._io: ThreadPoolExecutor | None = None  # NVMe tier reads of a batch, in parallel
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvs-checksum")  # a large put's checksums
         self.stats: dict[str, int] = {"control_calls": 0, "local_puts": 0, "nvme_fd_reads": 0, "nvme_fd_bytes": 0}
 
     # --- fingerprints and nodes ------------------------------------------------------------------
@@ -345,6 +346,8 @@ class Client:
         # Large: reserve, write with the engine (shared memory on this host), commit.
         node = self._node(name)
         regs = regions()[first : first + len(views)]
+        # Checksums while the reserve is out (python-xxhash releases the GIL), not beside the copy.
+        hashing = self._hasher.submit(checksums_of)
         self.stats["control_calls"] += 1
         if local is not None:
             reply, _ = local.call({"op": "reserve", "fp": fp, "hashes": [h.hex() for h in hashes],
@@ -362,7 +365,7 @@ class Client:
             moving = self.engine.submit([Write(regs[i], 0, node.peer.region(region), offset, regs[i].size)
                                          for i, _, region, offset in slots])
             try:
-                checksums = checksums_of()  # while the engine's threads move the bytes
+                checksums = hashing.result()
             finally:
                 moving.wait(self.timeout)
             self.stats["control_calls"] += 1
@@ -740,6 +743,7 @@ class Client:
                 node.channel.close()
         for local in list(self._locals.values()):
             local.close()
+        self._hasher.shutdown(wait=True)
         if self._io is not None:
             self._io.shutdown(wait=True)
         self.engine.close()
