@@ -31,6 +31,10 @@ Update = tuple[str, bytes, BlockRecord | None]
 MAX_BLOCK_BYTES = 64 << 20
 LOCK_SPAN = 4096  # blocks a lookup, touch or remove handles per hold of the lock: a huge one delays a put by one span
 WRITTEN_MAX = 256 << 20  # bytes committed but not yet verified; past it a commit verifies at once (backpressure)
+# Smaller commits verify at once even when asked to verify later: their pass is shorter than handing
+# them to the verifier thread (paired A/B, same host: a lone 64 KiB or 1 MiB put 7-16 % slower
+# handed over, 32 x 64 KiB 28 % faster).
+VERIFY_LATER_MIN = 2 << 20
 
 
 def _spans(hashes: Sequence[bytes]) -> Iterator[Sequence[bytes]]:
@@ -174,7 +178,8 @@ class BlockStore:
         """Seal reserved slots whose bytes match their checksum; '' where sealed, else the reason.
         `records`, when given, gets each block's record here (None where not stored).
         `verify=False`: take the client's checksums now and verify later (`seal_written`), unless
-        WRITTEN_MAX bytes already wait; '' then means written, and no updates come back for them."""
+        the blocks are fewer than VERIFY_LATER_MIN bytes or WRITTEN_MAX bytes already wait; '' then
+        means written, and no updates come back for them."""
         if len(tokens) != len(checksums):
             raise WrongSize(f"{len(tokens)} tokens but {len(checksums)} checksums")
         errors: list[str] = []
@@ -188,7 +193,8 @@ class BlockStore:
                 # A reservation made under another fingerprint is not this caller's: it stays pending.
                 slots.append(self._pending.pop(token) if slot is not None and slot.key[0] == fingerprint else None)
             mine = [slot for slot in slots if slot is not None]
-            if not verify and self._written_bytes + sum(slot.size for slot in mine) <= WRITTEN_MAX:
+            size = sum(slot.size for slot in mine)
+            if not verify and VERIFY_LATER_MIN <= size and self._written_bytes + size <= WRITTEN_MAX:
                 self._seal([(slot, checksum, None) for slot, checksum in zip(slots, checksums)], errors, out)
                 self._has_written.notify_all()
                 return errors, []

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from kvstore import Client
+from kvstore.errors import PutFailed
 from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.layout import BlockRecord
 from kvstore.local_node import read_block
@@ -270,14 +271,17 @@ def test_sync_publish_is_visible_to_others_when_put_returns(etcd_server, spawn_d
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_a_put_answered_before_its_check_publishes_only_bytes_that_verified(etcd_server, spawn_daemon,
                                                                               monkeypatch, transport):
-    """Puts are answered before the node's checksum pass; a block whose bytes then fail it is never
-    published (nor read as a hit), one that passes is, on every put path (inline and engine)."""
+    """Puts of 2 MiB or more are answered before the node's checksum pass; a block whose bytes then
+    fail it is never published (nor read as a hit), one that passes is, on every put path (inline
+    and engine). A smaller put is checked before its answer."""
     import kvstore.client
 
     cluster = uuid.uuid4().hex[:8]
     daemon = spawn_daemon("verify-after", etcd_server.url, cluster, secret=SECRET)
-    sizes = [64 << 10, 8 << 20]  # one inline (one round trip), one reserve/engine write/commit
+    sizes = [3 << 20, 8 << 20]  # same host: one inline (one round trip), one reserve/engine write/commit
     good, bad = external_hashes([1, 2], FP), external_hashes([3, 4], FP)
+    small = external_hashes([5], FP)[0]
+    bad.append(small)
     checksum = kvstore.client.block_checksum
     # The client sends a checksum its bytes do not have, as a corrupted transfer would look to the node.
     monkeypatch.setattr(kvstore.client, "block_checksum", lambda h, d: checksum(h, d) ^ (h in bad))
@@ -286,11 +290,13 @@ def test_a_put_answered_before_its_check_publishes_only_bytes_that_verified(etcd
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
         for h, size in zip(good + bad, sizes + sizes):
             assert client.put(h, content(h, size)) == 1  # written: the answer does not wait for the check
+        with pytest.raises(PutFailed, match="checksum mismatch"):
+            client.put(small, content(small, 64 << 10))
         assert other.mirror.wait_until(lambda m: all(m.contains(FP, h) for h in good), 5)
-        assert wait_for(lambda: stats(daemon).counters.get("corrupt_writes", 0) == 2)
+        assert wait_for(lambda: stats(daemon).counters.get("corrupt_writes", 0) == 3)
         time.sleep(0.3)  # past a publish batch: what was dropped must not show up late either
         assert not any(other.contains(h) for h in bad)
-        for h, size in zip(good + bad, sizes + sizes):
+        for h, size in zip(good + bad, sizes + sizes + [64 << 10]):
             out = np.zeros(size, np.uint8)
             assert other.get(h, out) == (h in good) and (h not in good or np.array_equal(out, content(h, size)))
             assert client.get(h, out) == (h in good)  # the putter's own record of a dropped block misses

@@ -20,6 +20,11 @@ def content(block_hash: bytes) -> np.ndarray:
     return np.random.default_rng(int.from_bytes(block_hash[:8], "little")).integers(0, 256, BLOCK, dtype=np.uint8)
 
 
+@pytest.fixture(autouse=True)
+def verify_small_commits_later(monkeypatch):
+    monkeypatch.setattr(store_module, "VERIFY_LATER_MIN", 0)  # these tests' blocks are 64 KiB
+
+
 @pytest.fixture
 def store():
     with Engine("written-unit", listen=None) as engine:
@@ -133,3 +138,11 @@ def test_a_checksum_pass_that_fails_frees_its_blocks(store, monkeypatch):
     with pytest.raises(OSError):
         store.seal_written()
     assert store.dram.used == 0 and store.reserve(FP.digest, [h], [BLOCK])[0][0][1] is not None
+
+
+def test_a_small_commit_verifies_at_once_even_when_asked_to_verify_later(store, monkeypatch):
+    monkeypatch.setattr(store_module, "VERIFY_LATER_MIN", 2 * BLOCK)
+    (h,), _, errors, updates = write_later(store, [1], wrong=True)
+    assert errors[0].startswith("checksum mismatch") and updates == []
+    hashes, _, errors, updates = write_later(store, [2, 3])  # 2 blocks: at the bound, verified later
+    assert errors == ["", ""] and updates == [] and [u[1] for u in store.seal_written()] == hashes
