@@ -248,11 +248,12 @@ class LocalControl:
             raise
         todo = [(i, t) for i, (t, s) in enumerate(slots) if s is not None]
         got: list = []
+        sync = bool(request.get("sync"))  # verified and published before the answer
         errors, updates = self.store.commit(fingerprint, [t for _, t in todo], [checksums[i] for i, _ in todo], got,
-                                            verify=bool(request.get("sync")))
+                                            verify=sync)
         if updates:
             try:
-                self._publish(updates, bool(request.get("sync")))
+                self._publish(updates, sync)
             except (MetadataError, KVStoreError) as exc:
                 return self._error(exc)
         all_errors: list[str] = [""] * len(hashes)

@@ -1,8 +1,8 @@
 """Index updates go to the metadata service in the background, in pipelined batches.
 
 A put returns once its block is written on the node; the record reaches etcd with the next batch
-after the node verified it (usually a few milliseconds later). Updates are coalesced per block — the last word on a block
-wins — and one batch is in flight at a time while the next one gathers. One exception: a deletion
+after the node verified it (usually a few milliseconds later). Updates are coalesced per block —
+the last word on a block wins — and one batch is in flight at a time while the next one gathers. One exception: a deletion
 that follows a put not yet sent is held for the batch after that put's, because deleting a key
 etcd never had is no event at all, and the putting client, whose mirror learned the block from the
 put's reply, would keep listing it. A batch that fails (etcd down, lease lost) goes back under

@@ -30,7 +30,7 @@ Key = tuple[str, bytes]  # (fingerprint, block hash)
 Update = tuple[str, bytes, BlockRecord | None]
 MAX_BLOCK_BYTES = 64 << 20
 LOCK_SPAN = 4096  # blocks a lookup, touch or remove handles per hold of the lock: a huge one delays a put by one span
-WRITTEN_MAX = 256 << 20  # bytes committed but not yet verified; past it a commit verifies at once (backpressure)
+WRITTEN_MAX = 256 << 20  # bytes committed but not verified yet; past it a commit verifies at once (backpressure)
 # Smaller commits verify at once even when asked to verify later: their pass is shorter than handing
 # them to the verifier thread (paired A/B, same host: a lone 64 KiB or 1 MiB put 7-16 % slower
 # handed over, 32 x 64 KiB 28 % faster).
@@ -91,7 +91,6 @@ class BlockStore:
         self.counters = counters if counters is not None else {}
         self._pending: dict[int, Slot] = {}
         self._written: dict[Key, Slot] = {}  # committed, to be verified by seal_written (in order)
-        self._written_bytes = 0
         self._verifying: dict[Key, Slot] = {}  # taken by seal_written, being verified now
         self.lock = threading.RLock()
         self._has_written = threading.Condition(self.lock)
@@ -109,6 +108,10 @@ class BlockStore:
             if slot is not None:
                 return slot
         return None
+
+    def _unverified_bytes(self) -> int:
+        """Bytes of blocks committed but not verified yet (written or being verified)."""
+        return sum(slot.size for slots in (self._written, self._verifying) for slot in slots.values())
 
     def _held(self, key: Key) -> Slot | None:
         """The block's slot, sealed or written (awaiting or under verification)."""
@@ -194,7 +197,7 @@ class BlockStore:
                 slots.append(self._pending.pop(token) if slot is not None and slot.key[0] == fingerprint else None)
             mine = [slot for slot in slots if slot is not None]
             size = sum(slot.size for slot in mine)
-            if not verify and VERIFY_LATER_MIN <= size and self._written_bytes + size <= WRITTEN_MAX:
+            if not verify and VERIFY_LATER_MIN <= size and self._unverified_bytes() + size <= WRITTEN_MAX:
                 self._seal([(slot, checksum, None) for slot, checksum in zip(slots, checksums)], errors, out)
                 self._has_written.notify_all()
                 return errors, []
@@ -234,7 +237,6 @@ class BlockStore:
             if landed is None:
                 slot.checksum = checksum
                 self._written[slot.key] = slot
-                self._written_bytes += slot.size
                 errors.append("")
                 out.append(slot.record())
                 continue
@@ -258,7 +260,6 @@ class BlockStore:
         verified by its verifier. Whether there was one."""
         slot = self._written.pop(key, None)
         if slot is not None:
-            self._written_bytes -= slot.size
             self.dram.allocator.release(slot.offset, slot.size)
             return True
         return self._verifying.pop(key, None) is not None
@@ -273,7 +274,6 @@ class BlockStore:
         whose bytes match (their index updates come back), drop the others (`corrupt_writes`)."""
         with self.lock:
             batch, self._written = list(self._written.values()), {}
-            self._written_bytes = 0
             # Being verified, a slot is still held (reserve and records see it); a removal takes it
             # out of `_verifying`, and its slot is freed below instead of sealed.
             self._verifying.update((slot.key, slot) for slot in batch)
@@ -507,9 +507,9 @@ class BlockStore:
                     slot = self.find(key)
                     if slot is not None:
                         self._drop(slot)
-                    if not self._unwrite(key) and slot is None:
-                        continue
-                    updates.append((fingerprint, bytes(block_hash), None))
+                    unwritten = self._unwrite(key)
+                    if slot is not None or unwritten:
+                        updates.append((fingerprint, bytes(block_hash), None))
         return len(updates), updates
 
     def all_records(self) -> list[Update]:

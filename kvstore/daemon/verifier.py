@@ -14,7 +14,6 @@ import logging
 import threading
 from typing import Callable
 
-from ..errors import KVStoreError, MetadataError
 from .store import BlockStore, Update
 
 log = logging.getLogger(__name__)
@@ -44,10 +43,7 @@ class Verifier:
         with self._sealing:
             updates = self._store.seal_written()
         if updates:
-            try:
-                self._publish(updates, False)
-            except (MetadataError, KVStoreError) as exc:  # queued publishing does not raise today
-                log.warning("could not queue %d verified blocks for publishing: %s", len(updates), exc)
+            self._publish(updates, False)  # queued: never waits for the metadata service
 
     def stop(self) -> None:
         self._stopped.set()
