@@ -31,12 +31,13 @@ import grpc
 
 from transfer import Engine, Peer, Read, Region, TransferError, UnsupportedBuffer, Write
 from transfer.descriptor import host_id
+from transfer.digest import AVAILABLE as digest_available
 
 from .access import ControlAuth, cluster_secret
 from .errors import (AllocationFailed, AuthenticationFailed, FingerprintMismatch, KVStoreError,
                      NodeRefused, NoStoreNodes, PutFailed, WrongSize)
 from .index import IndexMirror
-from .integrity import block_checksum, block_checksums, checksum_state
+from .integrity import block_checksums, checksum_seeds, checksum_state
 from .keys import HASH_BYTES, ModelFingerprint
 from .layout import BlockRecord, NodeRecord
 from .local_node import LocalNode, TierFile, read_block
@@ -265,12 +266,12 @@ class Client:
         views = [host_bytes(d) for _, d in items]
         if any(v.nbytes == 0 for v in views):
             raise WrongSize("cannot store an empty block")
-        sums: list[int | None] = [None] * len(views)
+        sums: list[int | None] = [None] * len(views)  # each computed once, when a round first needs it
 
-        def checksums(start: int, end: int) -> list[int]:  # computed once, when a round first needs them
-            for i in range(start, end):
-                if sums[i] is None:
-                    sums[i] = block_checksum(hashes[i], views[i])
+        def checksums(start: int, end: int) -> list[int]:
+            todo = [i for i in range(start, end) if sums[i] is None]
+            for i, value in zip(todo, block_checksums([hashes[i] for i in todo], [views[i] for i in todo])):
+                sums[i] = value
             return sums[start:end]
 
         total = sum(v.nbytes for v in views)
@@ -299,7 +300,8 @@ class Client:
                             end += 1
                         with self.mirror.asking(fp, record.name, hashes[start:end]) as since:
                             stored += self._put_on(record.name, fp, hashes[start:end], views[start:end],
-                                                   functools.partial(checksums, start, end), regions, start, since)
+                                                   functools.partial(checksums, start, end), sums, regions,
+                                                   start, since)
                         start = end
                     placed += 1
                 except AuthenticationFailed:
@@ -321,9 +323,11 @@ class Client:
         return stored
 
     def _put_on(self, name: str, fp: str, hashes: list[bytes], views: list[memoryview],
-                checksums_of: Callable[[], list[int]], regions, first: int, since: int) -> int:
+                checksums_of: Callable[[], list[int]], sums: list[int | None], regions, first: int,
+                since: int) -> int:
         """One round of blocks onto `name`; returns how many it newly stored (`since`: from the
-        mirror's `asking`, taken before the round's first request)."""
+        mirror's `asking`, taken before the round's first request; `sums`: the put's checksums
+        known so far, by index in the whole put, filled in by a copy that takes them)."""
         local = self._local(name)
         size = sum(v.nbytes for v in views)
         sync = self.publish == "sync"
@@ -346,8 +350,10 @@ class Client:
         # Large: reserve, write with the engine (shared memory on this host), commit.
         node = self._node(name)
         regs = regions()[first : first + len(views)]
-        # Checksums while the reserve is out (python-xxhash releases the GIL), not beside the copy.
-        hashing = self._hasher.submit(checksums_of)
+        # Same host: the engine's copy into the mapped arena takes the checksums on the way (one pass
+        # over the bytes, in cache). Elsewhere they are computed, without the GIL, while the reserve is out.
+        fused = local is not None and digest_available and any(sums[first + i] is None for i in range(len(views)))
+        hashing = None if fused else self._hasher.submit(checksums_of)
         self.stats["control_calls"] += 1
         if local is not None:
             reply, _ = local.call({"op": "reserve", "fp": fp, "hashes": [h.hex() for h in hashes],
@@ -362,12 +368,20 @@ class Client:
             return 0
         tokens = [token for _, token, _, _ in slots]
         try:
-            moving = self.engine.submit([Write(regs[i], 0, node.peer.region(region), offset, regs[i].size)
-                                         for i, _, region, offset in slots])
-            try:
-                checksums = hashing.result()
-            finally:
+            writes = [Write(regs[i], 0, node.peer.region(region), offset, regs[i].size) for i, _, region, offset in slots]
+            if fused and all(write.remote.shm for write in writes):
+                moving = self.engine.submit(writes, digest_seeds=checksum_seeds([hashes[i] for i, _, _, _ in slots]))
                 moving.wait(self.timeout)
+                checksums = sums[first : first + len(views)]
+                for (i, _, _, _), value in zip(slots, moving.digests()):
+                    checksums[i] = sums[first + i] = value
+            else:
+                hashing = hashing or self._hasher.submit(checksums_of)
+                moving = self.engine.submit(writes)
+                try:
+                    checksums = hashing.result()
+                finally:
+                    moving.wait(self.timeout)
             self.stats["control_calls"] += 1
             todo = [hashes[i] for i, _, _, _ in slots]
             if local is not None:

@@ -12,6 +12,12 @@ def _seed(block_hash: bytes) -> int:
     return int.from_bytes(block_hash[:8], "little")
 
 
+def checksum_seeds(block_hashes: Sequence[bytes]) -> list[int]:
+    """The xxh3 seed of each block's checksum: engine copies take checksums on the way with these
+    (`Engine.submit(..., digest_seeds=...)`)."""
+    return [_seed(h) for h in block_hashes]
+
+
 def block_checksum(block_hash: bytes, data) -> int:
     """Checksum of `data` (a buffer, or a list or tuple of buffers taken in order) as block `block_hash`."""
     if not isinstance(data, (list, tuple)):

@@ -282,9 +282,13 @@ def test_a_put_answered_before_its_check_publishes_only_bytes_that_verified(etcd
     good, bad = external_hashes([1, 2], FP), external_hashes([3, 4], FP)
     small = external_hashes([5], FP)[0]
     bad.append(small)
-    checksum = kvstore.client.block_checksum
-    # The client sends a checksum its bytes do not have, as a corrupted transfer would look to the node.
-    monkeypatch.setattr(kvstore.client, "block_checksum", lambda h, d: checksum(h, d) ^ (h in bad))
+    checksums, seeds = kvstore.client.block_checksums, kvstore.client.checksum_seeds
+    # The client sends a checksum its bytes do not have, as a corrupted transfer would look to the node:
+    # computed ones (inline puts, TCP), and those the same-host engine copy takes (a digest under
+    # another seed).
+    monkeypatch.setattr(kvstore.client, "block_checksums",
+                        lambda hs, ds: [c ^ (h in bad) for h, c in zip(hs, checksums(hs, ds))])
+    monkeypatch.setattr(kvstore.client, "checksum_seeds", lambda hs: [s ^ (h in bad) for h, s in zip(hs, seeds(hs))])
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport=transport) as client, \
             Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport=transport) as other:
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
