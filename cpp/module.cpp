@@ -2,7 +2,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <poll.h>
+
+#include <chrono>
 #include <optional>
+#include <thread>
 
 #include <string_view>
 
@@ -53,6 +57,19 @@ PYBIND11_MODULE(_native, m) {
     std::string_view bytes(data);
     return kvt::xxh3(bytes.data(), bytes.size(), seed);
   }, py::arg("data"), py::arg("seed"), "xxh3-64 of `data` as the engine's digests take it (checks the load).");
+
+  m.def("wait_readable", [](int fd, double spin_s) {
+    py::gil_scoped_release nogil;
+    auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(spin_s);
+    pollfd p{fd, POLLIN, 0};
+    do {
+      if (::poll(&p, 1, 0) != 0) return true;  // readable, closed or an error: the caller's recv says which
+      std::this_thread::yield();  // whatever else is runnable on this vCPU (the peer, etcd) goes first
+    } while (std::chrono::steady_clock::now() < until);
+    return false;
+  }, py::arg("fd"), py::arg("spin_s"),
+     "Poll `fd` without the GIL for up to spin_s seconds; whether it became readable. A reply due within "
+     "microseconds is met awake: waking a parked thread on an idle vCPU costs tens of microseconds.");
 
   m.def("buffer_address", [](const py::buffer& b) {
     py::buffer_info info = b.request();

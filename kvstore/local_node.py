@@ -16,7 +16,7 @@ from transfer import _native
 
 from .errors import AllocationFailed, NodeRefused, WrongSize
 from .layout import BlockRecord
-from .local_wire import Frames, connect
+from .local_wire import REPLY_SPIN_S, Frames, connect
 
 LOCAL_CONNECTIONS = 32  # idle same-host connections kept per node (one per concurrent caller)
 POOLED_IDLE_S = 60.0  # a pooled connection idle longer is dropped: the node closes them after 120 s
@@ -62,7 +62,7 @@ class LocalNode:
         fd = None
         try:
             frames.send(message, attachments)  # each send bounded by the socket's timeout
-            reply = frames.recv(timeout or self.timeout, exact=want_fd)
+            reply = frames.recv(timeout or self.timeout, exact=want_fd, spin=REPLY_SPIN_S)
             if want_fd and reply.get("ok"):
                 _, fds, _, _ = socket.recv_fds(frames.sock, 1, 1)
                 if len(fds) != 1:

@@ -10,9 +10,16 @@ import struct
 import time
 from typing import Any, Sequence
 
+from transfer._native import wait_readable
 from transfer.auth import client_handshake
 
 MAX_FRAME = 4 << 20  # a put of 4096 blocks still fits its header
+# Waking a thread parked on an idle vCPU costs 20-30 us here, twice per round trip (a unix socket
+# ping-pong between two processes: 43 us parked, 5 us polling). A reply, and a client's next
+# request, usually come sooner than these: polled for (without the GIL, yielding to anything else
+# runnable) before parking. Serial 64 KiB puts: p50 155 us against 234 us parked, p90 321 vs 425.
+REPLY_SPIN_S = 200e-6
+NEXT_REQUEST_SPIN_S = 100e-6
 _MAC = 32
 
 
@@ -124,10 +131,13 @@ class Frames:
             self.recv_into(scratch[:take], deadline)
             n -= take
 
-    def recv(self, timeout: float, idle: float = 0.0, exact: bool = False) -> dict[str, Any]:
+    def recv(self, timeout: float, idle: float = 0.0, exact: bool = False, spin: float = 0.0) -> dict[str, Any]:
         """One frame within `timeout`; with `idle` (seconds), the wait for its first byte may last
         that long instead (a server waiting for the next request; ConnectionAbortedError after it),
-        the rest still has `timeout`. `exact`: read nothing past the frame (a descriptor follows it)."""
+        the rest still has `timeout`. `exact`: read nothing past the frame (a descriptor follows it).
+        `spin`: first poll this many seconds without the GIL for the frame to arrive."""
+        if spin and self._tail - self._head < 4:
+            wait_readable(self.sock.fileno(), spin)
         deadline = None if idle else time.monotonic() + timeout
         self._fill(4, deadline, time.monotonic() + idle if idle else None, exact)
         deadline = time.monotonic() + timeout if deadline is None else deadline

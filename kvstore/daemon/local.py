@@ -33,7 +33,7 @@ from transfer.auth import server_handshake
 from transfer.listener import peer_uid
 
 from ..errors import AllocationFailed, InvalidRequest, KVStoreError, MetadataError
-from ..local_wire import Frames, MalformedFrame
+from ..local_wire import NEXT_REQUEST_SPIN_S, Frames, MalformedFrame
 from .store import MAX_BLOCK_BYTES, BlockStore, Update
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class LocalControl:
             frames = Frames(conn, session.tx, session.rx, self._timeout)
             while not self._closed.is_set():
                 try:
-                    request = frames.recv(self._timeout, idle=IDLE_S)
+                    request = frames.recv(self._timeout, idle=IDLE_S, spin=NEXT_REQUEST_SPIN_S)
                 except MalformedFrame as exc:
                     frames.send({"ok": False, "code": "invalid", "error": str(exc)})
                     continue

@@ -157,6 +157,36 @@ def test_a_call_given_longer_than_the_socket_timeout_waits_for_its_answer():
         assert client.recv(1.0) == {"ok": True}
 
 
+@pytest.mark.timeout(20)
+def test_a_spinning_receive_reads_frames_that_come_before_during_or_after_the_spin():
+    with frames_pair(1.0) as (client, server):
+        server.send({"n": 1})
+        assert client.recv(1.0, spin=0.01) == {"n": 1}  # already here
+        threading.Timer(0.002, lambda: server.send({"n": 2})).start()
+        assert client.recv(1.0, spin=0.5) == {"n": 2}  # during the spin
+        threading.Timer(0.3, lambda: server.send({"n": 3})).start()
+        assert client.recv(1.0, spin=0.001) == {"n": 3}  # after it: the usual blocking wait
+        server.sock.shutdown(socket.SHUT_WR)
+        with pytest.raises(ConnectionError):
+            client.recv(1.0, spin=0.5)  # a closed peer ends the spin and the receive
+
+
+@pytest.mark.timeout(20)
+def test_wait_readable_returns_when_bytes_arrive_and_gives_up_after_its_spin():
+    from transfer._native import wait_readable
+
+    ours, theirs = socket.socketpair()
+    try:
+        assert not wait_readable(ours.fileno(), 0.001)  # nothing came: False after the spin
+        threading.Timer(0.05, lambda: theirs.send(b"x")).start()
+        started = time.monotonic()
+        assert wait_readable(ours.fileno(), 10.0)
+        assert time.monotonic() - started < 5.0  # it returned on the bytes, not at the end of its spin
+    finally:
+        ours.close()
+        theirs.close()
+
+
 def test_bytes_already_here_are_read_even_past_the_deadline():
     """The deadline bounds waiting, not reading: a put whose bytes all arrived while the node was
     busy reserving still lands."""
