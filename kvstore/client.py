@@ -51,6 +51,17 @@ LOCAL_INLINE_MAX = 4 << 20  # same host: puts up to this many bytes carry them i
 GRPC_INLINE_MAX = 256 << 10  # other hosts: puts up to this many bytes carry them in one gRPC Put
 SYNC_PUBLISH_WAITS = 4  # a sync put answers within this many timeouts (the node waits up to 3 to publish)
 USAGE_FRESH_S = 2.5  # a node's use from its last reply beats its published record (every 2 s) this long
+LEASE_MAX_BYTES = 64 << 20  # leased slots kept per node, fingerprint and block size (one put's worth, up to this)
+
+
+@dataclass
+class _Leased:
+    """A slot a node leased to this client for a later put (see `_put_by_engine`)."""
+
+    token: int
+    region: int
+    offset: int
+    usable_until: float  # monotonic: written into only before this
 
 
 @dataclass
@@ -113,6 +124,7 @@ class Client:
         self._local_addresses: dict[str, tuple[str, Any]] = {}  # node -> (segment seen, its socket name)
         self._inflight: dict[str, int] = {}  # node -> bytes of this client's puts under way there
         self._usage: dict[str, tuple[int, int, float]] = {}  # node -> (used, capacity, when) from its replies
+        self._leases: dict[tuple[str, str, int], list[_Leased]] = {}  # (node, fingerprint, block size) -> slots
         self._io: ThreadPoolExecutor | None = None  # NVMe tier reads of a batch, in parallel
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvs-checksum")  # a large put's checksums
         self.stats: dict[str, int] = {"control_calls": 0, "local_puts": 0, "nvme_fd_reads": 0, "nvme_fd_bytes": 0}
@@ -184,6 +196,8 @@ class Client:
         with self._lock:
             node = self._nodes.pop(name, None)
             local = self._locals.pop(name, None)
+            for key in [key for key in self._leases if key[0] == name]:  # its slots are of no use now
+                del self._leases[key]
         if node is not None:
             node.peer.close()
             node.channel.close()
@@ -347,23 +361,37 @@ class Client:
                 fingerprint=fp, hashes=hashes, payloads=[bytes(v) for v in views], checksums=checksums_of(),
                 client=self.engine.name, sync=sync), answer_within)
             return self._sealed(name, fp, hashes, reply, since)
-        # Large: reserve, write with the engine (shared memory on this host), commit.
-        node = self._node(name)
-        regs = regions()[first : first + len(views)]
+        return self._put_by_engine(name, fp, hashes, regions()[first : first + len(views)], checksums_of,
+                                   sums, first, since, answer_within)
+
+    def _put_by_engine(self, name: str, fp: str, hashes: list[bytes], regs: list[Region],
+                       checksums_of: Callable[[], list[int]], sums: list[int | None], first: int, since: int,
+                       answer_within: float) -> int:
+        """Large blocks: write them with the engine (into the node's mapped arena on this host)
+        into slots leased by an earlier commit, or else reserved now, then commit them (asking for
+        slots for the next put of this shape)."""
+        node, local = self._node(name), self._local(name)
+        size = regs[0].size if all(r.size == regs[0].size for r in regs) else 0  # leases are of one size
         # Same host: the engine's copy into the mapped arena takes the checksums on the way (one pass
-        # over the bytes, in cache). Elsewhere they are computed, without the GIL, while the reserve is out.
-        fused = local is not None and digest_available and any(sums[first + i] is None for i in range(len(views)))
+        # over the bytes, in cache). Elsewhere they are computed, without the GIL, beside the reserve
+        # (or beside the write, when slots are leased: hashing first is no faster).
+        fused = local is not None and digest_available and any(sums[first + i] is None for i in range(len(regs)))
         hashing = None if fused else self._hasher.submit(checksums_of)
-        self.stats["control_calls"] += 1
-        if local is not None:
+        leased = self._take_lease(name, fp, size, len(regs)) if size else None
+        if leased is not None:
+            slots = [(i, slot.token, slot.region, slot.offset) for i, slot in enumerate(leased)]
+        elif local is not None:
+            self.stats["control_calls"] += 1
             reply, _ = local.call({"op": "reserve", "fp": fp, "hashes": [h.hex() for h in hashes],
                                    "sizes": [r.size for r in regs]})
             slots = [(i, s[0], s[1], s[2]) for i, s in enumerate(reply["slots"]) if s is not None]
+            self._seen(name, reply)
         else:
+            self.stats["control_calls"] += 1
             reply = self._rpc(node.stub.Reserve, store_pb2.ReserveRequest(
                 fingerprint=fp, hashes=hashes, sizes=[r.size for r in regs], client=self.engine.name))
             slots = [(i, s.token, s.region, s.offset) for i, s in enumerate(reply.slots) if not s.exists]
-        self._seen(name, reply)
+            self._seen(name, reply)
         if not slots:
             return 0
         tokens = [token for _, token, _, _ in slots]
@@ -372,7 +400,7 @@ class Client:
             if fused and all(write.remote.shm for write in writes):
                 moving = self.engine.submit(writes, digest_seeds=checksum_seeds([hashes[i] for i, _, _, _ in slots]))
                 moving.wait(self.timeout)
-                checksums = sums[first : first + len(views)]
+                checksums = sums[first : first + len(regs)]
                 for (i, _, _, _), value in zip(slots, moving.digests()):
                     checksums[i] = sums[first + i] = value
             else:
@@ -384,14 +412,26 @@ class Client:
                     moving.wait(self.timeout)
             self.stats["control_calls"] += 1
             todo = [hashes[i] for i, _, _, _ in slots]
+            named = todo if leased is not None else None
+            # Enough slots for another put like this one, less what is leased already.
+            want = self._lease_wanted(name, fp, size, len(regs))
+            asked = time.monotonic()
             if local is not None:
                 commit, _ = local.call({"op": "commit", "fp": fp, "tokens": tokens,
-                                        "checksums": [checksums[i] for i, _, _, _ in slots], "sync": sync},
+                                        "checksums": [checksums[i] for i, _, _, _ in slots],
+                                        "sync": self.publish == "sync", "lease": {"size": size, "count": want},
+                                        **({"hashes": [h.hex() for h in named]} if named else {})},
                                        timeout=answer_within)
-                return self._sealed(name, fp, todo, commit, since)
-            commit = self._rpc(node.stub.Commit, store_pb2.CommitRequest(
-                fingerprint=fp, tokens=tokens, checksums=[checksums[i] for i, _, _, _ in slots], sync=sync),
-                answer_within)
+                granted = [_Leased(t, r, o, 0.0) for t, r, o, n in commit.get("lease") or [] if n == size]
+                ttl = commit.get("lease_ttl")
+            else:
+                commit = self._rpc(node.stub.Commit, store_pb2.CommitRequest(
+                    fingerprint=fp, tokens=tokens, checksums=[checksums[i] for i, _, _, _ in slots],
+                    sync=self.publish == "sync", hashes=named or [], lease_size=size, lease_count=want),
+                    answer_within)
+                granted = [_Leased(s.token, s.region, s.offset, 0.0) for s in commit.lease if s.size == size]
+                ttl = commit.lease_ttl
+            self._keep_lease(name, fp, size, granted, asked, ttl)
             return self._sealed(name, fp, todo, commit, since)
         except BaseException:
             try:
@@ -402,6 +442,56 @@ class Client:
             except (grpc.RpcError, KVStoreError, OSError, ValueError):
                 pass  # the node reclaims expired reservations by itself
             raise
+
+    # --- leased slots --------------------------------------------------------------------------
+    def _take_lease(self, name: str, fp: str, size: int, count: int) -> list["_Leased"] | None:
+        """`count` leased slots of `size` bytes on `name`, fresh enough for a write of up to a
+        timeout to end well before the node could give them away; None when there are not enough."""
+        with self._lock:
+            pool = self._leases.get((name, fp, size))
+            if not pool:
+                return None
+            fresh = time.monotonic() + self.timeout
+            pool[:] = [slot for slot in pool if slot.usable_until > fresh]
+            if len(pool) < count:
+                return None
+            taken, pool[:] = pool[:count], pool[count:]
+            return taken
+
+    def _lease_wanted(self, name: str, fp: str, size: int, count: int) -> int:
+        """How many slots to ask for with a commit: another put of `count` blocks, less those held."""
+        if not size:
+            return 0
+        with self._lock:
+            held = len(self._leases.get((name, fp, size), ()))
+        return max(0, min(count, LEASE_MAX_BYTES // size) - held)
+
+    def _keep_lease(self, name: str, fp: str, size: int, granted: list["_Leased"], asked: float, ttl: Any) -> None:
+        """Keep slots a commit leased. The node holds them for `ttl` seconds from some moment after
+        `asked`: we write into one only while half of that is left, less a timeout."""
+        if not granted or not isinstance(ttl, (int, float)) or ttl <= 0:
+            return
+        until = asked + ttl / 2 - self.timeout
+        with self._lock:
+            self._leases.setdefault((name, fp, size), []).extend(
+                _Leased(slot.token, slot.region, slot.offset, until) for slot in granted)
+
+    def _return_leases(self) -> None:
+        """Give back every slot still leased (closing): the nodes need not wait for their expiry."""
+        with self._lock:
+            leases, self._leases = self._leases, {}
+        by_node: dict[str, list[int]] = {}
+        for (name, _, _), pool in leases.items():
+            by_node.setdefault(name, []).extend(slot.token for slot in pool)
+        for name, tokens in by_node.items():
+            try:
+                local = self._local(name)
+                if local is not None:
+                    local.call({"op": "abort", "tokens": tokens})
+                elif name in self._nodes:
+                    self._rpc(self._nodes[name].stub.Abort, store_pb2.AbortRequest(tokens=tokens))
+            except (grpc.RpcError, KVStoreError, OSError, ValueError) as exc:
+                log.debug("returning leased slots to %s failed: %s", name, exc)
 
     def _sealed(self, name: str, fp: str, hashes: list[bytes], reply: Any, since: int) -> int:
         """Check a put's answer (a same-host dict with hex records, or a gRPC reply), teach our own
@@ -751,6 +841,7 @@ class Client:
         if timer is not None:
             timer.cancel()
         self._flush_touches()  # waits for a timer's flush already running
+        self._return_leases()
         with self._flush_lock:
             self._channels_closed = True
             for node in self._nodes.values():

@@ -13,7 +13,10 @@ Requests (one reply frame each):
            one round trip: reserve, receive straight into the DRAM arena, then (sync) verify, seal and
            publish before answering, or answer and leave verifying and publishing to the verifier
   reserve  {fp, hashes, sizes} -> {slots: [[token, region, offset, size] | null], used, capacity}
-  commit   {fp, tokens, checksums, sync} -> {records, errors, used, capacity}
+  commit   {fp, tokens, checksums, sync, hashes?, lease?: {size, count}} -> {records, errors, used,
+           capacity, lease: [[token, region, offset, size]], lease_ttl}: `hashes` (hex, one per token)
+           name the blocks written into leased slots; `lease` asks for slots for the next put (granted
+           from free space only, maybe fewer or none), which that put writes before its commit names them
   abort    {tokens} -> {}
   lookup   {fp, hashes} -> {records: [hex | null]}: where this node holds the blocks now
   tier     {} -> {region, size, direct} and, over SCM_RIGHTS, a read-only fd of the NVMe tier file
@@ -180,7 +183,12 @@ class LocalControl:
         if op == "commit":
             tokens = _ints(request.get("tokens"), "tokens", len(request.get("tokens") or []))
             checksums = _ints(request.get("checksums"), "checksums", len(tokens))
-            return self._commit(fingerprint, tokens, checksums, bool(request.get("sync"))), None
+            hashes = _hashes(request["hashes"]) if request.get("hashes") is not None else None
+            lease = request.get("lease") or {}
+            if not isinstance(lease, dict):
+                raise _Invalid("lease: {size, count}")
+            size, count = _ints([lease.get("size", 1), lease.get("count", 0)], "lease size and count", 2, MAX_BLOCK_BYTES)
+            return self._commit(fingerprint, tokens, checksums, bool(request.get("sync")), hashes, size, count), None
         if op == "lookup":
             if not isinstance(fingerprint, str):
                 raise _Invalid("fp: a string")
@@ -203,16 +211,24 @@ class LocalControl:
             return {"ok": False, "code": "unavailable", "error": f"metadata service: {exc}"}
         return {"ok": False, "code": "refused", "error": str(exc)}
 
-    def _commit(self, fingerprint: str, tokens: list[int], checksums: list[int], sync: bool) -> dict:
+    def _commit(self, fingerprint: str, tokens: list[int], checksums: list[int], sync: bool,
+                hashes: list[bytes] | None, lease_size: int, lease_count: int) -> dict:
         records: list = []
-        # Verified now only when the client waits for publication; else by the verifier, after the answer.
-        errors, updates = self.store.commit(fingerprint, tokens, checksums, records, verify=sync)
+        try:
+            self.store.check_lease(lease_size if lease_count else 1, lease_count)  # refused before committing
+            # Verified now only when the client waits for publication; else by the verifier, after the answer.
+            errors, updates = self.store.commit(fingerprint, tokens, checksums, records, verify=sync, hashes=hashes)
+        except InvalidRequest as exc:
+            return self._error(exc)
         if updates:
             try:
                 self._publish(updates, sync)
             except (MetadataError, KVStoreError) as exc:
                 return self._error(exc)
-        return {"ok": True, "records": [r and r.encode().hex() for r in records], "errors": errors, **self._usage()}
+        leased = self.store.lease(fingerprint, lease_size, lease_count) if lease_count and self._accepting() else []
+        return {"ok": True, "records": [r and r.encode().hex() for r in records], "errors": errors,
+                "lease": [[token, slot.tier.region.id, slot.offset, slot.size] for token, slot in leased],
+                "lease_ttl": self.store.reservation_timeout, **self._usage()}
 
     def _put(self, request: dict, frames: Frames, deadline: float) -> dict:
         """Reserve, receive the bytes straight into the arena, verify, seal: one round trip."""

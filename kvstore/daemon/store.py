@@ -35,6 +35,9 @@ WRITTEN_MAX = 256 << 20  # bytes committed but not verified yet; past it a commi
 # them to the verifier thread (paired A/B, same host: a lone 64 KiB or 1 MiB put 7-16 % slower
 # handed over, 32 x 64 KiB 28 % faster).
 VERIFY_LATER_MIN = 2 << 20
+LEASE_MAX_SLOTS = 4096  # slots one lease may ask for
+LEASE_SHARE = 8  # one lease takes at most this fraction of DRAM
+UNNAMED = b""  # the hash of a leased slot until a commit names its block
 
 
 def _spans(hashes: Sequence[bytes]) -> Iterator[Sequence[bytes]]:
@@ -176,25 +179,72 @@ class BlockStore:
                 out.append((token, slot))
         return out, updates
 
+    @staticmethod
+    def check_lease(size: int, count: int) -> None:
+        """Refuse a lease request that could never be granted (before the commit it rides with)."""
+        if not 0 < size <= MAX_BLOCK_BYTES:
+            raise WrongSize(f"block size {size} outside 1..{MAX_BLOCK_BYTES}")
+        if not 0 <= count <= LEASE_MAX_SLOTS:
+            raise InvalidRequest(f"a lease is of 0..{LEASE_MAX_SLOTS} slots, not {count}")
+
+    def lease(self, fingerprint: str, size: int, count: int) -> list[tuple[int, Slot]]:
+        """Up to `count` slots of `size` bytes for blocks not named yet (a client's next put:
+        written before their commit names them, saving that put its reserve), as (token, slot).
+        Taken from free space below the high watermark only, so a lease never evicts: it may
+        come back short or empty. Held and expired like reservations."""
+        if not isinstance(fingerprint, str) or not NAME.fullmatch(fingerprint):
+            raise InvalidRequest(f"fingerprint {str(fingerprint)[:80]!r} must be {NAME_RULE}")
+        self.check_lease(size, count)
+        tier, out = self.dram, []
+        count = min(count, tier.capacity // LEASE_SHARE // align_up(size))
+        with self.lock:
+            self._expire_reservations()
+            for _ in range(count):
+                if tier.used + align_up(size) > tier.high * tier.capacity:
+                    break
+                offset = tier.allocator.allocate(size)
+                if offset is None:
+                    break
+                token = _new_token(self._pending)
+                self._pending[token] = Slot((fingerprint, UNNAMED), tier, offset, size)
+                out.append((token, self._pending[token]))
+        self._count("leased_slots", len(out))
+        return out
+
     def commit(self, fingerprint: str, tokens: Sequence[int], checksums: Sequence[int],
-               records: list | None = None, verify: bool = True) -> tuple[list[str], list[Update]]:
+               records: list | None = None, verify: bool = True,
+               hashes: Sequence[bytes] | None = None) -> tuple[list[str], list[Update]]:
         """Seal reserved slots whose bytes match their checksum; '' where sealed, else the reason.
         `records`, when given, gets each block's record here (None where not stored).
         `verify=False`: take the client's checksums now and verify later (`seal_written`), unless
         the blocks are fewer than VERIFY_LATER_MIN bytes or WRITTEN_MAX bytes already wait; '' then
-        means written, and no updates come back for them."""
-        if len(tokens) != len(checksums):
-            raise WrongSize(f"{len(tokens)} tokens but {len(checksums)} checksums")
+        means written, and no updates come back for them. `hashes` (one per token) name the blocks
+        written into leased slots; a reserved slot's must be the block it was reserved for."""
+        if len(tokens) != len(checksums) or (hashes is not None and len(hashes) != len(tokens)):
+            raise WrongSize(f"{len(tokens)} tokens but {len(checksums)} checksums"
+                            + ("" if hashes is None else f" and {len(hashes)} hashes"))
+        if hashes is not None and any(len(h) != 16 for h in hashes):
+            raise InvalidRequest("hashes: every hash is 16 bytes")
         errors: list[str] = []
         out = records if records is not None else []
         with self.lock:
             # Popped, a slot is ours alone: expiry and eviction never see it, so its bytes can be
             # verified without the lock (python-xxhash releases the GIL as well).
+            # A reservation made under another fingerprint is not this caller's: it stays pending.
+            found = [self._pending.get(token) for token in tokens]
+            found = [slot if slot is not None and slot.key[0] == fingerprint else None for slot in found]
+            names = [None] * len(tokens) if hashes is None else [bytes(h) for h in hashes]
+            for slot, name in zip(found, names):
+                if slot is not None and not (name if slot.key[1] == UNNAMED else name in (None, slot.key[1])):
+                    raise InvalidRequest("a leased slot is committed with the hash of its block, a reserved "
+                                         "one with none or its own")  # before anything is taken
             slots = []
-            for token in tokens:
-                slot = self._pending.get(token)
-                # A reservation made under another fingerprint is not this caller's: it stays pending.
-                slots.append(self._pending.pop(token) if slot is not None and slot.key[0] == fingerprint else None)
+            for token, slot, name in zip(tokens, found, names):
+                if slot is not None:
+                    del self._pending[token]
+                    if slot.key[1] == UNNAMED:
+                        slot.key = (fingerprint, name)
+                slots.append(slot)
             mine = [slot for slot in slots if slot is not None]
             size = sum(slot.size for slot in mine)
             if not verify and VERIFY_LATER_MIN <= size and self._unverified_bytes() + size <= WRITTEN_MAX:

@@ -126,6 +126,27 @@ def test_a_reserve_that_could_never_fit_evicts_nothing(node):
     assert reads_back(client, kept)
 
 
+@pytest.mark.parametrize("bad", [{"lease": "x"}, {"lease": {"size": 0, "count": 1}},
+                                 {"lease": {"size": 4096, "count": 1 << 20}}, {"hashes": ["00"]},
+                                 {"hashes": [os.urandom(16).hex()]}],
+                         ids=["not-a-dict", "size-0", "too-many", "short-hash", "another-block"])
+def test_a_commit_with_a_malformed_lease_or_names_is_invalid_and_takes_nothing(node, bad):
+    """A commit whose lease request or block names are wrong is refused before anything is taken:
+    the reservation it names still commits afterwards."""
+    daemon, client, address = node
+    frames = raw(address)
+    h = external_hashes([800], FP)[0]
+    frames.send({"op": "reserve", "fp": FP.digest, "hashes": [h.hex()], "sizes": [4096]})
+    token = frames.recv(5.0)["slots"][0][0]
+    zeros = block_checksum(h, bytes(4096))  # a fresh arena slot holds zeros
+    frames.send({"op": "commit", "fp": FP.digest, "tokens": [token], "checksums": [zeros], **bad})
+    reply = frames.recv(5.0)
+    assert not reply["ok"] and reply["code"] == "invalid", reply
+    frames.send({"op": "commit", "fp": FP.digest, "tokens": [token], "checksums": [zeros], "sync": True})
+    reply = frames.recv(5.0)
+    assert reply["ok"] and reply["errors"] == [""] and reply["records"][0]
+
+
 @contextlib.contextmanager
 def frames_pair(timeout: float) -> Iterator[tuple[Frames, Frames]]:
     """Both ends of an authenticated-looking frame stream over a socketpair (no handshake)."""
