@@ -29,7 +29,7 @@ from typing import Any, Callable, Collection, Sequence
 
 import grpc
 
-from transfer import Engine, Peer, Read, Region, TransferError, UnsupportedBuffer, Write
+from transfer import Engine, Peer, Read, Region, TransferError, TransferTimeout, UnsupportedBuffer, Write
 from transfer.descriptor import host_id
 from transfer.digest import AVAILABLE as digest_available
 
@@ -62,6 +62,15 @@ class _Leased:
     region: int
     offset: int
     usable_until: float  # monotonic: written into only before this
+
+
+@dataclass
+class _LeasePool:
+    """Slots leased through one connection to a node: a reconnect means another incarnation of
+    the node may be there, whose regions reuse the ids (they count from 1) but not the slots."""
+
+    node: "_Node"
+    slots: list[_Leased]
 
 
 @dataclass
@@ -124,7 +133,8 @@ class Client:
         self._local_addresses: dict[str, tuple[str, Any]] = {}  # node -> (segment seen, its socket name)
         self._inflight: dict[str, int] = {}  # node -> bytes of this client's puts under way there
         self._usage: dict[str, tuple[int, int, float]] = {}  # node -> (used, capacity, when) from its replies
-        self._leases: dict[tuple[str, str, int], list[_Leased]] = {}  # (node, fingerprint, block size) -> slots
+        self._leases: dict[tuple[str, str, int], _LeasePool] = {}  # (node, fingerprint, block size) -> slots
+        self._lease_ttl: dict[str, float] = {}  # node -> how long it holds a leased slot (from its last grant)
         self._io: ThreadPoolExecutor | None = None  # NVMe tier reads of a batch, in parallel
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvs-checksum")  # a large put's checksums
         self.stats: dict[str, int] = {"control_calls": 0, "local_puts": 0, "nvme_fd_reads": 0, "nvme_fd_bytes": 0}
@@ -377,7 +387,9 @@ class Client:
         # (or beside the write, when slots are leased: hashing first is no faster).
         fused = local is not None and digest_available and any(sums[first + i] is None for i in range(len(regs)))
         hashing = None if fused else self._hasher.submit(checksums_of)
-        leased = self._take_lease(name, fp, size, len(regs)) if size else None
+        leased, aged = self._take_lease(node, name, fp, size, len(regs)) if size else (None, [])
+        if aged:  # given back now rather than held at the node until they expire
+            self._abort(name, aged)
         if leased is not None:
             slots = [(i, slot.token, slot.region, slot.offset) for i, slot in enumerate(leased)]
         elif local is not None:
@@ -414,7 +426,7 @@ class Client:
             todo = [hashes[i] for i, _, _, _ in slots]
             named = todo if leased is not None else None
             # Enough slots for another put like this one, less what is leased already.
-            want = self._lease_wanted(name, fp, size, len(regs))
+            want = self._lease_wanted(node, name, fp, size, len(regs))
             asked = time.monotonic()
             if local is not None:
                 commit, _ = local.call({"op": "commit", "fp": fp, "tokens": tokens,
@@ -431,50 +443,75 @@ class Client:
                     answer_within)
                 granted = [_Leased(s.token, s.region, s.offset, 0.0) for s in commit.lease if s.size == size]
                 ttl = commit.lease_ttl
-            self._keep_lease(name, fp, size, granted, asked, ttl)
+            self._keep_lease(node, name, fp, size, granted, asked, ttl)
             return self._sealed(name, fp, todo, commit, since)
+        except TransferTimeout:
+            raise  # the copy may still be landing: no abort, the slots expire at the node after it
         except BaseException:
-            try:
-                if local is not None:
-                    local.call({"op": "abort", "tokens": tokens})
-                else:
-                    self._rpc(node.stub.Abort, store_pb2.AbortRequest(tokens=tokens))
-            except (grpc.RpcError, KVStoreError, OSError, ValueError):
-                pass  # the node reclaims expired reservations by itself
+            self._abort(name, tokens)
             raise
 
+    def _abort(self, name: str, tokens: list[int]) -> None:
+        """Give reserved or leased slots back to `name`; best effort (the node reclaims them at expiry)."""
+        try:
+            local = self._local(name)
+            if local is not None:
+                local.call({"op": "abort", "tokens": tokens})
+            elif name in self._nodes:
+                self._rpc(self._nodes[name].stub.Abort, store_pb2.AbortRequest(tokens=tokens))
+        except (grpc.RpcError, KVStoreError, OSError, ValueError) as exc:
+            log.debug("giving slots back to %s failed: %s", name, exc)
+
     # --- leased slots --------------------------------------------------------------------------
-    def _take_lease(self, name: str, fp: str, size: int, count: int) -> list["_Leased"] | None:
-        """`count` leased slots of `size` bytes on `name`, fresh enough for a write of up to a
-        timeout to end well before the node could give them away; None when there are not enough."""
+    def _take_lease(self, node: _Node, name: str, fp: str, size: int,
+                    count: int) -> tuple[list[_Leased] | None, list[int]]:
+        """(`count` leased slots of `size` bytes on `name`, fresh enough for a write of up to a
+        timeout to end well before the node could give them away, or None when there are not
+        enough; tokens of slots grown too old to use). Slots leased over another connection to
+        `name` are forgotten: that node may be gone, and its successor's regions reuse the ids."""
         with self._lock:
             pool = self._leases.get((name, fp, size))
-            if not pool:
-                return None
+            if pool is None:
+                return None, []
+            if pool.node is not node:
+                del self._leases[(name, fp, size)]
+                return None, []
             fresh = time.monotonic() + self.timeout
-            pool[:] = [slot for slot in pool if slot.usable_until > fresh]
-            if len(pool) < count:
-                return None
-            taken, pool[:] = pool[:count], pool[count:]
-            return taken
+            aged = [slot.token for slot in pool.slots if slot.usable_until <= fresh]
+            pool.slots[:] = [slot for slot in pool.slots if slot.usable_until > fresh]
+            if len(pool.slots) < count:
+                return None, aged
+            taken, pool.slots[:] = pool.slots[:count], pool.slots[count:]
+            return taken, aged
 
-    def _lease_wanted(self, name: str, fp: str, size: int, count: int) -> int:
-        """How many slots to ask for with a commit: another put of `count` blocks, less those held."""
-        if not size:
+    def _lease_wanted(self, node: _Node, name: str, fp: str, size: int, count: int) -> int:
+        """How many slots to ask for with a commit: another put of `count` blocks, less those held;
+        none where the node's hold on a slot is too short for this client's timeout to use it."""
+        ttl = self._lease_ttl.get(name)
+        if not size or (ttl is not None and ttl / 2 - 2 * self.timeout <= 0):
             return 0
         with self._lock:
-            held = len(self._leases.get((name, fp, size), ()))
+            pool = self._leases.get((name, fp, size))
+            held = len(pool.slots) if pool is not None and pool.node is node else 0
         return max(0, min(count, LEASE_MAX_BYTES // size) - held)
 
-    def _keep_lease(self, name: str, fp: str, size: int, granted: list["_Leased"], asked: float, ttl: Any) -> None:
+    def _keep_lease(self, node: _Node, name: str, fp: str, size: int, granted: list[_Leased], asked: float,
+                    ttl: Any) -> None:
         """Keep slots a commit leased. The node holds them for `ttl` seconds from some moment after
         `asked`: we write into one only while half of that is left, less a timeout."""
-        if not granted or not isinstance(ttl, (int, float)) or ttl <= 0:
+        if not granted:
             return
+        if not isinstance(ttl, (int, float)) or ttl / 2 - 2 * self.timeout <= 0:  # never usable: back at once
+            self._lease_ttl[name] = ttl if isinstance(ttl, (int, float)) else 0.0
+            self._abort(name, [slot.token for slot in granted])
+            return
+        self._lease_ttl[name] = ttl
         until = asked + ttl / 2 - self.timeout
         with self._lock:
-            self._leases.setdefault((name, fp, size), []).extend(
-                _Leased(slot.token, slot.region, slot.offset, until) for slot in granted)
+            pool = self._leases.get((name, fp, size))
+            if pool is None or pool.node is not node:
+                pool = self._leases[(name, fp, size)] = _LeasePool(node, [])
+            pool.slots.extend(_Leased(slot.token, slot.region, slot.offset, until) for slot in granted)
 
     def _return_leases(self) -> None:
         """Give back every slot still leased (closing): the nodes need not wait for their expiry."""
@@ -482,16 +519,10 @@ class Client:
             leases, self._leases = self._leases, {}
         by_node: dict[str, list[int]] = {}
         for (name, _, _), pool in leases.items():
-            by_node.setdefault(name, []).extend(slot.token for slot in pool)
+            if self._nodes.get(name) is pool.node:  # else that connection, and maybe that node, is gone
+                by_node.setdefault(name, []).extend(slot.token for slot in pool.slots)
         for name, tokens in by_node.items():
-            try:
-                local = self._local(name)
-                if local is not None:
-                    local.call({"op": "abort", "tokens": tokens})
-                elif name in self._nodes:
-                    self._rpc(self._nodes[name].stub.Abort, store_pb2.AbortRequest(tokens=tokens))
-            except (grpc.RpcError, KVStoreError, OSError, ValueError) as exc:
-                log.debug("returning leased slots to %s failed: %s", name, exc)
+            self._abort(name, tokens)
 
     def _sealed(self, name: str, fp: str, hashes: list[bytes], reply: Any, since: int) -> int:
         """Check a put's answer (a same-host dict with hex records, or a gRPC reply), teach our own

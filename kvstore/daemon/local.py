@@ -214,10 +214,12 @@ class LocalControl:
     def _commit(self, fingerprint: str, tokens: list[int], checksums: list[int], sync: bool,
                 hashes: list[bytes] | None, lease_size: int, lease_count: int) -> dict:
         records: list = []
+        fresh: list = []
         try:
-            self.store.check_lease(lease_size if lease_count else 1, lease_count)  # refused before committing
+            self.store.check_lease(lease_size, lease_count)  # refused before committing anything
             # Verified now only when the client waits for publication; else by the verifier, after the answer.
-            errors, updates = self.store.commit(fingerprint, tokens, checksums, records, verify=sync, hashes=hashes)
+            errors, updates = self.store.commit(fingerprint, tokens, checksums, records, verify=sync, hashes=hashes,
+                                                fresh=fresh)
         except InvalidRequest as exc:
             return self._error(exc)
         if updates:
@@ -227,6 +229,7 @@ class LocalControl:
                 return self._error(exc)
         leased = self.store.lease(fingerprint, lease_size, lease_count) if lease_count and self._accepting() else []
         return {"ok": True, "records": [r and r.encode().hex() for r in records], "errors": errors,
+                "stored": sum(fresh),
                 "lease": [[token, slot.tier.region.id, slot.offset, slot.size] for token, slot in leased],
                 "lease_ttl": self.store.reservation_timeout, **self._usage()}
 
@@ -264,9 +267,10 @@ class LocalControl:
             raise
         todo = [(i, t) for i, (t, s) in enumerate(slots) if s is not None]
         got: list = []
+        fresh: list = []
         sync = bool(request.get("sync"))  # verified and published before the answer
         errors, updates = self.store.commit(fingerprint, [t for _, t in todo], [checksums[i] for i, _ in todo], got,
-                                            verify=sync)
+                                            verify=sync, fresh=fresh)
         if updates:
             try:
                 self._publish(updates, sync)
@@ -282,7 +286,7 @@ class LocalControl:
             for i, (_, slot) in enumerate(slots):
                 if slot is None:
                     records[i] = next(it)
-        return {"ok": True, "records": records, "errors": all_errors, "stored": sum(1 for e in errors if not e),
+        return {"ok": True, "records": records, "errors": all_errors, "stored": sum(fresh),
                 **self._usage()}
 
     def _tier(self) -> tuple[dict, int | None]:

@@ -249,37 +249,52 @@ class Daemon:
         return self._call(names())
 
     def drain(self, move: bool, is_active=lambda: True) -> Iterator[admin_pb2.DrainProgress]:
-        """Stop taking puts, then move (or drop) every block, yielding progress as it goes."""
+        """Stop taking puts, then move (or drop) every block, yielding progress as it goes. Puts
+        already under way when it began (reserved, or into leased slots) may still land: it looks
+        again until a pass finds no block it has not handled."""
         self.drain_in_progress = True
-        client = None
+        mover: list = []  # the client that moves blocks, made when the first needs one ([None]: nowhere to go)
         try:
             self.set_draining(True)
-            self.verifier.seal()  # blocks written before the drain began are sealed, so they move too
-            blocks = self.store.keys()
-            progress = admin_pb2.DrainProgress(total=len(blocks))
-            yield admin_pb2.DrainProgress(total=len(blocks))
-            if move and blocks:
-                from ..client import Client
-
-                client = Client(self.config.metadata, cluster=self.config.cluster, secret=self.config.secret,
-                                timeout=self.config.timeout, tls_ca=self.config.tls_ca, publish="sync")
-                client.mirror.wait_until(lambda m: getattr(m.nodes.get(self.config.node), "draining", True), 10)
-                if not [n for n in client.mirror.nodes.values() if not n.draining]:
-                    client.close()
-                    client = None  # nowhere to move to: drop instead
-            for start in range(0, len(blocks), DRAIN_BATCH):
-                if not is_active():
-                    return
-                chunk = blocks[start : start + DRAIN_BATCH]
-                self._drain_chunk(chunk, client, progress)
+            progress = admin_pb2.DrainProgress()
+            handled: set = set()
+            while True:
+                self.verifier.seal()  # blocks written before now are sealed, so they move too
+                blocks = [(key, slot) for key, slot in self.store.keys() if key not in handled]
+                if not blocks and handled:
+                    break
+                handled.update(key for key, _ in blocks)
+                progress.total += len(blocks)
                 yield admin_pb2.DrainProgress(total=progress.total, moved=progress.moved, dropped=progress.dropped,
                                               failed=progress.failed)
+                if move and blocks and not mover:
+                    mover.append(self._drain_client())
+                for start in range(0, len(blocks), DRAIN_BATCH):
+                    if not is_active():
+                        return
+                    self._drain_chunk(blocks[start : start + DRAIN_BATCH], mover[0] if mover else None, progress)
+                    yield admin_pb2.DrainProgress(total=progress.total, moved=progress.moved,
+                                                  dropped=progress.dropped, failed=progress.failed)
+                if not blocks:
+                    break
             progress.done = True
             yield progress
         finally:
             self.drain_in_progress = False
-            if client is not None:
-                client.close()
+            if mover and mover[0] is not None:
+                mover[0].close()
+
+    def _drain_client(self):
+        """A client for moving blocks to the other nodes, or None when there is no other node."""
+        from ..client import Client
+
+        client = Client(self.config.metadata, cluster=self.config.cluster, secret=self.config.secret,
+                        timeout=self.config.timeout, tls_ca=self.config.tls_ca, publish="sync")
+        client.mirror.wait_until(lambda m: getattr(m.nodes.get(self.config.node), "draining", True), 10)
+        if not [n for n in client.mirror.nodes.values() if not n.draining]:
+            client.close()
+            return None  # nowhere to move to: drop instead
+        return client
 
     def _drain_chunk(self, chunk, client, progress) -> None:
         by_fp: dict[str, list[tuple[bytes, bytes]]] = {}

@@ -72,16 +72,17 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
         self._check_hashes(request.hashes, context)
 
         def run():
-            self.store.check_lease(request.lease_size if request.lease_count else 1, request.lease_count)
+            self.store.check_lease(request.lease_size, request.lease_count)  # refused before committing anything
             records: list = []
+            fresh: list = []
             errors, updates = self.store.commit(request.fingerprint, list(request.tokens), list(request.checksums),
                                                 records, verify=request.sync,  # else verified after answering
-                                                hashes=list(request.hashes) or None)
+                                                hashes=list(request.hashes) or None, fresh=fresh)
             if updates:
                 self.publish(updates, request.sync)  # queued; published before we answer only when asked
             leased = self.store.lease(request.fingerprint, request.lease_size, request.lease_count) \
                 if request.lease_count and self.accepting() else []
-            return store_pb2.CommitResponse(sealed=[not e for e in errors], errors=errors,
+            return store_pb2.CommitResponse(sealed=[not e for e in errors], errors=errors, stored=sum(fresh),
                                             records=[r.encode() if r else b"" for r in records],
                                             lease=[store_pb2.Slot(region=slot.tier.region.id, offset=slot.offset,
                                                                   size=slot.size, token=token) for token, slot in leased],

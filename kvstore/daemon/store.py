@@ -35,8 +35,9 @@ WRITTEN_MAX = 256 << 20  # bytes committed but not verified yet; past it a commi
 # them to the verifier thread (paired A/B, same host: a lone 64 KiB or 1 MiB put 7-16 % slower
 # handed over, 32 x 64 KiB 28 % faster).
 VERIFY_LATER_MIN = 2 << 20
-LEASE_MAX_SLOTS = 4096  # slots one lease may ask for
-LEASE_SHARE = 8  # one lease takes at most this fraction of DRAM
+LEASE_MAX_SLOTS = 4096  # slots one lease is granted at most (a larger ask is granted this many)
+LEASE_SHARE = 8  # one lease takes at most 1/LEASE_SHARE of DRAM
+LEASES_SHARE = 4  # all leases together hold at most 1/LEASES_SHARE of DRAM
 UNNAMED = b""  # the hash of a leased slot until a commit names its block
 
 
@@ -182,25 +183,30 @@ class BlockStore:
     @staticmethod
     def check_lease(size: int, count: int) -> None:
         """Refuse a lease request that could never be granted (before the commit it rides with)."""
-        if not 0 < size <= MAX_BLOCK_BYTES:
+        if count < 0:
+            raise InvalidRequest(f"a lease of {count} slots")
+        if count and not 0 < size <= MAX_BLOCK_BYTES:
             raise WrongSize(f"block size {size} outside 1..{MAX_BLOCK_BYTES}")
-        if not 0 <= count <= LEASE_MAX_SLOTS:
-            raise InvalidRequest(f"a lease is of 0..{LEASE_MAX_SLOTS} slots, not {count}")
 
     def lease(self, fingerprint: str, size: int, count: int) -> list[tuple[int, Slot]]:
         """Up to `count` slots of `size` bytes for blocks not named yet (a client's next put:
         written before their commit names them, saving that put its reserve), as (token, slot).
-        Taken from free space below the high watermark only, so a lease never evicts: it may
-        come back short or empty. Held and expired like reservations."""
+        Taken from free space below the high watermark only, so a lease never evicts, and within
+        a share of DRAM per lease and for all leases together: it may come back short or empty.
+        Held and expired like reservations."""
         if not isinstance(fingerprint, str) or not NAME.fullmatch(fingerprint):
             raise InvalidRequest(f"fingerprint {str(fingerprint)[:80]!r} must be {NAME_RULE}")
         self.check_lease(size, count)
-        tier, out = self.dram, []
-        count = min(count, tier.capacity // LEASE_SHARE // align_up(size))
+        if not count:
+            return []
+        tier, out, need = self.dram, [], align_up(size)
         with self.lock:
             self._expire_reservations()
+            leased = sum(align_up(slot.size) for slot in self._pending.values() if slot.key[1] == UNNAMED)
+            count = min(count, LEASE_MAX_SLOTS, tier.capacity // LEASE_SHARE // need,
+                        max(0, tier.capacity // LEASES_SHARE - leased) // need)
             for _ in range(count):
-                if tier.used + align_up(size) > tier.high * tier.capacity:
+                if tier.used + need > tier.high * tier.capacity:
                     break
                 offset = tier.allocator.allocate(size)
                 if offset is None:
@@ -208,14 +214,15 @@ class BlockStore:
                 token = _new_token(self._pending)
                 self._pending[token] = Slot((fingerprint, UNNAMED), tier, offset, size)
                 out.append((token, self._pending[token]))
-        self._count("leased_slots", len(out))
+            self._count("leased_slots", len(out))
         return out
 
     def commit(self, fingerprint: str, tokens: Sequence[int], checksums: Sequence[int],
                records: list | None = None, verify: bool = True,
-               hashes: Sequence[bytes] | None = None) -> tuple[list[str], list[Update]]:
+               hashes: Sequence[bytes] | None = None, fresh: list | None = None) -> tuple[list[str], list[Update]]:
         """Seal reserved slots whose bytes match their checksum; '' where sealed, else the reason.
-        `records`, when given, gets each block's record here (None where not stored).
+        `records`, when given, gets each block's record here (None where not stored); `fresh`
+        whether each block is new here ('' also answers a block another writer stored first).
         `verify=False`: take the client's checksums now and verify later (`seal_written`), unless
         the blocks are fewer than VERIFY_LATER_MIN bytes or WRITTEN_MAX bytes already wait; '' then
         means written, and no updates come back for them. `hashes` (one per token) name the blocks
@@ -225,6 +232,8 @@ class BlockStore:
                             + ("" if hashes is None else f" and {len(hashes)} hashes"))
         if hashes is not None and any(len(h) != 16 for h in hashes):
             raise InvalidRequest("hashes: every hash is 16 bytes")
+        if len(set(tokens)) != len(tokens):
+            raise InvalidRequest("a token is committed at most once per commit")
         errors: list[str] = []
         out = records if records is not None else []
         with self.lock:
@@ -248,7 +257,7 @@ class BlockStore:
             mine = [slot for slot in slots if slot is not None]
             size = sum(slot.size for slot in mine)
             if not verify and VERIFY_LATER_MIN <= size and self._unverified_bytes() + size <= WRITTEN_MAX:
-                self._seal([(slot, checksum, None) for slot, checksum in zip(slots, checksums)], errors, out)
+                self._seal([(slot, checksum, None) for slot, checksum in zip(slots, checksums)], errors, out, fresh)
                 self._has_written.notify_all()
                 return errors, []
         try:
@@ -260,7 +269,7 @@ class BlockStore:
             raise
         with self.lock:
             updates = self._seal([(slot, checksum, next(actual) if slot is not None else 0)
-                                  for slot, checksum in zip(slots, checksums)], errors, out)
+                                  for slot, checksum in zip(slots, checksums)], errors, out, fresh)
         return errors, updates
 
     def _checksums(self, slots: list[Slot]) -> Iterator[int]:
@@ -269,18 +278,23 @@ class BlockStore:
         return iter(block_checksums([slot.key[1] for slot in slots],
                                     [arena[slot.offset : slot.offset + slot.size] for slot in slots]))
 
-    def _seal(self, checked: list[tuple[Slot | None, int, int | None]], errors: list[str], out: list) -> list[Update]:
+    def _seal(self, checked: list[tuple[Slot | None, int, int | None]], errors: list[str], out: list,
+              fresh: list | None = None) -> list[Update]:
         """Seal each (slot, expected checksum, checksum of its bytes) that matches, or, where the
-        bytes' checksum is None (not checked yet), leave the slot written for seal_written (lock held)."""
+        bytes' checksum is None (not checked yet), leave the slot written for seal_written (lock held).
+        `fresh` gets whether each block is new here."""
         updates: list[Update] = []
+        fresh = fresh if fresh is not None else []
         for slot, checksum, landed in checked:
+            fresh.append(False)
             if slot is None:
                 errors.append("unknown or expired reservation")
                 out.append(None)
                 continue
             theirs = self.find(slot.key) if landed is not None else self._held(slot.key)
-            if theirs is not None:  # another writer got there first: keep theirs
+            if theirs is not None:  # another writer got there first (or a leased slot's block was here): keep theirs
                 self.dram.allocator.release(slot.offset, slot.size)
+                self._touch(slot.key)
                 errors.append("")
                 out.append(theirs.record())
                 continue
@@ -289,6 +303,7 @@ class BlockStore:
                 self._written[slot.key] = slot
                 errors.append("")
                 out.append(slot.record())
+                fresh[-1] = True
                 continue
             if landed != checksum:
                 self.dram.allocator.release(slot.offset, slot.size)
@@ -303,6 +318,7 @@ class BlockStore:
             updates.append((slot.key[0], slot.key[1], slot.record()))
             errors.append("")
             out.append(slot.record())
+            fresh[-1] = True
         return updates
 
     def _unwrite(self, key: Key) -> bool:
@@ -362,8 +378,9 @@ class BlockStore:
                 arena[slot.offset : slot.offset + slot.size] = payload
         todo = [i for i, (_, slot) in enumerate(slots) if slot is not None]
         got: list = []
+        fresh: list = []
         errors, sealed = self.commit(fingerprint, [slots[i][0] for i in todo], [checksums[i] for i in todo], got,
-                                     verify)
+                                     verify, fresh=fresh)
         all_errors = [""] * len(hashes)
         records: list[BlockRecord | None] = [None] * len(hashes)
         for i, error, record in zip(todo, errors, got):
@@ -371,7 +388,7 @@ class BlockStore:
         held = [i for i, (_, slot) in enumerate(slots) if slot is None]  # already held here
         for i, record in zip(held, self.records(fingerprint, [hashes[i] for i in held])):
             records[i] = record
-        return all_errors, records, updates + sealed, sum(1 for e in errors if not e)
+        return all_errors, records, updates + sealed, sum(fresh)
 
     def abort(self, tokens: Iterable[int]) -> None:
         with self.lock:

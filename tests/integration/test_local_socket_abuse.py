@@ -127,9 +127,9 @@ def test_a_reserve_that_could_never_fit_evicts_nothing(node):
 
 
 @pytest.mark.parametrize("bad", [{"lease": "x"}, {"lease": {"size": 0, "count": 1}},
-                                 {"lease": {"size": 4096, "count": 1 << 20}}, {"hashes": ["00"]},
-                                 {"hashes": [os.urandom(16).hex()]}],
-                         ids=["not-a-dict", "size-0", "too-many", "short-hash", "another-block"])
+                                 {"lease": {"size": 4096, "count": -1}}, {"hashes": ["00"]},
+                                 {"hashes": [os.urandom(16).hex()]}, {"repeat": True}],
+                         ids=["not-a-dict", "size-0", "negative", "short-hash", "another-block", "token-twice"])
 def test_a_commit_with_a_malformed_lease_or_names_is_invalid_and_takes_nothing(node, bad):
     """A commit whose lease request or block names are wrong is refused before anything is taken:
     the reservation it names still commits afterwards."""
@@ -139,6 +139,8 @@ def test_a_commit_with_a_malformed_lease_or_names_is_invalid_and_takes_nothing(n
     frames.send({"op": "reserve", "fp": FP.digest, "hashes": [h.hex()], "sizes": [4096]})
     token = frames.recv(5.0)["slots"][0][0]
     zeros = block_checksum(h, bytes(4096))  # a fresh arena slot holds zeros
+    if bad.pop("repeat", False):
+        bad = {"tokens": [token, token], "checksums": [zeros, zeros]}
     frames.send({"op": "commit", "fp": FP.digest, "tokens": [token], "checksums": [zeros], **bad})
     reply = frames.recv(5.0)
     assert not reply["ok"] and reply["code"] == "invalid", reply
