@@ -4,27 +4,14 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 
 from kvstore.daemon.store import LEASE_MAX_SLOTS, BlockStore
 from kvstore.errors import InvalidRequest, WrongSize
 from kvstore.integrity import block_checksum
-from kvstore.keys import ModelFingerprint, external_hashes
-from transfer import Engine
+from kvstore.keys import external_hashes
 
-FP = ModelFingerprint("m", "float16", 16, 2, 2, 64)
-BLOCK = 64 * 1024
-
-
-def content(block_hash: bytes, size: int = BLOCK) -> np.ndarray:
-    return np.random.default_rng(int.from_bytes(block_hash[:8], "little")).integers(0, 256, size, dtype=np.uint8)
-
-
-@pytest.fixture
-def engine():
-    with Engine("lease-unit", listen=None) as e:
-        yield e
+from .test_block_store import BLOCK, FP, content, engine  # noqa: F401 - engine is a fixture
 
 
 def fill(store: BlockStore, leased, hashes) -> list[int]:
