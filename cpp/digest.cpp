@@ -14,7 +14,6 @@ namespace {
 // The slice of libxxhash's ABI used here (xxhash.h 0.8: XXH64_hash_t is uint64_t, XXH_errorcode an
 // int enum, XXH3_state_t opaque behind create/free).
 struct XxhApi {
-  uint64_t (*with_seed)(const void*, size_t, uint64_t) = nullptr;
   void* (*create_state)() = nullptr;
   int (*free_state)(void*) = nullptr;
   int (*reset_with_seed)(void*, uint64_t) = nullptr;
@@ -46,7 +45,6 @@ bool digest_load(const std::string& path, std::string* err) {
     if (!fn) fn = reinterpret_cast<Fn>(::dlsym(lib, plain));
     if (!fn) missing += std::string(missing.empty() ? "" : ", ") + plain;
   };
-  sym(api.with_seed, "XXH3_64bits_withSeed_dispatch", "XXH3_64bits_withSeed");
   sym(api.create_state, nullptr, "XXH3_createState");
   sym(api.free_state, nullptr, "XXH3_freeState");
   sym(api.reset_with_seed, "XXH3_64bits_reset_withSeed_dispatch", "XXH3_64bits_reset_withSeed");
@@ -62,8 +60,6 @@ bool digest_load(const std::string& path, std::string* err) {
 }
 
 bool digest_loaded() { return g_loaded.load(); }
-
-uint64_t xxh3(const void* data, size_t len, uint64_t seed) { return g_api.with_seed(data, len, seed); }
 
 Xxh3::Xxh3(uint64_t seed) : state_(g_api.create_state()) {
   if (!state_) throw std::bad_alloc();

@@ -6,9 +6,8 @@
 
 #include <chrono>
 #include <optional>
-#include <thread>
-
 #include <string_view>
+#include <thread>
 
 #include "digest.h"
 #include "engine.h"
@@ -52,16 +51,14 @@ PYBIND11_MODULE(_native, m) {
     std::string err;
     if (!kvt::digest_load(path, &err)) throw std::runtime_error(err);
   }, py::arg("path"), "Resolve xxh3 from python-xxhash's extension (the copy Python loaded).");
-  m.def("xxh3", [](const py::bytes& data, uint64_t seed, bool streamed) {
+  m.def("xxh3", [](const py::bytes& data, uint64_t seed) {
     if (!kvt::digest_loaded()) throw std::runtime_error("xxh3 is not loaded (digest_load)");
     std::string_view bytes(data);
-    if (!streamed) return kvt::xxh3(bytes.data(), bytes.size(), seed);
     kvt::Xxh3 state(seed);  // as an engine copy takes it: a piece at a time
     for (size_t done = 0; done < bytes.size(); done += 1000)
       state.update(bytes.data() + done, std::min<size_t>(1000, bytes.size() - done));
     return state.digest();
-  }, py::arg("data"), py::arg("seed"), py::arg("streamed") = false,
-     "xxh3-64 of `data`, whole or streamed in pieces as engine copies take digests (checks the load).");
+  }, py::arg("data"), py::arg("seed"), "xxh3-64 of `data` streamed in pieces, as engine copies take digests.");
 
   m.def("wait_readable", [](int fd, double spin_s) {
     py::gil_scoped_release nogil;
