@@ -216,10 +216,10 @@ class LocalControl:
         records: list = []
         fresh: list = []
         try:
-            self.store.check_lease(lease_size, lease_count)  # refused before committing anything
             # Verified now only when the client waits for publication; else by the verifier, after the answer.
-            errors, updates = self.store.commit(fingerprint, tokens, checksums, records, verify=sync, hashes=hashes,
-                                                fresh=fresh)
+            errors, updates, leased = self.store.commit_and_lease(
+                fingerprint, tokens, checksums, lease_size=lease_size, records=records, fresh=fresh, verify=sync,
+                hashes=hashes, lease_count=lease_count if self._accepting() else 0)
         except InvalidRequest as exc:
             return self._error(exc)
         if updates:
@@ -227,7 +227,6 @@ class LocalControl:
                 self._publish(updates, sync)
             except (MetadataError, KVStoreError) as exc:
                 return self._error(exc)
-        leased = self.store.lease(fingerprint, lease_size, lease_count) if lease_count and self._accepting() else []
         return {"ok": True, "records": [r and r.encode().hex() for r in records], "errors": errors,
                 "stored": sum(fresh),
                 "lease": [[token, slot.tier.region.id, slot.offset, slot.size] for token, slot in leased],

@@ -253,7 +253,7 @@ class Daemon:
         already under way when it began (reserved, or into leased slots) may still land: it looks
         again until a pass finds no block it has not handled."""
         self.drain_in_progress = True
-        mover: list = []  # the client that moves blocks, made when the first needs one ([None]: nowhere to go)
+        mover, looked = None, False  # the client that moves blocks (None: nowhere to go), made when first needed
         try:
             self.set_draining(True)
             progress = admin_pb2.DrainProgress()
@@ -267,12 +267,12 @@ class Daemon:
                 progress.total += len(blocks)
                 yield admin_pb2.DrainProgress(total=progress.total, moved=progress.moved, dropped=progress.dropped,
                                               failed=progress.failed)
-                if move and blocks and not mover:
-                    mover.append(self._drain_client())
+                if move and blocks and not looked:
+                    mover, looked = self._drain_client(), True
                 for start in range(0, len(blocks), DRAIN_BATCH):
                     if not is_active():
                         return
-                    self._drain_chunk(blocks[start : start + DRAIN_BATCH], mover[0] if mover else None, progress)
+                    self._drain_chunk(blocks[start : start + DRAIN_BATCH], mover, progress)
                     yield admin_pb2.DrainProgress(total=progress.total, moved=progress.moved,
                                                   dropped=progress.dropped, failed=progress.failed)
                 if not blocks:
@@ -281,8 +281,8 @@ class Daemon:
             yield progress
         finally:
             self.drain_in_progress = False
-            if mover and mover[0] is not None:
-                mover[0].close()
+            if mover is not None:
+                mover.close()
 
     def _drain_client(self):
         """A client for moving blocks to the other nodes, or None when there is no other node."""

@@ -72,16 +72,14 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
         self._check_hashes(request.hashes, context)
 
         def run():
-            self.store.check_lease(request.lease_size, request.lease_count)  # refused before committing anything
             records: list = []
             fresh: list = []
-            errors, updates = self.store.commit(request.fingerprint, list(request.tokens), list(request.checksums),
-                                                records, verify=request.sync,  # else verified after answering
-                                                hashes=list(request.hashes) or None, fresh=fresh)
+            errors, updates, leased = self.store.commit_and_lease(
+                request.fingerprint, list(request.tokens), list(request.checksums), lease_size=request.lease_size,
+                lease_count=request.lease_count if self.accepting() else 0, records=records, fresh=fresh,
+                verify=request.sync, hashes=list(request.hashes) or None)  # else verified after answering
             if updates:
                 self.publish(updates, request.sync)  # queued; published before we answer only when asked
-            leased = self.store.lease(request.fingerprint, request.lease_size, request.lease_count) \
-                if request.lease_count and self.accepting() else []
             return store_pb2.CommitResponse(sealed=[not e for e in errors], errors=errors, stored=sum(fresh),
                                             records=[r.encode() if r else b"" for r in records],
                                             lease=[store_pb2.Slot(region=slot.tier.region.id, offset=slot.offset,

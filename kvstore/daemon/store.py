@@ -181,8 +181,8 @@ class BlockStore:
         return out, updates
 
     @staticmethod
-    def check_lease(size: int, count: int) -> None:
-        """Refuse a lease request that could never be granted (before the commit it rides with)."""
+    def _check_lease(size: int, count: int) -> None:
+        """Refuse a lease request that could never be granted."""
         if count < 0:
             raise InvalidRequest(f"a lease of {count} slots")
         if count and not 0 < size <= MAX_BLOCK_BYTES:
@@ -196,7 +196,7 @@ class BlockStore:
         Held and expired like reservations."""
         if not isinstance(fingerprint, str) or not NAME.fullmatch(fingerprint):
             raise InvalidRequest(f"fingerprint {str(fingerprint)[:80]!r} must be {NAME_RULE}")
-        self.check_lease(size, count)
+        self._check_lease(size, count)
         if not count:
             return []
         tier, out, need = self.dram, [], align_up(size)
@@ -216,6 +216,15 @@ class BlockStore:
                 out.append((token, self._pending[token]))
             self._count("leased_slots", len(out))
         return out
+
+    def commit_and_lease(self, fingerprint: str, tokens: Sequence[int], checksums: Sequence[int], *,
+                         lease_size: int, lease_count: int, records: list, fresh: list, verify: bool,
+                         hashes: Sequence[bytes] | None) -> tuple[list[str], list[Update], list[tuple[int, Slot]]]:
+        """`commit`, then `lease` slots for the put after it (a commit's lease request is checked
+        before anything is committed, so a bad one takes nothing): (errors, updates, leased)."""
+        self._check_lease(lease_size, lease_count)
+        errors, updates = self.commit(fingerprint, tokens, checksums, records, verify, hashes, fresh)
+        return errors, updates, self.lease(fingerprint, lease_size, lease_count)
 
     def commit(self, fingerprint: str, tokens: Sequence[int], checksums: Sequence[int],
                records: list | None = None, verify: bool = True,
