@@ -371,16 +371,16 @@ class Client:
                 fingerprint=fp, hashes=hashes, payloads=[bytes(v) for v in views], checksums=checksums_of(),
                 client=self.engine.name, sync=sync), answer_within)
             return self._sealed(name, fp, hashes, reply, since)
-        return self._put_by_engine(name, fp, hashes, regions()[first : first + len(views)], checksums_of,
-                                   sums, first, since, answer_within)
+        return self._put_by_engine(name, local, fp, hashes, regions()[first : first + len(views)], checksums_of,
+                                   sums, first, since, sync, answer_within)
 
-    def _put_by_engine(self, name: str, fp: str, hashes: list[bytes], regs: list[Region],
+    def _put_by_engine(self, name: str, local: LocalNode | None, fp: str, hashes: list[bytes], regs: list[Region],
                        checksums_of: Callable[[], list[int]], sums: list[int | None], first: int, since: int,
-                       answer_within: float) -> int:
+                       sync: bool, answer_within: float) -> int:
         """Large blocks: write them with the engine (into the node's mapped arena on this host)
         into slots leased by an earlier commit, or else reserved now, then commit them (asking for
         slots for the next put of this shape)."""
-        node, local = self._node(name), self._local(name)
+        node = self._node(name)
         size = regs[0].size if all(r.size == regs[0].size for r in regs) else 0  # leases are of one size
         # Same host: the engine's copy into the mapped arena takes the checksums on the way (one pass
         # over the bytes, in cache). Elsewhere they are computed, without the GIL, beside the reserve
@@ -431,17 +431,17 @@ class Client:
             if local is not None:
                 commit, _ = local.call({"op": "commit", "fp": fp, "tokens": tokens,
                                         "checksums": [checksums[i] for i, _, _, _ in slots],
-                                        "sync": self.publish == "sync", "lease": {"size": size, "count": want},
+                                        "sync": sync, "lease": {"size": size, "count": want},
                                         **({"hashes": [h.hex() for h in named]} if named else {})},
                                        timeout=answer_within)
-                granted = [_Leased(t, r, o, 0.0) for t, r, o, n in commit.get("lease") or [] if n == size]
+                granted = [(t, r, o) for t, r, o, n in commit.get("lease") or [] if n == size]
                 ttl = commit.get("lease_ttl")
             else:
                 commit = self._rpc(node.stub.Commit, store_pb2.CommitRequest(
                     fingerprint=fp, tokens=tokens, checksums=[checksums[i] for i, _, _, _ in slots],
-                    sync=self.publish == "sync", hashes=named or [], lease_size=size, lease_count=want),
+                    sync=sync, hashes=named or [], lease_size=size, lease_count=want),
                     answer_within)
-                granted = [_Leased(s.token, s.region, s.offset, 0.0) for s in commit.lease if s.size == size]
+                granted = [(s.token, s.region, s.offset) for s in commit.lease if s.size == size]
                 ttl = commit.lease_ttl
             self._keep_lease(node, name, fp, size, granted, asked, ttl)
             return self._sealed(name, fp, todo, commit, since)
@@ -488,30 +488,34 @@ class Client:
         """How many slots to ask for with a commit: another put of `count` blocks, less those held;
         none where the node's hold on a slot is too short for this client's timeout to use it."""
         ttl = self._lease_ttl.get(name)
-        if not size or (ttl is not None and ttl / 2 - 2 * self.timeout <= 0):
+        if not size or (ttl is not None and not self._lease_usable(ttl)):
             return 0
         with self._lock:
             pool = self._leases.get((name, fp, size))
             held = len(pool.slots) if pool is not None and pool.node is node else 0
         return max(0, min(count, LEASE_MAX_BYTES // size) - held)
 
-    def _keep_lease(self, node: _Node, name: str, fp: str, size: int, granted: list[_Leased], asked: float,
-                    ttl: Any) -> None:
-        """Keep slots a commit leased. The node holds them for `ttl` seconds from some moment after
-        `asked`: we write into one only while half of that is left, less a timeout."""
+    def _lease_usable(self, ttl: float) -> bool:
+        """Whether a slot held `ttl` seconds can be written into at all: only while half its hold is
+        left less a timeout, and a write takes up to a timeout (see `_keep_lease`, `_take_lease`)."""
+        return ttl / 2 - 2 * self.timeout > 0
+
+    def _keep_lease(self, node: _Node, name: str, fp: str, size: int, granted: list[tuple[int, int, int]],
+                    asked: float, ttl: Any) -> None:
+        """Keep slots (token, region, offset) a commit leased. The node holds them for `ttl` seconds
+        from some moment after `asked`: we write into one only while half of that is left, less a timeout."""
         if not granted:
             return
-        if not isinstance(ttl, (int, float)) or ttl / 2 - 2 * self.timeout <= 0:  # never usable: back at once
-            self._lease_ttl[name] = ttl if isinstance(ttl, (int, float)) else 0.0
-            self._abort(name, [slot.token for slot in granted])
+        self._lease_ttl[name] = ttl = float(ttl) if isinstance(ttl, (int, float)) else 0.0
+        if not self._lease_usable(ttl):  # never usable: back at once (and no more asked for)
+            self._abort(name, [token for token, _, _ in granted])
             return
-        self._lease_ttl[name] = ttl
         until = asked + ttl / 2 - self.timeout
         with self._lock:
             pool = self._leases.get((name, fp, size))
             if pool is None or pool.node is not node:
                 pool = self._leases[(name, fp, size)] = _LeasePool(node, [])
-            pool.slots.extend(_Leased(slot.token, slot.region, slot.offset, until) for slot in granted)
+            pool.slots.extend(_Leased(token, region, offset, until) for token, region, offset in granted)
 
     def _return_leases(self) -> None:
         """Give back every slot still leased (closing): the nodes need not wait for their expiry."""

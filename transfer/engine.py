@@ -240,7 +240,7 @@ class Engine:
             return self._batch(self._native.submit(flat), ops, cuda_reads, ucx)
         if len(digest_seeds) != len(ops):
             raise InvalidOp(f"{len(digest_seeds)} digest seeds for {len(ops)} ops")
-        if not digest.AVAILABLE or ucx or any(flat[i * 7 + 1] for i in range(len(ops))):
+        if not digest.AVAILABLE or any(isinstance(op.remote, RemoteRegion) and not op.remote.shm for op in ops):
             raise InvalidOp("digests are taken only on local and same-host shared-memory copies (not tcp "
                             "or ucx), with native xxh3 loaded")
         return self._batch(self._native.submit(flat, list(digest_seeds)), ops, cuda_reads, ucx)
