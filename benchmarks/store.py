@@ -69,6 +69,18 @@ def percentile(samples: list[float], q: float) -> float:
 
 
 WARMUP_S = 2.0  # every system's client first runs small puts this long (connections, caches, interpreter)
+SETTLE_S = 0.3  # after a cleanup, for the node's publish window and etcd to go idle
+
+
+def removed_and_settled(client: Client, hashes: list[bytes], fingerprint=FP) -> None:
+    """Remove blocks, then wait until this client's mirror has taken in the removals and the node's
+    publisher has gone quiet: the tail of a cleanup (thousands of watch events decoded here) would
+    otherwise land in the next measurement."""
+    client.remove(hashes, fingerprint=fingerprint)
+    ends = [hashes[0], hashes[-1]] if hashes else []
+    if not client.mirror.wait_until(lambda m: not any(m.contains(fingerprint, h) for h in ends), 30):
+        raise RuntimeError("removed blocks still listed after 30 s")
+    time.sleep(SETTLE_S)
 
 
 def timed(fn: Callable[[int], None], reps: int) -> list[float]:
@@ -119,7 +131,7 @@ def bench_ours(etcd: EtcdServer, args: argparse.Namespace, out: list[Record]) ->
                 while time.monotonic() < until:
                     warm_hashes.append(external_hashes([10**9 + len(warm_hashes)], FP)[0])
                     client.put(warm_hashes[-1], warm)
-                client.remove(warm_hashes)
+                removed_and_settled(client, warm_hashes)
                 for block in BLOCKS:
                     data = [np.random.default_rng(i).integers(0, 256, block, dtype=np.uint8) for i in range(BATCH)]
                     outs = [np.zeros(block, np.uint8) for _ in range(BATCH)]
@@ -143,8 +155,7 @@ def bench_ours(etcd: EtcdServer, args: argparse.Namespace, out: list[Record]) ->
 
                         record(out, "kvstore", path, "get", block, batch, timed(get, reps))
                         assert all(np.array_equal(outs[i], data[i]) for i in range(batch))
-                        for hashes in written:
-                            client.remove(hashes)
+                        removed_and_settled(client, [h for hashes in written for h in hashes])
     finally:
         daemon.terminate()
         daemon.wait(15)
