@@ -238,6 +238,8 @@ class Daemon:
 
     def set_draining(self, draining: bool) -> None:
         self.draining = draining
+        if not draining:
+            self.store.taking_blocks = True  # taking puts again, after a drain that emptied the node
         self._call(self._put_node(self.node_record()))
 
     def registered_nodes(self) -> list[str]:
@@ -251,18 +253,25 @@ class Daemon:
     def drain(self, move: bool, is_active=lambda: True) -> Iterator[admin_pb2.DrainProgress]:
         """Stop taking puts, then move (or drop) every block, yielding progress as it goes. Puts
         already under way when it began (reserved, or into leased slots) may still land: it looks
-        again until a pass finds no block it has not handled."""
+        again until a pass finds no block it has not handled, then refuses their commits and looks
+        once more (a refused put goes to another node), so no put answered as stored is left here."""
         self.drain_in_progress = True
         mover, looked = None, False  # the client that moves blocks (None: nowhere to go), made when first needed
         try:
             self.set_draining(True)
             progress = admin_pb2.DrainProgress()
             handled: set = set()
+            quiet = False  # commits refused, and none was still sealing
             while True:
                 self.verifier.seal()  # blocks written before now are sealed, so they move too
                 blocks = [(key, slot) for key, slot in self.store.keys() if key not in handled]
-                if not blocks and handled:
-                    break
+                if not blocks:
+                    if quiet:
+                        break
+                    # Nothing new since the last look: from now on a put under way is refused (its
+                    # client puts the blocks elsewhere), and one more look takes what landed before.
+                    quiet = self.store.stop_taking(self.config.timeout)
+                    continue
                 handled.update(key for key, _ in blocks)
                 progress.total += len(blocks)
                 yield admin_pb2.DrainProgress(total=progress.total, moved=progress.moved, dropped=progress.dropped,
@@ -275,8 +284,6 @@ class Daemon:
                     self._drain_chunk(blocks[start : start + DRAIN_BATCH], mover, progress)
                     yield admin_pb2.DrainProgress(total=progress.total, moved=progress.moved,
                                                   dropped=progress.dropped, failed=progress.failed)
-                if not blocks:
-                    break
             progress.done = True
             yield progress
         finally:

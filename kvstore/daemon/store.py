@@ -20,7 +20,7 @@ from typing import Iterable, Iterator, Sequence
 
 from transfer import Engine, Read, Region, TransferError, Write
 
-from ..errors import AllocationFailed, InvalidRequest, WrongSize
+from ..errors import AllocationFailed, InvalidRequest, NodeRefused, WrongSize
 from ..integrity import block_checksum, block_checksums
 from ..layout import NAME, NAME_RULE, BlockRecord
 from ..tiers import ExtentAllocator, EvictionPolicy, make_policy
@@ -98,6 +98,10 @@ class BlockStore:
         self._verifying: dict[Key, Slot] = {}  # taken by seal_written, being verified now
         self.lock = threading.RLock()
         self._has_written = threading.Condition(self.lock)
+        # False once a drain has emptied the node: a put reserved before it must not land after it.
+        self.taking_blocks = True
+        self._verifying_commits = 0  # commits between taking their slots and sealing them
+        self._commits_quiet = threading.Condition(self.lock)
 
     @property
     def tiers(self) -> list[Tier]:
@@ -144,6 +148,7 @@ class BlockStore:
         out: list[tuple[int, Slot | None]] = []
         updates: list[Update] = []
         with self.lock:
+            self._check_taking()
             self._expire_reservations()
             # What the new slots take (4 KiB each at least), beside what puts in flight and written
             # blocks hold: evicting cannot free those. Blocks held here already take nothing (looked up
@@ -197,7 +202,7 @@ class BlockStore:
         if not isinstance(fingerprint, str) or not NAME.fullmatch(fingerprint):
             raise InvalidRequest(f"fingerprint {str(fingerprint)[:80]!r} must be {NAME_RULE}")
         self._check_lease(size, count)
-        if not count:
+        if not count or not self.taking_blocks:
             return []
         tier, out, need = self.dram, [], align_up(size)
         with self.lock:
@@ -246,6 +251,7 @@ class BlockStore:
         errors: list[str] = []
         out = records if records is not None else []
         with self.lock:
+            self._check_taking()
             # Popped, a slot is ours alone: expiry and eviction never see it, so its bytes can be
             # verified without the lock (python-xxhash releases the GIL as well).
             # A reservation made under another fingerprint is not this caller's: it stays pending.
@@ -269,17 +275,35 @@ class BlockStore:
                 self._seal([(slot, checksum, None) for slot, checksum in zip(slots, checksums)], errors, out, fresh)
                 self._has_written.notify_all()
                 return errors, []
+            self._verifying_commits += 1
         try:
             actual = self._checksums(mine)
         except BaseException:
             with self.lock:
                 for slot in mine:
                     self.dram.allocator.release(slot.offset, slot.size)
+                self._commit_done()
             raise
         with self.lock:
             updates = self._seal([(slot, checksum, next(actual) if slot is not None else 0)
                                   for slot, checksum in zip(slots, checksums)], errors, out, fresh)
+            self._commit_done()
         return errors, updates
+
+    def _commit_done(self) -> None:
+        self._verifying_commits -= 1
+        self._commits_quiet.notify_all()
+
+    def stop_taking(self, timeout: float) -> bool:
+        """Refuse every reserve, lease and commit from now on (a drain's last look), once the
+        commits verifying off the lock now have sealed; whether they did within `timeout`."""
+        with self.lock:
+            self.taking_blocks = False
+            return self._commits_quiet.wait_for(lambda: not self._verifying_commits, timeout)
+
+    def _check_taking(self) -> None:
+        if not self.taking_blocks:
+            raise NodeRefused("this node was drained: it takes no blocks (put them on another node)")
 
     def _checksums(self, slots: list[Slot]) -> Iterator[int]:
         """The checksums of DRAM slots' bytes as they are now (call without the lock)."""

@@ -148,6 +148,36 @@ def test_drain_while_clients_read(admin_cluster, etcd_server):
     assert client.mirror.wait_until(lambda m: list(m.lookup(FP, fresh)) == ["node-b"], 10)
 
 
+def test_a_put_under_way_when_a_drain_ends_is_refused_not_left_behind(admin_cluster, etcd_server):
+    """A client's commit into slots leased before a drain, arriving after the drain ended, is
+    refused: the drained node never holds a block its client was told is stored."""
+    from kvstore.store.v1 import store_pb2, store_pb2_grpc
+
+    cluster, a, _, spawn = admin_cluster
+    block, count = 1 << 20, 4  # over TCP past the inline limit: written by the engine, into leased slots
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, timeout=3.0, transport="tcp") as client:
+        assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
+        hashes = external_hashes(range(2000, 2000 + count), FP)
+        assert client.put_many([(h, content(h, block)) for h in hashes]) == count
+        leased = [slot.token for pool in client._leases.values() for slot in pool.slots]
+        assert len(leased) == count  # the next put of this shape would write straight into these
+        spawn("node-b")
+        assert client.mirror.wait_until(lambda m: len(m.nodes) == 2, 10)
+        done = admin(["--json", "drain", "node-a"], etcd_server.url, cluster)
+        assert done.returncode == 0 and json.loads(done.stdout)["done"], done.stderr
+        late = external_hashes(range(3000, 3000 + count), FP)
+        with grpc.insecure_channel(a.control) as channel:  # that next put's commit, late
+            stub = store_pb2_grpc.StoreControlStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Commit(store_pb2.CommitRequest(fingerprint=FP.digest, tokens=leased, checksums=[0] * count,
+                                                    hashes=late), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "drained" in refused.value.details()
+            held = stub.Stats(store_pb2.StatsRequest(), timeout=5)
+        assert all(t.blocks == 0 for t in held.tiers)
+        assert client.mirror.wait_until(lambda m: all(list(m.lookup(FP, h)) == ["node-b"] for h in hashes), 10)
+
+
 def test_cli_commands_and_exit_codes(admin_cluster, etcd_server):
     cluster, a, client, spawn = admin_cluster
     tokens = list(range(16 * 10))

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from kvstore.daemon.store import LEASE_MAX_SLOTS, BlockStore
-from kvstore.errors import InvalidRequest, WrongSize
+from kvstore.errors import InvalidRequest, NodeRefused, WrongSize
 from kvstore.integrity import block_checksum
 from kvstore.keys import external_hashes
 
@@ -139,3 +139,53 @@ def test_a_block_committed_into_a_leased_slot_during_a_drain_is_drained_too():
         last = list(steps)[-1]
         assert last.done and last.total == 2 and last.dropped == 2
         assert store.keys() == []
+
+
+def test_a_put_under_way_is_refused_after_the_drains_last_look():
+    """A commit that came after the drain's last look would leave its block on a node about to go:
+    it is refused (its client puts the blocks elsewhere) until the node takes puts again."""
+    import kvstore
+
+    with kvstore.open("memory://", dram="16MiB", fingerprint=FP) as embedded:
+        daemon, store = embedded.daemon, embedded.daemon.store
+        late = external_hashes([3], FP)
+        leased = store.lease(FP.digest, BLOCK, 1)  # granted before the drain, written after it
+        sums = fill(store, leased, late)
+        assert list(daemon.drain(move=False))[-1].done
+        with pytest.raises(NodeRefused):
+            store.commit(FP.digest, [leased[0][0]], sums, hashes=late)
+        with pytest.raises(NodeRefused):
+            store.reserve(FP.digest, late, [BLOCK])
+        assert store.lease(FP.digest, BLOCK, 1) == [] and store.keys() == []
+        daemon.set_draining(False)  # taking puts again: the slot, still leased, commits
+        assert store.commit(FP.digest, [leased[0][0]], sums, hashes=late)[0] == [""]
+
+
+def test_the_drains_last_look_waits_for_a_commit_still_verifying(engine, monkeypatch):
+    """A commit verifies its bytes off the lock: stop_taking waits until it has sealed, so the
+    drain's last look sees its block."""
+    import threading
+
+    import kvstore.daemon.store as store_module
+
+    store = BlockStore(engine, engine.allocate(4 << 20))
+    h = external_hashes([6], FP)
+    slots, _ = store.reserve(FP.digest, h, [BLOCK])
+    sums = fill(store, slots, h)
+    hashing, release = threading.Event(), threading.Event()
+    real = store_module.block_checksums
+
+    def slow(*args):
+        hashing.set()
+        release.wait(5)
+        return real(*args)
+
+    monkeypatch.setattr(store_module, "block_checksums", slow)
+    committing = threading.Thread(target=store.commit, args=(FP.digest, [slots[0][0]], sums))
+    committing.start()
+    assert hashing.wait(5)
+    assert not store.stop_taking(0.05)  # still verifying: not quiet yet
+    release.set()
+    assert store.stop_taking(5)
+    assert [key for key, _ in store.keys()] == [(FP.digest, h[0])]  # sealed before stop_taking returned
+    committing.join(5)
