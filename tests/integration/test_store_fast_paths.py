@@ -415,6 +415,38 @@ def test_puts_count_blocks_new_on_the_node_and_large_batches_go_through(etcd_ser
         assert all(np.array_equal(out, data) for out, (_, data) in zip(outs, many[::500]))
 
 
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_a_write_that_timed_out_does_not_give_its_slots_back(etcd_server, spawn_daemon, transport,
+                                                                   monkeypatch):
+    """A write the client stopped waiting for may still be landing: its slots are not given back
+    (another block could get them and be overwritten); the node frees them at their expiry."""
+    from transfer import TransferTimeout
+    from transfer.batch import Batch
+
+    cluster = uuid.uuid4().hex[:8]
+    daemon = spawn_daemon("timed-out", etcd_server.url, cluster, secret=SECRET)
+    block, count = 1 << 20, 8
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport=transport) as client:
+        assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
+        real_wait = Batch.wait
+
+        def stalled(batch, timeout=None, **kwargs):
+            real_wait(batch, timeout, **kwargs)
+            raise TransferTimeout("as if the write had stalled past the timeout")
+
+        monkeypatch.setattr(Batch, "wait", stalled)
+        before = control_ops(daemon)
+        with pytest.raises(NoStoreNodes):
+            client.put_many([(h, content(h, block)) for h in external_hashes(range(count), FP)])
+        monkeypatch.setattr(Batch, "wait", real_wait)
+        after = control_ops(daemon)
+        assert after.get("local_reserve", 0) + after.get("reserve", 0) > \
+            before.get("local_reserve", 0) + before.get("reserve", 0)  # it did write into reserved slots
+        assert after.get("local_abort", 0) + after.get("abort", 0) == \
+            before.get("local_abort", 0) + before.get("abort", 0)
+        assert next(t for t in stats(daemon).tiers if t.name == "dram").used == count * block  # still held
+
+
 def test_a_client_whose_timeout_a_lease_cannot_cover_asks_for_none(etcd_server, spawn_daemon):
     """With a timeout of a quarter of the node's hold or more, a leased slot could never be used
     safely: the first grant goes back at once, and later commits ask for none."""
