@@ -90,6 +90,7 @@ class Daemon:
         self.metrics_port: int | None = None
         self.draining = False
         self.drain_in_progress = False
+        self._draining_lock = threading.Lock()  # a drain's last look against taking puts again
         self._loop = shared_loop()
         self._stopped = threading.Event()
         self._published_usage: dict[str, int] = {}
@@ -237,9 +238,10 @@ class Daemon:
         await self.session.metadata.put(self.layout.node_key(record.name), record.encode(), lease=self.session.lease)
 
     def set_draining(self, draining: bool) -> None:
-        self.draining = draining
-        if not draining:
-            self.store.taking_blocks = True  # taking puts again, after a drain that emptied the node
+        with self._draining_lock:
+            self.draining = draining
+            if not draining:
+                self.store.taking_blocks = True  # taking puts again, after (or instead of) a drain
         self._call(self._put_node(self.node_record()))
 
     def registered_nodes(self) -> list[str]:
@@ -260,19 +262,21 @@ class Daemon:
         try:
             self.set_draining(True)
             progress = admin_pb2.DrainProgress()
-            handled: set = set()
             quiet = False  # commits refused, and none was still sealing
             while True:
                 self.verifier.seal()  # blocks written before now are sealed, so they move too
-                blocks = [(key, slot) for key, slot in self.store.keys() if key not in handled]
+                # Every block handled is removed here: what is left landed since (a re-put included).
+                blocks = self.store.keys()
                 if not blocks:
                     if quiet:
                         break
                     # Nothing new since the last look: from now on a put under way is refused (its
                     # client puts the blocks elsewhere), and one more look takes what landed before.
-                    quiet = self.store.stop_taking(self.config.timeout)
+                    with self._draining_lock:
+                        if not self.draining:
+                            return  # called off: the node takes puts again
+                        quiet = self.store.stop_taking(self.config.timeout)
                     continue
-                handled.update(key for key, _ in blocks)
                 progress.total += len(blocks)
                 yield admin_pb2.DrainProgress(total=progress.total, moved=progress.moved, dropped=progress.dropped,
                                               failed=progress.failed)

@@ -148,8 +148,8 @@ class BlockStore:
         out: list[tuple[int, Slot | None]] = []
         updates: list[Update] = []
         with self.lock:
-            self._check_taking()
             self._expire_reservations()
+            self._check_taking()
             # What the new slots take (4 KiB each at least), beside what puts in flight and written
             # blocks hold: evicting cannot free those. Blocks held here already take nothing (looked up
             # only when it matters).
@@ -202,11 +202,13 @@ class BlockStore:
         if not isinstance(fingerprint, str) or not NAME.fullmatch(fingerprint):
             raise InvalidRequest(f"fingerprint {str(fingerprint)[:80]!r} must be {NAME_RULE}")
         self._check_lease(size, count)
-        if not count or not self.taking_blocks:
+        if not count:
             return []
         tier, out, need = self.dram, [], align_up(size)
         with self.lock:
             self._expire_reservations()
+            if not self.taking_blocks:
+                return []
             leased = sum(align_up(slot.size) for slot in self._pending.values() if slot.key[1] == UNNAMED)
             count = min(count, LEASE_MAX_SLOTS, tier.capacity // LEASE_SHARE // need,
                         max(0, tier.capacity // LEASES_SHARE - leased) // need)
@@ -251,7 +253,9 @@ class BlockStore:
         errors: list[str] = []
         out = records if records is not None else []
         with self.lock:
-            self._check_taking()
+            if not self.taking_blocks:  # refused; its writes are over (a commit follows them): free their slots
+                self.abort([t for t in tokens if t in self._pending and self._pending[t].key[0] == fingerprint])
+                self._check_taking()
             # Popped, a slot is ours alone: expiry and eviction never see it, so its bytes can be
             # verified without the lock (python-xxhash releases the GIL as well).
             # A reservation made under another fingerprint is not this caller's: it stays pending.
@@ -277,22 +281,20 @@ class BlockStore:
                 return errors, []
             self._verifying_commits += 1
         try:
-            actual = self._checksums(mine)
-        except BaseException:
+            try:
+                actual = self._checksums(mine)
+            except BaseException:
+                with self.lock:
+                    for slot in mine:
+                        self.dram.allocator.release(slot.offset, slot.size)
+                raise
             with self.lock:
-                for slot in mine:
-                    self.dram.allocator.release(slot.offset, slot.size)
-                self._commit_done()
-            raise
-        with self.lock:
-            updates = self._seal([(slot, checksum, next(actual) if slot is not None else 0)
-                                  for slot, checksum in zip(slots, checksums)], errors, out, fresh)
-            self._commit_done()
-        return errors, updates
-
-    def _commit_done(self) -> None:
-        self._verifying_commits -= 1
-        self._commits_quiet.notify_all()
+                return errors, self._seal([(slot, checksum, next(actual) if slot is not None else 0)
+                                           for slot, checksum in zip(slots, checksums)], errors, out, fresh)
+        finally:
+            with self.lock:
+                self._verifying_commits -= 1
+                self._commits_quiet.notify_all()
 
     def stop_taking(self, timeout: float) -> bool:
         """Refuse every reserve, lease and commit from now on (a drain's last look), once the

@@ -174,7 +174,7 @@ def test_a_put_under_way_when_a_drain_ends_is_refused_not_left_behind(admin_clus
             assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "drained" in refused.value.details()
             held = stub.Stats(store_pb2.StatsRequest(), timeout=5)
-        assert all(t.blocks == 0 for t in held.tiers)
+        assert all(t.blocks == 0 and t.used == 0 for t in held.tiers)  # and the refused commit freed its slots
         assert client.mirror.wait_until(lambda m: all(list(m.lookup(FP, h)) == ["node-b"] for h in hashes), 10)
 
 

@@ -143,7 +143,8 @@ def test_a_block_committed_into_a_leased_slot_during_a_drain_is_drained_too():
 
 def test_a_put_under_way_is_refused_after_the_drains_last_look():
     """A commit that came after the drain's last look would leave its block on a node about to go:
-    it is refused (its client puts the blocks elsewhere) until the node takes puts again."""
+    it is refused (its client puts the blocks elsewhere, its slot is freed) until the node takes
+    puts again."""
     import kvstore
 
     with kvstore.open("memory://", dram="16MiB", fingerprint=FP) as embedded:
@@ -157,8 +158,9 @@ def test_a_put_under_way_is_refused_after_the_drains_last_look():
         with pytest.raises(NodeRefused):
             store.reserve(FP.digest, late, [BLOCK])
         assert store.lease(FP.digest, BLOCK, 1) == [] and store.keys() == []
-        daemon.set_draining(False)  # taking puts again: the slot, still leased, commits
-        assert store.commit(FP.digest, [leased[0][0]], sums, hashes=late)[0] == [""]
+        assert store.dram.used == 0  # the refused commit gave its slot back
+        daemon.set_draining(False)  # taking puts again
+        assert embedded.put(late[0], content(late[0])) == 1
 
 
 def test_the_drains_last_look_waits_for_a_commit_still_verifying(engine, monkeypatch):
@@ -189,3 +191,72 @@ def test_the_drains_last_look_waits_for_a_commit_still_verifying(engine, monkeyp
     assert store.stop_taking(5)
     assert [key for key, _ in store.keys()] == [(FP.digest, h[0])]  # sealed before stop_taking returned
     committing.join(5)
+
+
+def test_a_block_the_drain_handled_and_a_put_under_way_brought_back_is_drained_again():
+    """The drain removes each block it handles: one that a put under way (its slot leased before
+    the drain) stores again afterwards is found by a later look, not left behind as handled."""
+    import kvstore
+
+    with kvstore.open("memory://", dram="16MiB", fingerprint=FP) as embedded:
+        daemon, store = embedded.daemon, embedded.daemon.store
+        h = external_hashes([1], FP)
+        seal(store, h)
+        leased = store.lease(FP.digest, BLOCK, 1)
+        sums = fill(store, leased, h)
+        steps = daemon.drain(move=False)
+        assert next(steps).total == 1 and next(steps).dropped == 1
+        assert store.commit(FP.digest, [leased[0][0]], sums, hashes=h)[0] == [""]  # the same block, again
+        last = list(steps)[-1]
+        assert last.done and last.dropped == 2 and store.keys() == []
+
+
+def test_taking_puts_again_during_a_drain_calls_it_off():
+    """`policy --accept-puts yes` while a drain runs: the node is serving again, and the drain's
+    last look does not then refuse everything behind the operator's back."""
+    import kvstore
+
+    with kvstore.open("memory://", dram="16MiB", fingerprint=FP) as embedded:
+        daemon, store = embedded.daemon, embedded.daemon.store
+        seal(store, external_hashes([1], FP))
+        steps = daemon.drain(move=False)
+        next(steps)
+        daemon.set_draining(False)
+        assert not any(step.done for step in steps)  # called off
+        h = external_hashes([2], FP)[0]
+        assert not daemon.draining and store.taking_blocks
+        assert embedded.put(h, content(h)) == 1
+
+
+def test_a_refused_commit_gives_its_slots_back(engine, monkeypatch):
+    """An inline put whose commit is refused (the drain's last look came while its bytes were
+    copied in) frees its reservation at once: the node stays refusing, so no later reserve would
+    have expired it."""
+    store = BlockStore(engine, engine.allocate(4 << 20))
+    real = store.reserve
+
+    def reserve_then_drained(*args, **kwargs):
+        out = real(*args, **kwargs)
+        assert store.stop_taking(1)
+        return out
+
+    monkeypatch.setattr(store, "reserve", reserve_then_drained)
+    h = external_hashes([1], FP)
+    with pytest.raises(NodeRefused):
+        store.put_inline(FP.digest, h, [content(h[0]).tobytes()], [block_checksum(h[0], content(h[0]))])
+    assert store.dram.used == 0
+
+
+def test_a_commit_that_fails_while_sealing_does_not_keep_a_drain_waiting(engine, monkeypatch):
+    store = BlockStore(engine, engine.allocate(4 << 20))
+    h = external_hashes([1], FP)
+    slots, _ = store.reserve(FP.digest, h, [BLOCK])
+    sums = fill(store, slots, h)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("sealing failed")
+
+    monkeypatch.setattr(store, "_seal", broken)
+    with pytest.raises(RuntimeError):
+        store.commit(FP.digest, [slots[0][0]], sums)
+    assert store.stop_taking(0.1)
