@@ -10,6 +10,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from typing import Sequence
 
 
 def free_port() -> int:
@@ -22,7 +23,7 @@ class EtcdServer:
     """One etcd member. `start()` waits until it reports healthy; `kill()`/`start()` restart it on
     the same ports and data, like a crashed and recovered server."""
 
-    def __init__(self, data_dir: str | None = None) -> None:
+    def __init__(self, data_dir: str | None = None, extra_args: Sequence[str] = ()) -> None:
         binary = shutil.which("etcd")
         if binary is None:
             raise RuntimeError("etcd not found: install Debian's etcd-server (scripts/install-test-deps.sh)")
@@ -30,6 +31,7 @@ class EtcdServer:
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvstore-etcd-")
         self.client_port, self.peer_port = free_port(), free_port()
         self.proc: subprocess.Popen | None = None
+        self.extra_args = list(extra_args)  # more etcd flags, e.g. a lower --max-txn-ops
 
     @property
     def url(self) -> str:
@@ -41,7 +43,7 @@ class EtcdServer:
             [self.binary, "--name", "kvstore-test", "--data-dir", self.data_dir,
              "--listen-client-urls", client, "--advertise-client-urls", client,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"kvstore-test={peer}", "--logger", "zap", "--log-level", "error"],
+             "--initial-cluster", f"kvstore-test={peer}", "--logger", "zap", "--log-level", "error", *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -176,16 +176,24 @@ class Metadata(abc.ABC):
     async def close(self) -> None: ...
 
     async def put_many(self, items: Sequence[Put], chunk: int = MAX_TXN_OPS) -> int:
-        """Write many keys in as few transactions as etcd allows (`chunk` ops each)."""
-        revision = 0
-        for start in range(0, len(items), chunk):
-            revision = (await self.txn([], items[start : start + chunk])).revision
-        return revision
+        """Write many keys in as few transactions as etcd allows (`chunk` ops each, fewer where
+        the server refuses that many: an etcd run with a lower --max-txn-ops or request size)."""
+        return await self._in_transactions(list(items), chunk)
 
     async def delete_many(self, keys: Sequence[bytes | str], chunk: int = MAX_TXN_OPS) -> int:
-        revision = 0
-        for start in range(0, len(keys), chunk):
-            revision = (await self.txn([], [Delete(as_key(k)) for k in keys[start : start + chunk]])).revision
+        return await self._in_transactions([Delete(as_key(k)) for k in keys], chunk)
+
+    async def _in_transactions(self, ops: list[Put | Delete], chunk: int) -> int:
+        revision, start = 0, 0
+        while start < len(ops):
+            try:
+                revision = (await self.txn([], ops[start : start + chunk])).revision
+            except ValueTooLarge:
+                if chunk == 1:
+                    raise  # one op alone is too large: not something smaller transactions fix
+                chunk = max(1, chunk // 2)
+                continue
+            start += chunk
         return revision
 
 

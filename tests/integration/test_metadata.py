@@ -147,3 +147,22 @@ async def test_bad_input_gets_typed_errors(metadata_url, prefix):
         assert (await md.range(prefix))[0] == []  # nothing half-written
     finally:
         await md.close()
+
+
+async def test_batches_fit_an_etcd_that_takes_fewer_operations_per_transaction(prefix):
+    """An etcd run with a lower --max-txn-ops than the default refuses our 128-op transactions:
+    batches are split further instead of failing (a daemon's publisher would retry forever)."""
+    from kvstore.etcd_server import EtcdServer
+
+    with EtcdServer(extra_args=["--max-txn-ops", "16"]) as server:
+        md = open_metadata(server.url)
+        try:
+            with pytest.raises(ValueTooLarge):  # the limit is real
+                await md.txn([], [Put(f"{prefix}x{i}".encode(), b"v") for i in range(17)])
+            await md.put_many([Put(f"{prefix}{i:03d}".encode(), b"v") for i in range(100)])
+            items, _ = await md.range(prefix)
+            assert len(items) == 100
+            await md.delete_many([item.key for item in items])
+            assert (await md.range(prefix))[0] == []
+        finally:
+            await md.close()

@@ -595,3 +595,21 @@ def test_nvme_reads_while_the_node_evicts_are_right_or_misses(nvme_node):
     assert not writer_error, writer_error
     assert not wrong, f"{len(wrong)} reads returned wrong bytes"
     assert hits[0] > 0 and client.stats["nvme_fd_reads"] > reads_before
+
+
+def test_a_daemon_publishes_to_an_etcd_that_takes_fewer_operations_per_transaction(spawn_daemon):
+    """A put of more blocks than such an etcd takes in one transaction still becomes visible to
+    other clients (its publish batch is split, not retried whole for ever)."""
+    from kvstore.etcd_server import EtcdServer
+
+    with EtcdServer(extra_args=["--max-txn-ops", "16"]) as server:
+        cluster = uuid.uuid4().hex[:8]
+        spawn_daemon("small-txns", server.url, cluster, secret=SECRET)
+        hashes = external_hashes(range(100), FP)
+        with Client(server.url, cluster=cluster, fingerprint=FP, secret=SECRET) as client, \
+                Client(server.url, cluster=cluster, fingerprint=FP, secret=SECRET) as other:
+            assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
+            assert client.put_many([(h, content(h, 4096)) for h in hashes]) == len(hashes)
+            assert other.mirror.wait_until(lambda m: all(m.contains(FP, h) for h in hashes), 10)
+            assert client.remove(hashes) == len(hashes)
+            assert other.mirror.wait_until(lambda m: not any(m.contains(FP, h) for h in hashes), 10)
