@@ -41,6 +41,7 @@ from .integrity import block_checksums, checksum_seeds, checksum_state
 from .keys import HASH_BYTES, ModelFingerprint
 from .layout import BlockRecord, NodeRecord
 from .local_node import LocalNode, TierFile, read_block
+from .local_wire import TCP_SCHEME
 from .store.v1 import store_pb2, store_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -130,14 +131,16 @@ class Client:
         self._flush_lock = threading.Lock()
         self._closed = self._channels_closed = False
         self._locals: dict[str, LocalNode] = {}
-        self._local_addresses: dict[str, tuple[str, Any]] = {}  # node -> (segment seen, its socket name)
+        self._wires: dict[str, LocalNode] = {}  # the same wire over TCP, to nodes on other hosts
+        self._local_addresses: dict[tuple[str, str], tuple[str, Any]] = {}  # (node, field) -> (segment seen, address)
         self._inflight: dict[str, int] = {}  # node -> bytes of this client's puts under way there
         self._usage: dict[str, tuple[int, int, float]] = {}  # node -> (used, capacity, when) from its replies
         self._leases: dict[tuple[str, str, int], _LeasePool] = {}  # (node, fingerprint, block size) -> slots
         self._lease_ttl: dict[str, float] = {}  # node -> how long it holds a leased slot (from its last grant)
         self._io: ThreadPoolExecutor | None = None  # NVMe tier reads of a batch, in parallel
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvs-checksum")  # a large put's checksums
-        self.stats: dict[str, int] = {"control_calls": 0, "local_puts": 0, "nvme_fd_reads": 0, "nvme_fd_bytes": 0}
+        self.stats: dict[str, int] = {"control_calls": 0, "local_puts": 0, "wire_puts": 0, "nvme_fd_reads": 0,
+                                      "nvme_fd_bytes": 0}
 
     # --- fingerprints and nodes ------------------------------------------------------------------
     def _fp(self, fingerprint: ModelFingerprint | str | None) -> str:
@@ -177,27 +180,43 @@ class Client:
         """The same-host fast path to `name`, or None (another host, forced TCP, an older daemon)."""
         if self.transport not in ("auto", "shm"):
             return None
-        record, segment = self.mirror.nodes.get(name), self.mirror.segments.get(name)
-        if record is None or not segment or record.host != host_id():
+        record = self.mirror.nodes.get(name)
+        if record is None or record.host != host_id():
             return None
-        known = self._local_addresses.get(name)
+        return self._control_wire(name, "kvstore_local", "", self._locals)
+
+    def _wire(self, name: str) -> LocalNode | None:
+        """The same framed wire to `name` over TCP (another host, or forced TCP): one round trip per
+        control call instead of a gRPC call's thread hops. None where gRPC runs over TLS (the wire
+        does not encrypt) or the node has none."""
+        if self._tls_roots is not None or self.transport not in ("auto", "tcp"):
+            return None
+        return self._control_wire(name, "kvstore_wire", TCP_SCHEME, self._wires)
+
+    def _control_wire(self, name: str, field: str, scheme: str, pool: dict[str, LocalNode]) -> LocalNode | None:
+        """The pooled connections to the wire `name`'s segment names under `field`, or None."""
+        segment = self.mirror.segments.get(name)
+        if not segment:
+            return None
+        known = self._local_addresses.get((name, field))
         if known is not None and known[0] is segment:
             address = known[1]
         else:
             try:
-                address = json.loads(segment).get("kvstore_local")
+                address = json.loads(segment).get(field)
             except (ValueError, AttributeError):
                 address = None
-            self._local_addresses[name] = (segment, address)
+            self._local_addresses[(name, field)] = (segment, address)
         if not isinstance(address, str) or not address:
             return None
+        address = scheme + address
         with self._lock:
-            node = self._locals.get(name)
+            node = pool.get(name)
             if node is not None and node.address == address and not node.closed:
                 return node
             if node is not None:
                 node.close()
-            node = self._locals[name] = LocalNode(name, address, self._secret, self.engine.name, self.timeout)
+            node = pool[name] = LocalNode(name, address, self._secret, self.engine.name, self.timeout)
             return node
 
     def _mark_down(self, name: str, why: Exception) -> None:
@@ -206,13 +225,15 @@ class Client:
         with self._lock:
             node = self._nodes.pop(name, None)
             local = self._locals.pop(name, None)
+            wire = self._wires.pop(name, None)
             for key in [key for key in self._leases if key[0] == name]:  # its slots are of no use now
                 del self._leases[key]
         if node is not None:
             node.peer.close()
             node.channel.close()
-        if local is not None:
-            local.close()
+        for control in (local, wire):
+            if control is not None:
+                control.close()
 
     def _usable(self, name: str) -> bool:
         return self._down.get(name, 0) < time.monotonic()
@@ -364,22 +385,29 @@ class Client:
                                   views, timeout=answer_within)
             self.stats["local_puts"] += 1
             return self._sealed(name, fp, hashes, reply, since)
-        if local is None and size <= GRPC_INLINE_MAX:  # one gRPC round trip
-            node = self._node(name)
+        wire = local or self._wire(name)
+        if local is None and size <= GRPC_INLINE_MAX:  # one round trip over the TCP wire (or gRPC)
             self.stats["control_calls"] += 1
-            reply = self._rpc(node.stub.Put, store_pb2.PutRequest(
-                fingerprint=fp, hashes=hashes, payloads=[bytes(v) for v in views], checksums=checksums_of(),
-                client=self.engine.name, sync=sync), answer_within)
+            if wire is not None:
+                reply, _ = wire.call({"op": "put", "fp": fp, "hashes": [h.hex() for h in hashes],
+                                      "sizes": [v.nbytes for v in views], "checksums": checksums_of(), "sync": sync},
+                                     views, timeout=answer_within)
+                self.stats["wire_puts"] += 1
+            else:
+                reply = self._rpc(self._node(name).stub.Put, store_pb2.PutRequest(
+                    fingerprint=fp, hashes=hashes, payloads=[bytes(v) for v in views], checksums=checksums_of(),
+                    client=self.engine.name, sync=sync), answer_within)
             return self._sealed(name, fp, hashes, reply, since)
-        return self._put_by_engine(name, local, fp, hashes, regions()[first : first + len(views)], checksums_of,
-                                   sums, first, since, sync, answer_within)
+        return self._put_by_engine(name, local, wire, fp, hashes, regions()[first : first + len(views)],
+                                   checksums_of, sums, first, since, sync, answer_within)
 
-    def _put_by_engine(self, name: str, local: LocalNode | None, fp: str, hashes: list[bytes], regs: list[Region],
-                       checksums_of: Callable[[], list[int]], sums: list[int | None], first: int, since: int,
-                       sync: bool, answer_within: float) -> int:
+    def _put_by_engine(self, name: str, local: LocalNode | None, wire: LocalNode | None, fp: str,
+                       hashes: list[bytes], regs: list[Region], checksums_of: Callable[[], list[int]],
+                       sums: list[int | None], first: int, since: int, sync: bool, answer_within: float) -> int:
         """Large blocks: write them with the engine (into the node's mapped arena on this host)
         into slots leased by an earlier commit, or else reserved now, then commit them (asking for
-        slots for the next put of this shape)."""
+        slots for the next put of this shape). Control calls go over `wire` where there is one,
+        else gRPC."""
         node = self._node(name)
         size = regs[0].size if all(r.size == regs[0].size for r in regs) else 0  # leases are of one size
         # Same host: the engine's copy into the mapped arena takes the checksums on the way (one pass
@@ -392,9 +420,9 @@ class Client:
             self._abort(name, aged)
         if leased is not None:
             slots = [(i, slot.token, slot.region, slot.offset) for i, slot in enumerate(leased)]
-        elif local is not None:
+        elif wire is not None:
             self.stats["control_calls"] += 1
-            reply, _ = local.call({"op": "reserve", "fp": fp, "hashes": [h.hex() for h in hashes],
+            reply, _ = wire.call({"op": "reserve", "fp": fp, "hashes": [h.hex() for h in hashes],
                                    "sizes": [r.size for r in regs]})
             slots = [(i, s[0], s[1], s[2]) for i, s in enumerate(reply["slots"]) if s is not None]
             self._seen(name, reply)
@@ -428,8 +456,8 @@ class Client:
             # Enough slots for another put like this one, less what is leased already.
             want = self._lease_wanted(node, name, fp, size, len(regs))
             asked = time.monotonic()
-            if local is not None:
-                commit, _ = local.call({"op": "commit", "fp": fp, "tokens": tokens,
+            if wire is not None:
+                commit, _ = wire.call({"op": "commit", "fp": fp, "tokens": tokens,
                                         "checksums": [checksums[i] for i, _, _, _ in slots],
                                         "sync": sync, "lease": {"size": size, "count": want},
                                         **({"hashes": [h.hex() for h in named]} if named else {})},
@@ -454,9 +482,9 @@ class Client:
     def _abort(self, name: str, tokens: list[int]) -> None:
         """Give reserved or leased slots back to `name`; best effort (the node reclaims them at expiry)."""
         try:
-            local = self._local(name)
-            if local is not None:
-                local.call({"op": "abort", "tokens": tokens})
+            wire = self._local(name) or self._wire(name)
+            if wire is not None:
+                wire.call({"op": "abort", "tokens": tokens})
             elif name in self._nodes:
                 self._rpc(self._nodes[name].stub.Abort, store_pb2.AbortRequest(tokens=tokens))
         except (grpc.RpcError, KVStoreError, OSError, ValueError) as exc:
@@ -673,9 +701,9 @@ class Client:
 
     def _lookup(self, name: str, fp: str, hashes: list[bytes]) -> list[BlockRecord | None]:
         """The node's current record of each block (None where it does not hold it)."""
-        local = self._local(name)
-        if local is not None:
-            reply, _ = local.call({"op": "lookup", "fp": fp, "hashes": [h.hex() for h in hashes]})
+        wire = self._local(name) or self._wire(name)
+        if wire is not None:
+            reply, _ = wire.call({"op": "lookup", "fp": fp, "hashes": [h.hex() for h in hashes]})
             records = reply.get("records")
             if not isinstance(records, list) or not all(r is None or isinstance(r, str) for r in records):
                 raise ValueError(f"{name} answered a malformed lookup")
@@ -881,8 +909,8 @@ class Client:
             self._channels_closed = True
             for node in self._nodes.values():
                 node.channel.close()
-        for local in list(self._locals.values()):
-            local.close()
+        for wire in list(self._locals.values()) + list(self._wires.values()):
+            wire.close()
         self._hasher.shutdown(wait=True)
         if self._io is not None:
             self._io.shutdown(wait=True)

@@ -1,6 +1,7 @@
-"""A store daemon on this host, as its clients reach it: pooled authenticated unix connections
-(`kvstore.local_wire`) for control requests and inline puts, and the NVMe tier file's read-only fd,
-read with O_DIRECT straight into the caller's buffer."""
+"""A store daemon's framed control wire, as its clients reach it: pooled authenticated connections
+(`kvstore.local_wire`; its unix socket on this host, TCP from elsewhere) for control requests and
+inline puts, and, on this host, the NVMe tier file's read-only fd, read with O_DIRECT straight
+into the caller's buffer."""
 from __future__ import annotations
 
 import mmap
@@ -34,7 +35,8 @@ class TierFile:
 
 
 class LocalNode:
-    """A same-host node's fast path: pooled authenticated unix connections and its NVMe tier fd."""
+    """A node's framed wire: pooled authenticated connections (unix on this host, or `tcp://`) and,
+    on this host, its NVMe tier fd."""
 
     def __init__(self, name: str, address: str, secret: bytes, client: str, timeout: float) -> None:
         self.name, self.address, self._secret, self._client, self.timeout = name, address, secret, client, timeout

@@ -1,6 +1,7 @@
-"""The same-host control wire: length-prefixed JSON frames, each with an HMAC under the session key
+"""The framed control wire: length-prefixed JSON frames, each with an HMAC under the session key
 over its sequence number (so frames cannot be injected, replayed or reordered), and raw block bytes
-after a frame. Spoken by a store daemon's unix socket (`kvstore.daemon.local`) and its clients."""
+after a frame. Spoken by a store daemon's unix socket and its TCP twin (`kvstore.daemon.local`)
+and their clients."""
 from __future__ import annotations
 
 import hmac
@@ -21,6 +22,7 @@ MAX_FRAME = 4 << 20  # a put of 4096 blocks still fits its header
 REPLY_SPIN_S = 200e-6
 NEXT_REQUEST_SPIN_S = 100e-6
 _MAC = 32
+TCP_SCHEME = "tcp://"
 
 
 class MalformedFrame(ValueError):
@@ -168,14 +170,24 @@ class Frames:
 
 
 def connect(name: str, secret: bytes, client: str, timeout: float) -> Frames:
-    """A client's authenticated connection to a daemon's same-host socket."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    """A client's authenticated connection to a daemon's control wire: its same-host socket, or
+    `tcp://host:port` (the same wire over TCP)."""
+    tcp = name.startswith(TCP_SCHEME)
+    if tcp:
+        host, _, port = name[len(TCP_SCHEME):].rpartition(":")
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    else:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         # Room for a whole inline put in the socket (the kernel caps it at net.core.wmem_max): the
         # sender writes it in one go instead of waking the node once per 200 KiB.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         sock.settimeout(timeout)
-        sock.connect("\0" + name)
+        if tcp:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.connect((host.strip("[]"), int(port)))
+        else:
+            sock.connect("\0" + name)
         session = client_handshake(sock, secret, "ctl", client, wire="plain", timeout=timeout)
         return Frames(sock, session.tx, session.rx, timeout)
     except BaseException:

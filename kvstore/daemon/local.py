@@ -1,12 +1,16 @@
-"""The same-host fast path of a store daemon: an abstract unix socket for clients on this host.
+"""The framed control wire of a store daemon: an abstract unix socket for clients on this host,
+and (unless gRPC runs over TLS) a TCP socket beside the gRPC one for clients elsewhere.
 
-Who may connect: processes of the daemon's own user (or root), checked with SO_PEERCRED, that
-then pass the Transfer Engine's handshake (both ends prove they know the cluster secret; a
-relayed handshake yields nothing). Every control frame afterwards carries an HMAC under the
-session key over its sequence number (`kvstore.local_wire`), so frames cannot be injected,
-replayed or reordered. Block bytes follow a `put` frame raw: nobody else can write into an
-established unix stream, and the authenticated frame names their length and checksum, which the
-daemon verifies before sealing.
+Who may connect: over the unix socket, processes of the daemon's own user (or root), checked with
+SO_PEERCRED; over TCP, anyone, at most PER_SOURCE connections per address. Both then pass the
+Transfer Engine's handshake (both ends prove they know the cluster secret; a relayed handshake
+yields nothing; `--insecure` has no secret). Every control frame afterwards carries an HMAC under
+the session key over its sequence number (`kvstore.local_wire`), so frames cannot be injected,
+replayed or reordered. Block bytes follow a `put` frame raw: the authenticated frame names their
+length and checksum, which the daemon verifies before sealing (over TCP, bytes altered on the way
+fail that check unless the attacker can also forge an xxh3 match: run gRPC over TLS, which turns
+this TCP socket off, where the network is not trusted). The NVMe tier's fd is only handed out
+over the unix socket.
 
 Requests (one reply frame each):
   put      {fp, hashes (hex), sizes, checksums, sync} + the bytes -> {records, errors, used, capacity}
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import selectors
 import socket
 import threading
 import time
@@ -42,9 +47,11 @@ from .store import MAX_BLOCK_BYTES, BlockStore, Update
 log = logging.getLogger(__name__)
 MAX_ATTACHMENT = 256 << 20
 MAX_CONNECTIONS = 256
+PER_SOURCE = 64  # TCP connections from one address (authenticated or not yet)
 # An idle connection is closed after this long, so clients' pools cannot hold every slot for good
 # (clients drop pooled connections idle for half of it: kvstore.local_node.POOLED_IDLE_S).
 IDLE_S = 120.0
+OPS = ("put", "reserve", "commit", "abort", "tier", "lookup")
 
 
 class _Invalid(Exception):
@@ -75,7 +82,8 @@ class LocalControl:
 
     def __init__(self, name: str, secret: bytes, node: str, store: BlockStore,
                  publish: Callable[[list[Update], bool], None], accepting: Callable[[], bool],
-                 observe: Callable[[str, float], None], tier_path: str | None, timeout: float) -> None:
+                 observe: Callable[[str, float], None], tier_path: str | None, timeout: float,
+                 tcp_host: str | None = None) -> None:
         self.name, self._secret, self._node, self.store = name, secret, node, store
         self._publish, self._accepting, self._observe = publish, accepting, observe
         self._tier_path, self._timeout = tier_path, timeout
@@ -83,6 +91,16 @@ class LocalControl:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind("\0" + name)
         self._sock.listen(128)
+        self._tcp: socket.socket | None = None
+        self.tcp_address: str | None = None  # host:port of the TCP socket, when there is one
+        if tcp_host is not None:
+            family = socket.AF_INET6 if ":" in tcp_host else socket.AF_INET
+            self._tcp = socket.socket(family, socket.SOCK_STREAM)
+            self._tcp.bind((tcp_host, 0))
+            self._tcp.listen(128)
+            port = self._tcp.getsockname()[1]
+            self.tcp_address = f"[{tcp_host}]:{port}" if family == socket.AF_INET6 else f"{tcp_host}:{port}"
+        self._sources: dict[str, int] = {}  # TCP connections open per address
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -90,33 +108,53 @@ class LocalControl:
         self._thread.start()
 
     def _accept_loop(self) -> None:
-        self._sock.settimeout(0.2)
+        selector = selectors.DefaultSelector()
+        for sock in (self._sock, self._tcp):
+            if sock is not None:
+                selector.register(sock, selectors.EVENT_READ)
         while not self._closed.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except socket.timeout:
-                continue
-            except OSError as exc:
-                if self._closed.is_set():
-                    return
-                log.warning("%s: accept failed: %s", self._node, exc)
-                self._closed.wait(0.1)
-                continue
+            for key, _ in selector.select(timeout=0.2):
+                try:
+                    conn, addr = key.fileobj.accept()  # type: ignore[union-attr]
+                except OSError as exc:
+                    if self._closed.is_set():
+                        break
+                    log.warning("%s: accept failed: %s", self._node, exc)
+                    self._closed.wait(0.1)
+                    continue
+                source = self._admit(conn, None if key.fileobj is self._sock else str(addr[0]))
+                if source is not None:
+                    threading.Thread(target=self._serve, args=(conn, source), daemon=True).start()
+        selector.close()
+
+    def _admit(self, conn: socket.socket, address: str | None) -> str | None:
+        """Take a new connection (None: refused and closed). Returns its source: "" for the unix
+        socket (of an allowed user), the peer's address over TCP."""
+        if address is None:
             try:
                 uid = peer_uid(conn)
             except OSError:
                 uid = -1
-            with self._lock:
-                full = len(self._conns) >= MAX_CONNECTIONS
-                if uid in self._allowed_uids and not full:
-                    self._conns.add(conn)
-            if uid not in self._allowed_uids or full:
-                log.warning("%s: refused same-host connection (uid %d, %d open)", self._node, uid, len(self._conns))
-                conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            allowed = uid in self._allowed_uids
+        else:
+            allowed = True
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        source = address or ""
+        with self._lock:
+            full = len(self._conns) >= MAX_CONNECTIONS or (address is not None and self._sources.get(source, 0) >= PER_SOURCE)
+            if allowed and not full:
+                self._conns.add(conn)
+                if address is not None:
+                    self._sources[source] = self._sources.get(source, 0) + 1
+        if not allowed or full:
+            log.warning("%s: refused a control connection (%s, %d open)", self._node,
+                        "wrong user" if not allowed else "too many", len(self._conns))
+            conn.close()
+            return None
+        return source
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, source: str) -> None:
+        remote = bool(source)  # over TCP: no descriptors to hand out
         try:
             session = server_handshake(conn, self._secret, self._node, wire="plain", timeout=self._timeout)
             frames = Frames(conn, session.tx, session.rx, self._timeout)
@@ -130,13 +168,15 @@ class LocalControl:
                 started = time.perf_counter()
                 op = str(request.get("op"))
                 try:
+                    if remote and op == "tier":
+                        raise _Invalid("the NVMe tier's fd is only handed out on the same host")
                     reply, fd = self._handle(op, request, frames, deadline)
                 except _Invalid as exc:
                     reply, fd = {"ok": False, "code": "invalid", "error": str(exc)}, None
                 except KVStoreError as exc:
                     reply, fd = self._error(exc), None
                 # Counted before the reply goes out: whoever got the answer also sees it in the metrics.
-                self._observe(f"local_{op}" if op in ("put", "reserve", "commit", "abort", "tier", "lookup") else "local_other",
+                self._observe(f"{'wire' if remote else 'local'}_{op}" if op in OPS else "local_other",
                               time.perf_counter() - started)
                 if fd is not None:
                     try:
@@ -153,6 +193,12 @@ class LocalControl:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                if remote:
+                    left = self._sources.get(source, 1) - 1
+                    if left:
+                        self._sources[source] = left
+                    else:
+                        self._sources.pop(source, None)
             conn.close()
 
     def _usage(self) -> dict[str, int]:
@@ -304,6 +350,8 @@ class LocalControl:
         self._closed.set()
         self._thread.join(timeout=2.0)
         self._sock.close()
+        if self._tcp is not None:
+            self._tcp.close()
         with self._lock:
             for conn in self._conns:
                 try:

@@ -8,7 +8,8 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 OPS = ("reserve", "commit", "put", "abort", "touch", "remove", "lookup", "stats",
-       "local_put", "local_reserve", "local_commit", "local_abort", "local_tier", "local_lookup")
+       "local_put", "local_reserve", "local_commit", "local_abort", "local_tier", "local_lookup",
+       "wire_put", "wire_reserve", "wire_commit", "wire_abort", "wire_lookup")
 
 
 class DaemonMetrics:

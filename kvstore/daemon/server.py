@@ -122,10 +122,13 @@ class Daemon:
                                    self.metrics.publish_delay.observe, window=min(max(c.publish_window, 0.0), c.timeout))
         self.metrics.publish_pending = lambda: self.publisher.pending
         self.verifier = Verifier(self.store, self.publish, c.node)  # puts answered before their checksum pass
-        # Same-host clients: puts in one round trip and the NVMe tier's fd over an authenticated unix socket.
+        # The framed control wire: puts in one round trip and the NVMe tier's fd for same-host clients
+        # over an authenticated unix socket; over TCP beside gRPC for others (not when gRPC runs over
+        # TLS: the wire does not encrypt).
         self.local = LocalControl(f"kvstore-local-{uuid.uuid4().hex}", secret, c.node, self.store, self.publish,
                                   lambda: not self.draining, lambda op, s: self.metrics.latency.labels(op).observe(s),
-                                  tier_path, c.timeout)
+                                  tier_path, c.timeout,
+                                  tcp_host=None if c.tls_cert and c.tls_key else c.listen.rpartition(":")[0].strip("[]"))
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
                                   interceptors=[AccessRules(secret, c.admin_token, c.node)],
                                   options=[("grpc.max_receive_message_length", MAX_INLINE_BYTES + (1 << 20))])
@@ -177,6 +180,8 @@ class Daemon:
         metadata = open_metadata(self.config.metadata, timeout=self.config.timeout)
         segment = json.loads(self.engine.export().to_json())
         segment["kvstore_local"] = self.local.name  # same-host clients' fast path (EngineDescriptor ignores it)
+        if self.local.tcp_address:
+            segment["kvstore_wire"] = self.local.tcp_address  # the same wire over TCP, for other hosts
         self.session = NodeSession(metadata, self.layout, self.node_record(), json.dumps(segment, separators=(",", ":")),
                                    ttl=self.config.lease_ttl, on_lease_lost=self._lease_lost)
         await self.session.start()

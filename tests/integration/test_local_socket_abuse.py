@@ -1,6 +1,8 @@
-"""A store daemon's same-host socket against clients that hold the secret but misbehave: a put that
-trickles its bytes, guessed reservation tokens, a fingerprint that cannot name an index key, a
-reserve that could never fit. Real etcd, a real daemon in its own process, raw authenticated frames."""
+"""A store daemon's framed control wire (its same-host socket, and the same over TCP) against
+clients that hold the secret but misbehave: a put that trickles its bytes, guessed reservation
+tokens, a fingerprint that cannot name an index key, a reserve that could never fit; and, over TCP,
+peers without the secret, a request for the NVMe tier's fd, a flood of connections from one
+address. Real etcd, a real daemon in its own process, raw authenticated frames."""
 from __future__ import annotations
 
 import contextlib
@@ -18,22 +20,23 @@ import pytest
 from kvstore import Client
 from kvstore.integrity import block_checksum
 from kvstore.keys import ModelFingerprint, external_hashes
-from kvstore.local_wire import Frames, connect
+from kvstore.local_wire import TCP_SCHEME, Frames, connect
 
 FP = ModelFingerprint("local-abuse", "float16", 16, 2, 2, 64)
 SECRET = "local-abuse-secret"
 
 
-@pytest.fixture
-def node(etcd_server, spawn_daemon):
-    """(daemon, a well-behaved client, the daemon's same-host socket address)."""
+@pytest.fixture(params=["unix", "tcp"])
+def node(request, etcd_server, spawn_daemon):
+    """(daemon, a well-behaved client, the address of the daemon's wire: its same-host socket, or
+    tcp://host:port)."""
     cluster = uuid.uuid4().hex[:8]
     daemon = spawn_daemon("abused", etcd_server.url, cluster, secret=SECRET, extra=["--timeout", "1"])
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET) as client:
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
-        local = client._local(daemon.name)
-        assert local is not None
-        yield daemon, client, local.address
+        wire = client._local(daemon.name) if request.param == "unix" else client._wire(daemon.name)
+        assert wire is not None
+        yield daemon, client, wire.address
 
 
 def raw(address: str) -> Frames:
@@ -134,6 +137,7 @@ def test_a_commit_with_a_malformed_lease_or_names_is_invalid_and_takes_nothing(n
     """A commit whose lease request or block names are wrong is refused before anything is taken:
     the reservation it names still commits afterwards."""
     daemon, client, address = node
+    bad = dict(bad)  # the parameter is shared by both wires' runs
     frames = raw(address)
     h = external_hashes([800], FP)[0]
     frames.send({"op": "reserve", "fp": FP.digest, "hashes": [h.hex()], "sizes": [4096]})
@@ -235,3 +239,73 @@ def test_an_authentic_frame_that_is_not_a_json_object_gets_invalid_and_the_conne
     h = external_hashes([600], FP)[0]
     frames.send({"op": "lookup", "fp": FP.digest, "hashes": [h.hex()]})  # the same connection still serves
     assert frames.recv(5.0) == {"ok": True, "records": [None]}
+
+
+@pytest.fixture
+def tcp_wire(etcd_server, spawn_daemon):
+    """(a well-behaved client, the daemon's control wire over TCP)."""
+    cluster = uuid.uuid4().hex[:8]
+    daemon = spawn_daemon("wired", etcd_server.url, cluster, secret=SECRET)
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport="tcp") as client:
+        assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
+        wire = client._wire(daemon.name)
+        assert wire is not None and wire.address.startswith(TCP_SCHEME)
+        yield client, wire.address
+
+
+def test_the_tcp_wire_takes_no_one_without_the_secret(tcp_wire):
+    client, address = tcp_wire
+    kept = stored_blocks(client, 4, 0)
+    for secret in (b"wrong-secret", b""):
+        with pytest.raises(Exception):
+            frames = connect(address, secret, "eve", 5.0)
+            frames.send({"op": "lookup", "fp": FP.digest, "hashes": [h.hex() for h, _ in kept]})
+            frames.recv(5.0)
+    host, _, port = address[len(TCP_SCHEME):].rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:  # a frame without a handshake
+        sock.sendall(struct.pack("<I", 15) + b'{"op":"lookup"}')
+        try:
+            answer = sock.recv(4096)
+        except ConnectionResetError:
+            answer = b""
+        assert answer == b""  # closed unanswered
+    assert reads_back(client, kept)
+
+
+def test_the_tcp_wire_hands_out_no_descriptor(tcp_wire):
+    """The NVMe tier's fd is for processes on the node's own host: over TCP, `tier` is refused."""
+    _, address = tcp_wire
+    frames = raw(address)
+    frames.send({"op": "tier"})
+    reply = frames.recv(5.0)
+    assert reply["ok"] is False and reply["code"] == "invalid" and "same host" in reply["error"]
+
+
+def test_one_address_cannot_take_every_connection_of_the_tcp_wire(tcp_wire):
+    """A peer that opens connections and never authenticates holds at most PER_SOURCE of them."""
+    from kvstore.daemon.local import PER_SOURCE
+
+    client, address = tcp_wire
+    host, _, port = address[len(TCP_SCHEME):].rpartition(":")
+    held = [socket.create_connection((host, int(port)), timeout=5) for _ in range(PER_SOURCE)]
+    try:
+        extra = socket.create_connection((host, int(port)), timeout=5)
+        extra.settimeout(5)
+        assert extra.recv(1) == b""  # closed by the node at once
+        extra.close()
+    finally:
+        for sock in held:
+            sock.close()
+    assert wait_until_true(lambda: reads_back(client, stored_blocks(client, 2, 100)))
+
+
+def wait_until_true(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return True
+        except Exception:  # noqa: BLE001 - the held connections are still being closed
+            pass
+        time.sleep(0.1)
+    return False
