@@ -14,6 +14,9 @@ def add_serve(commands) -> None:
     serve.add_argument("--cluster", default="default")
     serve.add_argument("--listen", default="127.0.0.1:0", help="control (gRPC) address")
     serve.add_argument("--engine-listen", default="127.0.0.1:0", help="Transfer Engine address")
+    serve.add_argument("--wire-port", type=int, default=0,
+                       help="TCP port of the framed control wire, on the --listen host (0: any free port; "
+                            "-1: none, clients on other hosts use gRPC); never opened with --tls-cert")
     serve.add_argument("--dram", default="1GiB", help="DRAM tier capacity")
     serve.add_argument("--disk-dir", help="NVMe tier directory (no NVMe tier without it)")
     serve.add_argument("--disk", default="4GiB", help="NVMe tier capacity")
@@ -97,8 +100,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.publish_window_ms <= 1000:  # also refuses nan
         print("kvstore serve: --publish-window-ms must be within 0..1000", file=sys.stderr)
         return 2
+    if not -1 <= args.wire_port <= 65535:
+        print("kvstore serve: --wire-port must be within -1..65535", file=sys.stderr)
+        return 2
     config = DaemonConfig(node=args.node, metadata=args.metadata, cluster=args.cluster, listen=args.listen,
-                          engine_listen=args.engine_listen, dram_bytes=parse_size(args.dram), disk_dir=args.disk_dir,
+                          engine_listen=args.engine_listen, wire_port=None if args.wire_port < 0 else args.wire_port, dram_bytes=parse_size(args.dram), disk_dir=args.disk_dir,
                           disk_bytes=parse_size(args.disk) if args.disk_dir else 0, secret=secret,
                           insecure=args.insecure,
                           replicas=args.replicas, eviction=args.eviction, high_watermark=args.high_watermark,

@@ -41,7 +41,7 @@ from .integrity import block_checksums, checksum_seeds, checksum_state
 from .keys import HASH_BYTES, ModelFingerprint
 from .layout import BlockRecord, NodeRecord
 from .local_node import LocalNode, TierFile, read_block
-from .local_wire import TCP_SCHEME
+from .local_wire import TCP_SCHEME, tcp_endpoint
 from .store.v1 import store_pb2, store_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,9 @@ TOUCH_INTERVAL = 0.1  # seconds between hit reports to a node
 TOUCH_BACKLOG = 10_000  # hashes kept per node between reports
 STRIPE_BYTES = 512 << 10  # a 1 MiB block goes out as two 512 KiB pieces in parallel
 LOCAL_INLINE_MAX = 4 << 20  # same host: puts up to this many bytes carry them in the one request
-GRPC_INLINE_MAX = 256 << 10  # other hosts: puts up to this many bytes carry them in one gRPC Put
+GRPC_INLINE_MAX = 256 << 10  # other hosts: puts up to this many bytes carry them in one call
+WIRE_CONNECT_S = 2.0  # the first connection to a node's TCP wire; unreachable, gRPC is used instead
+WIRE_RETRY_S = 30.0  # ... for this long
 SYNC_PUBLISH_WAITS = 4  # a sync put answers within this many timeouts (the node waits up to 3 to publish)
 USAGE_FRESH_S = 2.5  # a node's use from its last reply beats its published record (every 2 s) this long
 LEASE_MAX_BYTES = 64 << 20  # leased slots kept per node, fingerprint and block size (one put's worth, up to this)
@@ -132,6 +134,7 @@ class Client:
         self._closed = self._channels_closed = False
         self._locals: dict[str, LocalNode] = {}
         self._wires: dict[str, LocalNode] = {}  # the same wire over TCP, to nodes on other hosts
+        self._wire_down: dict[str, float] = {}  # node -> until when its wire is left alone (unreachable)
         self._local_addresses: dict[tuple[str, str], tuple[str, Any]] = {}  # (node, field) -> (segment seen, address)
         self._inflight: dict[str, int] = {}  # node -> bytes of this client's puts under way there
         self._usage: dict[str, tuple[int, int, float]] = {}  # node -> (used, capacity, when) from its replies
@@ -189,9 +192,21 @@ class Client:
         """The same framed wire to `name` over TCP (another host, or forced TCP): one round trip per
         control call instead of a gRPC call's thread hops. None where gRPC runs over TLS (the wire
         does not encrypt) or the node has none."""
-        if self._tls_roots is not None or self.transport not in ("auto", "tcp"):
+        if self._tls_roots is not None or self.transport not in ("auto", "tcp") or \
+                self._wire_down.get(name, 0) > time.monotonic():
             return None
-        return self._control_wire(name, "kvstore_wire", TCP_SCHEME, self._wires)
+        wire = self._control_wire(name, "kvstore_wire", TCP_SCHEME, self._wires)
+        if wire is None or wire.reached:
+            return wire
+        try:  # first use: a wire this client cannot reach (a firewall, say) leaves gRPC to do its work
+            wire.warm(min(self.timeout, WIRE_CONNECT_S))
+        except AuthenticationFailed:
+            raise  # a configuration error, which gRPC would meet as well
+        except (OSError, ValueError, TransferError) as exc:
+            log.info("control wire to %s unreachable, using gRPC for %.0f s: %s", name, WIRE_RETRY_S, exc)
+            self._wire_down[name] = time.monotonic() + WIRE_RETRY_S
+            return None
+        return wire
 
     def _control_wire(self, name: str, field: str, scheme: str, pool: dict[str, LocalNode]) -> LocalNode | None:
         """The pooled connections to the wire `name`'s segment names under `field`, or None."""
@@ -210,6 +225,11 @@ class Client:
         if not isinstance(address, str) or not address:
             return None
         address = scheme + address
+        if scheme:
+            try:
+                tcp_endpoint(address)
+            except ValueError:
+                return None
         with self._lock:
             node = pool.get(name)
             if node is not None and node.address == address and not node.closed:

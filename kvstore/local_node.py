@@ -45,6 +45,7 @@ class LocalNode:
         self._tier: TierFile | None = None
         self._tier_checked = float("-inf")  # monotonic time starts at boot: 0.0 is 'just now' for a minute
         self.closed = False
+        self.reached = False  # a connection to it was made at least once
 
     def call(self, message: dict, attachments: Sequence = (), want_fd: bool = False,
              timeout: float | None = None) -> tuple[dict, int | None]:
@@ -61,6 +62,7 @@ class LocalNode:
             old.sock.close()
         if frames is None:
             frames = connect(self.address, self._secret, self._client, self.timeout)
+            self.reached = True
         fd = None
         try:
             frames.send(message, attachments)  # each send bounded by the socket's timeout
@@ -88,6 +90,18 @@ class LocalNode:
                 raise AllocationFailed(error)
             raise NodeRefused(f"{self.name}: {error}")
         return reply, fd
+
+    def warm(self, timeout: float) -> None:
+        """Open one connection now, within `timeout`, and pool it; raises what connecting raises."""
+        frames = connect(self.address, self._secret, self._client, timeout)
+        frames.timeout = self.timeout
+        frames.sock.settimeout(self.timeout)
+        self.reached = True
+        with self._lock:
+            if self.closed or len(self._idle) >= LOCAL_CONNECTIONS:
+                frames.sock.close()
+            else:
+                self._idle.append((frames, time.monotonic()))
 
     def tier(self) -> TierFile | None:
         """The node's NVMe tier fd (asked for once; again a minute after a refusal)."""

@@ -174,7 +174,7 @@ def connect(name: str, secret: bytes, client: str, timeout: float) -> Frames:
     `tcp://host:port` (the same wire over TCP)."""
     tcp = name.startswith(TCP_SCHEME)
     if tcp:
-        host, _, port = name[len(TCP_SCHEME):].rpartition(":")
+        host, port = tcp_endpoint(name)
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     else:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -185,7 +185,7 @@ def connect(name: str, secret: bytes, client: str, timeout: float) -> Frames:
         sock.settimeout(timeout)
         if tcp:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.connect((host.strip("[]"), int(port)))
+            sock.connect((host, port))
         else:
             sock.connect("\0" + name)
         session = client_handshake(sock, secret, "ctl", client, wire="plain", timeout=timeout)
@@ -193,3 +193,11 @@ def connect(name: str, secret: bytes, client: str, timeout: float) -> Frames:
     except BaseException:
         sock.close()
         raise
+
+
+def tcp_endpoint(address: str) -> tuple[str, int]:
+    """(host, port) of a `tcp://host:port` wire address; ValueError when it names none."""
+    host, _, port = address[len(TCP_SCHEME):].rpartition(":")
+    if not address.startswith(TCP_SCHEME) or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"not a wire address: {address[:100]!r}")
+    return host.strip("[]"), int(port)

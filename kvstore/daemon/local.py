@@ -2,7 +2,8 @@
 and (unless gRPC runs over TLS) a TCP socket beside the gRPC one for clients elsewhere.
 
 Who may connect: over the unix socket, processes of the daemon's own user (or root), checked with
-SO_PEERCRED; over TCP, anyone, at most PER_SOURCE connections per address. Both then pass the
+SO_PEERCRED; over TCP, anyone, at most HANDSHAKES_PER_SOURCE of them per address (HANDSHAKES in
+all) until they have authenticated. Both then pass the
 Transfer Engine's handshake (both ends prove they know the cluster secret; a relayed handshake
 yields nothing; `--insecure` has no secret). Every control frame afterwards carries an HMAC under
 the session key over its sequence number (`kvstore.local_wire`), so frames cannot be injected,
@@ -46,8 +47,11 @@ from .store import MAX_BLOCK_BYTES, BlockStore, Update
 
 log = logging.getLogger(__name__)
 MAX_ATTACHMENT = 256 << 20
-MAX_CONNECTIONS = 256
-PER_SOURCE = 64  # TCP connections from one address (authenticated or not yet)
+MAX_CONNECTIONS = 256  # authenticated connections, on each of the two sockets
+# TCP connections still in their handshake: anyone can open them, so they get a budget of their own
+# (as the engine's listener does), apart from authenticated clients' slots.
+HANDSHAKES = 64
+HANDSHAKES_PER_SOURCE = 16
 # An idle connection is closed after this long, so clients' pools cannot hold every slot for good
 # (clients drop pooled connections idle for half of it: kvstore.local_node.POOLED_IDLE_S).
 IDLE_S = 120.0
@@ -83,7 +87,7 @@ class LocalControl:
     def __init__(self, name: str, secret: bytes, node: str, store: BlockStore,
                  publish: Callable[[list[Update], bool], None], accepting: Callable[[], bool],
                  observe: Callable[[str, float], None], tier_path: str | None, timeout: float,
-                 tcp_host: str | None = None) -> None:
+                 tcp_host: str | None = None, tcp_port: int = 0) -> None:
         self.name, self._secret, self._node, self.store = name, secret, node, store
         self._publish, self._accepting, self._observe = publish, accepting, observe
         self._tier_path, self._timeout = tier_path, timeout
@@ -96,11 +100,13 @@ class LocalControl:
         if tcp_host is not None:
             family = socket.AF_INET6 if ":" in tcp_host else socket.AF_INET
             self._tcp = socket.socket(family, socket.SOCK_STREAM)
-            self._tcp.bind((tcp_host, 0))
+            self._tcp.bind((tcp_host, tcp_port))
             self._tcp.listen(128)
             port = self._tcp.getsockname()[1]
             self.tcp_address = f"[{tcp_host}]:{port}" if family == socket.AF_INET6 else f"{tcp_host}:{port}"
-        self._sources: dict[str, int] = {}  # TCP connections open per address
+        self._handshaking: dict[str, int] = {}  # TCP connections in their handshake, per address
+        self._open = {False: 0, True: 0}  # authenticated connections: unix (False), TCP (True)
+        self._refused_logged = 0.0
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -129,34 +135,73 @@ class LocalControl:
 
     def _admit(self, conn: socket.socket, address: str | None) -> str | None:
         """Take a new connection (None: refused and closed). Returns its source: "" for the unix
-        socket (of an allowed user), the peer's address over TCP."""
+        socket (a process of an allowed user, counted as open at once), the peer's address over
+        TCP (counted as handshaking until it has authenticated)."""
         if address is None:
             try:
                 uid = peer_uid(conn)
             except OSError:
                 uid = -1
-            allowed = uid in self._allowed_uids
+            why = "" if uid in self._allowed_uids else f"uid {uid}"
         else:
-            allowed = True
+            why = ""
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        source = address or ""
         with self._lock:
-            full = len(self._conns) >= MAX_CONNECTIONS or (address is not None and self._sources.get(source, 0) >= PER_SOURCE)
-            if allowed and not full:
+            if not why and address is None:
+                if self._open[False] >= MAX_CONNECTIONS:
+                    why = "too many open"
+                else:
+                    self._open[False] += 1
+            elif not why:
+                if sum(self._handshaking.values()) >= HANDSHAKES or \
+                        self._handshaking.get(address, 0) >= HANDSHAKES_PER_SOURCE:
+                    why = f"too many handshakes from {address}"
+                else:
+                    self._handshaking[address] = self._handshaking.get(address, 0) + 1
+            if not why:
                 self._conns.add(conn)
-                if address is not None:
-                    self._sources[source] = self._sources.get(source, 0) + 1
-        if not allowed or full:
-            log.warning("%s: refused a control connection (%s, %d open)", self._node,
-                        "wrong user" if not allowed else "too many", len(self._conns))
+        if why:
+            self._refused(why)
             conn.close()
             return None
-        return source
+        return address or ""
+
+    def _refused(self, why: str) -> None:
+        """Log a refused connection, at most every 10 s (a flood must not flood the log too)."""
+        now = time.monotonic()
+        if now - self._refused_logged > 10:
+            self._refused_logged = now
+            log.warning("%s: refused a control connection (%s)", self._node, why)
+
+    def _handshake_over(self, source: str, authenticated: bool) -> bool:
+        """A TCP connection's handshake ended: it leaves the handshake budget and, authenticated,
+        takes an open slot if one is left (whether it did)."""
+        with self._lock:
+            left = self._handshaking.get(source, 1) - 1
+            if left:
+                self._handshaking[source] = left
+            else:
+                self._handshaking.pop(source, None)
+            if not authenticated or self._open[True] >= MAX_CONNECTIONS:
+                return False
+            self._open[True] += 1
+            return True
 
     def _serve(self, conn: socket.socket, source: str) -> None:
         remote = bool(source)  # over TCP: no descriptors to hand out
+        counted = not remote  # holds an open slot (a TCP connection once it has authenticated)
         try:
-            session = server_handshake(conn, self._secret, self._node, wire="plain", timeout=self._timeout)
+            try:
+                session = server_handshake(conn, self._secret, self._node, wire="plain", timeout=self._timeout)
+            except BaseException:
+                if remote:
+                    self._handshake_over(source, authenticated=False)
+                raise
+            if remote:
+                counted = self._handshake_over(source, authenticated=True)
+                if not counted:
+                    self._refused("too many open")
+                    return
             frames = Frames(conn, session.tx, session.rx, self._timeout)
             while not self._closed.is_set():
                 try:
@@ -193,12 +238,8 @@ class LocalControl:
         finally:
             with self._lock:
                 self._conns.discard(conn)
-                if remote:
-                    left = self._sources.get(source, 1) - 1
-                    if left:
-                        self._sources[source] = left
-                    else:
-                        self._sources.pop(source, None)
+                if counted:
+                    self._open[remote] -= 1
             conn.close()
 
     def _usage(self) -> dict[str, int]:

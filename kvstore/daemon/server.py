@@ -51,6 +51,9 @@ class DaemonConfig:
     cluster: str = "default"
     listen: str = "127.0.0.1:0"  # control (gRPC)
     engine_listen: str = "127.0.0.1:0"  # Transfer Engine
+    # The framed control wire over TCP, on the host of `listen`: this port (0: any free one; None:
+    # none). Never opened when gRPC runs over TLS (the wire does not encrypt).
+    wire_port: int | None = 0
     dram_bytes: int = 1 << 30
     disk_dir: str | None = None
     disk_bytes: int = 0
@@ -128,7 +131,8 @@ class Daemon:
         self.local = LocalControl(f"kvstore-local-{uuid.uuid4().hex}", secret, c.node, self.store, self.publish,
                                   lambda: not self.draining, lambda op, s: self.metrics.latency.labels(op).observe(s),
                                   tier_path, c.timeout,
-                                  tcp_host=None if c.tls_cert and c.tls_key else c.listen.rpartition(":")[0].strip("[]"))
+                                  tcp_host=None if (c.tls_cert and c.tls_key) or c.wire_port is None
+                                  else c.listen.rpartition(":")[0].strip("[]"), tcp_port=c.wire_port or 0)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
                                   interceptors=[AccessRules(secret, c.admin_token, c.node)],
                                   options=[("grpc.max_receive_message_length", MAX_INLINE_BYTES + (1 << 20))])

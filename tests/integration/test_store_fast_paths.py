@@ -615,3 +615,25 @@ def test_a_daemon_publishes_to_an_etcd_that_takes_fewer_operations_per_transacti
             assert other.mirror.wait_until(lambda m: all(m.contains(FP, h) for h in hashes), 10)
             assert client.remove(hashes) == len(hashes)
             assert other.mirror.wait_until(lambda m: not any(m.contains(FP, h) for h in hashes), 10)
+
+
+def test_the_wire_port_can_be_chosen_or_turned_off(etcd_server, spawn_daemon):
+    """`--wire-port N` puts the TCP wire where a firewall expects it; `--wire-port -1` opens none,
+    and clients elsewhere make the same calls over gRPC."""
+    import json
+
+    from kvstore.etcd_server import free_port
+
+    cluster = uuid.uuid4().hex[:8]
+    port = free_port()
+    spawn_daemon("fixed", etcd_server.url, cluster, secret=SECRET, extra=["--wire-port", str(port)])
+    spawn_daemon("none", etcd_server.url, cluster, secret=SECRET, extra=["--wire-port", "-1"])
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport="tcp") as client:
+        assert client.mirror.wait_until(lambda m: len(m.nodes) == 2, 10)
+        assert json.loads(client.mirror.segments["fixed"])["kvstore_wire"] == f"127.0.0.1:{port}"
+        assert "kvstore_wire" not in json.loads(client.mirror.segments["none"])
+        hashes = external_hashes(range(900, 940), FP)
+        assert client.put_many([(h, content(h, 4096)) for h in hashes], replicas=2) == 2 * len(hashes)
+        assert client.stats["wire_puts"] == 1  # "fixed" over the wire, "none" over gRPC
+        outs = [np.zeros(4096, np.uint8) for _ in hashes]
+        assert all(client.get_many(hashes, outs))
