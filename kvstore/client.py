@@ -208,6 +208,10 @@ class Client:
             return None
         return wire
 
+    def _control(self, name: str) -> LocalNode | None:
+        """The framed wire for control calls to `name` (same host, else TCP), or None (gRPC)."""
+        return self._local(name) or self._wire(name)
+
     def _control_wire(self, name: str, field: str, scheme: str, pool: dict[str, LocalNode]) -> LocalNode | None:
         """The pooled connections to the wire `name`'s segment names under `field`, or None."""
         segment = self.mirror.segments.get(name)
@@ -218,18 +222,15 @@ class Client:
             address = known[1]
         else:
             try:
-                address = json.loads(segment).get(field)
+                value = json.loads(segment).get(field)
+                address = scheme + value if isinstance(value, str) and value else None
+                if address and scheme:
+                    tcp_endpoint(address)  # checked once per segment, not per call
             except (ValueError, AttributeError):
                 address = None
             self._local_addresses[(name, field)] = (segment, address)
-        if not isinstance(address, str) or not address:
+        if address is None:
             return None
-        address = scheme + address
-        if scheme:
-            try:
-                tcp_endpoint(address)
-            except ValueError:
-                return None
         with self._lock:
             node = pool.get(name)
             if node is not None and node.address == address and not node.closed:
@@ -405,7 +406,7 @@ class Client:
                                   views, timeout=answer_within)
             self.stats["local_puts"] += 1
             return self._sealed(name, fp, hashes, reply, since)
-        wire = local or self._wire(name)
+        wire = self._control(name)
         if local is None and size <= GRPC_INLINE_MAX:  # one round trip over the TCP wire (or gRPC)
             self.stats["control_calls"] += 1
             if wire is not None:
@@ -445,12 +446,12 @@ class Client:
             reply, _ = wire.call({"op": "reserve", "fp": fp, "hashes": [h.hex() for h in hashes],
                                    "sizes": [r.size for r in regs]})
             slots = [(i, s[0], s[1], s[2]) for i, s in enumerate(reply["slots"]) if s is not None]
-            self._seen(name, reply)
         else:
             self.stats["control_calls"] += 1
             reply = self._rpc(node.stub.Reserve, store_pb2.ReserveRequest(
                 fingerprint=fp, hashes=hashes, sizes=[r.size for r in regs], client=self.engine.name))
             slots = [(i, s.token, s.region, s.offset) for i, s in enumerate(reply.slots) if not s.exists]
+        if leased is None:
             self._seen(name, reply)
         if not slots:
             return 0
@@ -502,7 +503,7 @@ class Client:
     def _abort(self, name: str, tokens: list[int]) -> None:
         """Give reserved or leased slots back to `name`; best effort (the node reclaims them at expiry)."""
         try:
-            wire = self._local(name) or self._wire(name)
+            wire = self._control(name)
             if wire is not None:
                 wire.call({"op": "abort", "tokens": tokens})
             elif name in self._nodes:
@@ -721,7 +722,7 @@ class Client:
 
     def _lookup(self, name: str, fp: str, hashes: list[bytes]) -> list[BlockRecord | None]:
         """The node's current record of each block (None where it does not hold it)."""
-        wire = self._local(name) or self._wire(name)
+        wire = self._control(name)
         if wire is not None:
             reply, _ = wire.call({"op": "lookup", "fp": fp, "hashes": [h.hex() for h in hashes]})
             records = reply.get("records")

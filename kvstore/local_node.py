@@ -77,11 +77,7 @@ class LocalNode:
         except BaseException:
             frames.sock.close()
             raise
-        with self._lock:  # a refused put may have left its bytes unread: that stream is done
-            if self.closed or len(self._idle) >= LOCAL_CONNECTIONS or not reply.get("ok"):
-                frames.sock.close()
-            else:
-                self._idle.append((frames, time.monotonic()))
+        self._pool(frames, keep=bool(reply.get("ok")))  # a refused put may have left its bytes unread
         if not reply.get("ok"):
             code, error = reply.get("code"), str(reply.get("error", ""))[:500]
             if code == "invalid":
@@ -93,12 +89,13 @@ class LocalNode:
 
     def warm(self, timeout: float) -> None:
         """Open one connection now, within `timeout`, and pool it; raises what connecting raises."""
-        frames = connect(self.address, self._secret, self._client, timeout)
-        frames.timeout = self.timeout
-        frames.sock.settimeout(self.timeout)
+        self._pool(connect(self.address, self._secret, self._client, self.timeout, connect_timeout=timeout))
         self.reached = True
+
+    def _pool(self, frames: Frames, keep: bool = True) -> None:
+        """Keep a connection for the next call, or close it (not `keep`, closed, pool full)."""
         with self._lock:
-            if self.closed or len(self._idle) >= LOCAL_CONNECTIONS:
+            if self.closed or len(self._idle) >= LOCAL_CONNECTIONS or not keep:
                 frames.sock.close()
             else:
                 self._idle.append((frames, time.monotonic()))

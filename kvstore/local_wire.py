@@ -169,9 +169,10 @@ class Frames:
         return message
 
 
-def connect(name: str, secret: bytes, client: str, timeout: float) -> Frames:
+def connect(name: str, secret: bytes, client: str, timeout: float, connect_timeout: float | None = None) -> Frames:
     """A client's authenticated connection to a daemon's control wire: its same-host socket, or
-    `tcp://host:port` (the same wire over TCP)."""
+    `tcp://host:port` (the same wire over TCP). Connecting and the handshake take at most
+    `connect_timeout` (default `timeout`); every later send and receive, `timeout`."""
     tcp = name.startswith(TCP_SCHEME)
     if tcp:
         host, port = tcp_endpoint(name)
@@ -182,14 +183,15 @@ def connect(name: str, secret: bytes, client: str, timeout: float) -> Frames:
         # Room for a whole inline put in the socket (the kernel caps it at net.core.wmem_max): the
         # sender writes it in one go instead of waking the node once per 200 KiB.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        sock.settimeout(timeout)
+        within = timeout if connect_timeout is None else connect_timeout
+        sock.settimeout(within)
         if tcp:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.connect((host, port))
         else:
             sock.connect("\0" + name)
-        session = client_handshake(sock, secret, "ctl", client, wire="plain", timeout=timeout)
-        return Frames(sock, session.tx, session.rx, timeout)
+        session = client_handshake(sock, secret, "ctl", client, wire="plain", timeout=within)
+        return Frames(sock, session.tx, session.rx, timeout)  # sets the socket's timeout for what follows
     except BaseException:
         sock.close()
         raise

@@ -351,29 +351,15 @@ class LocalControl:
         except BaseException:
             self.store.abort([t for t, s in slots if s is not None])
             raise
-        todo = [(i, t) for i, (t, s) in enumerate(slots) if s is not None]
-        got: list = []
-        fresh: list = []
         sync = bool(request.get("sync"))  # verified and published before the answer
-        errors, updates = self.store.commit(fingerprint, [t for _, t in todo], [checksums[i] for i, _ in todo], got,
-                                            verify=sync, fresh=fresh)
+        errors, records, updates, stored = self.store.commit_reserved(fingerprint, hashes, slots, checksums, sync)
         if updates:
             try:
                 self._publish(updates, sync)
             except (MetadataError, KVStoreError) as exc:
                 return self._error(exc)
-        all_errors: list[str] = [""] * len(hashes)
-        records: list[str | None] = [None] * len(hashes)
-        for (i, _), error, record in zip(todo, errors, got):
-            all_errors[i], records[i] = error, record and record.encode().hex()
-        if len(todo) < len(hashes):  # blocks it already held: their records
-            held = self._records(fingerprint, [h for h, (_, s) in zip(hashes, slots) if s is None])
-            it = iter(held)
-            for i, (_, slot) in enumerate(slots):
-                if slot is None:
-                    records[i] = next(it)
-        return {"ok": True, "records": records, "errors": all_errors, "stored": sum(fresh),
-                **self._usage()}
+        return {"ok": True, "records": [r and r.encode().hex() for r in records], "errors": errors,
+                "stored": stored, **self._usage()}
 
     def _tier(self) -> tuple[dict, int | None]:
         nvme = self.store.nvme

@@ -289,7 +289,7 @@ class Daemon:
                 progress.total += len(blocks)
                 yield admin_pb2.DrainProgress(total=progress.total, moved=progress.moved, dropped=progress.dropped,
                                               failed=progress.failed)
-                if move and blocks and not looked:
+                if move and not looked:
                     mover, looked = self._drain_client(), True
                 for start in range(0, len(blocks), DRAIN_BATCH):
                     if not is_active():

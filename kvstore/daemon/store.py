@@ -253,9 +253,9 @@ class BlockStore:
         errors: list[str] = []
         out = records if records is not None else []
         with self.lock:
-            if not self.taking_blocks:  # refused; its writes are over (a commit follows them): free their slots
+            if not self.taking_blocks:  # refused below; its writes are over (a commit follows them): slots back
                 self.abort([t for t in tokens if t in self._pending and self._pending[t].key[0] == fingerprint])
-                self._check_taking()
+            self._check_taking()
             # Popped, a slot is ours alone: expiry and eviction never see it, so its bytes can be
             # verified without the lock (python-xxhash releases the GIL as well).
             # A reservation made under another fingerprint is not this caller's: it stays pending.
@@ -402,8 +402,7 @@ class BlockStore:
     def put_inline(self, fingerprint: str, hashes: Sequence[bytes], payloads: Sequence, checksums: Sequence[int],
                    verify: bool = True) -> tuple[list[str], list[BlockRecord | None], list[Update], int]:
         """Reserve, copy in and commit (`verify` as for commit) blocks whose bytes came with the
-        request, in one call. Returns (error or '' per block, record per block (None where not
-        stored), index updates, how many blocks this call newly stored)."""
+        request, in one call. Returns what `commit_reserved` does, with the reserve's updates too."""
         if not (len(hashes) == len(payloads) == len(checksums)):
             raise WrongSize(f"{len(hashes)} hashes, {len(payloads)} payloads, {len(checksums)} checksums")
         slots, updates = self.reserve(fingerprint, hashes, [len(p) for p in payloads])
@@ -411,19 +410,28 @@ class BlockStore:
         for (_, slot), payload in zip(slots, payloads):
             if slot is not None:
                 arena[slot.offset : slot.offset + slot.size] = payload
+        errors, records, sealed, stored = self.commit_reserved(fingerprint, hashes, slots, checksums, verify)
+        return errors, records, updates + sealed, stored
+
+    def commit_reserved(self, fingerprint: str, hashes: Sequence[bytes], slots: list[tuple[int, Slot | None]],
+                        checksums: Sequence[int], verify: bool) -> tuple[list[str], list[BlockRecord | None],
+                                                                          list[Update], int]:
+        """Commit the slots `reserve` gave for `hashes`, their bytes written (a block it found held
+        here already gets its record). Returns (error or '' per block, record per block (None where
+        not stored), index updates, how many blocks are new here)."""
         todo = [i for i, (_, slot) in enumerate(slots) if slot is not None]
         got: list = []
         fresh: list = []
-        errors, sealed = self.commit(fingerprint, [slots[i][0] for i in todo], [checksums[i] for i in todo], got,
-                                     verify, fresh=fresh)
+        errors, updates = self.commit(fingerprint, [slots[i][0] for i in todo], [checksums[i] for i in todo], got,
+                                      verify, fresh=fresh)
         all_errors = [""] * len(hashes)
         records: list[BlockRecord | None] = [None] * len(hashes)
         for i, error, record in zip(todo, errors, got):
             all_errors[i], records[i] = error, record
-        held = [i for i, (_, slot) in enumerate(slots) if slot is None]  # already held here
+        held = [i for i, (_, slot) in enumerate(slots) if slot is None]
         for i, record in zip(held, self.records(fingerprint, [hashes[i] for i in held])):
             records[i] = record
-        return all_errors, records, updates + sealed, sum(fresh)
+        return all_errors, records, updates, sum(fresh)
 
     def abort(self, tokens: Iterable[int]) -> None:
         with self.lock:

@@ -183,15 +183,18 @@ class Metadata(abc.ABC):
     async def delete_many(self, keys: Sequence[bytes | str], chunk: int = MAX_TXN_OPS) -> int:
         return await self._in_transactions([Delete(as_key(k)) for k in keys], chunk)
 
+    _txn_ops_taken: int | None = None  # the most ops the server refused no transaction of (learned)
+
     async def _in_transactions(self, ops: list[Put | Delete], chunk: int) -> int:
         revision, start = 0, 0
+        chunk = min(chunk, self._txn_ops_taken or chunk)
         while start < len(ops):
             try:
                 revision = (await self.txn([], ops[start : start + chunk])).revision
             except ValueTooLarge:
                 if chunk == 1:
                     raise  # one op alone is too large: not something smaller transactions fix
-                chunk = max(1, chunk // 2)
+                chunk = self._txn_ops_taken = max(1, chunk // 2)  # every later batch starts here
                 continue
             start += chunk
         return revision
