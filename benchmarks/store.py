@@ -4,6 +4,8 @@ Mooncake Store and Redis on loopback, and our NVMe tier against a direct O_DIREC
     python -m benchmarks.store [--json PATH] [--quick] [--rounds N]
 
 Records: system, path (shm|tcp|nvme|nvme-tcp), op (put|get), block_bytes, batch, gbps, p50_us, p99_us.
+System `limit` is this machine's ceiling for a batch, timed per call in each round: `memcpy` of the
+blocks and `loopback` TCP over as many streams as our client opens (benchmarks/limits.py).
 A batch of 32 is one put_many/get_many (Mooncake: batch_put_from/batch_get_into; Redis: a pipeline);
 gbps counts the batch's bytes over its median time; p50/p99 are of whole calls.
 `shm` is a same-host client (puts over the daemon's unix socket, gets from its mapped arena),
@@ -40,9 +42,11 @@ import numpy as np
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
+from benchmarks.limits import LoopbackBatch, memcpy_batch  # noqa: E402
 from kvstore import Client  # noqa: E402
 from kvstore.etcd_server import EtcdServer, free_port  # noqa: E402
 from kvstore.keys import ModelFingerprint, external_hashes  # noqa: E402
+from transfer.engine import DEFAULT_STREAMS  # noqa: E402
 
 KIB, MIB = 1024, 1 << 20
 BLOCKS = [64 * KIB, 1 * MIB, 4 * MIB]
@@ -456,6 +460,20 @@ def bench_peers(args: argparse.Namespace, systems: list[str], out: list[Record])
         bench_redis(args, out)
 
 
+def bench_limits(args: argparse.Namespace, systems: list[str], out: list[Record]) -> None:
+    """This round's physical limits for a batch of 1 MiB blocks: memcpy, and loopback TCP over as
+    many streams as our client opens (what no store can beat on this machine)."""
+    if "limits" not in systems:
+        return
+    blocks = [np.random.default_rng(i).integers(0, 256, MIB, dtype=np.uint8) for i in range(BATCH)]
+    record(out, "limit", "memcpy", "copy", MIB, BATCH, timed(memcpy_batch(blocks), reps_for(MIB, BATCH, args.quick)))
+    loopback = LoopbackBatch(blocks, DEFAULT_STREAMS)
+    try:
+        record(out, "limit", "loopback", "copy", MIB, BATCH, timed(loopback, reps_for(MIB, BATCH, args.quick)))
+    finally:
+        loopback.close()
+
+
 # --- report ------------------------------------------------------------------------------------
 def median_of(values: list[float | None]) -> float | None:
     """Median of the known values (a pair's median is their mean); None when none is known."""
@@ -497,6 +515,15 @@ def ratios(records: list[Record], nvme: dict) -> list[tuple[str, float | None]]:
         ("shm batch put / mooncake batch put 1M (>=3)", ratio(get("kvstore", "shm", "put", MIB, BATCH),
                                                              get("mooncake", "tcp", "put", MIB, BATCH))),
     ]
+    # How close each batch call comes to this machine's limit: no target, the context for the ratios.
+    memcpy, loopback = get("limit", "memcpy", "copy", MIB, BATCH), get("limit", "loopback", "copy", MIB, BATCH)
+    rows += [
+        ("shm batch put / memcpy 1M (limit)", ratio(get("kvstore", "shm", "put", MIB, BATCH), memcpy)),
+        ("shm batch get / memcpy 1M (limit)", ratio(get("kvstore", "shm", "get", MIB, BATCH), memcpy)),
+        ("tcp batch put / loopback TCP 1M (limit)", ratio(get("kvstore", "tcp", "put", MIB, BATCH), loopback)),
+        ("tcp batch get / loopback TCP 1M (limit)", ratio(get("kvstore", "tcp", "get", MIB, BATCH), loopback)),
+        ("mooncake batch put / loopback TCP 1M (limit)", ratio(get("mooncake", "tcp", "put", MIB, BATCH), loopback)),
+    ]
     for path, target in (("nvme", "0.9"), ("nvme-tcp", "0.7")):
         for block in (MIB, 4 * MIB):
             nvme_get = next((r.gbps for r in records if r.path == path and r.block_bytes == block), None)
@@ -509,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.store", description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--systems", default="kvstore,nvme,visibility,burst,mooncake,redis")
+    parser.add_argument("--systems", default="kvstore,nvme,visibility,burst,mooncake,redis,limits")
     parser.add_argument("--disk-dir", default=None, help="where the NVMe tier lives (default: the temp dir)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="paired rounds of ours and the peers (default 3; 1 with --quick)")
@@ -529,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  -- round {round_ + 1} of {args.rounds}")
         these: list[Record] = []
         order = [bench_peers, bench_store] if round_ % 2 else [bench_store, bench_peers]  # who goes first alternates
+        order.append(bench_limits)
         for bench in order:
             bench(args, systems, these)
         for r in these:

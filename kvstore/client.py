@@ -114,8 +114,6 @@ class Client:
         self.publish = publish
         self._own_mirror = mirror is None
         self.mirror = mirror or IndexMirror(metadata, cluster, timeout=timeout).start()
-        # Batches of blocks already spread over the streams; striping a block further only turns
-        # one large (O_DIRECT) read on the node into several small ones.
         if secret is None:  # what `kvstore serve` generated for this cluster, if it did (same user)
             secret = cluster_secret(cluster)
         self.engine = Engine(f"client-{os.getpid()}-{uuid.uuid4().hex[:6]}", listen=None, secret=secret,
@@ -780,9 +778,9 @@ class Client:
                     done += take
             batch = self.engine.submit(ops) if ops and staged is None else None
             if via_fd:  # same-host NVMe: straight from the tier file, no daemon, no network
-                failed.update(self._read_tier(tier, via_fd, targets))
-                if staged is not None:
-                    checked.update(self._landed_checksums(hashes, via_fd, targets))
+                read = self._read_tier(tier, via_fd, targets, hashes)
+                failed.update(i for i, _ in via_fd if i not in read)
+                checked.update(read)
             if staged is not None:
                 results, owners = self._read_in_stages(ops, owners, op_stages, staged[1], hashes, checked)
             else:
@@ -841,29 +839,31 @@ class Client:
         return results, ordered
 
     def _read_tier(self, tier: TierFile, items: list[tuple[int, BlockRecord]],
-                   targets: list[list[tuple[Region, int, int]]]) -> set[int]:
-        """Read NVMe blocks from a same-host node's tier fd; returns the indexes that failed."""
-        def one(item: tuple[int, BlockRecord]) -> bool:
+                   targets: list[list[tuple[Region, int, int]]], hashes: Sequence[bytes]) -> dict[int, int]:
+        """Read NVMe blocks from a same-host node's tier fd: {index: checksum of what landed} for
+        the blocks read whole. Each worker checksums its block as soon as it lands, so hashing
+        overlaps the other workers' reads instead of following them all."""
+        def one(item: tuple[int, BlockRecord]) -> int | None:
             i, record = item
             try:
                 if not read_block(tier, record, targets[i]):
-                    return False
+                    return None
                 self.stats["nvme_fd_reads"] += 1
                 self.stats["nvme_fd_bytes"] += record.size
-                return True
+                return self._landed_checksums(hashes, [item], targets)[0][1]
             except (OSError, UnsupportedBuffer, ValueError) as exc:
                 log.debug("tier read of block %d failed: %s", i, exc)
-                return False
+                return None
 
         if len(items) == 1:
-            oks = [one(items[0])]
+            sums = [one(items[0])]
         else:
             if self._io is None:
                 with self._lock:
                     if self._io is None:
                         self._io = ThreadPoolExecutor(8, thread_name_prefix="kvs-tier")  # queue depth
-            oks = list(self._io.map(one, items))
-        return {i for (i, _), ok in zip(items, oks) if not ok}
+            sums = list(self._io.map(one, items))
+        return {i: checksum for (i, _), checksum in zip(items, sums) if checksum is not None}
 
     def _report(self, fp: str, hits: dict[str, list[bytes]], corrupt: dict[str, list[bytes]]) -> None:
         """Queue what was read (recency, NVMe promotion) and what was corrupt, for the next flush."""
