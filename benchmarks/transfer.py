@@ -1,5 +1,5 @@
-"""Transfer benchmark: ours (shm, tcp) side by side with memcpy, a plain loopback socket and
-Mooncake's Transfer Engine, in one run, two processes, medians of several repetitions.
+"""Transfer benchmark: ours (shm, tcp) side by side with memcpy, loopback sockets (threaded pairs
+and iperf3) and Mooncake's Transfer Engine, in one run, two processes, medians of several repetitions.
 
     python -m benchmarks.transfer [--json PATH] [--quick] [--streams N] [--reps R]
 
@@ -194,10 +194,10 @@ def bench_socket(args: argparse.Namespace, out: list[Record]) -> None:
         server = subprocess.Popen(["iperf3", "-s", "-B", "127.0.0.1", "-p", str(port)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.5)
+    tools = [("python", python_socket)] + ([("iperf3", functools.partial(iperf3, port))] if server else [])
     try:
         for block in args.blocks:
             for name in ("write", "read"):
-                tools = [("python", python_socket)] + ([("iperf3", functools.partial(iperf3, port))] if server else [])
                 for tool, measure_once in tools:
                     samples = [measure_once(block, name == "read", args) for _ in range(args.reps)]
                     out.append(Record("socket", tool, name, block, statistics.median(samples), None, None))
@@ -222,16 +222,17 @@ def iperf3(port: int, block: int, reverse: bool, args: argparse.Namespace) -> fl
 
 
 def python_socket(block: int, reverse: bool, args: argparse.Namespace) -> float:
-    # Block-sized sends out of a batch-sized source into a batch-sized sink per stream, as a batch of
-    # ops moves distinct memory: one block-sized buffer sent over and over would stay in cache.
-    per_stream = args.batch // args.streams // block * block or block
+    """GB/s of block-sized sends over `args.streams` loopback connections, each stream moving its own
+    slice of a batch-sized source into a sink of its own (both touched before the clock starts):
+    a batch of ops moves distinct memory, and one block sent over and over would stay in cache."""
+    per_stream = max(block, args.batch // args.streams // block * block)
     total = max(per_stream, 256 * MIB // args.streams // per_stream * per_stream)
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    source = memoryview(np.random.default_rng(0).integers(0, 256, per_stream, dtype=np.uint8)).cast("B")
+    source = memoryview(np.random.default_rng(0).integers(0, 256, per_stream * args.streams, dtype=np.uint8))
+    sinks = [memoryview(np.ones(per_stream, np.uint8)) for _ in range(args.streams)]
+    failures: list[BaseException] = []
 
-    def receive(conn: socket.socket) -> None:
-        sink, left = memoryview(bytearray(per_stream)), total
+    def receive(conn: socket.socket, sink: memoryview) -> None:
+        left = total
         while left:
             at = (total - left) % per_stream
             got = conn.recv_into(sink[at:], min(per_stream - at, left))
@@ -239,20 +240,32 @@ def python_socket(block: int, reverse: bool, args: argparse.Namespace) -> float:
                 raise ConnectionError("loopback peer closed")
             left -= got
 
-    def send(conn: socket.socket) -> None:
+    def send(conn: socket.socket, part: memoryview) -> None:
         for sent in range(0, total, block):
             at = sent % per_stream
-            conn.sendall(source[at : at + block])
+            conn.sendall(part[at : at + block])
 
+    def guarded(fn: Callable[..., None], *fn_args: object) -> None:
+        try:
+            fn(*fn_args)
+        except BaseException as exc:  # reported after the join, not lost in the thread
+            failures.append(exc)
+
+    listener = socket.create_server(("127.0.0.1", 0))
     pairs = []
     for _ in range(args.streams):
-        client = socket.create_connection(("127.0.0.1", port))
+        client = socket.create_connection(listener.getsockname())
         pairs.append((client, listener.accept()[0]))
-    started = time.perf_counter()
+    listener.close()
     threads = []
-    for client, server in pairs:
+    for k, (client, server) in enumerate(pairs):
+        for conn in (client, server):
+            conn.settimeout(30)  # a dead peer fails the sample instead of hanging it
         sender, receiver = (server, client) if reverse else (client, server)
-        threads += [threading.Thread(target=send, args=(sender,)), threading.Thread(target=receive, args=(receiver,))]
+        part = source[k * per_stream : (k + 1) * per_stream]
+        threads += [threading.Thread(target=guarded, args=(send, sender, part)),
+                    threading.Thread(target=guarded, args=(receive, receiver, sinks[k]))]
+    started = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
@@ -261,7 +274,8 @@ def python_socket(block: int, reverse: bool, args: argparse.Namespace) -> float:
     for client, server in pairs:
         client.close()
         server.close()
-    listener.close()
+    if failures:
+        raise RuntimeError(f"loopback socket sample failed: {failures[0]!r}")
     return total * args.streams / seconds / 1e9
 
 

@@ -743,7 +743,8 @@ class Client:
         if any(b < a for a, b in zip(stage_list, stage_list[1:])):
             raise ValueError("stages must not decrease along a block's segments")
         last_stage = stage_list[-1] if stage_list else 0  # segments past the list belong to the last stage
-        # Staged reads check each block's bytes as their stage lands: the consumer may change them after.
+        # Checksums taken as bytes land: staged reads' before the consumer may change them, tier reads'
+        # in the worker that read them.
         checked: dict[int, int] = {}
         via_fd: list[tuple[int, BlockRecord]] = []
         failed: set[int] = set()
@@ -791,8 +792,6 @@ class Client:
             self._mark_down(name, exc)
             return []
         failed.update(owner for owner, result in zip(owners, results) if not result.ok)
-        # Also what makes a same-host NVMe read safe while the node evicts and reuses that extent:
-        # another block's bytes (or a half-written slot) never match this block's checksum.
         checked.update(self._landed_checksums(
             hashes, [(i, record) for i, record in wanted if i not in failed and i not in checked], targets))
         return [i for i, record in wanted if i not in failed and checked[i] == record.checksum]
@@ -842,14 +841,14 @@ class Client:
                    targets: list[list[tuple[Region, int, int]]], hashes: Sequence[bytes]) -> dict[int, int]:
         """Read NVMe blocks from a same-host node's tier fd: {index: checksum of what landed} for
         the blocks read whole. Each worker checksums its block as soon as it lands, so hashing
-        overlaps the other workers' reads instead of following them all."""
+        overlaps the other workers' reads instead of following them all. The checksum is also what
+        makes these reads safe while the node evicts and reuses an extent: another block's bytes (or
+        a half-written slot) never match this block's checksum."""
         def one(item: tuple[int, BlockRecord]) -> int | None:
             i, record = item
             try:
                 if not read_block(tier, record, targets[i]):
                     return None
-                self.stats["nvme_fd_reads"] += 1
-                self.stats["nvme_fd_bytes"] += record.size
                 return self._landed_checksums(hashes, [item], targets)[0][1]
             except (OSError, UnsupportedBuffer, ValueError) as exc:
                 log.debug("tier read of block %d failed: %s", i, exc)
@@ -863,7 +862,10 @@ class Client:
                     if self._io is None:
                         self._io = ThreadPoolExecutor(8, thread_name_prefix="kvs-tier")  # queue depth
             sums = list(self._io.map(one, items))
-        return {i: checksum for (i, _), checksum in zip(items, sums) if checksum is not None}
+        read = {i: checksum for (i, _), checksum in zip(items, sums) if checksum is not None}
+        self.stats["nvme_fd_reads"] += len(read)  # counted here, not by the workers: += is not atomic
+        self.stats["nvme_fd_bytes"] += sum(record.size for i, record in items if i in read)
+        return read
 
     def _report(self, fp: str, hits: dict[str, list[bytes]], corrupt: dict[str, list[bytes]]) -> None:
         """Queue what was read (recency, NVMe promotion) and what was corrupt, for the next flush."""

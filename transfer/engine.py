@@ -22,6 +22,7 @@ from .ucx_routes import direct_cuda, start_ucx
 
 log = logging.getLogger("transfer.engine")
 DEFAULT_STREAMS = 4
+DEFAULT_LOCAL_WORKERS = 2  # threads copying a local or same-host batch
 DEFAULT_STRIPE = 256 * 1024
 DEFAULT_BOUNCE_LIMIT = 256 << 20  # bytes of bounce buffers the serving side may hold at once
 UCX_ROUTE = 1 << 31  # native route ids of UCX endpoints (cpp/engine.h kUcxRoute)
@@ -54,7 +55,7 @@ class Engine:
     def __init__(self, name: str | None = None, *, listen: str | None = "127.0.0.1:0",
                  secret: str | bytes | None = None, insecure: bool = False, wire: str | None = None,
                  stall_timeout: float = 10.0, streams: int = DEFAULT_STREAMS, stripe_bytes: int = DEFAULT_STRIPE,
-                 local_workers: int = 2, handshake_timeout: float = 5.0, ucx: str | None = "auto",
+                 local_workers: int = DEFAULT_LOCAL_WORKERS, handshake_timeout: float = 5.0, ucx: str | None = "auto",
                  bounce_limit: int = DEFAULT_BOUNCE_LIMIT) -> None:
         self.name = name or f"engine-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.secret = secret.encode() if isinstance(secret, str) else (secret or b"")
