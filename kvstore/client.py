@@ -39,6 +39,7 @@ from .errors import (AllocationFailed, AuthenticationFailed, FingerprintMismatch
 from .index import IndexMirror
 from .integrity import block_checksums, checksum_seeds, checksum_state
 from .keys import HASH_BYTES, ModelFingerprint
+from .client_leases import SlotLeases
 from .layout import BlockRecord, NodeRecord
 from .local_node import LocalNode, TierFile, read_block
 from .local_wire import TCP_SCHEME, tcp_endpoint
@@ -54,26 +55,6 @@ WIRE_CONNECT_S = 2.0  # the first connection to a node's TCP wire; unreachable, 
 WIRE_RETRY_S = 30.0  # ... for this long
 SYNC_PUBLISH_WAITS = 4  # a sync put answers within this many timeouts (the node waits up to 3 to publish)
 USAGE_FRESH_S = 2.5  # a node's use from its last reply beats its published record (every 2 s) this long
-LEASE_MAX_BYTES = 64 << 20  # leased slots kept per node, fingerprint and block size (one put's worth, up to this)
-
-
-@dataclass
-class _Leased:
-    """A slot a node leased to this client for a later put (see `_put_by_engine`)."""
-
-    token: int
-    region: int
-    offset: int
-    usable_until: float  # monotonic: written into only before this
-
-
-@dataclass
-class _LeasePool:
-    """Slots leased through one connection to a node: a reconnect means another incarnation of
-    the node may be there, whose regions reuse the ids (they count from 1) but not the slots."""
-
-    node: "_Node"
-    slots: list[_Leased]
 
 
 @dataclass
@@ -136,8 +117,7 @@ class Client:
         self._local_addresses: dict[tuple[str, str], tuple[str, Any]] = {}  # (node, field) -> (segment seen, address)
         self._inflight: dict[str, int] = {}  # node -> bytes of this client's puts under way there
         self._usage: dict[str, tuple[int, int, float]] = {}  # node -> (used, capacity, when) from its replies
-        self._leases: dict[tuple[str, str, int], _LeasePool] = {}  # (node, fingerprint, block size) -> slots
-        self._lease_ttl: dict[str, float] = {}  # node -> how long it holds a leased slot (from its last grant)
+        self._leases = SlotLeases(timeout)
         self._io: ThreadPoolExecutor | None = None  # NVMe tier reads of a batch, in parallel
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvs-checksum")  # a large put's checksums
         self.stats: dict[str, int] = {"control_calls": 0, "local_puts": 0, "wire_puts": 0, "nvme_fd_reads": 0,
@@ -245,8 +225,7 @@ class Client:
             node = self._nodes.pop(name, None)
             local = self._locals.pop(name, None)
             wire = self._wires.pop(name, None)
-            for key in [key for key in self._leases if key[0] == name]:  # its slots are of no use now
-                del self._leases[key]
+            self._leases.forget(name)  # its slots are of no use now
         if node is not None:
             node.peer.close()
             node.channel.close()
@@ -434,7 +413,7 @@ class Client:
         # (or beside the write, when slots are leased: hashing first is no faster).
         fused = local is not None and digest_available and any(sums[first + i] is None for i in range(len(regs)))
         hashing = None if fused else self._hasher.submit(checksums_of)
-        leased, aged = self._take_lease(node, name, fp, size, len(regs)) if size else (None, [])
+        leased, aged = self._leases.take(node, name, fp, size, len(regs)) if size else (None, [])
         if aged:  # given back now rather than held at the node until they expire
             self._abort(name, aged)
         if leased is not None:
@@ -473,7 +452,7 @@ class Client:
             todo = [hashes[i] for i, _, _, _ in slots]
             named = todo if leased is not None else None
             # Enough slots for another put like this one, less what is leased already.
-            want = self._lease_wanted(node, name, fp, size, len(regs))
+            want = self._leases.wanted(node, name, fp, size, len(regs))
             asked = time.monotonic()
             if wire is not None:
                 commit, _ = wire.call({"op": "commit", "fp": fp, "tokens": tokens,
@@ -490,7 +469,9 @@ class Client:
                     answer_within)
                 granted = [(s.token, s.region, s.offset) for s in commit.lease if s.size == size]
                 ttl = commit.lease_ttl
-            self._keep_lease(node, name, fp, size, granted, asked, ttl)
+            never_usable = self._leases.keep(node, name, fp, size, granted, asked, ttl)
+            if never_usable:  # back at once (and no more are asked for)
+                self._abort(name, never_usable)
             return self._sealed(name, fp, todo, commit, since)
         except TransferTimeout:
             raise  # the copy may still be landing: no abort, the slots expire at the node after it
@@ -508,72 +489,6 @@ class Client:
                 self._rpc(self._nodes[name].stub.Abort, store_pb2.AbortRequest(tokens=tokens))
         except (grpc.RpcError, KVStoreError, OSError, ValueError) as exc:
             log.debug("giving slots back to %s failed: %s", name, exc)
-
-    # --- leased slots --------------------------------------------------------------------------
-    def _take_lease(self, node: _Node, name: str, fp: str, size: int,
-                    count: int) -> tuple[list[_Leased] | None, list[int]]:
-        """(`count` leased slots of `size` bytes on `name`, fresh enough for a write of up to a
-        timeout to end well before the node could give them away, or None when there are not
-        enough; tokens of slots grown too old to use). Slots leased over another connection to
-        `name` are forgotten: that node may be gone, and its successor's regions reuse the ids."""
-        with self._lock:
-            pool = self._leases.get((name, fp, size))
-            if pool is None:
-                return None, []
-            if pool.node is not node:
-                del self._leases[(name, fp, size)]
-                return None, []
-            fresh = time.monotonic() + self.timeout
-            aged = [slot.token for slot in pool.slots if slot.usable_until <= fresh]
-            pool.slots[:] = [slot for slot in pool.slots if slot.usable_until > fresh]
-            if len(pool.slots) < count:
-                return None, aged
-            taken, pool.slots[:] = pool.slots[:count], pool.slots[count:]
-            return taken, aged
-
-    def _lease_wanted(self, node: _Node, name: str, fp: str, size: int, count: int) -> int:
-        """How many slots to ask for with a commit: another put of `count` blocks, less those held;
-        none where the node's hold on a slot is too short for this client's timeout to use it."""
-        ttl = self._lease_ttl.get(name)
-        if not size or (ttl is not None and not self._lease_usable(ttl)):
-            return 0
-        with self._lock:
-            pool = self._leases.get((name, fp, size))
-            held = len(pool.slots) if pool is not None and pool.node is node else 0
-        return max(0, min(count, LEASE_MAX_BYTES // size) - held)
-
-    def _lease_usable(self, ttl: float) -> bool:
-        """Whether a slot held `ttl` seconds can be written into at all: only while half its hold is
-        left less a timeout, and a write takes up to a timeout (see `_keep_lease`, `_take_lease`)."""
-        return ttl / 2 - 2 * self.timeout > 0
-
-    def _keep_lease(self, node: _Node, name: str, fp: str, size: int, granted: list[tuple[int, int, int]],
-                    asked: float, ttl: Any) -> None:
-        """Keep slots (token, region, offset) a commit leased. The node holds them for `ttl` seconds
-        from some moment after `asked`: we write into one only while half of that is left, less a timeout."""
-        if not granted:
-            return
-        self._lease_ttl[name] = ttl = float(ttl) if isinstance(ttl, (int, float)) else 0.0
-        if not self._lease_usable(ttl):  # never usable: back at once (and no more asked for)
-            self._abort(name, [token for token, _, _ in granted])
-            return
-        until = asked + ttl / 2 - self.timeout
-        with self._lock:
-            pool = self._leases.get((name, fp, size))
-            if pool is None or pool.node is not node:
-                pool = self._leases[(name, fp, size)] = _LeasePool(node, [])
-            pool.slots.extend(_Leased(token, region, offset, until) for token, region, offset in granted)
-
-    def _return_leases(self) -> None:
-        """Give back every slot still leased (closing): the nodes need not wait for their expiry."""
-        with self._lock:
-            leases, self._leases = self._leases, {}
-        by_node: dict[str, list[int]] = {}
-        for (name, _, _), pool in leases.items():
-            if self._nodes.get(name) is pool.node:  # else that connection, and maybe that node, is gone
-                by_node.setdefault(name, []).extend(slot.token for slot in pool.slots)
-        for name, tokens in by_node.items():
-            self._abort(name, tokens)
 
     def _sealed(self, name: str, fp: str, hashes: list[bytes], reply: Any, since: int) -> int:
         """Check a put's answer (a same-host dict with hex records, or a gRPC reply), teach our own
@@ -927,7 +842,8 @@ class Client:
         if timer is not None:
             timer.cancel()
         self._flush_touches()  # waits for a timer's flush already running
-        self._return_leases()
+        for name, tokens in self._leases.drain(dict(self._nodes)).items():  # not left to expire
+            self._abort(name, tokens)
         with self._flush_lock:
             self._channels_closed = True
             for node in self._nodes.values():

@@ -355,9 +355,8 @@ def test_a_put_like_the_last_writes_into_slots_its_commit_leased(etcd_server, sp
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport=transport) as client:
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
         put_round(client, 2)
-        for pool in client._leases.values():
-            for slot in pool.slots:
-                slot.usable_until = 0.0  # as if a write now could outlive the node's hold on them
+        for slot in client._leases.slots():
+            slot.usable_until = 0.0  # as if a write now could outlive the node's hold on them
         put_round(client, 3)  # reserved again (an old lease is never written into); the old ones given back
         assert wait_for(lambda: dram_used() == len(everything) * block + count * block)
 
