@@ -29,19 +29,20 @@ from typing import Any, Callable, Collection, Sequence
 
 import grpc
 
-from transfer import Engine, Peer, Read, Region, TransferError, TransferTimeout, UnsupportedBuffer, Write
+from transfer import Engine, Peer, Read, Region, TransferError, TransferTimeout, Write
 from transfer.descriptor import host_id
 from transfer.digest import AVAILABLE as digest_available
 
 from .access import ControlAuth, cluster_secret
+from .client_leases import SlotLeases
+from .client_reads import TierReads, landed_checksums, read_in_stages
 from .errors import (AllocationFailed, AuthenticationFailed, FingerprintMismatch, KVStoreError,
                      NodeRefused, NoStoreNodes, PutFailed, WrongSize)
 from .index import IndexMirror
-from .integrity import block_checksums, checksum_seeds, checksum_state
+from .integrity import block_checksums, checksum_seeds
 from .keys import HASH_BYTES, ModelFingerprint
-from .client_leases import SlotLeases
 from .layout import BlockRecord, NodeRecord
-from .local_node import LocalNode, TierFile, read_block
+from .local_node import LocalNode, TierFile
 from .local_wire import TCP_SCHEME, tcp_endpoint
 from .store.v1 import store_pb2, store_pb2_grpc
 
@@ -118,7 +119,7 @@ class Client:
         self._inflight: dict[str, int] = {}  # node -> bytes of this client's puts under way there
         self._usage: dict[str, tuple[int, int, float]] = {}  # node -> (used, capacity, when) from its replies
         self._leases = SlotLeases(timeout)
-        self._io: ThreadPoolExecutor | None = None  # NVMe tier reads of a batch, in parallel
+        self._tier_reads = TierReads()
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvs-checksum")  # a large put's checksums
         self.stats: dict[str, int] = {"control_calls": 0, "local_puts": 0, "wire_puts": 0, "nvme_fd_reads": 0,
                                       "nvme_fd_bytes": 0}
@@ -698,7 +699,8 @@ class Client:
                 failed.update(i for i, _ in via_fd if i not in read)
                 checked.update(read)
             if staged is not None:
-                results, owners = self._read_in_stages(ops, owners, op_stages, staged[1], hashes, checked)
+                results, owners = read_in_stages(self.engine, self.timeout, ops, owners, op_stages, staged[1],
+                                                 hashes, checked)
             else:
                 results = batch.wait(self.timeout, raise_on_error=False) if batch is not None else []
         except AuthenticationFailed:
@@ -707,77 +709,14 @@ class Client:
             self._mark_down(name, exc)
             return []
         failed.update(owner for owner, result in zip(owners, results) if not result.ok)
-        checked.update(self._landed_checksums(
+        checked.update(landed_checksums(
             hashes, [(i, record) for i, record in wanted if i not in failed and i not in checked], targets))
         return [i for i, record in wanted if i not in failed and checked[i] == record.checksum]
 
-    @staticmethod
-    def _landed_checksums(hashes: Sequence[bytes], items: list[tuple[int, BlockRecord]],
-                          targets: list[list[tuple[Region, int, int]]]) -> list[tuple[int, int]]:
-        """(index, checksum) of the bytes a read left in each block's destination segments."""
-        blocks = []
-        for i, record in items:
-            parts, done = [], 0
-            for region, offset, length in targets[i]:
-                take = min(length, record.size - done)
-                if take <= 0:
-                    break
-                parts.append(region.host_view()[offset : offset + take])
-                done += take
-            blocks.append(parts)
-        return list(zip((i for i, _ in items), block_checksums([bytes(hashes[i]) for i, _ in items], blocks)))
-
-    def _read_in_stages(self, ops: list[Read], owners: list[int], op_stages: list[int],
-                        on_stage: Callable[[int], None], hashes: Sequence[bytes],
-                        checked: dict[int, int]) -> tuple[list, list[int]]:
-        """Run `ops` one stage after another, checksumming what landed before telling `on_stage`;
-        (results, owners) in the order run, each block's checksum into `checked`."""
-        results, ordered = [], []
-        states: dict[int, Any] = {}
-        by_stage: dict[int, list[int]] = {}
-        for k, stage in enumerate(op_stages):
-            by_stage.setdefault(stage, []).append(k)
-        for stage, chosen in sorted(by_stage.items()):
-            landed = self.engine.submit([ops[k] for k in chosen]).wait(self.timeout, raise_on_error=False)
-            for k, result in zip(chosen, landed):
-                op, i = ops[k], owners[k]
-                state = states.get(i)
-                if state is None:
-                    state = states[i] = checksum_state(bytes(hashes[i]))
-                if result.ok:  # a failed op fails its block anyway
-                    state.update(op.local.host_view()[op.local_offset : op.local_offset + op.length])
-            results.extend(landed)
-            ordered.extend(owners[k] for k in chosen)
-            on_stage(stage)
-        checked.update((i, state.intdigest()) for i, state in states.items())
-        return results, ordered
-
     def _read_tier(self, tier: TierFile, items: list[tuple[int, BlockRecord]],
                    targets: list[list[tuple[Region, int, int]]], hashes: Sequence[bytes]) -> dict[int, int]:
-        """Read NVMe blocks from a same-host node's tier fd: {index: checksum of what landed} for
-        the blocks read whole. Each worker checksums its block as soon as it lands, so hashing
-        overlaps the other workers' reads instead of following them all. The checksum is also what
-        makes these reads safe while the node evicts and reuses an extent: another block's bytes (or
-        a half-written slot) never match this block's checksum."""
-        def one(item: tuple[int, BlockRecord]) -> int | None:
-            i, record = item
-            try:
-                if not read_block(tier, record, targets[i]):
-                    return None
-                return self._landed_checksums(hashes, [item], targets)[0][1]
-            except (OSError, UnsupportedBuffer, ValueError) as exc:
-                log.debug("tier read of block %d failed: %s", i, exc)
-                return None
-
-        if len(items) == 1:
-            sums = [one(items[0])]
-        else:
-            if self._io is None:
-                with self._lock:
-                    if self._io is None:
-                        self._io = ThreadPoolExecutor(8, thread_name_prefix="kvs-tier")  # queue depth
-            sums = list(self._io.map(one, items))
-        read = {i: checksum for (i, _), checksum in zip(items, sums) if checksum is not None}
+        """Same-host NVMe blocks straight from the node's tier file: {index: checksum of what landed}."""
+        read = self._tier_reads.read(tier, items, targets, hashes)
         self.stats["nvme_fd_reads"] += len(read)  # counted here, not by the workers: += is not atomic
         self.stats["nvme_fd_bytes"] += sum(record.size for i, record in items if i in read)
         return read
@@ -851,8 +790,7 @@ class Client:
         for wire in list(self._locals.values()) + list(self._wires.values()):
             wire.close()
         self._hasher.shutdown(wait=True)
-        if self._io is not None:
-            self._io.shutdown(wait=True)
+        self._tier_reads.close()
         self.engine.close()
         if self._own_mirror:
             self.mirror.stop()
