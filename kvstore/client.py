@@ -35,6 +35,8 @@ from transfer.digest import AVAILABLE as digest_available
 
 from .access import ControlAuth, cluster_secret
 from .client_leases import SlotLeases
+from .client_placement import PutPlacement
+from .client_reports import HitReports
 from .client_reads import TierReads, landed_checksums, read_in_stages
 from .errors import (AllocationFailed, AuthenticationFailed, FingerprintMismatch, KVStoreError,
                      NodeRefused, NoStoreNodes, PutFailed, WrongSize)
@@ -47,15 +49,12 @@ from .local_wire import TCP_SCHEME, tcp_endpoint
 from .store.v1 import store_pb2, store_pb2_grpc
 
 log = logging.getLogger(__name__)
-TOUCH_INTERVAL = 0.1  # seconds between hit reports to a node
-TOUCH_BACKLOG = 10_000  # hashes kept per node between reports
 STRIPE_BYTES = 512 << 10  # a 1 MiB block goes out as two 512 KiB pieces in parallel
 LOCAL_INLINE_MAX = 4 << 20  # same host: puts up to this many bytes carry them in the one request
 GRPC_INLINE_MAX = 256 << 10  # other hosts: puts up to this many bytes carry them in one call
 WIRE_CONNECT_S = 2.0  # the first connection to a node's TCP wire; unreachable, gRPC is used instead
 WIRE_RETRY_S = 30.0  # ... for this long
 SYNC_PUBLISH_WAITS = 4  # a sync put answers within this many timeouts (the node waits up to 3 to publish)
-USAGE_FRESH_S = 2.5  # a node's use from its last reply beats its published record (every 2 s) this long
 
 
 @dataclass
@@ -104,20 +103,14 @@ class Client:
         self._tls_roots = open(tls_ca, "rb").read() if tls_ca else None  # control calls over TLS
         self._metadata: list[tuple[str, str]] = []  # per-call tokens come from ControlAuth
         self._nodes: dict[str, _Node] = {}
-        self._down: dict[str, float] = {}  # node -> time until which we do not try it
         self._lock = threading.Lock()
-        self._pending_touch: dict[tuple[str, str], dict[str, list[bytes]]] = {}
-        self._touch_timer: threading.Timer | None = None
-        # A flush in flight holds this: close() must not close a channel under a running call
-        # (grpc segfaults on a call racing its channel's close).
-        self._flush_lock = threading.Lock()
-        self._closed = self._channels_closed = False
+        self._reports = HitReports(self._touch)
         self._locals: dict[str, LocalNode] = {}
         self._wires: dict[str, LocalNode] = {}  # the same wire over TCP, to nodes on other hosts
         self._wire_down: dict[str, float] = {}  # node -> until when its wire is left alone (unreachable)
         self._local_addresses: dict[tuple[str, str], tuple[str, Any]] = {}  # (node, field) -> (segment seen, address)
-        self._inflight: dict[str, int] = {}  # node -> bytes of this client's puts under way there
-        self._usage: dict[str, tuple[int, int, float]] = {}  # node -> (used, capacity, when) from its replies
+        self._here = host_id()  # this host's boot: constant for the process
+        self._placement = PutPlacement(self._here)
         self._leases = SlotLeases(timeout)
         self._tier_reads = TierReads()
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvs-checksum")  # a large put's checksums
@@ -163,7 +156,7 @@ class Client:
         if self.transport not in ("auto", "shm"):
             return None
         record = self.mirror.nodes.get(name)
-        if record is None or record.host != host_id():
+        if record is None or record.host != self._here:
             return None
         return self._control_wire(name, "kvstore_local", "", self._locals)
 
@@ -221,7 +214,7 @@ class Client:
 
     def _mark_down(self, name: str, why: Exception) -> None:
         log.info("store node %s failed: %s", name, why)
-        self._down[name] = time.monotonic() + 2.0
+        self._placement.mark_down(name)
         with self._lock:
             node = self._nodes.pop(name, None)
             local = self._locals.pop(name, None)
@@ -233,48 +226,6 @@ class Client:
         for control in (local, wire):
             if control is not None:
                 control.close()
-
-    def _usable(self, name: str) -> bool:
-        return self._down.get(name, 0) < time.monotonic()
-
-    def _pick(self, exclude: Collection[str], nbytes: int) -> NodeRecord | None:
-        """The next put target: same host first, then the least used DRAM counting this client's puts
-        in flight there and the use the node reported in its last reply (fresher than its published
-        record, and it counts other clients' reservations). Counts `nbytes` as in flight there."""
-        here, now = host_id(), time.monotonic()
-        with self._lock:
-            best = None
-            for n in self.mirror.nodes.values():
-                if n.draining or n.name in exclude or not self._usable(n.name):
-                    continue
-                used, capacity = n.used.get("dram", 0), n.tiers.get("dram", 0)
-                seen = self._usage.get(n.name)
-                if seen is not None and now - seen[2] < USAGE_FRESH_S:
-                    used, capacity = seen[0], seen[1]
-                key = (n.host != here, (used + self._inflight.get(n.name, 0)) / max(capacity, 1), n.name)
-                if best is None or key < best[0]:
-                    best = (key, n)
-            if best is None:
-                return None
-            self._inflight[best[1].name] = self._inflight.get(best[1].name, 0) + nbytes
-            return best[1]
-
-    def _settle(self, name: str, nbytes: int, reply: Any = None) -> None:
-        """A put to `name` is over: no longer in flight; note the use the node reported."""
-        with self._lock:
-            left = self._inflight.get(name, 0) - nbytes
-            if left > 0:
-                self._inflight[name] = left
-            else:
-                self._inflight.pop(name, None)
-            if reply is not None:
-                self._seen(name, reply)
-
-    def _seen(self, name: str, reply: Any) -> None:
-        used = reply.get("used") if isinstance(reply, dict) else getattr(reply, "used", None)
-        capacity = reply.get("capacity") if isinstance(reply, dict) else getattr(reply, "capacity", None)
-        if isinstance(used, int) and isinstance(capacity, int) and capacity > 0:
-            self._usage[name] = (used, capacity, time.monotonic())
 
     def _rpc(self, method, request, timeout: float | None = None):
         try:
@@ -330,7 +281,7 @@ class Client:
 
         try:
             while placed < want:
-                record = self._pick(tried, total)
+                record = self._placement.pick(self.mirror.nodes.values(), tried, total)
                 if record is None:
                     break
                 tried.add(record.name)
@@ -356,7 +307,7 @@ class Client:
                     self._mark_down(record.name, exc)
                     errors.append(f"{record.name}: {exc}")
                 finally:
-                    self._settle(record.name, total)
+                    self._placement.settle(record.name, total)
         finally:
             for region in registered:
                 self.engine.unregister(region)
@@ -430,7 +381,7 @@ class Client:
                 fingerprint=fp, hashes=hashes, sizes=[r.size for r in regs], client=self.engine.name))
             slots = [(i, s.token, s.region, s.offset) for i, s in enumerate(reply.slots) if not s.exists]
         if leased is None:
-            self._seen(name, reply)
+            self._placement.seen(name, reply)
         if not slots:
             return 0
         tokens = [token for _, token, _, _ in slots]
@@ -494,7 +445,7 @@ class Client:
     def _sealed(self, name: str, fp: str, hashes: list[bytes], reply: Any, since: int) -> int:
         """Check a put's answer (a same-host dict with hex records, or a gRPC reply), teach our own
         mirror what is now stored there; returns how many blocks."""
-        self._seen(name, reply)
+        self._placement.seen(name, reply)
         hex_records = isinstance(reply, dict)
         errors, records = (reply["errors"], reply["records"]) if hex_records else (reply.errors, reply.records)
         failed = [e for e in errors if e]
@@ -531,14 +482,14 @@ class Client:
         fp = self._fp(fingerprint)
         if len(hashes) != len(outs):
             raise WrongSize(f"{len(hashes)} hashes but {len(outs)} buffers")
-        here = host_id()
+        here = self._here
         nodes = self.mirror.nodes  # a copy: take it once per call
         candidates: list[list[tuple[str, BlockRecord]]] = []
         for h in hashes:
             replicas = self.mirror.lookup(fp, bytes(h))
             ranked = sorted(replicas.items(), key=lambda kv: (kv[1].tier != "dram",
                                                               getattr(nodes.get(kv[0]), "host", "") != here, kv[0]))
-            candidates.append([c for c in ranked if self._usable(c[0])] or ranked)
+            candidates.append([c for c in ranked if self._placement.usable(c[0])] or ranked)
         # Every destination becomes segments (region, offset, length): a plain buffer is one
         # segment of a region registered for this call; a list of segments (e.g. one block's layers
         # in registered KV-cache tensors) is read into place with one op per segment.
@@ -581,7 +532,7 @@ class Client:
                         found[i] = True
                         hits.setdefault(name, []).append(bytes(hashes[i]))
                     for i, record in wanted:
-                        if not found[i] and self._usable(name):
+                        if not found[i] and self._placement.usable(name):
                             mismatched.setdefault(name, []).append((i, record))
             corrupt: dict[str, list[bytes]] = {}
             for name, failed in mismatched.items():
@@ -597,7 +548,7 @@ class Client:
         finally:
             for region in temporary:
                 self.engine.unregister(region)
-        self._report(fp, hits, corrupt)
+        self._reports.add(fp, hits, corrupt)
         return found
 
     def _reread_moved(self, name: str, fp: str, hashes: Sequence[bytes], failed: list[tuple[int, BlockRecord]],
@@ -721,37 +672,18 @@ class Client:
         self.stats["nvme_fd_bytes"] += sum(record.size for i, record in items if i in read)
         return read
 
-    def _report(self, fp: str, hits: dict[str, list[bytes]], corrupt: dict[str, list[bytes]]) -> None:
-        """Queue what was read (recency, NVMe promotion) and what was corrupt, for the next flush."""
-        with self._lock:
-            for kind, found in (("hits", hits), ("corrupt", corrupt)):
-                for name, hs in found.items():
-                    pending = self._pending_touch.setdefault((name, fp), {"hits": [], "corrupt": []})[kind]
-                    pending.extend(hs[: max(0, TOUCH_BACKLOG - len(pending))])  # advisory: drop the excess
-            if self._touch_timer is None and self._pending_touch and not self._closed:
-                self._touch_timer = threading.Timer(TOUCH_INTERVAL, self._flush_touches)
-                self._touch_timer.daemon = True
-                self._touch_timer.start()
-
-    def _flush_touches(self) -> None:
-        """One Touch per node and fingerprint for everything read since the last flush; best effort."""
-        with self._flush_lock:
-            with self._lock:
-                pending, self._pending_touch, self._touch_timer = self._pending_touch, {}, None
-            for (name, fp), found in pending.items():
-                if self._channels_closed:
-                    return
-                try:
-                    node = self._nodes.get(name) or self._node(name)  # tier-fd readers may not have it yet
-                except (KVStoreError, TransferError, OSError) as exc:
-                    log.debug("touch to %s skipped: %s", name, exc)
-                    continue
-                try:
-                    node.stub.Touch(store_pb2.TouchRequest(fingerprint=fp, hashes=found["hits"],
-                                                           corrupt=found["corrupt"]),
-                                    timeout=self.timeout, metadata=self._metadata)
-                except grpc.RpcError as exc:
-                    log.debug("touch to %s failed: %s", name, exc)
+    def _touch(self, name: str, fp: str, hits: list[bytes], corrupt: list[bytes]) -> None:
+        """Send one hit report to `name` (HitReports' sender); best effort."""
+        try:
+            node = self._nodes.get(name) or self._node(name)  # tier-fd readers may not have it yet
+        except (KVStoreError, TransferError, OSError) as exc:
+            log.debug("touch to %s skipped: %s", name, exc)
+            return
+        try:
+            node.stub.Touch(store_pb2.TouchRequest(fingerprint=fp, hashes=hits, corrupt=corrupt),
+                            timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            log.debug("touch to %s failed: %s", name, exc)
 
     # --- queries -------------------------------------------------------------------------------
     def contains(self, block_hash: bytes, fingerprint: ModelFingerprint | str | None = None) -> bool:
@@ -775,18 +707,11 @@ class Client:
         return removed
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            timer = self._touch_timer
-        if timer is not None:
-            timer.cancel()
-        self._flush_touches()  # waits for a timer's flush already running
+        self._reports.close()  # before the channels its reports go over
         for name, tokens in self._leases.drain(dict(self._nodes)).items():  # not left to expire
             self._abort(name, tokens)
-        with self._flush_lock:
-            self._channels_closed = True
-            for node in self._nodes.values():
-                node.channel.close()
+        for node in self._nodes.values():
+            node.channel.close()
         for wire in list(self._locals.values()) + list(self._wires.values()):
             wire.close()
         self._hasher.shutdown(wait=True)
