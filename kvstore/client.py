@@ -43,7 +43,7 @@ from .errors import (AllocationFailed, AuthenticationFailed, FingerprintMismatch
 from .index import IndexMirror
 from .integrity import block_checksums, checksum_seeds
 from .keys import HASH_BYTES, ModelFingerprint
-from .layout import BlockRecord, NodeRecord
+from .layout import BlockRecord
 from .local_node import LocalNode, TierFile
 from .local_wire import TCP_SCHEME, tcp_endpoint
 from .store.v1 import store_pb2, store_pb2_grpc
@@ -54,6 +54,9 @@ LOCAL_INLINE_MAX = 4 << 20  # same host: puts up to this many bytes carry them i
 GRPC_INLINE_MAX = 256 << 10  # other hosts: puts up to this many bytes carry them in one call
 WIRE_CONNECT_S = 2.0  # the first connection to a node's TCP wire; unreachable, gRPC is used instead
 WIRE_RETRY_S = 30.0  # ... for this long
+# A replaced node's gRPC channel is closed this many timeouts later, when every call that could
+# still be on it has ended: grpc crashes on a call racing its channel's close.
+CHANNEL_GRACE_TIMEOUTS = 10
 SYNC_PUBLISH_WAITS = 4  # a sync put answers within this many timeouts (the node waits up to 3 to publish)
 
 
@@ -108,8 +111,10 @@ class Client:
         self._locals: dict[str, LocalNode] = {}
         self._wires: dict[str, LocalNode] = {}  # the same wire over TCP, to nodes on other hosts
         self._wire_down: dict[str, float] = {}  # node -> until when its wire is left alone (unreachable)
+        self._retired: list[tuple[float, grpc.Channel]] = []  # (close after, channel) of replaced nodes
+        self._retired_lock = threading.Lock()
         self._local_addresses: dict[tuple[str, str], tuple[str, Any]] = {}  # (node, field) -> (segment seen, address)
-        self._here = host_id()  # this host's boot: constant for the process
+        self._here = host_id()  # this host's name and boot, read once
         self._placement = PutPlacement(self._here)
         self._leases = SlotLeases(timeout)
         self._tier_reads = TierReads()
@@ -140,7 +145,7 @@ class Client:
                 raise NoStoreNodes(f"node {name} is not registered")
             if node is not None:
                 node.peer.close()
-                node.channel.close()
+                self._retire(node.channel)
             peer = self.engine.connect(segment, transport=self.transport, timeout=self.timeout)
             if self._tls_roots is not None:
                 channel = grpc.secure_channel(record.endpoint, grpc.ssl_channel_credentials(self._tls_roots))
@@ -222,10 +227,21 @@ class Client:
             self._leases.forget(name)  # its slots are of no use now
         if node is not None:
             node.peer.close()
-            node.channel.close()
+            self._retire(node.channel)
         for control in (local, wire):
             if control is not None:
                 control.close()
+
+    def _retire(self, channel: grpc.Channel) -> None:
+        """Close a replaced node's channel once no call can still be on it (a hit report or another
+        thread's call may be); closes those retired long enough ago."""
+        now = time.monotonic()
+        with self._retired_lock:
+            self._retired.append((now + CHANNEL_GRACE_TIMEOUTS * self.timeout, channel))
+            due = [c for until, c in self._retired if until <= now]
+            self._retired = [(until, c) for until, c in self._retired if until > now]
+        for old in due:
+            old.close()
 
     def _rpc(self, method, request, timeout: float | None = None):
         try:
@@ -710,8 +726,10 @@ class Client:
         self._reports.close()  # before the channels its reports go over
         for name, tokens in self._leases.drain(dict(self._nodes)).items():  # not left to expire
             self._abort(name, tokens)
-        for node in self._nodes.values():
-            node.channel.close()
+        with self._retired_lock:
+            retired, self._retired = self._retired, []
+        for channel in [node.channel for node in self._nodes.values()] + [c for _, c in retired]:
+            channel.close()
         for wire in list(self._locals.values()) + list(self._wires.values()):
             wire.close()
         self._hasher.shutdown(wait=True)

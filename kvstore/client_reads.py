@@ -69,6 +69,7 @@ class TierReads:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
 
     def read(self, tier: TierFile, items: list[tuple[int, BlockRecord]], targets: list[Segments],
              hashes: Sequence[bytes]) -> dict[int, int]:
@@ -86,17 +87,15 @@ class TierReads:
                 log.debug("tier read of block %d failed: %s", i, exc)
                 return None
 
-        if len(items) == 1:
-            sums = [one(items[0])]
-        else:
-            with self._lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(TIER_READ_DEPTH, thread_name_prefix="kvs-tier")
-            sums = list(self._pool.map(one, items))
+        with self._lock:
+            if self._pool is None and len(items) > 1 and not self._closed:
+                self._pool = ThreadPoolExecutor(TIER_READ_DEPTH, thread_name_prefix="kvs-tier")
+            pool = self._pool
+        sums = list(pool.map(one, items)) if pool is not None and len(items) > 1 else [one(item) for item in items]
         return {i: checksum for (i, _), checksum in zip(items, sums) if checksum is not None}
 
     def close(self) -> None:
         with self._lock:
-            pool, self._pool = self._pool, None
+            pool, self._pool, self._closed = self._pool, None, True
         if pool is not None:
             pool.shutdown(wait=True)

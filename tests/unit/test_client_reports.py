@@ -5,21 +5,32 @@ from __future__ import annotations
 import threading
 import time
 
+from kvstore import client_reports
 from kvstore.client_reports import TOUCH_BACKLOG, TOUCH_INTERVAL, HitReports
 
 
-def test_reads_gather_into_one_report_per_node_and_fingerprint():
-    sent, done = [], threading.Event()
-    reports = HitReports(lambda *report: (sent.append(report), done.set()))
+def test_reads_gather_into_one_report_per_node_and_fingerprint(monkeypatch):
+    monkeypatch.setattr(client_reports, "TOUCH_INTERVAL", 60.0)  # flushed by hand below
+    sent = []
+    reports = HitReports(lambda *report: sent.append(report))
     reports.add("fp1", {"a": [b"1"], "b": [b"2"]}, {})
     reports.add("fp1", {"a": [b"3"]}, {"a": [b"9"]})
     reports.add("fp2", {"a": [b"4"]}, {})
-    assert done.wait(5 + TOUCH_INTERVAL)
-    time.sleep(TOUCH_INTERVAL)
+    reports.flush()
     assert sorted(sent) == [("a", "fp1", [b"1", b"3"], [b"9"]), ("a", "fp2", [b"4"], []), ("b", "fp1", [b"2"], [])]
+    reports.close()
 
 
-def test_a_backlog_between_reports_is_capped():
+def test_reports_go_out_from_a_timer():
+    done = threading.Event()
+    reports = HitReports(lambda *report: done.set())
+    reports.add("fp", {"a": [b"1"]}, {})
+    assert done.wait(5 + TOUCH_INTERVAL)
+    reports.close()
+
+
+def test_a_backlog_between_reports_is_capped(monkeypatch):
+    monkeypatch.setattr(client_reports, "TOUCH_INTERVAL", 60.0)
     sent = []
     reports = HitReports(lambda *report: sent.append(report))
     reports.add("fp", {"a": [b"x"] * (TOUCH_BACKLOG + 5)}, {})
