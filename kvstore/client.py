@@ -34,11 +34,12 @@ from transfer.descriptor import host_id
 from transfer.digest import AVAILABLE as digest_available
 
 from .access import ControlAuth, cluster_secret
+from .channel_guard import ChannelGuard
 from .client_leases import SlotLeases
 from .client_placement import PutPlacement
 from .client_reports import HitReports
 from .client_reads import TierReads, landed_checksums, read_in_stages
-from .errors import (AllocationFailed, AuthenticationFailed, FingerprintMismatch, KVStoreError,
+from .errors import (AllocationFailed, AuthenticationFailed, ConnectionReplaced, FingerprintMismatch, KVStoreError,
                      NodeRefused, NoStoreNodes, PutFailed, WrongSize)
 from .index import IndexMirror
 from .integrity import block_checksums, checksum_seeds
@@ -54,9 +55,6 @@ LOCAL_INLINE_MAX = 4 << 20  # same host: puts up to this many bytes carry them i
 GRPC_INLINE_MAX = 256 << 10  # other hosts: puts up to this many bytes carry them in one call
 WIRE_CONNECT_S = 2.0  # the first connection to a node's TCP wire; unreachable, gRPC is used instead
 WIRE_RETRY_S = 30.0  # ... for this long
-# A replaced node's gRPC channel is closed this many timeouts later, when every call that could
-# still be on it has ended: grpc crashes on a call racing its channel's close.
-CHANNEL_GRACE_TIMEOUTS = 10
 SYNC_PUBLISH_WAITS = 4  # a sync put answers within this many timeouts (the node waits up to 3 to publish)
 
 
@@ -64,7 +62,7 @@ SYNC_PUBLISH_WAITS = 4  # a sync put answers within this many timeouts (the node
 class _Node:
     name: str
     peer: Peer
-    channel: grpc.Channel
+    guard: ChannelGuard  # retire() it, never close the channel: calls may still be on it
     stub: store_pb2_grpc.StoreControlStub
 
 
@@ -111,8 +109,6 @@ class Client:
         self._locals: dict[str, LocalNode] = {}
         self._wires: dict[str, LocalNode] = {}  # the same wire over TCP, to nodes on other hosts
         self._wire_down: dict[str, float] = {}  # node -> until when its wire is left alone (unreachable)
-        self._retired: list[tuple[float, grpc.Channel]] = []  # (close after, channel) of replaced nodes
-        self._retired_lock = threading.Lock()
         self._local_addresses: dict[tuple[str, str], tuple[str, Any]] = {}  # (node, field) -> (segment seen, address)
         self._here = host_id()  # this host's name and boot, read once
         self._placement = PutPlacement(self._here)
@@ -145,15 +141,17 @@ class Client:
                 raise NoStoreNodes(f"node {name} is not registered")
             if node is not None:
                 node.peer.close()
-                self._retire(node.channel)
+                node.guard.retire()
             peer = self.engine.connect(segment, transport=self.transport, timeout=self.timeout)
             if self._tls_roots is not None:
-                channel = grpc.secure_channel(record.endpoint, grpc.ssl_channel_credentials(self._tls_roots))
+                raw = grpc.secure_channel(record.endpoint, grpc.ssl_channel_credentials(self._tls_roots))
             else:
-                channel = grpc.insecure_channel(record.endpoint)
+                raw = grpc.insecure_channel(record.endpoint)
+            guard = ChannelGuard(raw, name)
+            channel = guard.channel
             if self._secret:
                 channel = grpc.intercept_channel(channel, ControlAuth(self._secret, name, self.engine.name))
-            node = self._nodes[name] = _Node(name, peer, channel, store_pb2_grpc.StoreControlStub(channel))
+            node = self._nodes[name] = _Node(name, peer, guard, store_pb2_grpc.StoreControlStub(channel))
             return node
 
     def _local(self, name: str) -> LocalNode | None:
@@ -227,21 +225,10 @@ class Client:
             self._leases.forget(name)  # its slots are of no use now
         if node is not None:
             node.peer.close()
-            self._retire(node.channel)
+            node.guard.retire()
         for control in (local, wire):
             if control is not None:
                 control.close()
-
-    def _retire(self, channel: grpc.Channel) -> None:
-        """Close a replaced node's channel once no call can still be on it (a hit report or another
-        thread's call may be); closes those retired long enough ago."""
-        now = time.monotonic()
-        with self._retired_lock:
-            self._retired.append((now + CHANNEL_GRACE_TIMEOUTS * self.timeout, channel))
-            due = [c for until, c in self._retired if until <= now]
-            self._retired = [(until, c) for until, c in self._retired if until > now]
-        for old in due:
-            old.close()
 
     def _rpc(self, method, request, timeout: float | None = None):
         try:
@@ -698,7 +685,7 @@ class Client:
         try:
             node.stub.Touch(store_pb2.TouchRequest(fingerprint=fp, hashes=hits, corrupt=corrupt),
                             timeout=self.timeout, metadata=self._metadata)
-        except grpc.RpcError as exc:
+        except (grpc.RpcError, ConnectionReplaced) as exc:
             log.debug("touch to %s failed: %s", name, exc)
 
     # --- queries -------------------------------------------------------------------------------
@@ -726,10 +713,8 @@ class Client:
         self._reports.close()  # before the channels its reports go over
         for name, tokens in self._leases.drain(dict(self._nodes)).items():  # not left to expire
             self._abort(name, tokens)
-        with self._retired_lock:
-            retired, self._retired = self._retired, []
-        for channel in [node.channel for node in self._nodes.values()] + [c for _, c in retired]:
-            channel.close()
+        for node in self._nodes.values():
+            node.guard.retire()  # closed once a call another thread has on it ends
         for wire in list(self._locals.values()) + list(self._wires.values()):
             wire.close()
         self._hasher.shutdown(wait=True)

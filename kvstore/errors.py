@@ -119,4 +119,9 @@ class NodeRefused(KVStoreError):
     """A node refused a request (draining, metadata service unavailable); others may take it."""
 
 
-__all__ += ["AllocationFailed", "InvalidRequest", "WrongSize", "NoStoreNodes", "PutFailed", "NodeRefused"]
+class ConnectionReplaced(KVStoreError, ConnectionError):
+    """The client replaced its connection to a node (it failed) before this call could use the old one."""
+
+
+__all__ += ["AllocationFailed", "InvalidRequest", "WrongSize", "NoStoreNodes", "PutFailed", "NodeRefused",
+            "ConnectionReplaced"]
