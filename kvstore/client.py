@@ -307,7 +307,8 @@ class Client:
                 except (TransferError, grpc.RpcError, NoStoreNodes, NodeRefused, OSError, ValueError) as exc:
                     if isinstance(exc, WrongSize):
                         raise
-                    self._mark_down(record.name, exc)
+                    if not isinstance(exc, ConnectionReplaced):  # else another thread marked it down already,
+                        self._mark_down(record.name, exc)  # and its new connection is not the one that failed
                     errors.append(f"{record.name}: {exc}")
                 finally:
                     self._placement.settle(record.name, total)
@@ -440,8 +441,8 @@ class Client:
             wire = self._control(name)
             if wire is not None:
                 wire.call({"op": "abort", "tokens": tokens})
-            elif name in self._nodes:
-                self._rpc(self._nodes[name].stub.Abort, store_pb2.AbortRequest(tokens=tokens))
+            elif (node := self._nodes.get(name)) is not None:
+                self._rpc(node.stub.Abort, store_pb2.AbortRequest(tokens=tokens))
         except (grpc.RpcError, KVStoreError, OSError, ValueError) as exc:
             log.debug("giving slots back to %s failed: %s", name, exc)
 

@@ -55,7 +55,7 @@ def test_close_waits_for_a_hit_report_in_flight(etcd_server, spawn_daemon):
 def test_a_call_on_a_connection_replaced_after_a_failure_is_refused_not_a_crash(etcd_server, spawn_daemon):
     """A put that took a node's connection before another thread marked the node down calls on
     the old channel later: a typed error (the put moves on), where grpc crashed the process."""
-    from kvstore.errors import ConnectionReplaced
+    from kvstore.errors import ConnectionReplaced, NoStoreNodes
     from kvstore.store.v1 import store_pb2
 
     cluster = uuid.uuid4().hex[:8]
@@ -73,3 +73,14 @@ def test_a_call_on_a_connection_replaced_after_a_failure_is_refused_not_a_crash(
         assert client._node("down-node") is not old
         out = np.zeros_like(data)
         assert client.get(h, out) and np.array_equal(out, data)
+        # A put refused on a stale connection leaves the new one (another thread's) alone.
+        fresh, real_put_on = client._node("down-node"), client._put_on
+
+        def refused(*args, **kwargs):
+            raise ConnectionReplaced("the connection to down-node was replaced; call again")
+
+        client._put_on = refused
+        with pytest.raises(NoStoreNodes):
+            client.put(external_hashes([13], FP)[0], data)
+        client._put_on = real_put_on
+        assert client._nodes.get("down-node") is fresh and client._placement.usable("down-node")
