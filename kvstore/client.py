@@ -706,7 +706,11 @@ class Client:
                 by_node.setdefault(name, []).append(bytes(h))
         removed = 0
         for name, hs in by_node.items():
-            reply = self._rpc(self._node(name).stub.Remove, store_pb2.RemoveRequest(fingerprint=fp, hashes=hs))
+            request = store_pb2.RemoveRequest(fingerprint=fp, hashes=hs)
+            try:
+                reply = self._rpc(self._node(name).stub.Remove, request)
+            except ConnectionReplaced:  # another thread replaced the connection just now: once more on the new one
+                reply = self._rpc(self._node(name).stub.Remove, request)
             removed += reply.removed
         return removed
 

@@ -84,3 +84,14 @@ def test_a_call_on_a_connection_replaced_after_a_failure_is_refused_not_a_crash(
             client.put(external_hashes([13], FP)[0], data)
         client._put_on = real_put_on
         assert client._nodes.get("down-node") is fresh and client._placement.usable("down-node")
+        # A remove that met a connection replaced under it calls once more on the new one.
+        stale, real_node, asked = client._node("down-node"), client._node, []
+        client._mark_down("down-node", ConnectionError("another thread's failed read"))
+
+        def stale_first(name):
+            asked.append(name)
+            return stale if len(asked) == 1 else real_node(name)
+
+        client._node = stale_first
+        assert client.remove([h]) == 1 and len(asked) == 2
+        client._node = real_node
