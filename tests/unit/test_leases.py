@@ -160,6 +160,8 @@ def test_a_put_under_way_is_refused_after_the_drains_last_look():
         assert store.lease(FP.digest, BLOCK, 1) == [] and store.keys() == []
         assert store.dram.used == 0  # the refused commit gave its slot back
         daemon.set_draining(False)  # taking puts again
+        # The client places puts by the node records its mirror has heard of (a watch, not at once).
+        assert embedded.mirror.wait_until(lambda m: not any(n.draining for n in m.nodes.values()), 5)
         assert embedded.put(late[0], content(late[0])) == 1
 
 
@@ -225,6 +227,7 @@ def test_taking_puts_again_during_a_drain_calls_it_off():
         assert not any(step.done for step in steps)  # called off
         h = external_hashes([2], FP)[0]
         assert not daemon.draining and store.taking_blocks
+        assert embedded.mirror.wait_until(lambda m: not any(n.draining for n in m.nodes.values()), 5)
         assert embedded.put(h, content(h)) == 1
 
 
