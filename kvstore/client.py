@@ -216,6 +216,9 @@ class Client:
             return node
 
     def _mark_down(self, name: str, why: Exception) -> None:
+        """Leave `name` alone for a while and drop this client's connections to it."""
+        if isinstance(why, ConnectionReplaced):  # another thread marked it down already: the connection
+            return  # there now is a new one, not the one that failed
         log.info("store node %s failed: %s", name, why)
         self._placement.mark_down(name)
         with self._lock:
@@ -307,8 +310,7 @@ class Client:
                 except (TransferError, grpc.RpcError, NoStoreNodes, NodeRefused, OSError, ValueError) as exc:
                     if isinstance(exc, WrongSize):
                         raise
-                    if not isinstance(exc, ConnectionReplaced):  # else another thread marked it down already,
-                        self._mark_down(record.name, exc)  # and its new connection is not the one that failed
+                    self._mark_down(record.name, exc)
                     errors.append(f"{record.name}: {exc}")
                 finally:
                     self._placement.settle(record.name, total)
@@ -715,7 +717,7 @@ class Client:
         return removed
 
     def close(self) -> None:
-        self._reports.close()  # before the channels its reports go over
+        self._reports.close()  # before the connections its reports go over
         for name, tokens in self._leases.drain(dict(self._nodes)).items():  # not left to expire
             self._abort(name, tokens)
         for node in self._nodes.values():

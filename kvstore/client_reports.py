@@ -22,8 +22,8 @@ class HitReports:
         self._timer: threading.Timer | None = None
         self._closed = False  # closing: no more timers
         # A flush in flight holds this, so close() returns only once no report is being sent, and
-        # `_stopped` (set under it) keeps a timer's flush that was waiting for it from sending: the
-        # caller may close the channels next (grpc crashes on a call racing its channel's close).
+        # `_stopped` (set under it) keeps a timer's flush that was waiting for it from sending: no
+        # report thread uses the client's connections after it has closed them.
         self._flush_lock = threading.Lock()
         self._stopped = False
 
