@@ -73,11 +73,11 @@ def route_latency(samples: int = 2000) -> dict:
     """route() for a 256-block prompt against a mirror of 100k blocks over 8 nodes (memory backend)."""
     import uuid
 
+    from kvstore.daemon.session import NodeSession
     from kvstore.index import IndexMirror
+    from kvstore.index.records import BlockRecord, Layout, NodeRecord
     from kvstore.keys import ModelFingerprint, external_hashes
-    from kvstore.layout import BlockRecord, Layout, NodeRecord
     from kvstore.metadata import open_metadata
-    from kvstore.session import NodeSession
 
     fp = ModelFingerprint("route-bench", "float16", 512, 80, 8, 128)
     url, cluster = f"memory://{uuid.uuid4().hex[:8]}", "route"

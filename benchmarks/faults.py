@@ -37,11 +37,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from kvstore import Client  # noqa: E402
-from kvstore.etcd_server import EtcdServer  # noqa: E402
-from kvstore.keys import ModelFingerprint, external_hashes  # noqa: E402
+from kvstore import Client
+from kvstore.keys import ModelFingerprint, external_hashes
+from kvstore.testing.etcd import EtcdServer
 
 FP = ModelFingerprint("faults", "float16", 16, 2, 2, 64)
 BLOCK = 32 * 1024

@@ -22,17 +22,14 @@ import subprocess
 import sys
 import tempfile
 import time
-
 from pathlib import Path
 
 import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "helpers"))
-from gateway_fakes import MODEL, FakeEngine, start_fakes  # noqa: E402
-
-from kvstore.etcd_server import free_port  # noqa: E402
-from kvstore.integrations.vllm.tiny_model import SENTENCES, build_tokenizer  # noqa: E402
+from conductor.testing import MODEL, FakeEngine, start_fakes
+from kvstore.integrations.vllm.tiny_model import SENTENCES, build_tokenizer
+from kvstore.testing.etcd import free_port
 
 SHORT_WORDS = 400  # about 2,400 characters (500 tokens): short prompts stay under the thread cut-off
 LONG_REPEAT = 400  # SENTENCES x 400: about 109k characters, 22k tokens

@@ -17,13 +17,13 @@ import threading
 import time
 import tracemalloc
 
-from kvstore.etcd_server import EtcdServer
+from kvstore.daemon.session import NodeSession
 from kvstore.index import IndexMirror
-from kvstore.index_load import load_prefix
+from kvstore.index.records import BlockRecord, Layout, NodeRecord
+from kvstore.index.snapshot import load_prefix
 from kvstore.keys import ModelFingerprint, external_hashes
-from kvstore.layout import BlockRecord, Layout, NodeRecord
 from kvstore.metadata import open_metadata
-from kvstore.session import NodeSession
+from kvstore.testing.etcd import EtcdServer
 
 FP = ModelFingerprint("bench-model", "float16", 128, 32, 8, 128)
 

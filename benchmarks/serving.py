@@ -36,11 +36,10 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "helpers"))
-from vllm_server import connector_config as connector  # noqa: E402
-from vllm_server import scrape_metrics as scrape  # noqa: E402
+from kvstore.testing.etcd import free_port
+from kvstore.testing.vllm_server import connector_config as connector
+from kvstore.testing.vllm_server import scrape_metrics as scrape
 
-from kvstore.etcd_server import free_port  # noqa: E402
 TRACE = ROOT / "tests" / "data" / "mooncake_conversation_trace.jsonl.xz"
 BLOCK_TOKENS = 128
 
@@ -232,7 +231,7 @@ WARMUP = 8  # requests through each router before its measured replay
 
 def run_mode(mode: str, work: Workload, model: str, etcd: str, cluster: str, secret: str, routers: list[str],
              tmp: Path, seed: str, store: str, engine_env: dict | None = None) -> list[dict]:
-    from vllm_server import VllmServer
+    from kvstore.testing.vllm_server import VllmServer
 
     roles = ["kv_producer", "kv_producer", "kv_consumer"] if mode == "pd" else ["kv_both"] * 3
     engines = [VllmServer(model, connector(r, etcd, cluster, secret), tmp / f"{mode}-engine{i}.log", wait=False,
@@ -310,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.requests, args.modes = 16, "pd"
 
-    from kvstore.etcd_server import EtcdServer
     from kvstore.integrations.vllm.tiny_model import build_tiny_model
+    from kvstore.testing.etcd import EtcdServer
 
     model = build_tiny_model(os.path.join(os.path.expanduser("~"), ".cache", "kvstore",
                                           f"bench-llama-{args.layers}x{args.hidden}"),

@@ -44,8 +44,8 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 from benchmarks.limits import LoopbackBatch, memcpy_batch  # noqa: E402
 from kvstore import Client  # noqa: E402
-from kvstore.etcd_server import EtcdServer, free_port  # noqa: E402
 from kvstore.keys import ModelFingerprint, external_hashes  # noqa: E402
+from kvstore.testing.etcd import EtcdServer, free_port  # noqa: E402
 from transfer.engine import DEFAULT_LOCAL_WORKERS, DEFAULT_STREAMS  # noqa: E402
 
 KIB, MIB = 1024, 1 << 20

@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.prompts, args.layers, args.hidden, args.rounds = 4, 6, 512, 1
 
-    from kvstore.etcd_server import EtcdServer
     from kvstore.integrations.vllm.tiny_model import build_tiny_model
+    from kvstore.testing.etcd import EtcdServer
 
     model = build_tiny_model(os.path.join(os.path.expanduser("~"), ".cache", "kvstore",
                                           f"bench-llama-{args.layers}x{args.hidden}"),

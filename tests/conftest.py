@@ -13,13 +13,11 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from kvstore.etcd_server import EtcdServer
+from kvstore.testing.etcd import EtcdServer
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "helpers"))
-
-from peer_process import pattern  # noqa: E402
-from tests_support import wait_until_stopped  # noqa: E402
+from peer_process import pattern
+from tests_support import wait_until_stopped
 
 
 @dataclass

@@ -8,12 +8,25 @@
 from .batch import Batch
 from .descriptor import EngineDescriptor
 from .engine import Engine
-from .errors import (AuthenticationFailed, EngineClosed, InvalidOp, MissingSecret, OutOfBounds, PeerBusy,
-                     PeerUnreachable, ProtocolError, ReadOnlyRegion, TransferError, TransferIOError,
-                     TransferTimeout, UnknownRegion, UnsupportedBuffer)
+from .errors import (
+                     AuthenticationFailed,
+                     EngineClosed,
+                     InvalidOp,
+                     MissingSecret,
+                     OutOfBounds,
+                     PeerBusy,
+                     PeerUnreachable,
+                     ProtocolError,
+                     ReadOnlyRegion,
+                     TransferError,
+                     TransferIOError,
+                     TransferTimeout,
+                     UnknownRegion,
+                     UnsupportedBuffer,
+)
 from .ops import OpResult, Read, Write
-from .peer import Peer
-from .regions import Region, RemoteRegion
+from .peer import Peer, RemoteRegion
+from .regions import Region
 
 __all__ = [
     "AuthenticationFailed", "Batch", "Engine", "EngineClosed", "EngineDescriptor", "InvalidOp",

@@ -9,15 +9,22 @@ from array import array
 from typing import Any, Callable, Sequence
 
 from . import _native, digest
+from .auth import WIRE_MODES
 from .batch import Batch
 from .descriptor import EngineDescriptor, host_id
-from .auth import WIRE_MODES
-from .errors import (EngineClosed, InvalidOp, MissingSecret, PeerUnreachable, TransferIOError, UnknownRegion,
-                     UnsupportedBuffer)
+from .errors import (
+    EngineClosed,
+    InvalidOp,
+    MissingSecret,
+    PeerUnreachable,
+    TransferIOError,
+    UnknownRegion,
+    UnsupportedBuffer,
+)
 from .listener import Listener
 from .ops import Op, OpResult, Read, Write
-from .peer import Peer
-from .regions import Region, RemoteRegion, anonymous_shared, buffer_view
+from .peer import Peer, RemoteRegion
+from .regions import Region, anonymous_shared, buffer_view
 from .ucx_routes import direct_cuda, start_ucx
 
 log = logging.getLogger("transfer.engine")

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .regions import Region, RemoteRegion
+from .peer import RemoteRegion
+from .regions import Region
 
 READ, WRITE = 1, 2
 

@@ -9,19 +9,44 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from .auth import Channel, Session, client_handshake
 from .descriptor import EngineDescriptor, host_id
 from .errors import EngineClosed, PeerUnreachable, ProtocolError, TransferError, TransferTimeout, UnknownRegion
 from .listener import FDS_PER_MESSAGE
-from .regions import Region, RemoteRegion, check_sealed, map_shared
+from .regions import Region, check_sealed, map_shared
 from .ucx_routes import connect_ucx
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
 TRANSPORTS = ("auto", "shm", "tcp", "ucx")
+
+
+class PeerHost(Protocol):
+    """What a peer needs of the engine that connects it: who it is (name, secret, wire mode), the
+    native data plane and UCX node it adds routes to, and how the peer's shared memory, mapped
+    here, is registered as a local region and dropped again. The engine passes itself."""
+
+    name: str
+    secret: bytes
+    wire: str
+    _native: Any
+    _ucx: Any
+
+    def _register_view(self, obj: Any, size: int, *, readonly: bool, remote_access: bool, kind: str,
+                       address: int | None = None) -> Region: ...
+
+    def unregister(self, region: Region) -> None: ...
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    """A region exported by a peer. `size` is what the peer advertised; the peer re-checks."""
+
+    peer: "Peer"
+    id: int
+    size: int
+    shm: bool = False
+    readonly: bool = False
 
 
 @dataclass
@@ -48,7 +73,7 @@ def _connect_unix(name: str, timeout: float) -> socket.socket | None:
         return None  # another network namespace or host: no shared memory
 
 
-def _handshake(sock: socket.socket, engine: "Engine", role: str, peer: str, timeout: float) -> Session:
+def _handshake(sock: socket.socket, engine: PeerHost, role: str, peer: str, timeout: float) -> Session:
     """client_handshake with socket failures as typed errors."""
     try:
         return client_handshake(sock, engine.secret, role, engine.name, wire=engine.wire, timeout=timeout)
@@ -60,7 +85,7 @@ def _handshake(sock: socket.socket, engine: "Engine", role: str, peer: str, time
         raise PeerUnreachable(f"handshake with {peer} failed: {exc}") from exc
 
 
-def _dial_data(descriptor: EngineDescriptor, engine: "Engine", timeout: float) -> tuple[socket.socket, Session]:
+def _dial_data(descriptor: EngineDescriptor, engine: PeerHost, timeout: float) -> tuple[socket.socket, Session]:
     """A data stream: connect + handshake. A server at its cap of concurrent handshakes closes new
     connections before saying anything; that case (and only that) is retried a few times."""
     for attempt in range(4):
@@ -81,7 +106,7 @@ def _dial_data(descriptor: EngineDescriptor, engine: "Engine", timeout: float) -
 class Peer:
     """Handle on a remote engine; obtain one with `Engine.connect`."""
 
-    def __init__(self, engine: "Engine", descriptor: EngineDescriptor, transport: str, streams: int,
+    def __init__(self, engine: PeerHost, descriptor: EngineDescriptor, transport: str, streams: int,
                  timeout: float) -> None:
         self._channel: Channel | None = None
         if transport not in TRANSPORTS:

@@ -5,13 +5,10 @@ import fcntl
 import mmap as _mmap
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import _native
 from .errors import ProtocolError, UnsupportedBuffer
-
-if TYPE_CHECKING:
-    from .peer import Peer
 
 
 @dataclass(frozen=True)
@@ -107,16 +104,6 @@ class Region:
         flat = self._cuda_tensor.view(-1).view(torch.uint8)
         self._keepalive[offset : offset + length].copy_(flat[offset : offset + length])
 
-
-@dataclass(frozen=True)
-class RemoteRegion:
-    """A region exported by a peer. `size` is what the peer advertised; the peer re-checks."""
-
-    peer: "Peer"
-    id: int
-    size: int
-    shm: bool = False
-    readonly: bool = False
 
 
 def map_shared(fd: int, size: int, *, writable: bool) -> _mmap.mmap:

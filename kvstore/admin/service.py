@@ -2,16 +2,31 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import grpc
 
 from ..errors import KVStoreError
-from ..layout import NodeRecord
+from ..index.records import NodeRecord
 from .v1 import admin_pb2, admin_pb2_grpc
 
-if TYPE_CHECKING:
-    from ..daemon.server import Daemon
+
+class NodeOperations(Protocol):
+    """What the admin service asks of the daemon it runs in: its block store (keys, find, remove,
+    set_policy, tiers, counters), its state, and the node-wide operations. The daemon passes itself."""
+
+    store: Any
+    address: str
+    draining: bool
+    drain_in_progress: bool
+
+    def registered_nodes(self) -> list[str]: ...
+
+    def publish(self, updates: list) -> None: ...
+
+    def drain(self, move: bool, is_active: Callable[[], bool]) -> Iterator[admin_pb2.DrainProgress]: ...
+
+    def set_draining(self, draining: bool) -> None: ...
 
 _FINGERPRINT = re.compile(r"^[0-9a-f]{32}$")
 _HEX = re.compile(r"^[0-9a-f]{0,32}$")
@@ -32,9 +47,11 @@ def _held(store, fingerprint: str, node: str, context) -> list:
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
-    def __init__(self, daemon: "Daemon") -> None:
+    def __init__(self, daemon: NodeOperations, node: str, cluster: str) -> None:
         self.daemon = daemon
         self.store = daemon.store
+        self.node = node
+        self.cluster = cluster
 
     def _status(self) -> admin_pb2.NodeStatus:
         store = self.store
@@ -47,7 +64,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             fingerprints = len({k[0] for t in store.tiers for k in t.sealed})
         hits = sum(counters.get(f"hits_{t.name}", 0) for t in store.tiers)
         misses = counters.get("client_reported_corrupt", 0)
-        return admin_pb2.NodeStatus(name=self.daemon.config.node, control_endpoint=self.daemon.address,
+        return admin_pb2.NodeStatus(name=self.node, control_endpoint=self.daemon.address,
                                     version=NodeRecord.__dataclass_fields__["version"].default,
                                     draining=self.daemon.draining, eviction_policy=store.dram.policy.name, tiers=tiers,
                                     counters=counters, hit_ratio=hits / (hits + misses) if hits + misses else 0.0,
@@ -58,7 +75,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             nodes = self.daemon.registered_nodes()
         except KVStoreError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata service: {exc}")
-        return admin_pb2.ClusterStatusResponse(cluster=self.daemon.config.cluster, nodes=nodes, self=self._status())
+        return admin_pb2.ClusterStatusResponse(cluster=self.cluster, nodes=nodes, self=self._status())
 
     def GetNodeStatus(self, request, context):
         return self._status()
@@ -70,7 +87,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if request.page_token and not _HEX.match(request.page_token):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "page_token: not a token this API returned")
         size = request.page_size or 100
-        blocks = _held(self.store, fingerprint, self.daemon.config.node, context)
+        blocks = _held(self.store, fingerprint, self.node, context)
         start = 0
         if request.page_token:
             start = next((i for i, (k, _) in enumerate(blocks) if k[1].hex() > request.page_token), len(blocks))
@@ -83,7 +100,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     def Query(self, request, context):
         fingerprint = _check_fingerprint(request.fingerprint, context)
-        _held(self.store, fingerprint, self.daemon.config.node, context)
+        _held(self.store, fingerprint, self.node, context)
         tiers = []
         for h in request.hashes:
             if len(h) != 16:
@@ -99,7 +116,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         prefix = request.hash_prefix.lower()
         if not _HEX.match(prefix):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "hash_prefix: hex digits only, at most 32")
-        hashes = [k[1] for k, _ in _held(self.store, fingerprint, self.daemon.config.node, context)
+        hashes = [k[1] for k, _ in _held(self.store, fingerprint, self.node, context)
                   if k[1].hex().startswith(prefix)]
         removed, updates = self.store.remove(fingerprint, hashes)
         if updates:

@@ -6,7 +6,7 @@ SO_PEERCRED; over TCP, anyone, at most HANDSHAKES_PER_SOURCE of them per address
 all) until they have authenticated. Both then pass the
 Transfer Engine's handshake (both ends prove they know the cluster secret; a relayed handshake
 yields nothing; `--insecure` has no secret). Every control frame afterwards carries an HMAC under
-the session key over its sequence number (`kvstore.local_wire`), so frames cannot be injected,
+the session key over its sequence number (`kvstore.wire`), so frames cannot be injected,
 replayed or reordered. Block bytes follow a `put` frame raw: the authenticated frame names their
 length and checksum, which the daemon verifies before sealing (over TCP, bytes altered on the way
 fail that check unless the attacker can also forge an xxh3 match: run gRPC over TLS, which turns
@@ -42,7 +42,7 @@ from transfer.auth import server_handshake
 from transfer.listener import peer_uid
 
 from ..errors import AllocationFailed, InvalidRequest, KVStoreError, MetadataError
-from ..local_wire import NEXT_REQUEST_SPIN_S, Frames, MalformedFrame
+from ..wire import NEXT_REQUEST_SPIN_S, Frames, MalformedFrame
 from .store import MAX_BLOCK_BYTES, BlockStore, Update
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ MAX_CONNECTIONS = 256  # authenticated connections, on each of the two sockets
 HANDSHAKES = 64
 HANDSHAKES_PER_SOURCE = 16
 # An idle connection is closed after this long, so clients' pools cannot hold every slot for good
-# (clients drop pooled connections idle for half of it: kvstore.local_node.POOLED_IDLE_S).
+# (clients drop pooled connections idle for half of it: kvstore.client.local_node.POOLED_IDLE_S).
 IDLE_S = 120.0
 OPS = ("put", "reserve", "commit", "abort", "tier", "lookup")
 

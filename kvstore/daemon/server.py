@@ -23,20 +23,20 @@ from grpc_reflection.v1alpha import reflection
 from transfer import Engine, TransferError
 from transfer.descriptor import host_id
 
-from ..aio import shared_loop
-from ..errors import KVStoreError, MetadataError
-from ..layout import Layout, NodeRecord, check_name
-from ..metadata import open_metadata
-from ..session import NodeSession
 from ..access import AccessRules
-from .repair import Repairer
 from ..admin.service import AdminService
 from ..admin.v1 import admin_pb2, admin_pb2_grpc
+from ..aio import shared_loop
+from ..errors import KVStoreError, MetadataError
+from ..index.records import Layout, NodeRecord, check_name
+from ..metadata import open_metadata
 from ..store.v1 import store_pb2, store_pb2_grpc
 from .local import LocalControl
 from .metrics import DaemonMetrics
 from .publisher import Publisher
+from .repair import Repairer
 from .service import MAX_INLINE_BYTES, StoreControlService
+from .session import NodeSession
 from .store import BlockStore, Update
 from .verifier import Verifier
 
@@ -138,7 +138,7 @@ class Daemon:
                                   options=[("grpc.max_receive_message_length", MAX_INLINE_BYTES + (1 << 20))])
         store_pb2_grpc.add_StoreControlServicer_to_server(
             StoreControlService(c.node, self.store, self.publish, self.metrics, lambda: not self.draining), self.server)
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self), self.server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self, self.config.node, self.config.cluster), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if c.tls_cert and c.tls_key:

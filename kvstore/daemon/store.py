@@ -21,9 +21,9 @@ from typing import Iterable, Iterator, Sequence
 from transfer import Engine, Read, Region, TransferError, Write
 
 from ..errors import AllocationFailed, InvalidRequest, NodeRefused, WrongSize
+from ..index.records import NAME, NAME_RULE, BlockRecord
 from ..integrity import block_checksum, block_checksums
-from ..layout import NAME, NAME_RULE, BlockRecord
-from ..tiers import ExtentAllocator, EvictionPolicy, make_policy
+from ..tiers import EvictionPolicy, ExtentAllocator, make_policy
 from ..tiers.allocator import align_up
 
 Key = tuple[str, bytes]  # (fingerprint, block hash)

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is part of the test install (scripts/install-test-deps.sh)")
 
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
-from vllm_server import CPU_BLOCK_SIZE, VllmServer  # noqa: E402
+from kvstore.testing.vllm_server import CPU_BLOCK_SIZE, VllmServer
 
 SECRET = "e2e-serve-secret"
 PREFIX = [(3 * i) % 500 + 5 for i in range(2 * CPU_BLOCK_SIZE + 20)]  # 2 full blocks, then a tail

@@ -7,10 +7,10 @@ import asyncio
 import json
 import sys
 
+from kvstore.daemon.session import NodeSession
+from kvstore.index.records import BlockRecord, Layout, NodeRecord
 from kvstore.keys import ModelFingerprint, chain_hashes
-from kvstore.layout import BlockRecord, Layout, NodeRecord
 from kvstore.metadata import open_metadata
-from kvstore.session import NodeSession
 
 
 def node_fingerprint() -> ModelFingerprint:

@@ -8,11 +8,11 @@ import uuid
 
 from conductor.router import Conductor, InstanceLoad
 from conductor.server import make_server
+from kvstore.daemon.session import NodeSession
 from kvstore.index import IndexMirror
+from kvstore.index.records import BlockRecord, Layout, NodeRecord
 from kvstore.keys import ModelFingerprint, chain_hashes
-from kvstore.layout import BlockRecord, Layout, NodeRecord
 from kvstore.metadata import open_metadata
-from kvstore.session import NodeSession
 
 FP = ModelFingerprint("m", "float16", 512, 32, 8, 128)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.etcd_server import free_port
 from kvstore.metadata import open_metadata
+from kvstore.testing.etcd import free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None or shutil.which("openssl") is None,
                                 reason="needs etcd and openssl")

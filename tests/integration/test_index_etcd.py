@@ -10,13 +10,13 @@ import time
 import uuid
 
 import pytest
-
-from kvstore.index import IndexMirror
-from kvstore.keys import ModelFingerprint, chain_hashes
-from kvstore.layout import BlockRecord, Layout, NodeRecord
-from kvstore.metadata import open_metadata
-from kvstore.session import NodeSession
 from node_process import node_fingerprint
+
+from kvstore.daemon.session import NodeSession
+from kvstore.index import IndexMirror
+from kvstore.index.records import BlockRecord, Layout, NodeRecord
+from kvstore.keys import ModelFingerprint, chain_hashes
+from kvstore.metadata import open_metadata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-import kvstore.index_load as index_load
+import kvstore.index.snapshot as index_load
+from kvstore.daemon.session import NodeSession
 from kvstore.index import IndexMirror
+from kvstore.index.records import BlockRecord, Layout, NodeRecord
 from kvstore.keys import ModelFingerprint, external_hashes
-from kvstore.layout import BlockRecord, Layout, NodeRecord
 from kvstore.metadata import open_metadata, prefix_end
-from kvstore.session import NodeSession
 
 FPS = [ModelFingerprint(name, "float16", 4, 2, 2, 64) for name in ("m1", "m2")]
 

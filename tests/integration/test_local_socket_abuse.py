@@ -20,7 +20,7 @@ import pytest
 from kvstore import Client
 from kvstore.integrity import block_checksum
 from kvstore.keys import ModelFingerprint, external_hashes
-from kvstore.local_wire import TCP_SCHEME, Frames, connect, tcp_endpoint
+from kvstore.wire import TCP_SCHEME, Frames, connect, tcp_endpoint
 
 FP = ModelFingerprint("local-abuse", "float16", 16, 2, 2, 64)
 SECRET = "local-abuse-secret"
@@ -325,7 +325,7 @@ def test_many_authenticated_connections_from_one_address_are_served(tcp_wire):
 def test_a_wire_the_client_cannot_reach_leaves_its_calls_to_grpc(tcp_wire, monkeypatch):
     """A node's wire port behind a firewall, say: the client's first connection fails, and its
     puts and lookups go over gRPC instead of marking the node down."""
-    from kvstore.local_node import LocalNode
+    from kvstore.client.local_node import LocalNode
 
     client, _, _ = tcp_wire
     monkeypatch.setattr(client, "_wires", {})

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from kvstore import Client
+from kvstore.client.local_node import read_block
 from kvstore.errors import NoStoreNodes, PutFailed
+from kvstore.index.records import BlockRecord
 from kvstore.keys import ModelFingerprint, external_hashes
-from kvstore.layout import BlockRecord
-from kvstore.local_node import read_block
 from kvstore.store.v1 import store_pb2, store_pb2_grpc
 from transfer import Write
 
@@ -274,7 +274,7 @@ def test_a_put_answered_before_its_check_publishes_only_bytes_that_verified(etcd
     """Puts of 2 MiB or more are answered before the node's checksum pass; a block whose bytes then
     fail it is never published (nor read as a hit), one that passes is, on every put path (inline
     and engine). A smaller put is checked before its answer."""
-    import kvstore.client
+    import kvstore.client.client as client_module
 
     cluster = uuid.uuid4().hex[:8]
     daemon = spawn_daemon("verify-after", etcd_server.url, cluster, secret=SECRET)
@@ -282,7 +282,7 @@ def test_a_put_answered_before_its_check_publishes_only_bytes_that_verified(etcd
     good, bad = external_hashes([1, 2], FP), external_hashes([3, 4], FP)
     small = external_hashes([5], FP)[0]
     bad.append(small)
-    checksums, seeds, put_many = kvstore.client.block_checksums, kvstore.client.checksum_seeds, Client.put_many
+    checksums, seeds, put_many = client_module.block_checksums, client_module.checksum_seeds, Client.put_many
     # The client sends a checksum its bytes do not have, as a corrupted transfer would look to the node:
     # computed ones (inline puts, TCP), and those the same-host engine copy takes (a digest under
     # another seed). Only while putting (on any thread: a helper hashes large puts): gets check what
@@ -300,8 +300,8 @@ def test_a_put_answered_before_its_check_publishes_only_bytes_that_verified(etcd
         return [value ^ (putting["now"] and h in bad) for h, value in zip(hs, values)]
 
     monkeypatch.setattr(Client, "put_many", putting_many)
-    monkeypatch.setattr(kvstore.client, "block_checksums", lambda hs, ds: flip(hs, checksums(hs, ds)))
-    monkeypatch.setattr(kvstore.client, "checksum_seeds", lambda hs: flip(hs, seeds(hs)))
+    monkeypatch.setattr(client_module, "block_checksums", lambda hs, ds: flip(hs, checksums(hs, ds)))
+    monkeypatch.setattr(client_module, "checksum_seeds", lambda hs: flip(hs, seeds(hs)))
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport=transport) as client, \
             Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport=transport) as other:
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
@@ -601,7 +601,7 @@ def test_nvme_reads_while_the_node_evicts_are_right_or_misses(nvme_node):
 def test_a_daemon_publishes_to_an_etcd_that_takes_fewer_operations_per_transaction(spawn_daemon):
     """A put of more blocks than such an etcd takes in one transaction still becomes visible to
     other clients (its publish batch is split, not retried whole for ever)."""
-    from kvstore.etcd_server import EtcdServer
+    from kvstore.testing.etcd import EtcdServer
 
     with EtcdServer(extra_args=["--max-txn-ops", "16"]) as server:
         cluster = uuid.uuid4().hex[:8]
@@ -621,7 +621,7 @@ def test_the_wire_port_can_be_chosen_or_turned_off(etcd_server, spawn_daemon):
     and clients elsewhere make the same calls over gRPC."""
     import json
 
-    from kvstore.etcd_server import free_port
+    from kvstore.testing.etcd import free_port
 
     cluster = uuid.uuid4().hex[:8]
     port = free_port()

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from kvstore.access import ControlAuth
-from kvstore.channel_guard import ChannelGuard
+from kvstore.client.channel_guard import ChannelGuard
 from kvstore.errors import ConnectionReplaced
 
 METHOD = "/test.Slow/Echo"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from kvstore.client_leases import LEASE_MAX_BYTES, SlotLeases
+from kvstore.client.leases import LEASE_MAX_BYTES, SlotLeases
 
 MIB = 1 << 20
 TTL = 60.0  # the node's hold: usable for 60 / 2 - timeout seconds after the commit asked

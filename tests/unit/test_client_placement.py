@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from kvstore.client_placement import USAGE_FRESH_S, PutPlacement
-from kvstore.layout import NodeRecord
+from kvstore.client.placement import USAGE_FRESH_S, PutPlacement
+from kvstore.index.records import NodeRecord
 
 GIB = 1 << 30
 MIB = 1 << 20

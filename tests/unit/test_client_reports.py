@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-from kvstore import client_reports
-from kvstore.client_reports import TOUCH_BACKLOG, TOUCH_INTERVAL, HitReports
+from kvstore.client import reports as client_reports
+from kvstore.client.reports import TOUCH_BACKLOG, TOUCH_INTERVAL, HitReports
 
 
 def test_reads_gather_into_one_report_per_node_and_fingerprint(monkeypatch):

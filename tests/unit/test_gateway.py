@@ -11,7 +11,7 @@ import pytest
 from conductor.gateway.kv_events import KVEventFollower
 from conductor.gateway.pool import parse_load
 from conductor.gateway.prefix import PrefixTracker
-from gateway_fakes import BLOCK, MODEL, FakeEngine, Rig, completion
+from conductor.testing import BLOCK, MODEL, FakeEngine, Rig, completion
 from kvstore.keys import ModelFingerprint, chain_hashes
 
 

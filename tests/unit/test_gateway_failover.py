@@ -4,8 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-
-from gateway_fakes import FakeEngine, Rig, completion
+from conductor.testing import FakeEngine, Rig, completion
 
 LONG = list(range(64))  # long enough to be disaggregated
 

@@ -7,13 +7,13 @@ import uuid
 
 import pytest
 
+from kvstore.index import mirror as index_module
+from kvstore.daemon.session import NodeSession
 from kvstore.errors import InvalidRecord, MetadataUnavailable
-from kvstore import index as index_module
 from kvstore.index import IndexMirror
+from kvstore.index.records import BlockRecord, Layout, NodeRecord
 from kvstore.keys import ModelFingerprint, chain_hashes
-from kvstore.layout import BlockRecord, Layout, NodeRecord
 from kvstore.metadata import Put, open_metadata
-from kvstore.session import NodeSession
 
 FP = ModelFingerprint("m", "float16", 4, 2, 2, 64)
 HASHES = chain_hashes(FP, list(range(4 * 10)))

@@ -11,13 +11,13 @@ import uuid
 
 import pytest
 
-import kvstore.index_load as index_load
+import kvstore.index.snapshot as index_load
+from kvstore.daemon.session import NodeSession
 from kvstore.errors import WatchCompacted
 from kvstore.index import IndexMirror
+from kvstore.index.records import BlockRecord, Layout, NodeRecord
 from kvstore.keys import ModelFingerprint, external_hashes
-from kvstore.layout import BlockRecord, Layout, NodeRecord
 from kvstore.metadata import Delete, MemoryMetadata, Put, open_metadata, prefix_end
-from kvstore.session import NodeSession
 
 FP = ModelFingerprint("m", "float16", 4, 2, 2, 64)
 OTHER = ModelFingerprint("other", "float16", 4, 2, 2, 64)

@@ -6,13 +6,13 @@ import random
 
 import numpy as np
 import pytest
+from transfer._native import index_prefix
 
 from kvstore.index import IndexMirror
-from kvstore.index_load import hex_cells
-from kvstore.index_table import HashIndex, as_words
+from kvstore.index.records import BlockRecord
+from kvstore.index.snapshot import hex_cells
+from kvstore.index.table import HashIndex, as_words
 from kvstore.keys import ModelFingerprint, external_hashes
-from kvstore.layout import BlockRecord
-from transfer._native import index_prefix
 
 
 def _present(index: HashIndex, h: bytes) -> int:

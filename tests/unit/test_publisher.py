@@ -10,7 +10,7 @@ import pytest
 from kvstore.aio import shared_loop
 from kvstore.daemon.publisher import Publisher
 from kvstore.errors import MetadataUnavailable
-from kvstore.layout import BlockRecord
+from kvstore.index.records import BlockRecord
 
 
 def rec(n: int) -> BlockRecord:

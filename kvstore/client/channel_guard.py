@@ -8,7 +8,7 @@ import threading
 
 import grpc
 
-from .errors import ConnectionReplaced
+from ..errors import ConnectionReplaced
 
 
 class ChannelGuard(grpc.UnaryUnaryClientInterceptor):

@@ -10,8 +10,8 @@ from typing import Any, Callable, Sequence
 
 from transfer import Engine, Read, Region, UnsupportedBuffer
 
-from .integrity import block_checksums, checksum_state
-from .layout import BlockRecord
+from ..index.records import BlockRecord
+from ..integrity import block_checksums, checksum_state
 from .local_node import TierFile, read_block
 
 log = logging.getLogger(__name__)

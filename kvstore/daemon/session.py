@@ -7,9 +7,9 @@ import asyncio
 import logging
 from typing import Callable, Iterable, Sequence
 
-from .errors import LeaseExpired, MetadataUnavailable
-from .layout import BlockRecord, Layout, NodeRecord
-from .metadata import Lease, Metadata, Put
+from ..errors import LeaseExpired, MetadataUnavailable
+from ..index.records import BlockRecord, Layout, NodeRecord
+from ..metadata import Lease, Metadata, Put
 
 log = logging.getLogger(__name__)
 

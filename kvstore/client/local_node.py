@@ -1,5 +1,5 @@
 """A store daemon's framed control wire, as its clients reach it: pooled authenticated connections
-(`kvstore.local_wire`; its unix socket on this host, TCP from elsewhere) for control requests and
+(`kvstore.wire`; its unix socket on this host, TCP from elsewhere) for control requests and
 inline puts, and, on this host, the NVMe tier file's read-only fd, read with O_DIRECT straight
 into the caller's buffer."""
 from __future__ import annotations
@@ -12,12 +12,11 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from transfer import Region
-from transfer import _native
+from transfer import Region, _native
 
-from .errors import AllocationFailed, NodeRefused, WrongSize
-from .layout import BlockRecord
-from .local_wire import REPLY_SPIN_S, Frames, connect
+from ..errors import AllocationFailed, NodeRefused, WrongSize
+from ..index.records import BlockRecord
+from ..wire import REPLY_SPIN_S, Frames, connect
 
 LOCAL_CONNECTIONS = 32  # idle same-host connections kept per node (one per concurrent caller)
 POOLED_IDLE_S = 60.0  # a pooled connection idle longer is dropped: the node closes them after 120 s

@@ -17,10 +17,9 @@ import threading
 from typing import Sequence
 
 import numpy as np
-
 from transfer._native import index_prefix
 
-from .keys import HASH_BYTES
+from ..keys import HASH_BYTES
 
 _ROW = np.dtype([("k0", "<u8"), ("k1", "<u8"), ("pid", "<i4")])  # packed: 20 bytes a slot (cpp/index_probe.cpp)
 EMPTY = -1

@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any, Collection, Iterable
 
-from .layout import NodeRecord
+from ..index.records import NodeRecord
 
 USAGE_FRESH_S = 2.5  # a node's use from its last reply beats its published record this long
 DOWN_S = 2.0  # a node that failed a call is not tried again for this long

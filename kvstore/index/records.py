@@ -14,8 +14,8 @@ import re
 import struct
 from dataclasses import asdict, dataclass, field
 
-from .errors import InvalidRecord
-from .keys import HASH_BYTES
+from ..errors import InvalidRecord
+from ..keys import HASH_BYTES
 
 TIERS = ("dram", "nvme")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")  # node and fingerprint names (fullmatch)

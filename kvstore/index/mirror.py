@@ -23,13 +23,13 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .aio import shared_loop
-from .errors import InvalidRecord, KVStoreError, MetadataError, MetadataUnavailable
-from .index_load import load_prefix
-from .index_table import NO_IDS, BlockTable, as_words
-from .keys import HASH_BYTES, ModelFingerprint
-from .layout import BLOCK_RECORD_VERSION, TIERS, BlockRecord, Layout, NodeRecord, check_name
-from .metadata import Metadata, Page, WatchEvent, open_metadata, prefix_end
+from ..aio import shared_loop
+from ..errors import InvalidRecord, KVStoreError, MetadataError, MetadataUnavailable
+from ..keys import HASH_BYTES, ModelFingerprint
+from ..metadata import Metadata, Page, WatchEvent, open_metadata, prefix_end
+from .records import BLOCK_RECORD_VERSION, TIERS, BlockRecord, Layout, NodeRecord, check_name
+from .snapshot import load_prefix
+from .table import NO_IDS, BlockTable, as_words
 
 log = logging.getLogger(__name__)
 _RECORD_BYTES = 26

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-from .errors import MetadataTimeout
-from .metadata import Metadata, Page, prefix_end
+from ..errors import MetadataTimeout
+from ..metadata import Metadata, Page, prefix_end
 
 PAGE = 8192  # keys a request returns at most (~1.1 MiB)
 PARALLEL = 8  # requests in flight: etcd serves them on several cores while we decode

@@ -33,21 +33,30 @@ from transfer import Engine, Peer, Read, Region, TransferError, TransferTimeout,
 from transfer.descriptor import host_id
 from transfer.digest import AVAILABLE as digest_available
 
-from .access import ControlAuth, cluster_secret
+from ..access import ControlAuth, cluster_secret
+from ..errors import (
+    AllocationFailed,
+    AuthenticationFailed,
+    ConnectionReplaced,
+    FingerprintMismatch,
+    KVStoreError,
+    NodeRefused,
+    NoStoreNodes,
+    PutFailed,
+    WrongSize,
+)
+from ..index import IndexMirror
+from ..index.records import BlockRecord
+from ..integrity import block_checksums, checksum_seeds
+from ..keys import HASH_BYTES, ModelFingerprint
+from ..store.v1 import store_pb2, store_pb2_grpc
+from ..wire import TCP_SCHEME, tcp_endpoint
 from .channel_guard import ChannelGuard
-from .client_leases import SlotLeases
-from .client_placement import PutPlacement
-from .client_reports import HitReports
-from .client_reads import TierReads, landed_checksums, read_in_stages
-from .errors import (AllocationFailed, AuthenticationFailed, ConnectionReplaced, FingerprintMismatch, KVStoreError,
-                     NodeRefused, NoStoreNodes, PutFailed, WrongSize)
-from .index import IndexMirror
-from .integrity import block_checksums, checksum_seeds
-from .keys import HASH_BYTES, ModelFingerprint
-from .layout import BlockRecord
+from .leases import SlotLeases
 from .local_node import LocalNode, TierFile
-from .local_wire import TCP_SCHEME, tcp_endpoint
-from .store.v1 import store_pb2, store_pb2_grpc
+from .placement import PutPlacement
+from .reads import TierReads, landed_checksums, read_in_stages
+from .reports import HitReports
 
 log = logging.getLogger(__name__)
 STRIPE_BYTES = 512 << 10  # a 1 MiB block goes out as two 512 KiB pieces in parallel

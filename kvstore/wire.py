@@ -12,6 +12,7 @@ import time
 from typing import Any, Sequence
 
 from transfer._native import wait_readable
+
 from transfer.auth import client_handshake
 
 MAX_FRAME = 4 << 20  # a put of 4096 blocks still fits its header
