@@ -26,7 +26,7 @@ import numpy as np
 from ..aio import shared_loop
 from ..errors import InvalidRecord, KVStoreError, MetadataError, MetadataUnavailable
 from ..keys import HASH_BYTES, ModelFingerprint
-from ..metadata import Metadata, Page, WatchEvent, open_metadata, prefix_end
+from ..metadata import Metadata, Page, WatchEvent, check_metadata_url, open_metadata, prefix_end
 from .records import BLOCK_RECORD_VERSION, TIERS, BlockRecord, Layout, NodeRecord, check_name
 from .snapshot import load_prefix
 from .table import NO_IDS, BlockTable, as_words
@@ -114,6 +114,7 @@ class IndexMirror:
 
     def __init__(self, metadata_url: str, cluster: str = "default", *, stale_after: float = 3.0,
                  timeout: float = 5.0) -> None:
+        check_metadata_url(metadata_url)  # a typo fails here, at once, not after the first load's timeout
         self.url, self.layout = metadata_url, Layout(cluster)
         self.stale_after, self.timeout = stale_after, timeout
         self._root = self.layout.root.encode()
