@@ -1,4 +1,7 @@
-"""`conductor serve`: the live router behind an HTTP/JSON front (see conductor/server.py)."""
+"""`conductor serve`: the live router behind an HTTP/JSON front (see conductor/server.py).
+
+Exit codes: 0 stopped by SIGTERM/SIGINT, 2 bad arguments (one line on stderr), 5 the metadata
+service cannot be reached, 1 anything else."""
 from __future__ import annotations
 
 import argparse
@@ -7,35 +10,74 @@ import signal
 import sys
 import threading
 
+from kvstore.cli_args import Parser, alias, fail, host_port, metadata_url, positive_int
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="conductor", description="cache- and load-aware request router")
+PROG = "conductor serve"
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="conductor", description="cache- and load-aware request router")
+    parser.add_version()
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="route requests over HTTP")
-    serve.add_argument("--metadata", help="etcd://host:port or memory://name (required without engines)")
-    serve.add_argument("--cluster", default=None)
-    serve.add_argument("--fingerprint", help="model fingerprint JSON (kvstore.ModelFingerprint fields)")
-    serve.add_argument("--policy", default=None, help="cache_global (default), cache_local, least_loaded, "
-                       "round_robin; +sticky keeps sessions on one engine")
-    serve.add_argument("--listen", default="127.0.0.1:0")
-    serve.add_argument("--block-tokens", type=int, default=None, help="default: the fingerprint's block size")
-    from .gateway.serve import add_arguments, serve_gateway
+    serve = commands.add_parser("serve", help="route requests over HTTP",
+                                description="Route requests: the OpenAI gateway in front of vllm serve engines "
+                                            "(--decode URL ...), or POST /route answers (--metadata and --fingerprint).")
+    serve.add_version()
+    serve.add_argument("--metadata", type=metadata_url, metavar="URL",
+                       help="etcd://host:port or memory://name (required without engines)")
+    serve.add_argument("--cluster", default=None, metavar="NAME", help="kvstore cluster name (default: default)")
+    serve.add_argument("--fingerprint", metavar="JSON", help="model fingerprint JSON (kvstore.ModelFingerprint fields)")
+    serve.add_argument("--policy", default=None, help="cache_global, cache_local, least_loaded, round_robin; "
+                       "+sticky keeps sessions on one engine (default: cache_global for /route, cache_global+sticky "
+                       "for the gateway)")
+    serve.add_argument("--listen", default="127.0.0.1:0", type=host_port, metavar="HOST:PORT", help="HTTP address")
+    serve.add_argument("--block-tokens", type=positive_int, default=None, metavar="N",
+                       help="tokens per KV block (default: the fingerprint's block size)")
+    from .gateway.serve import add_arguments
 
     add_arguments(serve)
+    from dataclasses import fields
+
+    from .gateway.config import GatewayConfig
+
+    defaults = {f.name: f.default for f in fields(GatewayConfig)}
+    for action in serve._actions:  # the gateway's flags default to its config file, else GatewayConfig's
+        if action.default is None and defaults.get(action.dest) not in (None, [], {}) and action.help:
+            action.help += f" (default: {defaults[action.dest]})"
+    alias(serve, "--ttft-slo-ms", dest="slo_ttft_ms", type=float)  # the spelling of `python -m conductor.sim` before
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.prefill is not None or args.decode is not None or args.config:
+        from .gateway.serve import config_from, serve_gateway
+
+        try:
+            config_from(args)  # the settings checked before anything starts
+        except (OSError, ValueError, TypeError) as exc:
+            fail(PROG, f"{type(exc).__name__}: {exc}" if isinstance(exc, TypeError) else str(exc))
         return serve_gateway(args)  # the OpenAI gateway in front of vllm serve engines
     if not args.metadata or not args.fingerprint:
-        parser.error("serve needs --decode engine URLs (the gateway), or --metadata and --fingerprint (POST /route)")
+        fail(PROG, "serve needs --decode engine URLs (the gateway), or --metadata and --fingerprint (POST /route)")
 
+    from kvstore.errors import KVStoreError
     from kvstore.index import IndexMirror
     from kvstore.keys import ModelFingerprint
 
     from .router import Conductor
     from .server import make_server
 
-    fingerprint = ModelFingerprint(**json.loads(args.fingerprint))
-    mirror = IndexMirror(args.metadata, args.cluster or "default").start()
+    try:
+        fingerprint = ModelFingerprint(**json.loads(args.fingerprint))
+    except (ValueError, TypeError, KVStoreError) as exc:
+        fail(PROG, f"--fingerprint: {exc} (a JSON object of kvstore.ModelFingerprint fields: model_id, dtype, "
+                   "block_size, num_layers, num_kv_heads, head_size, ...)")
+    try:
+        mirror = IndexMirror(args.metadata, args.cluster or "default").start()
+    except KVStoreError as exc:
+        fail(PROG, f"cannot reach the metadata service {args.metadata}: {exc}", 5)
     conductor = Conductor(mirror, fingerprint, policy=args.policy or "cache_global",
                           block_tokens=args.block_tokens or fingerprint.block_size)
     host, _, port = args.listen.rpartition(":")

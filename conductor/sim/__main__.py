@@ -2,10 +2,12 @@
    python -m conductor.sim --trace FILE.jsonl --prefill N --decode M [--policy NAME|all] [--json OUT]"""
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import sys
 import time
+
+from kvstore.cli_args import Parser, alias, fail
 
 from ..cost import CostModel
 from ..policies import POLICIES, Slo, make_policy
@@ -14,29 +16,40 @@ from .trace import Fleet, infinite_cache_hit_ratio, load_trace, simulate
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m conductor.sim", description="discrete-event simulator")
+    parser = Parser(prog="python -m conductor.sim", description="discrete-event simulator")
+    parser.add_version()
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--scenario", help="textbook scenario JSON")
     source.add_argument("--trace", help="Mooncake-format JSONL trace (512 tokens per hash id)")
-    parser.add_argument("--json", help="write results here")
-    parser.add_argument("--prefill", type=int, default=8)
-    parser.add_argument("--decode", type=int, default=4)
+    parser.add_argument("--json", metavar="OUT", help="write results here")
+    parser.add_argument("--prefill", type=int, default=8, help="prefill instances")
+    parser.add_argument("--decode", type=int, default=4, help="decode instances")
     parser.add_argument("--local-cache-tokens", type=int, default=None, help="per prefill instance (default: total/N)")
-    parser.add_argument("--total-cache-tokens", type=int, default=50_000_000)
+    parser.add_argument("--total-cache-tokens", type=int, default=50_000_000, help="KV cache of the fleet, in tokens")
     parser.add_argument("--global-pool-tokens", type=int, default=None, help="default: the total cache")
     parser.add_argument("--local-prefill-tokens", type=int, default=0, help="conditional disaggregation threshold")
     parser.add_argument("--policy", default="all", help=f"one of {sorted(POLICIES)} (+sticky), or all")
-    parser.add_argument("--ttft-slo-ms", type=float, default=30_000)
-    parser.add_argument("--tbt-slo-ms", type=float, default=200)
-    parser.add_argument("--cost", help="cost model JSON (defaults in conductor/cost.py)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=30_000, help="TTFT SLO (as conductor serve)")
+    alias(parser, "--ttft-slo-ms", dest="slo_ttft_ms", type=float)
+    parser.add_argument("--slo-tbt-ms", type=float, default=200, help="time-between-tokens SLO")
+    alias(parser, "--tbt-slo-ms", dest="slo_tbt_ms", type=float)
+    parser.add_argument("--cost", metavar="JSON", help="cost model JSON (defaults in conductor/cost.py)")
     parser.add_argument("--limit", type=int, help="replay only the first N requests")
     args = parser.parse_args(argv)
 
-    if args.scenario:
-        results = run_scenario(load(args.scenario))
+    if args.policy != "all" and args.policy.removesuffix("+sticky") not in POLICIES:
+        parser.error(f"argument --policy: {args.policy!r} is not one of {sorted(POLICIES)} (+sticky), or all")
+    try:  # the inputs, read before anything runs: a bad one is one line, not a traceback
+        scenario = load(args.scenario) if args.scenario else None
+        if not args.scenario:
+            with open(args.cost) if args.cost else open(os.devnull) as f:
+                cost = CostModel.from_dict(json.load(f)) if args.cost else CostModel()
+            trace = load_trace(args.trace, args.limit)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        fail(parser.prog, f"{type(exc).__name__}: {exc}")
+    if scenario is not None:
+        results = run_scenario(scenario)
     else:
-        cost = CostModel.from_dict(json.load(open(args.cost))) if args.cost else CostModel()
-        trace = load_trace(args.trace, args.limit)
         fleet = Fleet(args.prefill, args.decode,
                       args.local_cache_tokens if args.local_cache_tokens is not None else args.total_cache_tokens // args.prefill,
                       args.global_pool_tokens if args.global_pool_tokens is not None else args.total_cache_tokens,
@@ -45,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {"infinite_cache_hit_ratio": infinite_cache_hit_ratio(trace)}
         for name in names:
             started = time.perf_counter()
-            metrics = simulate(trace, fleet, make_policy(name, cost), cost, Slo(args.ttft_slo_ms, args.tbt_slo_ms))
+            metrics = simulate(trace, fleet, make_policy(name, cost), cost, Slo(args.slo_ttft_ms, args.slo_tbt_ms))
             metrics["wall_seconds"] = time.perf_counter() - started
             results[name] = metrics
     text = json.dumps(results, indent=1)
