@@ -12,6 +12,8 @@ import time
 import urllib.request
 from typing import Sequence
 
+from kvstore.testing import processes
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -39,7 +41,7 @@ class EtcdServer:
 
     def start(self, timeout: float = 20.0) -> "EtcdServer":
         client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
-        self.proc = subprocess.Popen(
+        self.proc = processes.spawn(
             [self.binary, "--name", "kvstore-test", "--data-dir", self.data_dir,
              "--listen-client-urls", client, "--advertise-client-urls", client,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
@@ -48,6 +50,7 @@ class EtcdServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.stop()
                 raise RuntimeError(f"etcd exited with {self.proc.returncode}")
             try:
                 with urllib.request.urlopen(f"{client}/health", timeout=1) as reply:
@@ -60,17 +63,12 @@ class EtcdServer:
         raise RuntimeError("etcd did not become healthy")
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
+        if self.proc is not None:
+            processes.kill(self.proc)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.proc is not None:
+            processes.stop(self.proc, grace=10)
 
     def cleanup(self) -> None:
         self.stop()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from kvstore.testing import processes
 from kvstore.testing.etcd import free_port  # noqa: F401 - importable from here too
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -68,8 +68,11 @@ class VllmServer:
                     "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONPATH": str(ROOT), **(env or {})}
         self.cmd = cmd
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=str(ROOT),
-                                     start_new_session=True)  # own group: stop() reaches the engine core too
+        try:  # a group of its own: stop() reaches the engine core too
+            self.proc = processes.spawn(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=str(ROOT))
+        except BaseException:
+            self._log.close()
+            raise
         if wait:
             try:
                 self.wait_ready(start_timeout)
@@ -102,25 +105,12 @@ class VllmServer:
 
     def kill(self) -> None:
         """SIGKILL at once (a crash, for failover tests)."""
-        self._signal(signal.SIGKILL)
-        self.proc.wait(30)
+        processes.kill(self.proc)
 
     def stop(self, grace: float = 20.0) -> None:
-        if self.proc.poll() is None:
-            self._signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self._signal(signal.SIGKILL)
-                self.proc.wait(30)
-        self._signal(signal.SIGKILL)  # stragglers in the group (the engine core process)
+        """SIGTERM to the whole group, SIGKILL after `grace` (and to stragglers: the engine core)."""
+        processes.stop(self.proc, grace=grace)
         self._log.close()
-
-    def _signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def __enter__(self) -> "VllmServer":
         return self
