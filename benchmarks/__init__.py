@@ -1,0 +1,43 @@
+"""The benchmarks: `python -m benchmarks.NAME` or `kvstore bench NAME` (same arguments, e.g. `--quick`,
+`--json PATH`). Each one's `--quick` run is in the test suite (tests/benchmarks/test_quick.py).
+
+Kept light: `kvstore`'s command line imports this module to list the benchmarks."""
+from __future__ import annotations
+
+import argparse
+
+# name -> what it measures (`kvstore bench --help`); every module here with a main() is listed.
+BENCHMARKS = {
+    "transfer": "Transfer Engine shm/tcp/UCX vs memcpy, loopback sockets, Mooncake Transfer Engine",
+    "transfer_ucx": "the Transfer Engine over UCX vs raw UCX and ucx_perftest (transfer's UCX records alone)",
+    "metadata": "index publishing, mirror snapshot load, convergence, match() latency, bytes per block (etcd)",
+    "store": "store puts/gets over shm/tcp/NVMe vs Mooncake Store, Redis, dd, and the machine's limits",
+    "faults": "wrong bytes, lost blocks, late calls and recovery under injected faults (kill -9, SIGSTOP, etcd)",
+    "conductor": "routing policies on the Mooncake trace (simulated), textbook sweeps, live route() latency",
+    "gateway": "the gateway's own cost in front of instant stand-in engines (tokenizing on threads vs the loop)",
+    "vllm_ttft": "TTFT on real vLLM: no connector vs vLLM's ExampleConnector vs ours, first sight and warm",
+    "serving": "the gateway vs vllm-router vs round-robin over real `vllm serve` engines, P/D and colocated",
+}
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    """`kvstore bench NAME [ARGS...]` on `commands` (an argparse subparsers object)."""
+    width = max(map(len, BENCHMARKS))
+    bench = commands.add_parser(
+        "bench", help="run a benchmark (same as python -m benchmarks.NAME)",
+        description="Run a benchmark; ARGS go to it (e.g. --quick, --json PATH; `kvstore bench NAME --help`).",
+        epilog="benchmarks:\n" + "\n".join(f"  {name:<{width}}  {text}" for name, text in BENCHMARKS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("what", metavar="NAME", choices=list(BENCHMARKS), help=", ".join(BENCHMARKS))
+    bench.add_argument("rest", metavar="ARGS", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    return bench
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `args.what`'s main(args.rest); no child process of it outlives the run."""
+    import importlib
+
+    from kvstore.testing.processes import run_main
+
+    module = importlib.import_module(f"benchmarks.{args.what}")
+    return run_main(module.main, list(args.rest), prog=f"kvstore bench {args.what}")

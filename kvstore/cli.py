@@ -136,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     from .admin.cli import add_parser as add_admin
 
     add_admin(commands)
-    bench = commands.add_parser("bench", help="run a benchmark (same as python -m benchmarks.NAME)")
-    bench.add_argument("what", choices=["transfer", "metadata", "store", "conductor", "vllm_ttft"])
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    from benchmarks import add_parser as add_bench
+
+    add_bench(commands)  # every benchmark module: kvstore bench NAME [ARGS]
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -156,9 +156,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_admin(args)
     if args.command == "bench":
-        import importlib
+        from benchmarks import run as run_bench
 
-        return importlib.import_module(f"benchmarks.{args.what}").main(args.rest)
+        return run_bench(args)
     return 2
 
 
