@@ -29,6 +29,12 @@ def secret_path(cluster: str) -> str:
     return os.path.join(os.path.expanduser("~"), ".kvstore", f"{cluster}.secret")
 
 
+def admin_token_path(cluster: str) -> str:
+    """Where `kvstore serve` keeps a cluster's generated admin token (and `kvstore admin` looks for
+    it) unless told otherwise."""
+    return os.path.join(os.path.expanduser("~"), ".kvstore", f"{cluster}.admin-token")
+
+
 def cluster_secret(cluster: str) -> str | None:
     """The secret a client uses when given none: KVSTORE_SECRET, else the file `kvstore serve`
     generated for this cluster (same user, same host), else None (insecure daemons only)."""

@@ -6,46 +6,180 @@ import json
 import os
 import sys
 
+from .cli_args import (Parser, alias, fail, fraction, host_port, metadata_url, number, port, positive_float, positive_int,
+                       readable_file, size)
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 
 def add_serve(commands) -> None:
-    serve = commands.add_parser("serve", help="run a store daemon")
-    serve.add_argument("--node", required=True, help="node name, unique in the cluster")
-    serve.add_argument("--metadata", default="memory://default", help="etcd://host:port or memory://name")
-    serve.add_argument("--cluster", default="default")
-    serve.add_argument("--listen", default="127.0.0.1:0", help="control (gRPC) address")
-    serve.add_argument("--engine-listen", default="127.0.0.1:0", help="Transfer Engine address")
-    serve.add_argument("--wire-port", type=int, default=0,
+    serve = commands.add_parser(
+        "serve", help="run a store daemon",
+        description="Run a store daemon. Every flag may also come from a --config TOML file (keys = the long "
+                    "flag names without --, e.g. disk-dir = \"/mnt/nvme\"); flags given here override it.")
+    serve.add_version()
+    serve.add_argument("--config", metavar="PATH", help="TOML file of flag values (flags given here override it)")
+    serve.add_argument("--node", required=True, type=node_name, metavar="NAME", help="node name, unique in the cluster")
+    serve.add_argument("--metadata", default="memory://default", type=metadata_url, metavar="URL",
+                       help="etcd://host:port, etcd+tls://host:port?ca=...&cert=...&key=... or memory://name")
+    serve.add_argument("--cluster", default="default", type=cluster_name, metavar="NAME", help="cluster name (key prefix in etcd)")
+    serve.add_argument("--listen", default="127.0.0.1:0", type=host_port, metavar="HOST:PORT", help="control (gRPC) address, HOST:PORT")
+    serve.add_argument("--engine-listen", default="127.0.0.1:0", type=host_port, metavar="HOST:PORT", help="Transfer Engine address")
+    serve.add_argument("--wire-port", type=number(int, -1, 65535, what="a port in [-1, 65535]"), default=0, metavar="PORT",
                        help="TCP port of the framed control wire, on the --listen host (0: any free port; "
                             "-1: none, clients on other hosts use gRPC); never opened with --tls-cert")
-    serve.add_argument("--dram", default="1GiB", help="DRAM tier capacity")
-    serve.add_argument("--disk-dir", help="NVMe tier directory (no NVMe tier without it)")
-    serve.add_argument("--disk", default="4GiB", help="NVMe tier capacity")
-    serve.add_argument("--secret-file", help="cluster secret file (or set KVSTORE_SECRET); created (0600) with a "
-                       "fresh secret if missing; default ~/.kvstore/<cluster>.secret")
+    serve.add_argument("--dram", default="1GiB", type=size, metavar="SIZE", help="DRAM tier capacity (e.g. 512MiB, 16GiB)")
+    serve.add_argument("--disk-dir", metavar="PATH", help="NVMe tier directory (no NVMe tier without it)")
+    serve.add_argument("--disk-size", default="4GiB", type=size, metavar="SIZE",
+                       help="NVMe tier capacity (with --disk-dir)")
+    alias(serve, "--disk", dest="disk_size", type=size)
+    serve.add_argument("--secret-file", metavar="PATH",
+                       help="cluster secret file (or set KVSTORE_SECRET); created (0600) with a fresh secret if "
+                            "missing; default ~/.kvstore/<cluster>.secret")
     serve.add_argument("--insecure", action="store_true",
-                       help="no cluster secret: anyone who reaches this node may read and write its memory")
-    serve.add_argument("--replicas", type=int, default=1, help="default replicas for clients of this cluster")
-    serve.add_argument("--eviction", default="lru", choices=["lru", "lfu"])
-    serve.add_argument("--high-watermark", type=float, default=0.95)
-    serve.add_argument("--low-watermark", type=float, default=0.85)
-    serve.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = any free port)")
-    serve.add_argument("--lease-ttl", type=int, default=10, help="seconds a dead daemon's blocks stay listed")
-    serve.add_argument("--timeout", type=float, default=5.0, help="timeout of every remote call")
-    serve.add_argument("--publish-window-ms", type=float, default=10.0,
+                       help="no cluster secret: anyone who reaches this node may read and write its memory (and, "
+                            "without --admin-token-file, drain or evict it)")
+    serve.add_argument("--replicas", type=positive_int, default=1, metavar="N", help="default replicas for clients of this cluster")
+    serve.add_argument("--eviction", default="lru", choices=["lru", "lfu"], help="eviction policy")
+    serve.add_argument("--high-watermark", type=fraction, default=0.95, metavar="FRACTION",
+                       help="a tier this full evicts down to --low-watermark")
+    alias(serve, "--high", dest="high_watermark", type=fraction)
+    serve.add_argument("--low-watermark", type=fraction, default=0.85, metavar="FRACTION", help="where eviction stops")
+    alias(serve, "--low", dest="low_watermark", type=fraction)
+    serve.add_argument("--metrics-port", type=port, metavar="PORT", help="Prometheus /metrics port (0: any free port; none without it)")
+    serve.add_argument("--metrics-listen", default="127.0.0.1", metavar="HOST",
+                       help="address /metrics listens on (0.0.0.0: every interface; it has no authentication and "
+                            "serves only counters)")
+    serve.add_argument("--lease-ttl", type=positive_int, default=10, metavar="SECONDS", help="seconds a dead daemon's blocks stay listed")
+    serve.add_argument("--timeout", type=positive_float, default=5.0, metavar="SECONDS", help="timeout (seconds) of every remote call")
+    serve.add_argument("--publish-window-ms", type=number(float, 0, 1000), default=10.0, metavar="MS",
                        help="under a stream of puts, index publish batches start up to this far apart "
                        "(2 ms per update of the previous batch; a lone put goes at once)")
     serve.add_argument("--no-promote", action="store_true", help="leave NVMe blocks on NVMe when they are hit")
-    serve.add_argument("--admin-token-file", help="admin bearer token for mutating admin calls (or KVSTORE_ADMIN_TOKEN)")
-    serve.add_argument("--tls-cert", help="PEM certificate: serve gRPC over TLS (with --tls-key)")
-    serve.add_argument("--tls-key", help="PEM private key")
-    serve.add_argument("--tls-ca", help="PEM roots for this node's own calls to other nodes (drain moves)")
+    serve.add_argument("--admin-token-file", metavar="PATH",
+                       help="bearer token that drain, evict and policy calls must carry (or KVSTORE_ADMIN_TOKEN); "
+                            "created (0600) with a fresh token if missing; default ~/.kvstore/<cluster>.admin-token "
+                            "(none with --insecure: those calls are then open)")
+    alias(serve, "--token-file", dest="admin_token_file")
+    serve.add_argument("--tls-cert", type=readable_file, metavar="PEM",
+                       help="certificate: serve gRPC over TLS (with --tls-key)")
+    serve.add_argument("--tls-key", type=readable_file, metavar="PEM", help="private key of --tls-cert")
+    serve.add_argument("--tls-ca", type=readable_file, metavar="PEM",
+                       help="roots for this node's own calls to other nodes (drain moves, repair)")
+    serve.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                       help="log lines on stderr: drain start and end, evictions (summed every 10 s), nodes joining "
+                            "and leaving, replica repair, index publish failures and recovery, lease loss")
 
 
-def read_secret(path: str | None) -> str | None:
-    if path:
+def node_name(text: str) -> str:
+    from .index.records import check_name
+
+    try:
+        return check_name("node", text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def cluster_name(text: str) -> str:
+    from .index.records import check_name
+
+    try:
+        return check_name("cluster", text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# --- the config file ------------------------------------------------------------------------------
+
+def config_argv(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """`kvstore serve --config PATH`: the file's values as command-line arguments (put before the
+    ones given, which therefore win). TOML, keys = long flag names without the dashes."""
+    prog = parser.prog
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ImportError:
+            fail(prog, f"--config: reading TOML needs Python 3.11 or the tomli package (pip install tomli); "
+                       f"this is Python {sys.version.split()[0]}")
+    try:
+        with open(path, "rb") as f:
+            values = tomllib.load(f)
+    except OSError as exc:
+        fail(prog, f"--config: cannot read {path}: {exc.strerror or exc}")
+    except tomllib.TOMLDecodeError as exc:
+        fail(prog, f"--config: {path} is not TOML: {exc}")
+    flags = {opt: action for action in parser._actions for opt in action.option_strings if opt.startswith("--")}
+    argv: list[str] = []
+    for key, value in values.items():
+        flag = "--" + key.replace("_", "-")
+        action = flags.get(flag)
+        if action is None or flag in ("--config", "--help", "--version"):
+            known = sorted(f[2:] for f, a in flags.items() if a.help is not argparse.SUPPRESS
+                           and f not in ("--config", "--help", "--version"))
+            fail(prog, f"--config: unknown key {key!r} in {path} (known: {', '.join(known)})")
+        if action.nargs == 0:  # --insecure, --no-promote
+            if not isinstance(value, bool):
+                fail(prog, f"--config: {key} in {path} must be true or false")
+            argv += [flag] if value else []
+            continue
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            fail(prog, f"--config: {key} in {path} must be a string or a number, not {type(value).__name__}")
+        text = str(value)
+        try:
+            if action.type is not None:
+                action.type(text)
+        except argparse.ArgumentTypeError as exc:
+            fail(prog, f"--config: {key} in {path}: {exc}")
+        if action.choices is not None and text not in action.choices:
+            fail(prog, f"--config: {key} in {path} must be one of {', '.join(map(str, action.choices))}")
+        argv += [flag, text]
+    return argv
+
+
+def _with_config(argv: list[str], parser: argparse.ArgumentParser, serve: argparse.ArgumentParser) -> list[str]:
+    """argv with the values of `serve --config PATH` put in front of the serve flags."""
+    if not argv or argv[0] != "serve":
+        return argv
+    rest = argv[1:]
+    path = None
+    for i, arg in enumerate(rest):
+        if arg == "--":
+            break
+        if arg == "--config" and i + 1 < len(rest):
+            path = rest[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+    if path is None:
+        return argv
+    return ["serve", *config_argv(serve, path), *rest]
+
+
+# --- secrets and tokens ---------------------------------------------------------------------------
+
+def ensure_private_file(path: str, what: str, how: str) -> tuple[str, bool]:
+    """(content, created): the file's first line, or a fresh random value written to a new 0600
+    file (its folder made 0700) when there is none. ValueError when it exists but is empty."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
         with open(path) as f:
-            return f.read().strip()
-    return os.environ.get("KVSTORE_SECRET") or None
+            value = f.read().strip()
+        if not value:
+            raise ValueError(f"{what} file {path} is empty") from None
+        return value, False
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+        return ensure_private_file(path, what, how)
+    import secrets
+
+    value = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    print(f"kvstore serve: generated {what} in {path} (mode 0600); {how}", file=sys.stderr)
+    return value, True
 
 
 def ensure_secret(path: str | None, cluster: str) -> tuple[str, str]:
@@ -56,31 +190,35 @@ def ensure_secret(path: str | None, cluster: str) -> tuple[str, str]:
     from .access import secret_path
 
     path = path or secret_path(cluster)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        secret = read_secret(path) or ""
-        if not secret:
-            raise ValueError(f"secret file {path} is empty")
-        return secret, path
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        return ensure_secret(path, cluster)
-    import secrets
-
-    secret = secrets.token_urlsafe(32)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret + "\n")
-    print(f"kvstore serve: generated a cluster secret in {path} (mode 0600); give it to clients and other "
-          "nodes of this cluster", file=sys.stderr)
+    secret, _ = ensure_private_file(path, "a cluster secret",
+                                    "give it to clients and other nodes of this cluster")
     return secret, path
 
 
-def read_token(path: str | None) -> str | None:
-    if path:
-        with open(path) as f:
-            return f.read().strip()
-    return os.environ.get("KVSTORE_ADMIN_TOKEN") or None
+def ensure_admin_token(path: str | None, cluster: str, insecure: bool) -> str | None:
+    """The admin bearer token: --admin-token-file (created 0600 with a fresh token if missing, as
+    the cluster secret is), else KVSTORE_ADMIN_TOKEN, else ~/.kvstore/<cluster>.admin-token (the
+    same), except with --insecure, where no token means mutating admin calls are open."""
+    if not path:
+        if os.environ.get("KVSTORE_ADMIN_TOKEN"):
+            return os.environ["KVSTORE_ADMIN_TOKEN"]
+        if insecure:
+            return None
+        from .access import admin_token_path
+
+        path = admin_token_path(cluster)
+    token, _ = ensure_private_file(path, "an admin token",
+                                   "kvstore admin on this host reads it; elsewhere pass --admin-token-file")
+    return token
+
+
+def configure_logging(level: str) -> None:
+    """Log lines on stderr: ours (kvstore.*, transfer.*) at `level`, other libraries' warnings."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("kvstore", "transfer"):
+        logging.getLogger(name).setLevel(level.upper())
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -90,28 +228,35 @@ def run_serve(args: argparse.Namespace) -> int:
     from .errors import KVStoreError
     from .library import parse_size
 
+    prog = "kvstore serve"
+    if args.low_watermark > args.high_watermark:
+        fail(prog, f"--low-watermark {args.low_watermark} is above --high-watermark {args.high_watermark}")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        fail(prog, "--tls-cert and --tls-key go together")
+    configure_logging(args.log_level)
     secret = None
     if not args.insecure:
         try:
             secret, _ = ensure_secret(args.secret_file, args.cluster)
         except (OSError, ValueError) as exc:
-            print(f"kvstore serve: no cluster secret: {exc} (or pass --insecure)", file=sys.stderr)
-            return 1
-    if not 0 <= args.publish_window_ms <= 1000:  # also refuses nan
-        print("kvstore serve: --publish-window-ms must be within 0..1000", file=sys.stderr)
-        return 2
-    if not -1 <= args.wire_port <= 65535:
-        print("kvstore serve: --wire-port must be within -1..65535", file=sys.stderr)
-        return 2
+            fail(prog, f"--secret-file: no cluster secret: {getattr(exc, 'strerror', None) or exc}"
+                       f"{f' ({exc.filename})' if getattr(exc, 'filename', None) else ''} (or pass --insecure)")
+    try:
+        admin_token = ensure_admin_token(args.admin_token_file, args.cluster, args.insecure)
+    except (OSError, ValueError) as exc:
+        fail(prog, f"--admin-token-file: {getattr(exc, 'strerror', None) or exc}"
+                   f"{f' ({exc.filename})' if getattr(exc, 'filename', None) else ''}")
     config = DaemonConfig(node=args.node, metadata=args.metadata, cluster=args.cluster, listen=args.listen,
-                          engine_listen=args.engine_listen, wire_port=None if args.wire_port < 0 else args.wire_port, dram_bytes=parse_size(args.dram), disk_dir=args.disk_dir,
-                          disk_bytes=parse_size(args.disk) if args.disk_dir else 0, secret=secret,
+                          engine_listen=args.engine_listen, wire_port=None if args.wire_port < 0 else args.wire_port,
+                          dram_bytes=parse_size(args.dram), disk_dir=args.disk_dir,
+                          disk_bytes=parse_size(args.disk_size) if args.disk_dir else 0, secret=secret,
                           insecure=args.insecure,
                           replicas=args.replicas, eviction=args.eviction, high_watermark=args.high_watermark,
-                          low_watermark=args.low_watermark, metrics_port=args.metrics_port, lease_ttl=args.lease_ttl,
+                          low_watermark=args.low_watermark, metrics_port=args.metrics_port,
+                          metrics_listen=args.metrics_listen, lease_ttl=args.lease_ttl,
                           timeout=args.timeout, promote=not args.no_promote,
                           publish_window=args.publish_window_ms / 1000,
-                          admin_token=read_token(args.admin_token_file), tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
+                          admin_token=admin_token, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
     try:
         daemon = Daemon(config).start()
     except (KVStoreError, TransferError, OSError, ValueError) as exc:
@@ -125,8 +270,9 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvstore", description="KV-cache store and transfer engine")
+def build_parser() -> Parser:
+    parser = Parser(prog="kvstore", description="KV-cache store and transfer engine")
+    parser.add_version()
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run the quick-start demo on the embedded default")
     demo.add_argument("what", nargs="?", default="vllm", choices=["vllm", "transfer"],
@@ -139,7 +285,18 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import add_parser as add_bench
 
     add_bench(commands)  # every benchmark module: kvstore bench NAME [ARGS]
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (with `serve --config PATH`'s values in front of the serve flags)."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return parser.parse_args(_with_config(argv, parser, parser.subcommand("serve")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
 
     if args.command == "demo":
         if args.what == "transfer":

@@ -116,6 +116,10 @@ class DaemonProcess:
     proc: subprocess.Popen
     control: str
     metrics_port: int | None
+    log_path: Path | None = None  # its stderr (log lines), in a file: a pipe nobody reads would fill and stall it
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path else ""
 
     def kill(self) -> None:
         self.proc.kill()
@@ -145,21 +149,25 @@ def spawn_daemon(tmp_path) -> Iterator:
                "--cluster", cluster, "--dram", dram, "--lease-ttl", str(lease_ttl), "--timeout", "2",
                "--metrics-port", "0"]
         if disk:
-            cmd += ["--disk-dir", str(tmp_path / f"nvme-{name}"), "--disk", disk]
+            cmd += ["--disk-dir", str(tmp_path / f"nvme-{name}"), "--disk-size", disk]
         if secret:
             secret_file = tmp_path / f"secret-{name}"
             secret_file.write_text(secret)
             cmd += ["--secret-file", str(secret_file)]
+            if not any(arg in ("--admin-token-file", "--token-file") for arg in extra or []):
+                cmd += ["--admin-token-file", str(tmp_path / f"admin-token-{cluster}")]  # not in ~/.kvstore
         else:
             cmd += ["--insecure"]
-        proc = subprocess.Popen(cmd + (extra or []), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=ROOT, env=env)
+        log_path = tmp_path / f"daemon-{name}-{len(started)}.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd + (extra or []), stdout=subprocess.PIPE, stderr=log, text=True,
+                                    cwd=ROOT, env=env)
         line = proc.stdout.readline()
         if not line:
             proc.wait(10)
-            raise RuntimeError(f"daemon {name} failed to start: {proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"daemon {name} failed to start: {log_path.read_text()[-2000:]}")
         hello = json.loads(line)
-        daemon = DaemonProcess(name, proc, hello["control"], hello["metrics_port"])
+        daemon = DaemonProcess(name, proc, hello["control"], hello["metrics_port"], log_path)
         started.append(daemon)
         return daemon
 
