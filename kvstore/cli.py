@@ -212,11 +212,12 @@ def ensure_admin_token(path: str | None, cluster: str, insecure: bool) -> str | 
     return token
 
 
-def configure_logging(level: str) -> None:
+def configure_logging(level: str, node: str) -> None:
     """Log lines on stderr: ours (kvstore.*, transfer.*) at `level`, other libraries' warnings."""
     import logging
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"%(asctime)s %(levelname)s {node} %(name)s: %(message)s")
     for name in ("kvstore", "transfer"):
         logging.getLogger(name).setLevel(level.upper())
 
@@ -233,7 +234,7 @@ def run_serve(args: argparse.Namespace) -> int:
         fail(prog, f"--low-watermark {args.low_watermark} is above --high-watermark {args.high_watermark}")
     if bool(args.tls_cert) != bool(args.tls_key):
         fail(prog, "--tls-cert and --tls-key go together")
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.node)
     secret = None
     if not args.insecure:
         try:

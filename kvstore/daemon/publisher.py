@@ -23,12 +23,14 @@ import time
 from typing import Awaitable, Callable
 
 from ..errors import MetadataUnavailable
+from .oplog import Throttle
 from .store import Update
 
 log = logging.getLogger(__name__)
 
 
 STEP = 0.002  # seconds of gap after a batch per update it carried, up to the window
+LOG_EVERY_S = 30.0  # while publishing fails, a reminder this often (the first failure and the recovery at once)
 
 
 class Publisher:
@@ -56,6 +58,10 @@ class Publisher:
         self.window = window
         self._last_batch = float("-inf")
         self._gap = 0.0  # how long after _last_batch the next batch may start
+        # Failures are logged when they start, every LOG_EVERY_S while they last, and when they end.
+        self._failing_since: float | None = None
+        self._failed_batches = 0
+        self._said = Throttle(LOG_EVERY_S)
         self._task = asyncio.run_coroutine_threadsafe(self._run(), loop)
 
     @property
@@ -131,12 +137,16 @@ class Publisher:
                         if self._since is None or (since is not None and since < self._since):
                             self._since = since
                     self.counters["publish_failures"] = self.counters.get("publish_failures", 0) + 1
-                    log.info("publishing %d index updates failed (retrying): %s", len(batch), exc)
+                    self._failed(len(batch), exc)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 1.0)
                     self._wake.set()
                     continue
                 backoff = 0.05
+                if self._failing_since is not None:
+                    log.warning("index publishing recovered after %.1f s and %d failed batches",
+                                time.monotonic() - self._failing_since, self._failed_batches)
+                    self._failing_since, self._failed_batches = None, 0
                 self.counters["publish_batches"] = self.counters.get("publish_batches", 0) + 1
                 self.counters["published_updates"] = self.counters.get("published_updates", 0) + len(batch)
                 if self._on_published is not None and since is not None:
@@ -146,6 +156,19 @@ class Publisher:
                 self._lock.notify_all()
             if held:
                 self._wake.set()
+
+    def _failed(self, updates: int, exc: BaseException) -> None:
+        self._failed_batches += 1
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if self._failing_since is None:
+            self._failing_since = time.monotonic()
+            self._said = Throttle(LOG_EVERY_S)
+            self._said()
+            log.warning("publishing %d index updates failed, retrying (clients do not see new blocks until "
+                        "it works): %s", updates, why)
+        elif self._said():
+            log.warning("index publishing still failing after %.0f s (%d batches failed, %d updates waiting): %s",
+                        time.monotonic() - self._failing_since, self._failed_batches, self.pending, why)
 
     def flush(self, timeout: float) -> None:
         """Wait until everything queued so far is published."""

@@ -12,6 +12,8 @@ import logging
 import threading
 from typing import Callable
 
+from .oplog import Throttle
+
 log = logging.getLogger(__name__)
 REPAIR_BATCH = 32
 
@@ -28,6 +30,9 @@ class Repairer:
         self._thread: threading.Thread | None = None
         self._seen_nodes: frozenset[str] = frozenset()
         self._pending = True
+        self._said_short = 0  # the last scan's shortfall: a line when it grows or ends, not every scan
+        self._said_stuck = 0  # blocks last said to have nowhere to go
+        self._failure_said = Throttle(30.0)
         counters.setdefault("under_replicated_blocks", 0)
         counters.setdefault("replicas_repaired", 0)
 
@@ -55,7 +60,8 @@ class Repairer:
                     self._seen_nodes, since_full = nodes, 0.0
                     self._pending = self.scan() > 0
             except Exception as exc:  # noqa: BLE001 - a failed round is retried next interval
-                log.warning("replica repair on %s failed: %s", self.node, exc)
+                if self._failure_said():  # retried every interval: said at most every 30 s
+                    log.warning("replica repair on %s failed (retrying): %s", self.node, exc)
                 self._pending = True
 
     def _live(self) -> dict[str, object]:
@@ -72,13 +78,20 @@ class Repairer:
             groups.setdefault((fingerprint, tuple(sorted(holders))), []).append(block_hash)
         short = sum(len(hashes) for hashes in groups.values())
         self.counters["under_replicated_blocks"] = short
+        if short > self._said_short:  # more than last time: a holder left (a shrinking count is the repair's)
+            log.warning("%d blocks held here have fewer than %d live replicas (a holder left): repairing",
+                        short, self.replicas)
+        elif not short and self._said_short:
+            log.info("every block held here has its %d replicas again", self.replicas)
+        self._said_short = short
         if not short:
             return 0
-        before, attempted = short, False
+        before, attempted, copies, stuck = short, False, 0, 0
         spare = [n for n in live if n != self.node]
         for (fingerprint, holders), hashes in groups.items():
             missing = self.replicas - len(holders)
             if not [n for n in spare if n not in holders]:
+                stuck += len(hashes)
                 continue  # nowhere to copy to until another node joins
             for start in range(0, len(hashes), REPAIR_BATCH):
                 if self._stop.is_set():
@@ -90,6 +103,12 @@ class Repairer:
                 attempted = True
                 self._client.put_many(items, fingerprint=fingerprint, replicas=missing, exclude=set(holders))
                 self.counters["replicas_repaired"] += len(items)
+                copies += len(items)
                 short -= len(items)
         self.counters["under_replicated_blocks"] = max(short, 0)
+        if copies:
+            log.info("replica repair copied %d blocks to other nodes", copies)
+        if stuck and stuck != self._said_stuck:
+            log.warning("%d under-replicated blocks have no node left to copy to (waiting for one to join)", stuck)
+        self._said_stuck = stuck
         return before if attempted else short  # after copying, check again once the index shows them

@@ -33,6 +33,7 @@ from ..metadata import open_metadata
 from ..store.v1 import store_pb2, store_pb2_grpc
 from .local import LocalControl
 from .metrics import DaemonMetrics
+from .oplog import EvictionLog, NeighbourWatch, Throttle
 from .publisher import Publisher
 from .repair import Repairer
 from .service import MAX_INLINE_BYTES, StoreControlService
@@ -98,6 +99,9 @@ class Daemon:
         self._loop = shared_loop()
         self._stopped = threading.Event()
         self._published_usage: dict[str, int] = {}
+        self._evictions: EvictionLog | None = None  # evictions summed into one log line per 10 s
+        self._neighbours = NeighbourWatch(config.node, self.registered_nodes)  # nodes joining and leaving
+        self._reregister_said = Throttle(30.0)
         self.repairer: Repairer | None = None
         self.publisher: Publisher | None = None
         self.verifier: Verifier | None = None
@@ -196,10 +200,14 @@ class Daemon:
         async def again() -> None:
             try:
                 await self.session.start()
-                self.publisher.enqueue(self.store.all_records())  # behind nothing older: the last word wins
-                log.warning("node %s re-registered and republished its blocks", self.config.node)
+                records = self.store.all_records()
+                self.publisher.enqueue(records)  # behind nothing older: the last word wins
+                log.warning("node %s re-registered and republished its %d blocks", self.config.node, len(records))
+                self._reregister_said = Throttle(30.0)
             except MetadataError as exc:
-                log.error("node %s could not re-register: %s", self.config.node, exc)
+                if self._reregister_said():  # retried every second: said at most every 30 s
+                    log.error("node %s could not re-register (retrying every second; clients do not see it "
+                              "until it does): %s", self.config.node, exc)
                 self._loop.call_later(1.0, self._lease_lost)
 
         asyncio.ensure_future(again(), loop=self._loop)
@@ -240,6 +248,13 @@ class Daemon:
                 self._published_usage = record.used
             except (MetadataError, TimeoutError) as exc:
                 log.info("usage refresh failed: %s", exc)
+        try:
+            if self._evictions is None:
+                self._evictions = EvictionLog(self.store.counters, lambda: [t.name for t in self.store.tiers])
+            self._evictions.tick()
+            self._neighbours.tick()
+        except Exception as exc:  # noqa: BLE001 - never stops the timer (etcd down: said by the publisher)
+            log.debug("looking at the cluster's nodes failed: %s", exc)
         timer = threading.Timer(2.0, self._usage_timer)
         timer.daemon = True
         timer.start()
@@ -269,9 +284,11 @@ class Daemon:
         once more (a refused put goes to another node), so no put answered as stored is left here."""
         self.drain_in_progress = True
         mover, looked = None, False  # the client that moves blocks (None: nowhere to go), made when first needed
+        progress, ended = admin_pb2.DrainProgress(), "stopped: the caller went away (the node still takes no puts)"
+        log.info("drain of %s started (%s): it takes no new puts", self.config.node,
+                 "moving its blocks to other nodes" if move else "dropping its blocks")
         try:
             self.set_draining(True)
-            progress = admin_pb2.DrainProgress()
             quiet = False  # commits refused, and none was still sealing
             while True:
                 self.verifier.seal()  # blocks written before now are sealed, so they move too
@@ -284,7 +301,8 @@ class Daemon:
                     # client puts the blocks elsewhere), and one more look takes what landed before.
                     with self._draining_lock:
                         if not self.draining:
-                            return  # called off: the node takes puts again
+                            ended = "called off: the node takes puts again"
+                            return
                         quiet = self.store.stop_taking(self.config.timeout)
                     continue
                 progress.total += len(blocks)
@@ -292,6 +310,8 @@ class Daemon:
                                               failed=progress.failed)
                 if move and not looked:
                     mover, looked = self._drain_client(), True
+                    if mover is None:
+                        log.warning("drain of %s: no other node to move blocks to, dropping them", self.config.node)
                 for start in range(0, len(blocks), DRAIN_BATCH):
                     if not is_active():
                         return
@@ -299,11 +319,18 @@ class Daemon:
                     yield admin_pb2.DrainProgress(total=progress.total, moved=progress.moved,
                                                   dropped=progress.dropped, failed=progress.failed)
             progress.done = True
+            ended = "done"
             yield progress
+        except Exception as exc:
+            ended = f"failed: {type(exc).__name__}: {exc}"
+            raise
         finally:
             self.drain_in_progress = False
             if mover is not None:
                 mover.close()
+            (log.info if ended == "done" and not progress.failed else log.warning)(
+                "drain of %s %s; moved %d, dropped %d, failed %d of %d blocks", self.config.node, ended,
+                progress.moved, progress.dropped, progress.failed, progress.total)
 
     def _drain_client(self):
         """A client for moving blocks to the other nodes, or None when there is no other node."""
