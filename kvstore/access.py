@@ -38,13 +38,24 @@ def admin_token_path(cluster: str) -> str:
 def cluster_secret(cluster: str) -> str | None:
     """The secret a client uses when given none: KVSTORE_SECRET, else the file `kvstore serve`
     generated for this cluster (same user, same host), else None (insecure daemons only)."""
+    return client_secret(cluster, None)[0]
+
+
+def client_secret(cluster: str, given: str | None) -> tuple[str | None, str]:
+    """The secret a client uses and where it came from, in words (for the one line that explains
+    a mismatch with a node): `given` (the `secret=` argument; "" means none on purpose), else
+    KVSTORE_SECRET, else the file `kvstore serve` generated for this cluster, else none."""
+    if given is not None:
+        return given or None, "the secret= argument" if given else "secret=\"\" (none on purpose)"
     if os.environ.get("KVSTORE_SECRET"):
-        return os.environ["KVSTORE_SECRET"]
+        return os.environ["KVSTORE_SECRET"], "KVSTORE_SECRET"
+    path = secret_path(cluster)
     try:
-        with open(secret_path(cluster)) as f:
-            return f.read().strip() or None
+        with open(path) as f:
+            secret = f.read().strip() or None
     except OSError:
-        return None
+        return None, f"none given: no secret=, no KVSTORE_SECRET, no {path}"
+    return secret, f"the file {path}, left by an earlier `kvstore serve`"
 
 
 def node_key(secret: bytes, node: str) -> bytes:

@@ -123,5 +123,13 @@ class ConnectionReplaced(KVStoreError, ConnectionError):
     """The client replaced its connection to a node (it failed) before this call could use the old one."""
 
 
+class StoreClosed(KVStoreError):
+    """The client (or embedded store) was closed: it answers nothing, not even from its mirror."""
+
+
+class InvalidConfig(KVStoreError, ValueError):
+    """A setting that cannot work (a tier path that is not a directory, a size the disk cannot hold)."""
+
+
 __all__ += ["AllocationFailed", "InvalidRequest", "WrongSize", "NoStoreNodes", "PutFailed", "NodeRefused",
-            "ConnectionReplaced"]
+            "ConnectionReplaced", "StoreClosed", "InvalidConfig"]

@@ -19,6 +19,10 @@ from .errors import FingerprintMismatch, InvalidFingerprint, InvalidTokens
 
 HASH_BYTES = 16
 BlockHash = bytes  # 16 bytes
+DEFAULT_LAYOUT = "default"  # K and V pages per layer: the fingerprint's fields give a block's size
+BYTES_LAYOUT = "bytes"  # free-form blocks of any size (the fingerprint only names them)
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "int8": 1,
+               "uint8": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,7 @@ class ModelFingerprint:
     num_layers: int
     num_kv_heads: int
     head_size: int
-    kv_layout: str = "default"
+    kv_layout: str = DEFAULT_LAYOUT
     revision: str = ""
     tp_rank: int = 0
     tp_world_size: int = 1
@@ -89,6 +93,16 @@ class ModelFingerprint:
     def root_hash(self) -> BlockHash:
         """h_0 of every chain under this fingerprint."""
         return self._root
+
+    @property
+    def block_bytes(self) -> int | None:
+        """Bytes of one block under the default layout (a key and a value page of `block_size`
+        tokens x `num_kv_heads` x `head_size` per layer), or None when the layout names its own
+        geometry (a vLLM paged cache, "bytes" for free-form blocks) or the dtype is not one it knows."""
+        itemsize = DTYPE_BYTES.get(self.dtype)
+        if self.kv_layout != DEFAULT_LAYOUT or itemsize is None:
+            return None
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * itemsize
 
     def check_compatible(self, other: "ModelFingerprint") -> None:
         """Raise FingerprintMismatch naming every field that differs."""

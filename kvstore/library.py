@@ -10,6 +10,7 @@ from typing import Any
 
 from .client import Client
 from .daemon import Daemon, DaemonConfig
+from .errors import InvalidConfig
 from .keys import ModelFingerprint
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
@@ -22,7 +23,7 @@ def parse_size(value: int | str) -> int:
         return value
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
     if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {value!r} (try '512MiB' or '2GiB')")
+        raise InvalidConfig(f"not a size: {value!r} (try '512MiB' or '2GiB')")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
@@ -39,17 +40,27 @@ class EmbeddedStore(Client):
 
 
 def open(url: str = "memory://", *, dram: int | str = "1GiB", disk: str | None = None, disk_size: int | str = "4GiB",
-         fingerprint: ModelFingerprint | None = None, node: str = "local", eviction: str = "lru",
-         secret: str | None = None, metrics_port: int | None = None, timeout: float = 5.0) -> EmbeddedStore:
-    """Start an in-process daemon on `url` ("memory://" = a private in-process index) and connect."""
+         keep_disk: bool = False, fingerprint: ModelFingerprint | None = None, node: str = "local",
+         eviction: str = "lru", secret: str | None = None, metrics_port: int | None = None,
+         timeout: float = 5.0) -> EmbeddedStore:
+    """Start an in-process daemon on `url` ("memory://" = a private in-process index) and connect.
+
+    `disk` is a directory for the NVMe tier (its parent must exist), `disk_size` the tier's size;
+    the tier file goes when the store closes (or the process dies) unless `keep_disk`."""
     if url.rstrip("/") == "memory:":
         url = f"memory://embedded-{uuid.uuid4().hex[:8]}"
     if secret is None:  # a private secret: only this process (and whom it tells) can reach the daemon
         secret = secrets.token_urlsafe(32)
     config = DaemonConfig(node=node, metadata=url, dram_bytes=parse_size(dram), disk_dir=disk,
-                          disk_bytes=parse_size(disk_size) if disk else 0, eviction=eviction, secret=secret,
+                          disk_bytes=parse_size(disk_size) if disk else 0, keep_disk=keep_disk, eviction=eviction,
+                          secret=secret,
                           metrics_port=metrics_port, timeout=timeout, engine_listen="127.0.0.1:0")
-    daemon = Daemon(config).start()
+    daemon = Daemon(config)
+    try:
+        daemon.start()
+    except BaseException:
+        daemon.stop()  # what it opened before the failure (the tier file among them)
+        raise
     daemon.serve()
     try:
         return EmbeddedStore(daemon, fingerprint=fingerprint, secret=secret, timeout=timeout)

@@ -25,7 +25,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 import grpc
 
@@ -33,7 +33,7 @@ from transfer import Engine, Peer, Read, Region, TransferError, TransferTimeout,
 from transfer.descriptor import host_id
 from transfer.digest import AVAILABLE as digest_available
 
-from ..access import ControlAuth, cluster_secret
+from ..access import ControlAuth, client_secret
 from ..errors import (
     AllocationFailed,
     AuthenticationFailed,
@@ -43,10 +43,11 @@ from ..errors import (
     NodeRefused,
     NoStoreNodes,
     PutFailed,
+    StoreClosed,
     WrongSize,
 )
 from ..index import IndexMirror
-from ..index.records import BlockRecord
+from ..index.records import MAX_BLOCK_BYTES, BlockRecord, NodeRecord
 from ..integrity import block_checksums, checksum_seeds
 from ..keys import HASH_BYTES, ModelFingerprint
 from ..store.v1 import store_pb2, store_pb2_grpc
@@ -94,9 +95,12 @@ class Client:
 
     def __init__(self, metadata: str = "memory://default", *, cluster: str = "default",
                  fingerprint: ModelFingerprint | None = None, secret: str | None = None, timeout: float = 5.0,
-                 replicas: int = 1, mirror: IndexMirror | None = None, transport: str = "auto",
+                 replicas: int | None = None, mirror: IndexMirror | None = None, transport: str = "auto",
                  tls_ca: str | None = None, publish: str = "async") -> None:
-        self.fingerprint, self.timeout, self.replicas = fingerprint, timeout, max(1, replicas)
+        self.fingerprint, self.timeout = fingerprint, timeout
+        # None: the cluster's count, as its daemons were started with (`kvstore serve --replicas`).
+        self.replicas = None if replicas is None else max(1, replicas)
+        self._warned_replicas = False
         self.transport = transport  # "auto" (shared memory on the same host, else TCP) or "tcp"
         if publish not in ("async", "sync"):
             raise ValueError(f"publish must be 'async' or 'sync', not {publish!r}")
@@ -105,8 +109,8 @@ class Client:
         self.publish = publish
         self._own_mirror = mirror is None
         self.mirror = mirror or IndexMirror(metadata, cluster, timeout=timeout).start()
-        if secret is None:  # what `kvstore serve` generated for this cluster, if it did (same user)
-            secret = cluster_secret(cluster)
+        # Given, else KVSTORE_SECRET, else what `kvstore serve` generated for this cluster (same user).
+        secret, self.secret_source = client_secret(cluster, secret)
         self.engine = Engine(f"client-{os.getpid()}-{uuid.uuid4().hex[:6]}", listen=None, secret=secret,
                              stall_timeout=timeout, stripe_bytes=STRIPE_BYTES)
         self._secret = secret.encode() if secret else b""
@@ -126,9 +130,17 @@ class Client:
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvs-checksum")  # a large put's checksums
         self.stats: dict[str, int] = {"control_calls": 0, "local_puts": 0, "wire_puts": 0, "nvme_fd_reads": 0,
                                       "nvme_fd_bytes": 0}
+        self.closed = False
+        try:
+            self.check_secrets()  # a node expecting another kind of secret fails here, in one line
+        except BaseException:
+            self.close()
+            raise
 
     # --- fingerprints and nodes ------------------------------------------------------------------
     def _fp(self, fingerprint: ModelFingerprint | str | None) -> str:
+        if self.closed:
+            raise StoreClosed("this client is closed")
         if fingerprint is None:
             if self.fingerprint is None:
                 raise FingerprintMismatch("no fingerprint given and the client has none")
@@ -140,6 +152,64 @@ class Client:
                 raise FingerprintMismatch(f"fingerprint {fingerprint} is not this client's {self.fingerprint.digest}")
         return fingerprint.digest if isinstance(fingerprint, ModelFingerprint) else fingerprint
 
+    def _geometry(self, fingerprint: ModelFingerprint | str | None) -> ModelFingerprint | None:
+        """The fingerprint whose fields give a block's size, when one is known (after `_fp`)."""
+        return fingerprint if isinstance(fingerprint, ModelFingerprint) else self.fingerprint
+
+    def _check_block_sizes(self, fingerprint: ModelFingerprint | None, sizes: Iterable[int]) -> None:
+        """Refuse blocks no node can hold, or of another size than the fingerprint's geometry:
+        stored, they would be matched as cached and then fail every read."""
+        expected = fingerprint.block_bytes if fingerprint is not None else None
+        largest = max((n.tiers.get("dram", 0) for n in self.mirror.nodes.values()), default=0)
+        for size in sizes:
+            if size == 0:
+                raise WrongSize("cannot store an empty block")
+            if expected is not None and size != expected:
+                f = fingerprint
+                raise WrongSize(f"a block of {f.model_id} is {expected} bytes (key and value x {f.num_layers} layers "
+                                f"x {f.block_size} tokens x {f.num_kv_heads} heads x {f.head_size} x {f.dtype}), "
+                                f"got {size}: check the fingerprint, or use kv_layout='bytes' for free-form blocks")
+            if size > MAX_BLOCK_BYTES:
+                raise WrongSize(f"a block of {size} bytes is over the {MAX_BLOCK_BYTES >> 20} MiB a node takes")
+            if largest and size > largest:
+                raise WrongSize(f"a block of {size} bytes is larger than every store node's DRAM tier "
+                                f"(the largest holds {largest})")
+
+    def cluster_replicas(self) -> int:
+        """The cluster's replica count: the largest `--replicas` a live node was started with."""
+        return max((n.replicas for n in self.mirror.nodes.values()), default=1)
+
+    def _replicas_wanted(self) -> int:
+        cluster = self.cluster_replicas()
+        if self.replicas is None:
+            return cluster
+        if self.replicas > cluster and not self._warned_replicas:
+            self._warned_replicas = True  # nodes repair up to the cluster's count only: say so once
+            log.warning("this client writes %d copies of each block, but the cluster's nodes keep %d after a node "
+                        "dies: start them with `kvstore serve --replicas %d`", self.replicas, cluster, self.replicas)
+        return self.replicas
+
+    def check_secrets(self) -> None:
+        """Raise AuthenticationFailed, in one line that says where this client's secret came from,
+        if a registered node expects another kind of secret (none, or one) than this client has."""
+        for record in list(self.mirror.nodes.values()):
+            self._check_secret(record)
+
+    def _check_secret(self, record: NodeRecord) -> None:
+        if record.secured and not self._secret:
+            raise AuthenticationFailed(f"node {record.name} requires the cluster secret and this client has none "
+                                       f"({self.secret_source}): pass secret=, or set KVSTORE_SECRET to the "
+                                       "contents of the daemon's --secret-file")
+        if not record.secured and self._secret:
+            raise AuthenticationFailed(f"node {record.name} runs without a secret (--insecure) but this client has "
+                                       f"one (from {self.secret_source}): pass secret=\"\" for none, or start the "
+                                       "daemon with that secret")
+
+    def _refused(self, name: str, exc: AuthenticationFailed) -> AuthenticationFailed:
+        """A node's refusal of this client's secret, saying where the secret came from."""
+        return AuthenticationFailed(f"node {name} refused this client's cluster secret (from {self.secret_source}): "
+                                    f"{exc}")
+
     def _node(self, name: str) -> _Node:
         with self._lock:
             node = self._nodes.get(name)
@@ -148,10 +218,14 @@ class Client:
             record, segment = self.mirror.nodes.get(name), self.mirror.segments.get(name)
             if record is None or not segment:
                 raise NoStoreNodes(f"node {name} is not registered")
+            self._check_secret(record)
             if node is not None:
                 node.peer.close()
                 node.guard.retire()
-            peer = self.engine.connect(segment, transport=self.transport, timeout=self.timeout)
+            try:
+                peer = self.engine.connect(segment, transport=self.transport, timeout=self.timeout)
+            except AuthenticationFailed as exc:
+                raise self._refused(name, exc) from None
             if self._tls_roots is not None:
                 raw = grpc.secure_channel(record.endpoint, grpc.ssl_channel_credentials(self._tls_roots))
             else:
@@ -221,7 +295,11 @@ class Client:
                 return node
             if node is not None:
                 node.close()
-            node = pool[name] = LocalNode(name, address, self._secret, self.engine.name, self.timeout)
+            record = self.mirror.nodes.get(name)
+            if record is not None:
+                self._check_secret(record)
+            node = pool[name] = LocalNode(name, address, self._secret, self.engine.name, self.timeout,
+                                          self.secret_source)
             return node
 
     def _mark_down(self, name: str, why: Exception) -> None:
@@ -260,13 +338,15 @@ class Client:
         """Store one block; returns how many nodes newly stored it."""
         return self.put_many([(block_hash, data)], fingerprint)
 
-    def put_many(self, items: Sequence[tuple[bytes, Any]], fingerprint: ModelFingerprint | str | None = None,
+    def put_many(self, items: Iterable[tuple[bytes, Any]], fingerprint: ModelFingerprint | str | None = None,
                  replicas: int | None = None, exclude: Collection[str] = ()) -> int:
         """Store blocks on `replicas` distinct nodes each (none of them in `exclude`); returns blocks
-        newly stored (all nodes). When it returns, every block's bytes are on each node counted (the
-        node verifies them before it publishes them; sync: before it answers), and this client's
-        mirror lists it there; see the README for what others see."""
+        newly stored (all nodes). `items` is any iterable of (hash, block), a `zip` included. When it
+        returns, every block's bytes are on each node counted (the node verifies them before it
+        publishes them; sync: before it answers), and this client's mirror lists it there; see the
+        docs for what others see."""
         fp = self._fp(fingerprint)
+        items = list(items)  # walked more than once below: a zip or a generator would be empty the second time
         if not items:
             return 0
         hashes = [bytes(h) for h, _ in items]
@@ -274,8 +354,7 @@ class Client:
             if len(h) != HASH_BYTES:
                 raise WrongSize(f"block hashes are {HASH_BYTES} bytes, got {len(h)}")
         views = [host_bytes(d) for _, d in items]
-        if any(v.nbytes == 0 for v in views):
-            raise WrongSize("cannot store an empty block")
+        self._check_block_sizes(self._geometry(fingerprint), (v.nbytes for v in views))
         sums: list[int | None] = [None] * len(views)  # each computed once, when a round first needs it
 
         def checksums(start: int, end: int) -> list[int]:
@@ -285,7 +364,7 @@ class Client:
             return sums[start:end]
 
         total = sum(v.nbytes for v in views)
-        want = replicas or self.replicas
+        want = replicas or self._replicas_wanted()
         stored, placed, errors, tried = 0, 0, [], set(exclude)
         registered: list[Region] = []
 
@@ -485,7 +564,7 @@ class Client:
         """Read one block into `out`; False on a miss."""
         return self.get_many([block_hash], [out], fingerprint)[0]
 
-    def get_many(self, hashes: Sequence[bytes], outs: Sequence[Any],
+    def get_many(self, hashes: Iterable[bytes], outs: Iterable[Any],
                  fingerprint: ModelFingerprint | str | None = None, *, stages: Sequence[int] | None = None,
                  on_stage: Callable[[int], None] | None = None) -> list[bool]:
         """Read blocks into caller buffers (zero extra copies on the shared-memory path).
@@ -493,10 +572,15 @@ class Client:
         With `stages` (the stage of each segment of a block's segment list, e.g. its layer) and
         `on_stage`, segments are read stage by stage and `on_stage(s)` says when every block's stage-s
         bytes have landed, so a consumer can start on them (and change them: each block is checksummed
-        as its stages land; a block that fails is a miss). Each block is read from its first replica only."""
+        as its stages land; a block that fails is a miss). Each block is read from its first replica only.
+
+        Buffers pair with hashes in order; extra buffers are left alone (`get_many(hashes[:n], outs)`
+        after `match_prefix` reads the n cached blocks into the first n buffers)."""
         fp = self._fp(fingerprint)
-        if len(hashes) != len(outs):
-            raise WrongSize(f"{len(hashes)} hashes but {len(outs)} buffers")
+        hashes, outs = list(hashes), list(outs)
+        if len(outs) < len(hashes):
+            raise WrongSize(f"{len(hashes)} hashes but only {len(outs)} buffers")
+        outs = outs[: len(hashes)]
         here = self._here
         nodes = self.mirror.nodes  # a copy: take it once per call
         candidates: list[list[tuple[str, BlockRecord]]] = []
@@ -522,8 +606,11 @@ class Client:
                 if region is not out:
                     temporary.append(region)
                 targets.append([(region, 0, view.nbytes)])
+            expected = getattr(self._geometry(fingerprint), "block_bytes", None)
             for i, (segments, options) in enumerate(zip(targets, candidates)):
                 room = sum(length for _, _, length in segments)
+                if expected is not None and room != expected:
+                    raise WrongSize(f"a buffer of {room} bytes for a block of {expected} (the fingerprint's geometry)")
                 if options and options[0][1].size > room:
                     raise WrongSize(f"buffer of {room} bytes for a block of {options[0][1].size}")
                 # A stored block smaller than its destination would fill it only partly: not a hit.
@@ -726,6 +813,9 @@ class Client:
         return removed
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         self._reports.close()  # before the connections its reports go over
         for name, tokens in self._leases.drain(dict(self._nodes)).items():  # not left to expire
             self._abort(name, tokens)

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from transfer import Region, _native
 
-from ..errors import AllocationFailed, NodeRefused, WrongSize
+from ..errors import AllocationFailed, AuthenticationFailed, NodeRefused, WrongSize
 from ..index.records import BlockRecord
 from ..wire import REPLY_SPIN_S, Frames, connect
 
@@ -37,8 +37,10 @@ class LocalNode:
     """A node's framed wire: pooled authenticated connections (unix on this host, or `tcp://`) and,
     on this host, its NVMe tier fd."""
 
-    def __init__(self, name: str, address: str, secret: bytes, client: str, timeout: float) -> None:
+    def __init__(self, name: str, address: str, secret: bytes, client: str, timeout: float,
+                 secret_source: str = "") -> None:
         self.name, self.address, self._secret, self._client, self.timeout = name, address, secret, client, timeout
+        self._secret_source = secret_source  # where the secret came from, in words, for a refusal's message
         self._idle: list[tuple[Frames, float]] = []  # (connection, when it was last used)
         self._lock = threading.Lock()
         self._tier: TierFile | None = None
@@ -60,8 +62,7 @@ class LocalNode:
         for old in stale:
             old.sock.close()
         if frames is None:
-            frames = connect(self.address, self._secret, self._client, self.timeout)
-            self.reached = True
+            frames = self._connect(None)
         fd = None
         try:
             frames.send(message, attachments)  # each send bounded by the socket's timeout
@@ -88,8 +89,16 @@ class LocalNode:
 
     def warm(self, timeout: float) -> None:
         """Open one connection now, within `timeout`, and pool it; raises what connecting raises."""
-        self._pool(connect(self.address, self._secret, self._client, self.timeout, connect_timeout=timeout))
+        self._pool(self._connect(timeout))
+
+    def _connect(self, connect_timeout: float | None) -> Frames:
+        try:
+            frames = connect(self.address, self._secret, self._client, self.timeout, connect_timeout=connect_timeout)
+        except AuthenticationFailed as exc:
+            raise AuthenticationFailed(f"node {self.name} refused this client's cluster secret "
+                                       f"(from {self._secret_source or 'the caller'}): {exc}") from None
         self.reached = True
+        return frames
 
     def _pool(self, frames: Frames, keep: bool = True) -> None:
         """Keep a connection for the next call, or close it (not `keep`, closed, pool full)."""

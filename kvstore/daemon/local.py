@@ -86,11 +86,12 @@ class LocalControl:
 
     def __init__(self, name: str, secret: bytes, node: str, store: BlockStore,
                  publish: Callable[[list[Update], bool], None], accepting: Callable[[], bool],
-                 observe: Callable[[str, float], None], tier_path: str | None, timeout: float,
+                 observe: Callable[[str, float], None], tier_reader: Callable[[], tuple[int, bool]] | None,
+                 timeout: float,
                  tcp_host: str | None = None, tcp_port: int = 0) -> None:
         self.name, self._secret, self._node, self.store = name, secret, node, store
         self._publish, self._accepting, self._observe = publish, accepting, observe
-        self._tier_path, self._timeout = tier_path, timeout
+        self._tier_reader, self._timeout = tier_reader, timeout
         self._allowed_uids = {os.geteuid(), 0}
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind("\0" + name)
@@ -363,14 +364,9 @@ class LocalControl:
 
     def _tier(self) -> tuple[dict, int | None]:
         nvme = self.store.nvme
-        if nvme is None or self._tier_path is None:
+        if nvme is None or self._tier_reader is None:
             return {"ok": False, "code": "refused", "error": f"{self._node} has no NVMe tier"}, None
-        direct = True
-        try:
-            fd = os.open(self._tier_path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-        except OSError:  # a file system without O_DIRECT (tmpfs): page-cache reads still skip the network
-            direct = False
-            fd = os.open(self._tier_path, os.O_RDONLY | os.O_CLOEXEC)
+        fd, direct = self._tier_reader()
         return {"ok": True, "region": nvme.region.id, "size": nvme.region.size, "direct": direct}, fd
 
     def close(self) -> None:

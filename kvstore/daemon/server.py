@@ -38,6 +38,7 @@ from .publisher import Publisher
 from .repair import Repairer
 from .service import MAX_INLINE_BYTES, StoreControlService
 from .session import NodeSession
+from ..tiers.disk import DiskTierFile
 from .store import BlockStore, Update
 from .verifier import Verifier
 
@@ -58,6 +59,7 @@ class DaemonConfig:
     dram_bytes: int = 1 << 30
     disk_dir: str | None = None
     disk_bytes: int = 0
+    keep_disk: bool = False  # keep the tier file when the daemon ends (else it goes, even after a crash)
     secret: str | None = None
     insecure: bool = False  # no secret on purpose: anyone who reaches the node may use its memory
     replicas: int = 1
@@ -106,6 +108,7 @@ class Daemon:
         self.publisher: Publisher | None = None
         self.verifier: Verifier | None = None
         self.local: LocalControl | None = None
+        self.disk: DiskTierFile | None = None  # the NVMe tier's file
 
     # --- start -----------------------------------------------------------------------------
     def start(self) -> "Daemon":
@@ -114,11 +117,15 @@ class Daemon:
         self.engine = Engine(c.node, listen=c.engine_listen, secret=c.secret, insecure=c.insecure,
                              stall_timeout=c.timeout)
         dram = self.engine.allocate(c.dram_bytes)
-        nvme, tier_path = None, None
+        nvme = None
         if c.disk_dir and c.disk_bytes > 0:
-            os.makedirs(c.disk_dir, exist_ok=True)
-            tier_path = os.path.join(c.disk_dir, f"{c.node}.tier")
-            nvme = self.engine.register_file(tier_path, c.disk_bytes)
+            self.disk = DiskTierFile.prepare(c.disk_dir, c.node, c.disk_bytes, keep=c.keep_disk)
+            try:
+                nvme = self.engine.register_file(self.disk.path, c.disk_bytes)
+            except BaseException:
+                self.disk.remove()  # a failed allocation leaves no file behind
+                raise
+            self.disk.hold()
         self.store = BlockStore(self.engine, dram, nvme, policy=c.eviction, high=c.high_watermark, low=c.low_watermark,
                                 promote=c.promote)
         self.metrics = DaemonMetrics(c.node, self.store.counters, lambda: self.store.tiers, self.engine.stats)
@@ -135,7 +142,7 @@ class Daemon:
         # TLS: the wire does not encrypt).
         self.local = LocalControl(f"kvstore-local-{uuid.uuid4().hex}", secret, c.node, self.store, self.publish,
                                   lambda: not self.draining, lambda op, s: self.metrics.latency.labels(op).observe(s),
-                                  tier_path, c.timeout,
+                                  self.disk.reader if self.disk else None, c.timeout,
                                   tcp_host=None if (c.tls_cert and c.tls_key) or c.wire_port is None
                                   else c.listen.rpartition(":")[0].strip("[]"), tcp_port=c.wire_port or 0)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
@@ -177,13 +184,14 @@ class Daemon:
         from ..client import Client
 
         c = self.config
-        return Client(c.metadata, cluster=c.cluster, secret=c.secret, timeout=c.timeout, tls_ca=c.tls_ca,
+        return Client(c.metadata, cluster=c.cluster, secret=c.secret or "", timeout=c.timeout, tls_ca=c.tls_ca,
                       publish="sync")
 
     def node_record(self) -> NodeRecord:
         tiers = {t.name: t.capacity for t in self.store.tiers}
         used = {t.name: t.used for t in self.store.tiers}
-        return NodeRecord(self.config.node, self.address, tiers, host=host_id(), used=used, draining=self.draining)
+        return NodeRecord(self.config.node, self.address, tiers, host=host_id(), used=used, draining=self.draining,
+                          replicas=self.config.replicas, secured=not self.config.insecure)
 
     async def _register(self) -> None:
         metadata = open_metadata(self.config.metadata, timeout=self.config.timeout)
@@ -336,7 +344,7 @@ class Daemon:
         """A client for moving blocks to the other nodes, or None when there is no other node."""
         from ..client import Client
 
-        client = Client(self.config.metadata, cluster=self.config.cluster, secret=self.config.secret,
+        client = Client(self.config.metadata, cluster=self.config.cluster, secret=self.config.secret or "",
                         timeout=self.config.timeout, tls_ca=self.config.tls_ca, publish="sync")
         client.mirror.wait_until(lambda m: getattr(m.nodes.get(self.config.node), "draining", True), 10)
         if not [n for n in client.mirror.nodes.values() if not n.draining]:
@@ -353,7 +361,7 @@ class Daemon:
         copied: set[tuple[str, bytes]] = set()
         for fingerprint, items in by_fp.items():
             try:
-                client.put_many(items, fingerprint=fingerprint)
+                client.put_many(items, fingerprint=fingerprint, replicas=1)  # a move: this node's copy
                 copied.update((fingerprint, h) for h, _ in items)
             except (KVStoreError, TransferError) as exc:
                 log.warning("drain: could not move %d blocks: %s", len(items), exc)
@@ -400,6 +408,8 @@ class Daemon:
                 pass
         if self.engine is not None:
             self.engine.close()
+        if self.disk is not None:
+            self.disk.close()
 
     def wait(self) -> None:
         """Block until SIGTERM/SIGINT, then stop gracefully."""

@@ -21,14 +21,13 @@ from typing import Iterable, Iterator, Sequence
 from transfer import Engine, Read, Region, TransferError, Write
 
 from ..errors import AllocationFailed, InvalidRequest, NodeRefused, WrongSize
-from ..index.records import NAME, NAME_RULE, BlockRecord
+from ..index.records import MAX_BLOCK_BYTES, NAME, NAME_RULE, BlockRecord
 from ..integrity import block_checksum, block_checksums
 from ..tiers import EvictionPolicy, ExtentAllocator, make_policy
 from ..tiers.allocator import align_up
 
 Key = tuple[str, bytes]  # (fingerprint, block hash)
 Update = tuple[str, bytes, BlockRecord | None]
-MAX_BLOCK_BYTES = 64 << 20
 LOCK_SPAN = 4096  # blocks a lookup, touch or remove handles per hold of the lock: a huge one delays a put by one span
 WRITTEN_MAX = 256 << 20  # bytes committed but not verified yet; past it a commit verifies at once (backpressure)
 # Smaller commits verify at once even when asked to verify later: their pass is shorter than handing

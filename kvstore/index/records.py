@@ -22,6 +22,7 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")  # node and fingerprint 
 NAME_RULE = "1-128 chars of [A-Za-z0-9_.:-]"
 _BLOCK = struct.Struct("<BBIQIQ")  # version, tier, region, offset, size, checksum
 BLOCK_RECORD_VERSION = 1
+MAX_BLOCK_BYTES = 64 << 20  # the largest block a node takes (one reservation, one record)
 
 
 def check_name(kind: str, name: str) -> str:
@@ -41,6 +42,8 @@ class NodeRecord:
     version: str = "0.1.0"
     used: dict[str, int] = field(default_factory=dict)  # tier -> bytes used (refreshed periodically)
     draining: bool = False  # accepts no new puts
+    replicas: int = 1  # the cluster's replica count as this node was started with (`--replicas`)
+    secured: bool = True  # callers must know the cluster secret (False: started with --insecure)
 
     def encode(self) -> bytes:
         check_name("node", self.name)
@@ -52,7 +55,8 @@ class NodeRecord:
             data = json.loads(raw)
             return cls(name=data["name"], endpoint=data["endpoint"], tiers=dict(data.get("tiers", {})),
                        host=data.get("host", ""), version=data.get("version", ""), used=dict(data.get("used", {})),
-                       draining=bool(data.get("draining", False)))
+                       draining=bool(data.get("draining", False)), replicas=max(1, int(data.get("replicas", 1))),
+                       secured=bool(data.get("secured", True)))
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidRecord(f"bad node record: {exc}") from exc
 

@@ -12,7 +12,7 @@ import pytest
 from kvstore import Client
 from kvstore.keys import ModelFingerprint, external_hashes
 
-FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64)
+FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64, kv_layout="bytes")
 SECRET = "close-secret"
 
 

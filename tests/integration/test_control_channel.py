@@ -14,7 +14,7 @@ from kvstore.access import control_token
 from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.store.v1 import store_pb2, store_pb2_grpc
 
-FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64)
+FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64, kv_layout="bytes")
 BLOCK = 64 * 1024
 SECRET = "control-secret"
 STATS = "/kvstore.store.v1.StoreControl/Stats"

@@ -21,7 +21,7 @@ from kvstore.admin.v1 import admin_pb2, admin_pb2_grpc  # noqa: E402
 from kvstore.keys import ModelFingerprint, external_hashes  # noqa: E402
 from kvstore.store.v1 import store_pb2, store_pb2_grpc  # noqa: E402
 
-FP = ModelFingerprint("fuzz", "float16", 16, 2, 2, 64)
+FP = ModelFingerprint("fuzz", "float16", 16, 2, 2, 64, kv_layout="bytes")
 FUZZ = settings(max_examples=int(os.environ.get("KVT_FUZZ_EXAMPLES", "200")), deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 BAD = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}

@@ -22,7 +22,7 @@ from kvstore.integrity import block_checksum
 from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.wire import TCP_SCHEME, Frames, connect, tcp_endpoint
 
-FP = ModelFingerprint("local-abuse", "float16", 16, 2, 2, 64)
+FP = ModelFingerprint("local-abuse", "float16", 16, 2, 2, 64, kv_layout="bytes")
 SECRET = "local-abuse-secret"
 
 

@@ -16,7 +16,7 @@ from kvstore import Client
 from kvstore.keys import ModelFingerprint, external_hashes
 
 ROOT = Path(__file__).resolve().parents[2]
-FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64)
+FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64, kv_layout="bytes")
 BLOCK = 64 * 1024
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import kvstore
 from kvstore.keys import ModelFingerprint, chain_hashes
 
-FP = ModelFingerprint("staged", "float32", 16, 3, 1, 64)
+FP = ModelFingerprint("staged", "float32", 16, 3, 1, 64, kv_layout="bytes")
 STAGE = 1024  # int32 values per stage of a block
 
 

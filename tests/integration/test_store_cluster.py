@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from kvstore import Client
-from kvstore.errors import AllocationFailed, WrongSize
+from kvstore.errors import WrongSize
 from kvstore.errors import AuthenticationFailed, FingerprintMismatch
 from kvstore.keys import ModelFingerprint, chain_hashes, external_hashes
 from kvstore.store.v1 import store_pb2, store_pb2_grpc
 
-FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64)
+FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64, kv_layout="bytes")
 BLOCK = 256 * 1024
 
 
@@ -59,7 +59,7 @@ def test_put_get_across_daemons_byte_for_byte(cluster):
 import numpy as np, sys
 from kvstore import Client
 from kvstore.keys import ModelFingerprint, chain_hashes
-fp = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64)
+fp = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64, kv_layout="bytes")
 hashes = chain_hashes(fp, list(range(16 * 40)))
 with Client({client.mirror.url!r}, cluster={name!r}, fingerprint=fp) as c:
     outs = [np.zeros({BLOCK}, np.uint8) for _ in hashes]
@@ -133,7 +133,7 @@ def test_capacity_is_never_exceeded_and_errors_are_typed(etcd_server, spawn_daem
         assert all(np.array_equal(o, content(h)) for o, h in zip(outs, listed))
         # A block bigger than the whole DRAM tier: a clear error, and nothing already stored is lost.
         big = external_hashes([10_000], FP)[0]
-        with pytest.raises(AllocationFailed):
+        with pytest.raises(WrongSize, match="larger than every store node's DRAM tier"):
             client.put(big, np.zeros(3 << 20, np.uint8))
         assert all(client.get_many(listed, outs))
         with pytest.raises(WrongSize):
@@ -142,7 +142,7 @@ def test_capacity_is_never_exceeded_and_errors_are_typed(etcd_server, spawn_daem
             client.put(b"short", b"x")
         with pytest.raises(WrongSize):
             client.put(big, b"")
-        other = ModelFingerprint("other-model", "float32", 16, 2, 2, 64)
+        other = ModelFingerprint("other-model", "float32", 16, 2, 2, 64, kv_layout="bytes")
         with pytest.raises(FingerprintMismatch) as info:
             client.get(listed[0], outs[0], fingerprint=other)
         assert "model_id" in str(info.value)
@@ -180,12 +180,13 @@ def test_secret_is_required(etcd_server, spawn_daemon):
     with Client(etcd_server.url, cluster=name, fingerprint=FP, secret="s3cret") as good:
         assert good.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
         assert good.put(h, content(h)) == 1
-    for secret in ("wrong", None):
-        with Client(etcd_server.url, cluster=name, fingerprint=FP, secret=secret) as bad:
-            with pytest.raises(AuthenticationFailed):
-                bad.put(h, content(h))
-            with pytest.raises(AuthenticationFailed):
-                bad.get(h, np.zeros(BLOCK, np.uint8))
+    with Client(etcd_server.url, cluster=name, fingerprint=FP, secret="wrong") as bad:
+        with pytest.raises(AuthenticationFailed):
+            bad.put(h, content(h))
+        with pytest.raises(AuthenticationFailed):
+            bad.get(h, np.zeros(BLOCK, np.uint8))
+    with pytest.raises(AuthenticationFailed, match="has none"):  # no secret at all: refused at connect
+        Client(etcd_server.url, cluster=name, fingerprint=FP, secret="")
     with grpc.insecure_channel(guarded.control) as channel:  # the control service refuses too
         with pytest.raises(grpc.RpcError) as info:
             store_pb2_grpc.StoreControlStub(channel).Stats(store_pb2.StatsRequest(), timeout=5)

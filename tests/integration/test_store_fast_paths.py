@@ -24,7 +24,7 @@ from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.store.v1 import store_pb2, store_pb2_grpc
 from transfer import Write
 
-FP = ModelFingerprint("fast-paths", "float16", 16, 2, 2, 64)
+FP = ModelFingerprint("fast-paths", "float16", 16, 2, 2, 64, kv_layout="bytes")
 SECRET = "fast-path-secret"
 
 

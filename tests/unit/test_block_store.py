@@ -13,7 +13,7 @@ from kvstore.integrity import block_checksum
 from kvstore.keys import ModelFingerprint, external_hashes
 from transfer import Engine
 
-FP = ModelFingerprint("m", "float16", 16, 2, 2, 64)
+FP = ModelFingerprint("m", "float16", 16, 2, 2, 64, kv_layout="bytes")
 BLOCK = 64 * 1024
 
 
