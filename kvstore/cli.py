@@ -34,6 +34,8 @@ def add_serve(commands) -> None:
     serve.add_argument("--disk-size", default="4GiB", type=size, metavar="SIZE",
                        help="NVMe tier capacity (with --disk-dir)")
     alias(serve, "--disk", dest="disk_size", type=size)
+    serve.add_argument("--keep-disk", action="store_true",
+                       help="keep the NVMe tier's file when the daemon ends (by default it goes, even after a crash)")
     serve.add_argument("--secret-file", metavar="PATH",
                        help="cluster secret file (or set KVSTORE_SECRET); created (0600) with a fresh secret if "
                             "missing; default ~/.kvstore/<cluster>.secret")
@@ -250,7 +252,8 @@ def run_serve(args: argparse.Namespace) -> int:
     config = DaemonConfig(node=args.node, metadata=args.metadata, cluster=args.cluster, listen=args.listen,
                           engine_listen=args.engine_listen, wire_port=None if args.wire_port < 0 else args.wire_port,
                           dram_bytes=parse_size(args.dram), disk_dir=args.disk_dir,
-                          disk_bytes=parse_size(args.disk_size) if args.disk_dir else 0, secret=secret,
+                          disk_bytes=parse_size(args.disk_size) if args.disk_dir else 0, keep_disk=args.keep_disk,
+                          secret=secret,
                           insecure=args.insecure,
                           replicas=args.replicas, eviction=args.eviction, high_watermark=args.high_watermark,
                           low_watermark=args.low_watermark, metrics_port=args.metrics_port,
