@@ -7,9 +7,10 @@ and prints tables (rich) or JSON (--json). The global flags (--metadata, --clust
 Commands that ask every node (status, nodes, blocks, query, evict) answer from the nodes that
 answer and mark the others `unreachable` with a short reason; they then exit 5.
 
-Exit codes: 0 ok, 2 bad arguments or an unmet precondition (no --metadata), 3 not found, 4 not
-allowed (admin token), 5 unavailable or timed out (the metadata service, the node asked, or some of
-the nodes asked: the answer printed is from the others), 1 anything else.
+Exit codes: 0 ok, 2 bad arguments or an unmet precondition (no --metadata), 3 not found (a node,
+a model's blocks on a named node, or no node at all in the cluster), 4 not allowed (admin token),
+5 unavailable or timed out (the metadata service, the node asked, or some of the nodes asked: the
+answer printed is from the others), 1 anything else.
 """
 from __future__ import annotations
 
@@ -89,9 +90,9 @@ def add_parser(commands) -> None:
     admin = commands.add_parser(
         "admin", help="inspect and steer a running cluster",
         description="Inspect and steer a running cluster. Exit codes: 0 ok, 2 bad arguments or no --metadata, "
-                    "3 not found, 4 admin token missing or wrong, 5 unavailable or timed out (also when some "
-                    "nodes could not be asked: the answer is from the others, the rest marked unreachable), "
-                    "1 anything else.")
+                    "3 not found (also: no node in the cluster), 4 admin token missing or wrong, 5 unavailable or "
+                    "timed out (also when some nodes could not be asked: the answer is from the others, the rest "
+                    "marked unreachable), 1 anything else.")
     admin.add_version()
     _global_flags(admin, after=False)
     sub = admin.add_subparsers(dest="admin_command", required=True, metavar="COMMAND")
@@ -319,6 +320,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return exc.code
     try:
+        if args.admin_command in ASK_ALL and not client.nodes():  # a mistyped --cluster looks just like this
+            raise Fail(f"no nodes in cluster {args.cluster!r} at {args.metadata} (check --cluster or "
+                       "KVSTORE_CLUSTER, and that its nodes run)", NOT_FOUND)
         return COMMANDS[args.admin_command](client, args, console)
     except Fail as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
@@ -586,5 +590,6 @@ def cmd_policy(client: AdminClient, args, console) -> int:
     return OK
 
 
+ASK_ALL = ("status", "nodes", "blocks", "query", "evict")  # the commands that ask every node
 COMMANDS = {"status": cmd_status, "nodes": cmd_nodes, "node": cmd_node, "blocks": cmd_blocks, "query": cmd_query,
             "evict": cmd_evict, "drain": cmd_drain, "policy": cmd_policy}

@@ -172,3 +172,9 @@ def test_serve_from_a_config_file(etcd_server, tmp_path):
         proc.kill()
         proc.wait(10)
         proc.stdout.close()
+
+
+def test_a_cluster_with_no_nodes_is_not_found(etcd_server):
+    """Kills: a mistyped --cluster answering an empty table with exit 0."""
+    done = kvstore(["admin", "status", "--metadata", etcd_server.url, "--cluster", "no-such-cluster"])
+    assert done.returncode == 3 and "no nodes in cluster 'no-such-cluster'" in one_line(done.stderr)
