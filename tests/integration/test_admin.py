@@ -20,7 +20,7 @@ from kvstore import Client
 from kvstore.admin.v1 import admin_pb2, admin_pb2_grpc
 from kvstore.keys import ModelFingerprint, chain_hashes, external_hashes
 
-FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64)
+FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64, kv_layout="bytes")  # blocks of any size
 TOKEN = "admin-secret-token"
 AUTH = [("authorization", f"Bearer {TOKEN}")]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -202,7 +202,7 @@ def test_cli_commands_and_exit_codes(admin_cluster, etcd_server):
     with open(tokens_file, "w") as f:
         json.dump(tokens + [1, 2, 3], f)
     model = json.dumps({"model_id": "tiny-llama", "dtype": "float32", "block_size": 16, "num_layers": 2,
-                        "num_kv_heads": 2, "head_size": 64})
+                        "num_kv_heads": 2, "head_size": 64, "kv_layout": "bytes"})
     query = json.loads(admin(["--json", "query", "--tokens", tokens_file, "--model", model], url, cluster).stdout)
     assert query["cluster_leading_blocks"] == 10 and query["nodes"]["node-a"]["leading_blocks"] == 10
     assert admin(["evict", "--fingerprint", FP.digest], url, cluster, token=None).returncode == 4
