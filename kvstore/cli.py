@@ -17,9 +17,11 @@ def add_serve(commands) -> None:
     serve = commands.add_parser(
         "serve", help="run a store daemon",
         description="Run a store daemon. Every flag may also come from a --config TOML file (keys = the long "
-                    "flag names without --, e.g. disk-dir = \"/mnt/nvme\"); flags given here override it.")
+                    "flag names without --, e.g. disk-dir = \"/mnt/nvme\"; a .json file: the same keys as JSON); "
+                    "flags given here override it.")
     serve.add_version()
-    serve.add_argument("--config", metavar="PATH", help="TOML file of flag values (flags given here override it)")
+    serve.add_argument("--config", metavar="PATH",
+                       help="TOML (or .json) file of flag values; flags given here override it")
     serve.add_argument("--node", required=True, type=node_name, metavar="NAME", help="node name, unique in the cluster")
     serve.add_argument("--metadata", default="memory://default", type=metadata_url, metavar="URL",
                        help="etcd://host:port, etcd+tls://host:port?ca=...&cert=...&key=... or memory://name")
@@ -96,23 +98,34 @@ def cluster_name(text: str) -> str:
 
 def config_argv(parser: argparse.ArgumentParser, path: str) -> list[str]:
     """`kvstore serve --config PATH`: the file's values as command-line arguments (put before the
-    ones given, which therefore win). TOML, keys = long flag names without the dashes."""
+    ones given, which therefore win). TOML (a .json file: JSON, as `conductor serve --config`
+    takes), keys = long flag names without the dashes."""
     prog = parser.prog
     try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ImportError:
-            fail(prog, f"--config: reading TOML needs Python 3.11 or the tomli package (pip install tomli); "
-                       f"this is Python {sys.version.split()[0]}")
-    try:
         with open(path, "rb") as f:
-            values = tomllib.load(f)
+            raw = f.read()
     except OSError as exc:
         fail(prog, f"--config: cannot read {path}: {exc.strerror or exc}")
-    except tomllib.TOMLDecodeError as exc:
-        fail(prog, f"--config: {path} is not TOML: {exc}")
+    if path.endswith(".json"):
+        try:
+            values = json.loads(raw)
+        except ValueError as exc:
+            fail(prog, f"--config: {path} is not JSON: {exc}")
+        if not isinstance(values, dict):
+            fail(prog, f"--config: {path} must hold a JSON object of flag names and values")
+    else:
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            try:
+                import tomli as tomllib  # type: ignore[no-redef]
+            except ImportError:
+                fail(prog, f"--config: reading TOML needs Python 3.11 or the tomli package (pip install tomli), "
+                           f"or give the same keys as a .json file; this is Python {sys.version.split()[0]}")
+        try:
+            values = tomllib.loads(raw.decode("utf-8", "replace"))
+        except tomllib.TOMLDecodeError as exc:
+            fail(prog, f"--config: {path} is not TOML: {exc}")
     flags = {opt: action for action in parser._actions for opt in action.option_strings if opt.startswith("--")}
     argv: list[str] = []
     for key, value in values.items():

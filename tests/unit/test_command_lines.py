@@ -271,6 +271,16 @@ def test_config_file_mistakes_are_one_line(capsys, tmp_path, text, says):
     assert says in err and "--config" in err
 
 
+def test_config_file_may_be_json_like_the_gateways(tmp_path, capsys):
+    """Kills: a .json config read as TOML (refused), which leaves Python 3.10 without a config file."""
+    config = tmp_path / "node.json"
+    config.write_text('{"node": "j", "disk_size": "2GiB", "no-promote": true}')
+    args = parse(["serve", "--config", str(config)])
+    assert (args.node, args.disk_size, args.no_promote) == ("j", "2GiB", True)
+    config.write_text('["node", "j"]')
+    assert "JSON object" in one_line_error(capsys, lambda: parse(["serve", "--config", str(config)]))
+
+
 def test_config_file_missing_is_one_line(capsys):
     err = one_line_error(capsys, lambda: parse(["serve", "--config", "/nonexistent.toml", "--node", "a"]))
     assert "/nonexistent.toml" in err
