@@ -214,6 +214,7 @@ def ensure_admin_token(path: str | None, cluster: str, insecure: bool) -> str | 
     """The admin bearer token: --admin-token-file (created 0600 with a fresh token if missing, as
     the cluster secret is), else KVSTORE_ADMIN_TOKEN, else ~/.kvstore/<cluster>.admin-token (the
     same), except with --insecure, where no token means mutating admin calls are open."""
+    how = "give it to kvstore admin with --admin-token-file"
     if not path:
         if os.environ.get("KVSTORE_ADMIN_TOKEN"):
             return os.environ["KVSTORE_ADMIN_TOKEN"]
@@ -222,8 +223,8 @@ def ensure_admin_token(path: str | None, cluster: str, insecure: bool) -> str | 
         from .access import admin_token_path
 
         path = admin_token_path(cluster)
-    token, _ = ensure_private_file(path, "an admin token",
-                                   "kvstore admin on this host reads it; elsewhere pass --admin-token-file")
+        how = "kvstore admin run by this user on this host finds it; elsewhere give it with --admin-token-file"
+    token, _ = ensure_private_file(path, "an admin token", how)
     return token
 
 
