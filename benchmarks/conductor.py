@@ -1,7 +1,12 @@
 """Conductor report: the conversation trace under every policy at three fleet sizes, the two
-textbook sweeps, and live route() latency. Prints markdown; --write puts it in BENCHMARKS.md.
+textbook sweeps, and live route() latency. Prints markdown; `--write PATH` also puts it in PATH
+(replacing the section between its conductor-report markers, or appended), e.g. BENCHMARKS.md.
 
-    python -m benchmarks.conductor [--json PATH] [--write] [--limit N]
+    python -m benchmarks.conductor [--json PATH] [--write PATH] [--limit N] [--quick]
+
+`--quick` (the test suite's run): the trace's first 2,000 requests and 200 route() samples.
+JSON: `trace` (one row per policy and fleet: `policy`, `prefill`, `decode`, the simulator's
+metrics, `of_infinite`), `infinite_cache_hit_ratio`, `sweeps`, `route`.
 """
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ from conductor.policies import Slo, make_policy
 from conductor.router import Conductor, InstanceLoad
 from conductor.sim.scenario import Scenario, colocated, disaggregated
 from conductor.sim.trace import Fleet, infinite_cache_hit_ratio, load_trace, simulate
+
+from benchmarks.records import write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACE = os.path.join(ROOT, "tests", "data", "mooncake_conversation_trace.jsonl.xz")
@@ -69,8 +76,8 @@ def sweeps() -> dict:
             "colocated_ttft_mean_ms": colo}
 
 
-def route_latency(samples: int = 2000) -> dict:
-    """route() for a 256-block prompt against a mirror of 100k blocks over 8 nodes (memory backend)."""
+def route_latency(samples: int = 2000, index_blocks: int = 100_000) -> dict:
+    """route() for a 256-block prompt against a mirror of `index_blocks` blocks over 8 nodes (memory backend)."""
     import uuid
 
     from kvstore.daemon.session import NodeSession
@@ -87,7 +94,8 @@ def route_latency(samples: int = 2000) -> dict:
         for n in range(8):
             s = NodeSession(open_metadata(url), Layout(cluster), NodeRecord(f"node-{n}", "x"), ttl=600)
             await s.start()
-            own = external_hashes(range(100_000 + n * 12_500, 100_000 + (n + 1) * 12_500), fp)
+            per_node = index_blocks // 8
+            own = external_hashes(range(100_000 + n * per_node, 100_000 + (n + 1) * per_node), fp)
             lead = prompt[: 32 * (n + 1)]
             await s.publish(fp.digest, [(h, BlockRecord("dram", 1, 0, 1, 0)) for h in lead + own])
 
@@ -98,7 +106,7 @@ def route_latency(samples: int = 2000) -> dict:
             conductor.report(InstanceLoad(f"prefill-{n}", "prefill", queue_ms=100.0 * n, store_node=f"node-{n}"))
         for n in range(4):
             conductor.report(InstanceLoad(f"decode-{n}", "decode", running_tokens=1000 * n))
-        for _ in range(200):
+        for _ in range(min(200, samples)):
             conductor.route(prompt, 256 * 512, 200)
         times = []
         for _ in range(samples):
@@ -113,7 +121,7 @@ def route_latency(samples: int = 2000) -> dict:
 
 def markdown(rows: list[dict], ceiling: float, sweep: dict, route: dict, trace_requests: int) -> str:
     lines = [BEGIN, "", "## Conductor (issue 6)", "",
-             "`python -m benchmarks.conductor --write` (simulated: no hardware is exercised; figures depend only on",
+             "`python -m benchmarks.conductor --write BENCHMARKS.md` (simulated: no hardware is exercised; figures depend only on",
              f"the cost model in `conductor/cost.py` and the trace). {time.strftime('%Y-%m-%d')}, same machine.", "",
              f"Trace: `tests/data/mooncake_conversation_trace.jsonl.xz`, {trace_requests:,} requests; total cache 50M tokens",
              "(each prefill instance caches 50M/N locally; the global pool holds 50M). SLOs: TTFT ≤ 30 s,",
@@ -145,34 +153,55 @@ def markdown(rows: list[dict], ceiling: float, sweep: dict, route: dict, trace_r
     return "\n".join(lines)
 
 
+def write_section(path: str, text: str) -> None:
+    """Put `text` (a BEGIN..END section) in the file at `path`: in place of its section, or appended."""
+    try:
+        with open(path) as f:
+            current = f.read()
+    except FileNotFoundError:
+        current = ""
+    if BEGIN in current and END in current:
+        current = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: text, current, flags=re.S)
+    else:
+        current = (current.rstrip("\n") + "\n\n" if current.strip() else "") + text + "\n"
+    with open(path, "w") as f:
+        f.write(current)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.conductor", description=__doc__.split("\n")[0])
-    parser.add_argument("--json")
-    parser.add_argument("--write", action="store_true", help="replace the conductor section of BENCHMARKS.md")
+    parser.add_argument("--json", metavar="PATH", help="write the results here")
+    parser.add_argument("--write", metavar="PATH",
+                        help="also put the markdown report in PATH, replacing its conductor section "
+                             "(e.g. BENCHMARKS.md; nothing is written without it)")
     parser.add_argument("--limit", type=int, help="first N requests only (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="the first 2,000 requests, 200 route() samples")
     args = parser.parse_args(argv)
-    trace = load_trace(TRACE, args.limit)
+    if args.limit is not None and args.limit < 1:
+        parser.error("--limit must be at least 1")
+    for option in ("json", "write"):
+        path = getattr(args, option)
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"--{option}: no such directory: {os.path.dirname(os.path.abspath(path))}")
+    limit = min(args.limit or 2000, 2000) if args.quick else args.limit
+    trace = load_trace(TRACE, limit)
     rows, ceiling = trace_table(trace, CostModel(), Slo())
     sweep = sweeps()
-    route = route_latency()
+    route = route_latency(200) if args.quick else route_latency()
     text = markdown(rows, ceiling, sweep, route, len(trace))
     print(text)
     if args.write:
-        path = os.path.join(ROOT, "BENCHMARKS.md")
-        current = open(path).read()
-        if BEGIN in current:
-            current = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: text, current, flags=re.S)
-        else:
-            current = current.rstrip("\n") + "\n\n" + text + "\n"
-        with open(path, "w") as f:
-            f.write(current)
+        write_section(args.write, text)
+        print(f"\n  report written to {args.write}")
     if args.json:
-        meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count()}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "trace": rows, "infinite_cache_hit_ratio": ceiling, "sweeps": sweep,
-                       "route": route}, f, indent=1)
+        meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count(),
+                "requests": len(trace)}
+        write_json(args.json, {"meta": meta, "trace": rows, "infinite_cache_hit_ratio": ceiling, "sweeps": sweep,
+                               "route": route})
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kvstore.testing.processes import run_main
+
+    sys.exit(run_main(main, prog="python -m benchmarks.conductor"))

@@ -38,11 +38,13 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from benchmarks.records import write_json
 from kvstore import Client
 from kvstore.keys import ModelFingerprint, external_hashes
+from kvstore.testing import processes
 from kvstore.testing.etcd import EtcdServer
 
-FP = ModelFingerprint("faults", "float16", 16, 2, 2, 64)
+FP = ModelFingerprint("faults", "float16", 16, 2, 2, 64, kv_layout="bytes")  # BLOCK-sized blocks, free-form
 BLOCK = 32 * 1024
 TIMEOUT = 2.0  # every remote call of clients and daemons
 LEASE_TTL = 4
@@ -73,7 +75,7 @@ class Etcd(EtcdServer):
         import urllib.request
 
         client, peer = f"http://0.0.0.0:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
-        self.proc = subprocess.Popen(
+        self.proc = processes.spawn(
             [self.binary, "--name", "faults", "--data-dir", self.data_dir, "--listen-client-urls", client,
              "--advertise-client-urls", f"http://127.0.0.1:{self.client_port}", "--listen-peer-urls", peer,
              "--initial-advertise-peer-urls", peer, "--initial-cluster", f"faults={peer}", "--log-level", "error",
@@ -86,6 +88,7 @@ class Etcd(EtcdServer):
                         return self
             except OSError:
                 time.sleep(0.05)
+        self.stop()
         raise RuntimeError("etcd did not become healthy")
 
 
@@ -152,9 +155,10 @@ class Cluster:
             cmd += ["--disk-dir", os.path.join(self.workdir, f"nvme-{name}"), "--disk", disk]
         if in_ns:
             cmd = ["ip", "netns", "exec", self.netns.name, *cmd]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+        proc = processes.spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
         line = proc.stdout.readline()
         if not line:
+            processes.stop(proc)
             raise RuntimeError(f"daemon {name} did not start")
         self.daemons[name], self.control[name] = proc, json.loads(line)["control"]
 
@@ -171,16 +175,12 @@ class Cluster:
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.daemons.pop(name)
         proc.send_signal(sig)
-        proc.wait(20)
+        processes.stop(proc, grace=20)  # reaped (SIGKILL if `sig` did not end it)
 
     def close(self) -> None:
         for proc in self.daemons.values():
-            try:
-                proc.send_signal(signal.SIGCONT)
-            except OSError:
-                pass
-            proc.kill()
-            proc.wait(10)
+            processes.kill(proc)
+        self.daemons.clear()
         self.etcd.cleanup()
 
 
@@ -295,10 +295,11 @@ def verify(cluster: Cluster, hashes: list[bytes], timeout: float) -> tuple[int, 
 def run(args: argparse.Namespace) -> list[FaultResult]:
     workdir = tempfile.mkdtemp(prefix="kvstore-faults-")
     netns = Netns() if (not args.quick and Netns.available()) else None
-    cluster = Cluster(workdir, netns)
+    cluster = None
     results: list[FaultResult] = []
     load = None
     try:
+        cluster = Cluster(workdir, netns)
         for i in range(3):
             cluster.spawn(f"node-{i}")
         load = Load(cluster, args.clients)
@@ -357,7 +358,8 @@ def run(args: argparse.Namespace) -> list[FaultResult]:
     finally:
         if load is not None:
             load.close()
-        cluster.close()
+        if cluster is not None:
+            cluster.close()
         if netns is not None:
             netns.close()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -378,13 +380,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.warmup = args.warmup if args.warmup is not None else (1.5 if args.quick else 4.0)
     args.hold = args.hold if args.hold is not None else (2.0 if args.quick else 4.0)
+    if args.clients < 1 or args.hold <= 0 or args.warmup < 0 or args.recovery_timeout <= 0:
+        parser.error("--clients must be at least 1, --hold and --recovery-timeout above 0, --warmup >= 0")
     results = run(args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=1)
+        write_json(args.json, [asdict(r) for r in results])
     bad = [r for r in results if r.wrong_bytes or r.lost_blocks or r.calls_past_timeout]
     return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(processes.run_main(main, prog="python -m benchmarks.faults"))

@@ -4,10 +4,14 @@ threads (the default) and on the event loop (`tokenize_threads: 0`), side by sid
 
     python -m benchmarks.gateway [--json PATH] [--requests N] [--quick]
 
-The gateway runs in its own process (`conductor serve --config`); the stand-in prefill and decode
-engines (the gateway tests' `FakeEngine`) and the clients share this process. Figures: each short
-request's latency at the client, and the gateway's overhead p50 (its time minus upstream time,
-from its own /metrics).
+The gateway runs in its own process (`conductor serve --config`), a fresh one per measurement; the
+stand-in prefill and decode engines (the gateway tests' `FakeEngine`) and the clients share this
+process. Figures: each short request's latency at the client, and the gateway's overhead p50 (its
+time minus upstream time, from its own /metrics). Each scenario and tokenizing mode is measured
+twice, who goes first alternating; `--quick` (the test suite's run): once each, 20 short requests.
+JSON `records`: one per measurement, with `scenario` (alone, beside long prompts), `tokenize`
+(threads, event loop), `short_p50_ms`, `short_p90_ms`, `gateway_overhead_p50_ms`, `long_prompts`,
+`long_p50_ms` (null alone); `ratio_beside_long_threads_vs_loop`.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -27,25 +32,31 @@ from pathlib import Path
 import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.records import write_json
 from conductor.testing import MODEL, FakeEngine, start_fakes
 from kvstore.integrations.vllm.tiny_model import SENTENCES, build_tokenizer
+from kvstore.testing import processes
 from kvstore.testing.etcd import free_port
 
 SHORT_WORDS = 400  # about 2,400 characters (500 tokens): short prompts stay under the thread cut-off
 LONG_REPEAT = 400  # SENTENCES x 400: about 109k characters, 22k tokens
 
 
-def start_gateway(config: dict, workdir: str) -> tuple[subprocess.Popen, str]:
-    path = os.path.join(workdir, f"gateway-{config['tokenize_threads']}.json")
+def start_gateway(config: dict, workdir: str, k: int = 0) -> tuple[subprocess.Popen, str]:
+    path = os.path.join(workdir, f"gateway-{k}.json")
     with open(path, "w") as f:
         json.dump(config, f)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "conductor.cli", "serve", "--config", path,
-                             "--listen", f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
-    if not proc.stdout.readline():  # {"listen": ...} once it serves
-        proc.wait(10)
-        raise RuntimeError(f"the gateway did not start (exit code {proc.returncode})")
+    proc = processes.spawn([sys.executable, "-m", "conductor.cli", "serve", "--config", path,
+                            "--listen", f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                           text=True, cwd=str(ROOT))
+    try:
+        if not proc.stdout.readline():  # {"listen": ...} once it serves
+            proc.wait(10)
+            raise RuntimeError(f"the gateway did not start (exit code {proc.returncode})")
+    except BaseException:
+        processes.stop(proc)
+        raise
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -98,24 +109,35 @@ async def run(args: argparse.Namespace) -> list[dict]:
     model_dir = build_tokenizer(os.path.join(workdir, "model"))
     prefill, decode = FakeEngine("p0"), FakeEngine("d0")  # they answer at once
     runners = await start_fakes(prefill, decode)
+    # Twice each, who goes first alternating; a fresh gateway per measurement, all started at once
+    # before the first (a start is seconds of imports; an idle gateway only checks health every 5 s).
+    plan = [(scenario, threads) for scenario in ("alone", "beside long prompts")
+            for threads in ((2, 0) if args.quick else (2, 0, 0, 2))]
+    gateways: list[tuple[subprocess.Popen, str] | BaseException] = []
     records = []
     try:
-        for scenario in ("alone", "beside long prompts"):
-            for threads in (2, 0, 0, 2):  # twice each, who goes first alternates
-                config = {"prefill": [prefill.url], "decode": [decode.url], "model_dir": model_dir,
-                          "block_tokens": 128, "local_prefill_tokens": 0, "tokenize_threads": threads,
-                          "health_interval_s": 5.0}
-                proc, url = await asyncio.to_thread(start_gateway, config, workdir)
-                try:
-                    result = await measure(url, args.requests, scenario != "alone")
-                finally:
-                    proc.terminate()
-                    proc.wait(10)
-                records.append({"scenario": scenario, "tokenize": "threads" if threads else "event loop",
-                                "tokenize_threads": threads, **result})
+        gateways = await asyncio.gather(*(
+            asyncio.to_thread(start_gateway, {"prefill": [prefill.url], "decode": [decode.url], "model_dir": model_dir,
+                                              "block_tokens": 128, "local_prefill_tokens": 0,
+                                              "tokenize_threads": threads, "health_interval_s": 5.0}, workdir, k)
+            for k, (_, threads) in enumerate(plan)), return_exceptions=True)
+        failed = next((g for g in gateways if isinstance(g, BaseException)), None)
+        if failed is not None:
+            raise failed
+        for (scenario, threads), (proc, url) in zip(plan, gateways):
+            try:
+                result = await measure(url, args.requests, scenario != "alone")
+            finally:
+                await asyncio.to_thread(processes.stop, proc)
+            records.append({"scenario": scenario, "tokenize": "threads" if threads else "event loop",
+                            "tokenize_threads": threads, **result})
     finally:
+        for gateway in gateways:
+            if not isinstance(gateway, BaseException):
+                await asyncio.to_thread(processes.stop, gateway[0])
         for runner in runners:
             await runner.cleanup()
+        shutil.rmtree(workdir, ignore_errors=True)
     return records
 
 
@@ -123,10 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--requests", type=int, default=200, help="short requests per measurement")
-    parser.add_argument("--quick", action="store_true", help="50 short requests per measurement")
+    parser.add_argument("--quick", action="store_true", help="20 short requests, each measurement once")
     args = parser.parse_args(argv)
     if args.quick:
-        args.requests = 50
+        args.requests = 20
+    if args.requests < 1:
+        parser.error("--requests must be at least 1")
     records = asyncio.run(run(args))
     print(f"\n  {'scenario':22} {'tokenize on':12} {'short p50 ms':>13} {'short p90 ms':>13} {'overhead p50 ms':>16} "
           f"{'long prompts':>13} {'long p50 ms':>12}")
@@ -140,14 +164,14 @@ def main(argv: list[str] | None = None) -> int:
                                  if r["scenario"] == "beside long prompts" and r["tokenize_threads"] == threads)
 
     ratio = short_p50(2) / short_p50(0)
-    print(f"\n  beside long prompts, short p50 with threads / on the event loop (mean of two runs each): {ratio:.2f}")
+    runs = "one run each" if args.quick else "median of two runs each"
+    print(f"\n  beside long prompts, short p50 with threads / on the event loop ({runs}): {ratio:.2f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": {"machine": platform.node(), "cpus": os.cpu_count(),
-                                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
-                       "records": records, "ratio_beside_long_threads_vs_loop": ratio}, f, indent=1)
+        write_json(args.json, {"meta": {"machine": platform.node(), "cpus": os.cpu_count(), "requests": args.requests,
+                                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
+                               "records": records, "ratio_beside_long_threads_vs_loop": ratio})
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(processes.run_main(main, prog="python -m benchmarks.gateway"))

@@ -3,13 +3,15 @@ mirror snapshot load (rate, vs etcd handing over the same keys with no decoding)
 after a publish, match() latency against a large index, mirror memory per block.
 
     python -m benchmarks.metadata [--json PATH] [--blocks 1000000] [--quick]
+
+`--quick` (the test suite's run): 100,000 blocks, fewer samples. JSON: `results` (every figure
+printed, by name) and `meta`.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import gc
-import json
 import os
 import platform
 import sys
@@ -23,7 +25,10 @@ from kvstore.index.records import BlockRecord, Layout, NodeRecord
 from kvstore.index.snapshot import load_prefix
 from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.metadata import open_metadata
+from kvstore.testing import processes
 from kvstore.testing.etcd import EtcdServer
+
+from benchmarks.records import write_json
 
 FP = ModelFingerprint("bench-model", "float16", 128, 32, 8, 128)
 
@@ -178,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=1_000_000, help="index size for match() and memory")
     parser.add_argument("--quick", action="store_true", help="smaller index and fewer samples")
     args = parser.parse_args(argv)
+    if args.blocks < 4096:
+        parser.error("--blocks must be at least 4096 (match() is timed on 4,096-block prompts)")
     total = min(args.blocks, 100_000) if args.quick else args.blocks
     results: dict = {}
     with EtcdServer() as etcd:
@@ -223,10 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count(),
                 "index_blocks": total}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
+        write_json(args.json, {"meta": meta, "results": results})
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(processes.run_main(main, prog="python -m benchmarks.metadata"))

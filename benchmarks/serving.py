@@ -45,6 +45,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.records import write_json
 from kvstore.testing import processes
 from kvstore.testing.etcd import free_port
 from kvstore.testing.vllm_server import connector_config as connector
@@ -433,8 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                 "layers": args.layers, "hidden": args.hidden, "requests": args.requests, "rate": args.rate,
                 "blocks": args.blocks, "output_tokens": args.output_tokens, "warmup": args.warmup,
                 "modes": modes, "routers": routers}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "records": records, "ratios": ratios}, f, indent=1, allow_nan=False)
+        write_json(args.json, {"meta": meta, "records": records, "ratios": ratios})
     failed = [r for r in records if not r["skipped"] and (r["errors"] or r["ttft_p50_ms"] is None)]
     return 1 if failed else 0
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import mmap
 import os
 import platform
@@ -44,14 +43,17 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 from benchmarks.limits import LoopbackBatch, memcpy_batch  # noqa: E402
 from kvstore import Client  # noqa: E402
+from benchmarks.records import write_json  # noqa: E402
 from kvstore.keys import ModelFingerprint, external_hashes  # noqa: E402
+from kvstore.testing import processes  # noqa: E402
 from kvstore.testing.etcd import EtcdServer, free_port  # noqa: E402
 from transfer.engine import DEFAULT_LOCAL_WORKERS, DEFAULT_STREAMS  # noqa: E402
 
 KIB, MIB = 1024, 1 << 20
 BLOCKS = [64 * KIB, 1 * MIB, 4 * MIB]
 BATCH = 32
-FP = ModelFingerprint("bench-model", "float16", 128, 32, 8, 128)
+# Blocks of every size in BLOCKS under one name: free-form ("bytes"), not the model geometry's size.
+FP = ModelFingerprint("bench-model", "float16", 128, 32, 8, 128, kv_layout="bytes")
 
 
 @dataclass
@@ -118,8 +120,10 @@ def start_daemon(etcd: EtcdServer, name: str, dram: str, disk_dir: str | None, d
            "--dram", dram, "--lease-ttl", "30", "--insecure", *extra]
     if disk_dir:
         cmd += ["--disk-dir", disk_dir, "--disk", disk]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    proc.stdout.readline()
+    proc = processes.spawn(cmd, stdout=subprocess.PIPE, text=True)
+    if not proc.stdout.readline():
+        processes.stop(proc)
+        raise RuntimeError(f"kvstore serve --node {name} exited with {proc.returncode} before serving")
     return proc
 
 
@@ -162,8 +166,7 @@ def bench_ours(etcd: EtcdServer, args: argparse.Namespace, out: list[Record]) ->
                         assert all(np.array_equal(outs[i], data[i]) for i in range(batch))
                         removed_and_settled(client, [h for hashes in written for h in hashes])
     finally:
-        daemon.terminate()
-        daemon.wait(15)
+        processes.stop(daemon, grace=15)
 
 
 def dd_direct_read(path: str, nbytes: int, skip: int = 0) -> float:
@@ -183,10 +186,11 @@ def bench_nvme(etcd: EtcdServer, args: argparse.Namespace, out: list[Record]) ->
     """Gets served from the NVMe tier (no promotion): same host through the tier fd (O_DIRECT in the
     client), and forced over TCP (O_DIRECT at the daemon); vs dd O_DIRECT on the same file."""
     folder = tempfile.mkdtemp(prefix="kvstore-bench-nvme-", dir=args.disk_dir)
-    daemon = start_daemon(etcd, "bench-nvme", "16MiB", folder, "1GiB", "--no-promote")
+    tier = os.path.join(folder, "bench-nvme.tier")  # kept while the daemon runs, for dd; the folder goes at the end
+    daemon = start_daemon(etcd, "bench-nvme", "16MiB", folder, "1GiB", "--no-promote", "--keep-disk")
     baseline: dict = {}
     try:
-        fp = ModelFingerprint("bench-nvme", "float16", 128, 32, 8, 128)
+        fp = ModelFingerprint("bench-nvme", "float16", 128, 32, 8, 128, kv_layout="bytes")
         with Client(etcd.url, cluster="bench", fingerprint=fp, transport="auto") as client, \
                 Client(etcd.url, cluster="bench", fingerprint=fp, transport="tcp") as remote:
             client.mirror.wait_until(lambda m: "bench-nvme" in m.nodes, 10)
@@ -203,7 +207,6 @@ def bench_nvme(etcd: EtcdServer, args: argparse.Namespace, out: list[Record]) ->
                 records = [remote.mirror.lookup(fp, h)["bench-nvme"] for h in on_nvme]
                 start = min(r.offset for r in records) // MIB * MIB
                 span = (max(r.offset + r.size for r in records) - start + MIB - 1) // MIB * MIB
-                tier = os.path.join(folder, "bench-nvme.tier")
                 # The disk's speed drifts by 2x within seconds here: each pass reads those extents with
                 # dd and then with each of our paths, back to back; a target is the median of the
                 # per-pass ratios.
@@ -233,8 +236,7 @@ def bench_nvme(etcd: EtcdServer, args: argparse.Namespace, out: list[Record]) ->
         baseline["dd_direct_read_gbps"] = statistics.mean(v for k, v in baseline.items()
                                                           if k.startswith("dd_direct_read_gbps_"))
     finally:
-        daemon.terminate()
-        daemon.wait(15)
+        processes.stop(daemon, grace=15)
         shutil.rmtree(folder, ignore_errors=True)
     return baseline
 
@@ -243,7 +245,7 @@ def bench_visibility(etcd: EtcdServer, args: argparse.Namespace) -> dict:
     """From a put's return to another client's mirror listing the block (background publishing):
     single puts 5 ms apart, and a stream of back-to-back puts (batches gather)."""
     daemon = start_daemon(etcd, "bench-vis", "256MiB", None, "0")
-    fp = ModelFingerprint("bench-vis", "float16", 128, 32, 8, 128)
+    fp = ModelFingerprint("bench-vis", "float16", 128, 32, 8, 128, kv_layout="bytes")
     result: dict = {}
     try:
         with Client(etcd.url, cluster="bench", fingerprint=fp) as putter, \
@@ -277,15 +279,14 @@ def bench_visibility(etcd: EtcdServer, args: argparse.Namespace) -> dict:
                 print(f"  visibility to another client ({mode} puts): p50 {result[mode]['p50_us']:.0f} us, "
                       f"p99 {result[mode]['p99_us']:.0f} us", flush=True)
     finally:
-        daemon.terminate()
-        daemon.wait(15)
+        processes.stop(daemon, grace=15)
     return result
 
 
 def bench_burst(etcd: EtcdServer, args: argparse.Namespace) -> dict:
     """256 concurrent 64 KiB puts from one client over 3 same-size daemons: blocks per node."""
     daemons = [start_daemon(etcd, f"bench-burst{i}", "256MiB", None, "0") for i in range(3)]
-    fp = ModelFingerprint("bench-burst", "float16", 128, 32, 8, 128)
+    fp = ModelFingerprint("bench-burst", "float16", 128, 32, 8, 128, kv_layout="bytes")
     try:
         with Client(etcd.url, cluster="bench", fingerprint=fp) as client:
             client.mirror.wait_until(lambda m: all(f"bench-burst{i}" in m.nodes for i in range(3)), 10)
@@ -301,9 +302,7 @@ def bench_burst(etcd: EtcdServer, args: argparse.Namespace) -> dict:
                     per_node[node] = per_node.get(node, 0) + 1
     finally:
         for daemon in daemons:
-            daemon.terminate()
-        for daemon in daemons:
-            daemon.wait(15)
+            processes.stop(daemon, grace=15)
     counts = list(per_node.values())
     result = {"puts": len(hashes), "stored": stored, "per_node": per_node, "seconds": took,
               "max_over_min": max(counts) / max(min(counts), 1) if min(counts) else float("inf")}
@@ -335,14 +334,14 @@ def bench_mooncake(args: argparse.Namespace, out: list[Record]) -> None:
         print("  mooncake: not measured (mooncake_master not on PATH)")
         return
     rpc, http = free_port(), free_port()
-    master = subprocess.Popen([master_bin, "--rpc_port", str(rpc), "--rpc_address", "127.0.0.1",
+    master = processes.spawn([master_bin, "--rpc_port", str(rpc), "--rpc_address", "127.0.0.1",
                                "--enable_http_metadata_server", "--http_metadata_server_port", str(http),
                                "--metrics_port", str(free_port())], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     owner = None
     try:
         time.sleep(1.5)
         metadata, master_addr = f"http://127.0.0.1:{http}/metadata", f"127.0.0.1:{rpc}"
-        owner = subprocess.Popen([sys.executable, "-c", MOONCAKE_OWNER, metadata, master_addr], stdin=subprocess.PIPE,
+        owner = processes.spawn([sys.executable, "-c", MOONCAKE_OWNER, metadata, master_addr], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         if owner.stdout.readline().strip() != "0":
             print("  mooncake: segment owner failed to start")
@@ -393,11 +392,13 @@ def bench_mooncake(args: argparse.Namespace, out: list[Record]) -> None:
         store.close()
     finally:
         if owner is not None:
-            owner.stdin.write("\n")
-            owner.stdin.flush()
-            owner.wait(15)
-        master.kill()
-        master.wait(10)
+            try:
+                owner.stdin.write("\n")
+                owner.stdin.flush()
+            except OSError:
+                pass
+            processes.stop(owner, grace=15)
+        processes.kill(master)
 
 
 # --- Redis -------------------------------------------------------------------------------------
@@ -411,7 +412,7 @@ def bench_redis(args: argparse.Namespace, out: list[Record]) -> None:
         print("  redis: not measured (needs redis-server and the redis package)")
         return
     port = free_port()
-    server = subprocess.Popen([server_bin, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+    server = processes.spawn([server_bin, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                                "--protected-mode", "yes"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         client = redis.Redis(port=port, socket_timeout=30)
@@ -452,8 +453,7 @@ def bench_redis(args: argparse.Namespace, out: list[Record]) -> None:
                 record(out, "redis", "tcp", "get", block, batch, timed(get, reps_for(block, batch, args.quick)))
                 client.delete(*[k for keys in written for k in keys])
     finally:
-        server.terminate()
-        server.wait(10)
+        processes.stop(server)
 
 
 def bench_store(args: argparse.Namespace, systems: list[str], out: list[Record]) -> None:
@@ -597,12 +597,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {label:<56}{'n/a' if value is None else f'{value:.2f}':>9}{rounds}")
     if args.json:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count()}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "records": [asdict(r) for r in records], "nvme_baseline": nvme,
-                       "ratios": dict(summary), "per_round_ratios": [dict(r) for r in per_round_ratios], **extra},
-                      f, indent=1)
+        write_json(args.json, {"meta": meta, "records": [asdict(r) for r in records], "nvme_baseline": nvme,
+                               "ratios": dict(summary), "per_round_ratios": [dict(r) for r in per_round_ratios],
+                               **extra})
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(processes.run_main(main, prog="python -m benchmarks.store"))

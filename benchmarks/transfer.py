@@ -1,10 +1,14 @@
 """Transfer benchmark: ours (shm, tcp) side by side with memcpy, loopback sockets (threaded pairs
 and iperf3) and Mooncake's Transfer Engine, in one run, two processes, medians of several repetitions.
 
-    python -m benchmarks.transfer [--json PATH] [--quick] [--streams N] [--reps R]
+    python -m benchmarks.transfer [--json PATH] [--quick] [--streams N] [--reps R] [--systems LIST]
 
 One record per (system, transport, op, block size): gbps (1e9 bytes/s) of a batch covering
---batch-mib, and p50/p99 latency of single ops of that size.
+--batch-mib, and p50/p99 latency of single ops of that size (null where a system has none).
+Systems: kvstore (transports shm, tcp, tcp-aead), memcpy, socket (python, iperf3), mooncake, ucx
+(kvstore and ucx-raw over ucx-sm and ucx-tcp, and ucx_perftest); one not installed here is left
+out with a line saying why, and its ratios are null (n/a). JSON: `records`, `ratios`, `meta`.
+`--quick` (the test suite's run): 16 MiB batches, 2 repetitions, fewer latency samples.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ from typing import Callable
 import numpy as np
 
 from benchmarks import transfer_ucx as ucx_bench
+from benchmarks.records import write_json
+from kvstore.testing import processes
 from transfer import Engine, Read, Write
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # else Mooncake uses the external address
@@ -36,6 +42,7 @@ MOONCAKE_MAX_BATCH = 1024
 
 KIB, MIB = 1024, 1 << 20
 BLOCKS = [4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB]
+SYSTEMS = ("kvstore", "memcpy", "socket", "mooncake", "ucx")
 
 
 @dataclass
@@ -191,8 +198,8 @@ def bench_socket(args: argparse.Namespace, out: list[Record]) -> None:
     server = None
     if shutil.which("iperf3"):
         port = free_port()
-        server = subprocess.Popen(["iperf3", "-s", "-B", "127.0.0.1", "-p", str(port)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server = processes.spawn(["iperf3", "-s", "-B", "127.0.0.1", "-p", str(port)],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.5)
     tools = [("python", python_socket)] + ([("iperf3", functools.partial(iperf3, port))] if server else [])
     try:
@@ -204,8 +211,7 @@ def bench_socket(args: argparse.Namespace, out: list[Record]) -> None:
                     report(out[-1])
     finally:
         if server is not None:
-            server.terminate()
-            server.wait(10)
+            processes.stop(server)
 
 
 def iperf3(port: int, block: int, reverse: bool, args: argparse.Namespace) -> float:
@@ -330,28 +336,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--streams", type=int, default=4, help="TCP streams for ours, iperf3 -P")
     parser.add_argument("--reps", type=int, default=5, help="repetitions per batch (median)")
-    parser.add_argument("--batch-mib", type=int, default=64, help="bytes per batch")
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
-    parser.add_argument("--systems", default="kvstore,memcpy,socket,mooncake,ucx")
+    parser.add_argument("--batch-mib", type=int, default=None, help="MiB per batch (default 64; 16 with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the test suite's run: 16 MiB batches, 2 repetitions, fewer latency samples")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--ucx-tls", action="append", choices=ucx_bench.TLS, help="UCX_TLS of the ucx records (repeat)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.batch_mib is None:
+        args.batch_mib = 16 if args.quick else 64
+    if args.quick:
+        args.reps = min(args.reps, 2)
+    if args.batch_mib < 16 or args.reps < 1 or args.streams < 1:
+        parser.error("--batch-mib must be at least 16 (the largest block), --reps and --streams at least 1")
     args.batch = args.batch_mib * MIB
     args.blocks = BLOCKS
-    if args.quick:
-        args.reps = min(args.reps, 3)
     if args.serve:
         serve(args.batch)
         return 0
     systems = args.systems.split(",")
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"--systems: unknown {', '.join(unknown)} (known: {', '.join(SYSTEMS)})")
     os.environ["MC_TCP_LANES_PER_PEER"] = str(args.streams)  # same parallelism as ours (both processes)
     os.environ.setdefault("KVT_BENCH_SECRET", secrets.token_hex(16))  # inherited by the target process
-    child = subprocess.Popen([sys.executable, "-m", "benchmarks.transfer", "--serve", "--batch-mib", str(args.batch_mib)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             env=ucx_bench.target_env() if "ucx" in systems else None)
+    child = processes.spawn([sys.executable, "-m", "benchmarks.transfer", "--serve", "--batch-mib", str(args.batch_mib)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=ucx_bench.target_env() if "ucx" in systems else None)
     records: list[Record] = []
     try:
-        hello = json.loads(child.stdout.readline())
+        line = child.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the target process exited with {child.wait(10)} before serving")
+        hello = json.loads(line)
         print(f"  {'system':<9}{'path':<8}{'op':<6}{'block':>7}{'GB/s':>9}{'p50 us':>10}{'p99 us':>10}")
         if "kvstore" in systems:
             bench_ours(hello, args, records)
@@ -366,9 +383,12 @@ def main(argv: list[str] | None = None) -> int:
             ucx_bench.bench_ucx(hello, args, records, Record, latency_iters, report)
             ucx_bench.bench_perftest(args, records, Record, report)
     finally:
-        child.stdin.write("\n")
-        child.stdin.flush()
-        child.wait(30)
+        try:
+            child.stdin.write("\n")
+            child.stdin.flush()
+        except OSError:  # it is gone already
+            pass
+        processes.stop(child, grace=30)
     print("\n  targets (ratios in this run)")
     summary = ratios(records)
     for label, value in summary:
@@ -376,11 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(),
                 "cpus": os.cpu_count(), "streams": args.streams, "reps": args.reps, "batch_bytes": args.batch}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "records": [asdict(r) for r in records],
-                       "ratios": dict(summary)}, f, indent=1)
+        write_json(args.json, {"meta": meta, "records": [asdict(r) for r in records], "ratios": dict(summary),
+                               "systems": systems})
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(processes.run_main(main, prog="python -m benchmarks.transfer"))

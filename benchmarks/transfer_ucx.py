@@ -6,6 +6,10 @@ UCX's own C benchmark `ucx_perftest` (ucp_put_bw, ucp_get) on the same transport
 
 UCX_TLS per record: "tcp" (UCX's RMA emulation over TCP) and "sm" (one-sided cross-memory attach; no
 peer-failure handling there, so the run opts in: a dying target would abort the benchmark).
+
+    python -m benchmarks.transfer_ucx [--json PATH] [--quick] [--ucx-tls sm|tcp ...]
+
+runs `benchmarks.transfer --systems ucx` (these records alone; any transfer argument works).
 """
 from __future__ import annotations
 
@@ -15,11 +19,13 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from typing import Callable
 
 import numpy as np
 
+from kvstore.testing import processes
 from transfer import Engine, Read, Write
 
 TLS = ("sm", "tcp")
@@ -122,7 +128,8 @@ def bench_ucx(hello: dict, args: argparse.Namespace, out: list, record, latency_
                         flat = [(op is Write, o, o, block) for o in range(0, args.batch, block)]
                         iters = latency_iters(block, args.quick)
                         lat = interleaved(lambda: engine.transfer(one), lambda: raw(flat[:1]), iters * 3)
-                        batch = interleaved(lambda: engine.transfer(ops), lambda: raw(flat), max(args.reps, 5), warm=1)
+                        reps = args.reps if args.quick else max(args.reps, 5)
+                        batch = interleaved(lambda: engine.transfer(ops), lambda: raw(flat), reps, warm=1)
                         for system in ("kvstore", "ucx-raw"):
                             gbps = len(ops) * block / (batch[system][0] / 1e6) / 1e9
                             p50, p99 = lat[system]
@@ -163,12 +170,13 @@ def bench_perftest(args: argparse.Namespace, out: list, record, report) -> None:
                    LD_LIBRARY_PATH=lib_dir + ":" + os.environ.get("LD_LIBRARY_PATH", ""))
         for block in args.blocks:
             for name, test in (("write", "ucp_put_bw"), ("read", "ucp_get")):
-                iters = max(20, min(5000, (256 << 20) // block)) // (4 if args.quick else 1)
+                iters = max(20, min(5000, (256 << 20) // block))
+                iters = max(5, iters // 20) if args.quick else iters
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", 0))
                     port = s.getsockname()[1]
-                server = subprocess.Popen([binary, "-p", str(port)], env=env, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL)
+                server = processes.spawn([binary, "-p", str(port)], env=env, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL)
                 try:
                     final = None
                     for _ in range(50):  # until the server listens
@@ -179,8 +187,7 @@ def bench_perftest(args: argparse.Namespace, out: list, record, report) -> None:
                         if final:
                             break
                 finally:
-                    server.kill()
-                    server.wait(10)
+                    processes.kill(server)
                 if not final:
                     print(f"  ucx_perftest {tls} {test} {block}: no result")
                     continue
@@ -208,3 +215,19 @@ def ratios(get, ratio, human, tls_list) -> list[tuple[str, float | None]]:
             rows.append((f"{path} p50/raw 4K {op} (<=1.20)",
                          ratio(get("kvstore", path, op, 4096, "p50_us"), get("ucx-raw", path, op, 4096, "p50_us"))))
     return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """These records alone: `benchmarks.transfer --systems ucx` (other transfer arguments pass through)."""
+    from benchmarks import transfer
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--systems" or a.startswith("--systems=") for a in argv):
+        print("python -m benchmarks.transfer_ucx: error: --systems is ucx here (use benchmarks.transfer for others)",
+              file=sys.stderr)
+        return 2
+    return transfer.main(["--systems", "ucx", *argv])
+
+
+if __name__ == "__main__":
+    sys.exit(processes.run_main(main, prog="python -m benchmarks.transfer_ucx"))

@@ -8,7 +8,10 @@ and then warm (the same prompt again, vLLM's own prefix cache reset so only the 
 help). TTFT = the time of a 1-token generation. Each system runs in a process of its own; ours
 uses a `kvstore serve` daemon (DRAM) registered in a local etcd. JSON `records`: one per system
 and phase, with `system` (none, example, kvstore), `phase` (first_sight, warm), `ttft_p50_ms`,
-`ttft_p99_ms`.
+`ttft_p99_ms`, `samples_ms`; `ratios` (the targets, each with `value`, `target`, `met`).
+
+`--quick` (the test suite's run): 2 prompts of ~512 tokens, a 2-layer model with hidden 128, one
+round, every system (`--layerwise` adds kvstore-layerwise).
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from benchmarks.records import write_json
+from kvstore.testing import processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = """
@@ -66,30 +72,42 @@ def percentile(samples: list[float], q: float) -> float:
 def run_system(model: str, connector: dict | None, prompts: list[list[int]], round_: int) -> dict:
     # Each round sees new prompts (first token differs): nothing from an earlier round is cached.
     prompts = [[(p[0] + 97 * round_) % 500 + 3] + p[1:] for p in prompts]
-    done = subprocess.run([sys.executable, "-c", RUNNER, json.dumps({"model": model, "connector": connector,
-                                                                     "prompts": prompts})],
-                          capture_output=True, text=True, timeout=1800, cwd=ROOT)
-    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+    proc = processes.spawn([sys.executable, "-c", RUNNER, json.dumps({"model": model, "connector": connector,
+                                                                      "prompts": prompts})],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        stdout, stderr = proc.communicate(timeout=1800)
+    finally:
+        processes.stop(proc)
+    line = next((l for l in stdout.splitlines() if l.startswith("RESULT ")), None)
     if line is None:
-        raise RuntimeError(done.stderr[-3000:])
+        raise RuntimeError(f"the {connector and connector['kv_connector'] or 'plain'} engine failed "
+                           f"(exit code {proc.returncode}):\n{stderr[-3000:]}")
     return json.loads(line[len("RESULT "):])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.vllm_ttft", description=__doc__.split("\n")[0])
-    parser.add_argument("--json")
+    parser.add_argument("--json", help="write the records here")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--rounds", type=int, default=3,
                         help="systems run in turn this many times; samples are pooled (noise hits all alike)")
-    parser.add_argument("--quick", action="store_true", help="4 prompts, a smaller model, one round")
+    parser.add_argument("--quick", action="store_true",
+                        help="the test suite's run: 2 prompts of ~512 tokens, a 2-layer model with hidden 128, one round")
     parser.add_argument("--layerwise", action="store_true",
                         help="also run kvstore with layer-by-layer in-step loads (system kvstore-layerwise)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.prompts, args.layers, args.hidden, args.rounds = 4, 6, 512, 1
+        args.prompts, args.prompt_tokens, args.layers, args.hidden, args.rounds = 2, 512, 2, 128, 1
+    if args.prompts < 1 or args.rounds < 1 or args.layers < 1:
+        parser.error("--prompts, --rounds and --layers must be at least 1")
+    if not 128 <= args.prompt_tokens <= 1920:
+        parser.error("--prompt-tokens must be within 128..1920 (the engines' context is 2,048 tokens)")
+    if args.hidden < 64 or args.hidden % 64:
+        parser.error("--hidden must be a multiple of 64 (heads of 64)")
 
     from kvstore.integrations.vllm.tiny_model import build_tiny_model
     from kvstore.testing.etcd import EtcdServer
@@ -105,9 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     storage = tempfile.mkdtemp(prefix="kvstore-example-connector-")
     results = {}
     with EtcdServer() as etcd:
-        daemon = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--node", "ttft", "--metadata",
-                                   etcd.url, "--dram", "4GiB", "--insecure"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        daemon.stdout.readline()
+        daemon, _ = processes.start_store_daemon(["--node", "ttft", "--metadata", etcd.url, "--dram", "4GiB",
+                                                  "--insecure"])
         try:
             systems = {
                 "none": None,
@@ -136,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                     for key, value in r["totals"].items():
                         merged["totals"][key] = merged["totals"].get(key, 0) + value
         finally:
-            daemon.terminate()
-            daemon.wait(15)
+            processes.stop(daemon, grace=15)
             shutil.rmtree(storage, ignore_errors=True)
 
     print(f"\n  model: {args.layers} layers, hidden {args.hidden}; {args.prompts} prompts of ~{args.prompt_tokens} tokens,"
@@ -175,11 +191,10 @@ def main(argv: list[str] | None = None) -> int:
                 "layers": args.layers, "hidden": args.hidden, "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
                 "rounds": args.rounds, "load_average": os.getloadavg(), "per_round_ratios": per_round}
         ratios = [{"ratio": label, "value": value, "target": bound, "met": value <= bound} for label, value, bound in targets]
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "records": records, "ratios": ratios,
-                       "totals": {name: r["totals"] for name, r in results.items()}}, f, indent=1)
+        write_json(args.json, {"meta": meta, "records": records, "ratios": ratios,
+                               "totals": {name: r["totals"] for name, r in results.items()}})
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(processes.run_main(main, prog="python -m benchmarks.vllm_ttft"))

@@ -75,7 +75,11 @@ class EtcdServer:
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def __enter__(self) -> "EtcdServer":
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.cleanup()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
