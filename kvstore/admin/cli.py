@@ -308,9 +308,17 @@ def _partial(client: AdminClient) -> int:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    console = Console(stderr=False)
+    ours, level = logging.getLogger("kvstore"), logging.getLogger("kvstore").level
     if not logging.getLogger().handlers:  # the command line: its one line says it, not the mirror's retries
-        logging.getLogger("kvstore").setLevel(logging.CRITICAL)
+        ours.setLevel(logging.CRITICAL)
+    try:
+        return _run(args)
+    finally:
+        ours.setLevel(level)
+
+
+def _run(args: argparse.Namespace) -> int:
+    console = Console(stderr=False)
     try:
         resolve(args)
         if args.admin_command == "query":
