@@ -17,7 +17,7 @@ import pytest
 
 from kvstore.testing.processes import FAIL_AFTER_ENV
 
-from .conftest import describe, finish, start, survivors, tagged
+from bench_run import describe, finish, start, survivors, tagged
 
 needs_etcd = pytest.mark.skipif(shutil.which("etcd") is None, reason="needs etcd (scripts/install-test-deps.sh)")
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the vllm extra")

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from .conftest import ROOT
+from bench_run import ROOT
 
 needs_etcd = pytest.mark.skipif(shutil.which("etcd") is None, reason="needs etcd (scripts/install-test-deps.sh)")
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the vllm extra")
