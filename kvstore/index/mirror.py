@@ -321,14 +321,24 @@ class IndexMirror:
             raise bad
 
     def wait_for_revision(self, revision: int, timeout: float = 5.0) -> bool:
-        """Block until the mirror has applied `revision` (tests, benchmarks)."""
+        """Block until the mirror has applied every change up to `revision` (tests, benchmarks).
+        Only changes under this cluster's root reach the mirror, while etcd counts revisions
+        across the whole store: wait for a revision one of them carries (what a publish returns),
+        not that of a later read, which another cluster's writes may have moved past every
+        revision this mirror will see (until its next change or resync)."""
         with self._changed:
             return self._changed.wait_for(lambda: self._revision >= revision, timeout)
 
     def wait_until(self, predicate: Callable[["IndexMirror"], bool], timeout: float = 5.0) -> bool:
-        """Block until `predicate(self)` holds after some update, or the timeout passes."""
+        """Block until `predicate(self)` holds after some update, or the timeout passes. The
+        predicate sees whole watch batches (it runs under the apply lock: it must not call what
+        takes that lock, such as asking or remember)."""
+        def holds() -> bool:
+            with self._apply_lock:
+                return predicate(self)
+
         with self._changed:
-            return self._changed.wait_for(lambda: predicate(self), timeout)
+            return self._changed.wait_for(holds, timeout)
 
     # --- applying changes (mirror thread; callers hold _apply_lock) ---------------------------------
     def _node_number(self, node: str) -> int:
@@ -478,7 +488,9 @@ class IndexMirror:
             except (KVStoreError, OSError) as exc:
                 log.warning("index mirror lost %s (answers are stale until it reloads): %s", self.url, exc)
             finally:
-                self._connected = False
+                with self._changed:  # a waiter on `stale` wakes now, not at its timeout
+                    self._connected = False
+                    self._changed.notify_all()
                 with self._apply_lock:
                     self._fresh = None
                 try:
@@ -551,24 +563,31 @@ class IndexMirror:
             await watch.cancel()
 
     async def _consume(self, watch) -> None:
-        async for event in watch:
-            self._on_event(event)
+        async for events in watch.batches():
+            self._on_events(events)
         raise MetadataUnavailable("watch ended")
 
-    def _on_event(self, event: WatchEvent) -> None:
+    def _on_events(self, events: list[WatchEvent]) -> None:
+        """Apply whole revisions, then announce the last: a transaction publishes many blocks as
+        one revision, and a waiter woken at its first event read the rest as missing."""
         with self._apply_lock:
-            try:
-                replica = self._apply(self._snapshot, event.kind, event.key, event.value)
-            except (InvalidRecord, ValueError, UnicodeDecodeError) as exc:
-                log.warning("ignoring malformed index event %r: %s", event.key[:200], exc)
-                replica = None
-            self._applied = max(self._applied, event.revision)
-            if replica is not None and self._questions and self._asked(replica):
-                self._event_revisions[replica] = event.revision
+            for event in events:
+                self._on_event(event)
         with self._changed:
-            self._revision = event.revision
+            self._revision = max(self._revision, events[-1].revision)
             self._last_ok = time.monotonic()
             self._changed.notify_all()
+
+    def _on_event(self, event: WatchEvent) -> None:
+        """One event into the current snapshot (the caller holds _apply_lock)."""
+        try:
+            replica = self._apply(self._snapshot, event.kind, event.key, event.value)
+        except (InvalidRecord, ValueError, UnicodeDecodeError) as exc:
+            log.warning("ignoring malformed index event %r: %s", event.key[:200], exc)
+            replica = None
+        self._applied = max(self._applied, event.revision)
+        if replica is not None and self._questions and self._asked(replica):
+            self._event_revisions[replica] = event.revision
 
     async def _ping(self, metadata: Metadata) -> None:
         """Prove the service is still there while the watch is quiet."""

@@ -115,13 +115,24 @@ def compare_holds(cmp: Compare, current: KeyValue | None) -> bool:
 
 class Watch(abc.ABC):
     """An async iterator of WatchEvents; raises MetadataUnavailable or WatchCompacted when it ends
-    for a reason other than cancel()."""
+    for a reason other than cancel(). `batches()` gives the same events in lists that each hold
+    every event of the revisions they cover: a transaction's changes share one revision, and a
+    follower that says "revision R is in" after R's first event lets a reader see half of it."""
 
     def __aiter__(self) -> AsyncIterator[WatchEvent]:
         return self._events()
 
+    def batches(self) -> AsyncIterator[list[WatchEvent]]:
+        return self._batches()
+
+    async def _events(self) -> AsyncIterator[WatchEvent]:
+        async for batch in self._batches():
+            for event in batch:
+                yield event
+
     @abc.abstractmethod
-    def _events(self) -> AsyncIterator[WatchEvent]: ...
+    def _batches(self) -> AsyncIterator[list[WatchEvent]]:
+        """Non-empty lists of whole revisions, in revision order."""
 
     @abc.abstractmethod
     async def cancel(self) -> None: ...

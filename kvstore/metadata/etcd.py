@@ -62,22 +62,67 @@ def _kv(raw) -> KeyValue:
 
 
 class _EtcdWatch(Watch):
-    def __init__(self, raw) -> None:
-        self._raw = raw
+    """One prefix watch on a gRPC stream of its own, a batch per response. etcd sends every event
+    of a revision in one WatchResponse (no fragments are asked for); aetcd's watcher hands them on
+    one at a time and loses where a revision ends, which a follower needs to say when it is in."""
 
-    async def _events(self) -> AsyncIterator[WatchEvent]:
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self._cancelled = False
+
+    @classmethod
+    async def open(cls, client: aetcd.Client, prefix: bytes, start_revision: int | None) -> "_EtcdWatch":
+        stream = rpc.WatchStub(client.channel).Watch(metadata=client.metadata)
+        create = rpc.WatchCreateRequest(key=prefix, range_end=prefix_range_end(prefix),
+                                        start_revision=start_revision or 0)
+        watch = cls(stream)
         try:
-            async for event in self._raw:
-                kind = "put" if event.kind == "PUT" else "delete"
-                yield WatchEvent(kind, event.kv.key, event.kv.value, event.kv.mod_revision)
+            await stream.write(rpc.WatchRequest(create_request=create))
+            created = await watch._next()
+            if created is None or not created.created:
+                raise MetadataUnavailable("etcd did not confirm the watch")
+            watch._check(created)
+        except BaseException:
+            stream.cancel()  # a half-made watch (timed out, refused) must not linger on the channel
+            raise
+        return watch
+
+    async def _batches(self) -> AsyncIterator[list[WatchEvent]]:
+        while (response := await self._next()) is not None:
+            self._check(response)
+            if response.events:  # empty: a progress notice
+                yield [WatchEvent("put" if e.type == rpc.Event.PUT else "delete", e.kv.key, e.kv.value,
+                                  e.kv.mod_revision) for e in response.events]
+
+    async def _next(self):
+        """The next response; None once cancel() ended the stream."""
+        try:
+            response = await self._stream.read()
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self._cancelled and not (current is not None and current.cancelling()):
+                return None  # grpc reports our own cancel() to the reader as a cancellation
+            raise
         except (aetcd_errors.ClientError, rpc.AioRpcError) as exc:
+            if self._cancelled:
+                return None
             raise _translate(exc) from exc
+        if response is grpc.aio.EOF:
+            if self._cancelled:
+                return None
+            raise MetadataUnavailable("etcd ended the watch stream")
+        return response
+
+    @staticmethod
+    def _check(response) -> None:
+        if response.compact_revision:
+            raise WatchCompacted(response.compact_revision)
+        if response.canceled:
+            raise MetadataUnavailable(f"etcd cancelled the watch: {response.cancel_reason or 'no reason given'}")
 
     async def cancel(self) -> None:
-        try:
-            await self._raw.cancel()
-        except (aetcd_errors.ClientError, rpc.AioRpcError):
-            pass  # the stream is gone already
+        self._cancelled = True
+        self._stream.cancel()
 
 
 @dataclass(frozen=True)
@@ -246,8 +291,8 @@ class EtcdMetadata(Metadata):
             pass  # already gone: the goal is reached
 
     async def watch(self, prefix: bytes | str, start_revision: int | None = None) -> Watch:
-        raw = await self._call(self._client.watch_prefix(as_key(prefix), start_revision=start_revision))
-        return _EtcdWatch(raw)
+        await self._call(self._client.connect())
+        return await self._call(_EtcdWatch.open(self._client, as_key(prefix), start_revision))
 
     async def compact(self, revision: int) -> None:
         await self._call(self._client.compact(revision, physical=True))

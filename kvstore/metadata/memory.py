@@ -106,13 +106,12 @@ class _MemoryWatch(Watch):
         if mine:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, mine)
 
-    async def _events(self) -> AsyncIterator[WatchEvent]:
+    async def _batches(self) -> AsyncIterator[list[WatchEvent]]:
         while True:
-            batch = await self._queue.get()
+            batch = await self._queue.get()  # one transaction's events, or a replay of whole ones
             if batch is None:
                 return
-            for event in batch:
-                yield event
+            yield batch
 
     async def cancel(self) -> None:
         with self._state.lock:

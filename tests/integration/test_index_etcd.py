@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -83,9 +84,9 @@ def test_etcd_restart_resyncs_the_mirror(fresh_etcd):
             b = NodeSession(writer, layout, NodeRecord("b", "y"), ttl=60)
             await b.start()
             await b.publish(fp.digest, [(h, BlockRecord("nvme", 2, i, 1, i)) for i, h in enumerate(hashes[:80])])
-            await a.unpublish(fp.digest, hashes[:10])
-            items, revision = await writer.range(layout.root)
-            assert await asyncio.to_thread(mirror.wait_for_revision, revision, 15)
+            last_write = await a.unpublish(fp.digest, hashes[:10])
+            items, _ = await writer.range(layout.root)
+            assert await asyncio.to_thread(mirror.wait_for_revision, last_write, 15)
             assert await asyncio.to_thread(mirror.wait_until, lambda m: not m.stale, 10)
             assert mirror.resyncs >= 2
             assert set(mirror.nodes) == {"a", "b"}
@@ -103,7 +104,41 @@ def test_etcd_restart_resyncs_the_mirror(fresh_etcd):
     asyncio.run(scenario())
 
 
+def test_a_waiter_on_stale_wakes_when_the_connection_drops(fresh_etcd):
+    """A waiter on `stale` wakes when the watch breaks, not at its timeout. Kills the mirror that
+    marked itself disconnected without a notify: with 30 s of silence allowed nothing else woke
+    the waiter, which slept out its 8 s (the restart test above would sleep out its 10 s whenever
+    its first look beat the drop)."""
+    mirror = IndexMirror(fresh_etcd.url, uuid.uuid4().hex[:8], stale_after=30, timeout=2.0).start()
+    looked, result = threading.Event(), {}
+
+    def stale(m: IndexMirror) -> bool:
+        looked.set()
+        return m.stale
+
+    def wait() -> None:
+        started = time.monotonic()
+        result["stale"] = mirror.wait_until(stale, 8)
+        result["seconds"] = time.monotonic() - started
+
+    try:
+        assert mirror.wait_loaded(10) and not mirror.stale
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        assert looked.wait(5)  # it found the mirror current and sleeps until told otherwise
+        fresh_etcd.kill()
+        waiter.join(15)
+        assert result["stale"] and result["seconds"] < 4
+    finally:
+        mirror.stop()
+
+
 def test_concurrent_publishers_of_the_same_block_end_consistent(etcd_server):
+    """The mirror is waited on at the revision of the last write under its cluster, not at the
+    store-wide revision of a read after it: etcd's revision counts every cluster's writes, and a
+    neighbour's write (here on purpose; in a full run another test's lease expiring) between the
+    publishes and that read gave a revision no event of this cluster ever carries, so the wait ran
+    out its 10 s."""
     cluster = uuid.uuid4().hex[:8]
     fp = ModelFingerprint("m", "float16", 4, 2, 2, 64)
     hashes = chain_hashes(fp, list(range(4 * 64)))
@@ -117,10 +152,16 @@ def test_concurrent_publishers_of_the_same_block_end_consistent(etcd_server):
             await s.start()
             sessions.append(s)
         # Both nodes store and publish the same 64 blocks at the same time, twice over.
-        await asyncio.gather(*[s.publish(fp.digest, [(h, BlockRecord("dram", k, i, 1, i)) for i, h in enumerate(hashes)])
-                               for k in (1, 2) for s in sessions])
-        items, revision = await open_metadata(etcd_server.url).range(layout.blocks_prefix(fp.digest))
-        assert mirror.wait_for_revision(revision, 10)
+        revisions = await asyncio.gather(*[s.publish(fp.digest, [(h, BlockRecord("dram", k, i, 1, i))
+                                                                 for i, h in enumerate(hashes)])
+                                           for k in (1, 2) for s in sessions])
+        reader = open_metadata(etcd_server.url)
+        neighbour = Layout(uuid.uuid4().hex[:8]).root + "neighbour"
+        await reader.put(neighbour, b"x")  # another cluster writes to the same etcd
+        items, _ = await reader.range(layout.blocks_prefix(fp.digest))
+        await reader.delete(neighbour)
+        await reader.close()
+        assert mirror.wait_for_revision(max(revisions), 10)
         assert len(items) == 128
         assert mirror.match(fp, hashes).length == 64
         for item in items:
@@ -131,6 +172,59 @@ def test_concurrent_publishers_of_the_same_block_end_consistent(etcd_server):
         mirror.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_revision_is_announced_only_once_all_its_events_are_applied(etcd_server, monkeypatch):
+    """One transaction publishes 64 blocks as one revision, and the mirror is held after applying
+    the first of them: wait_for_revision must not return until all 64 are in. Kills the mirror that
+    announced each event's revision as it applied it: its waiter woke with 1 block of 64 (under
+    load, the test above read a record its last transaction had not replaced yet)."""
+    cluster = uuid.uuid4().hex[:8]
+    fp = ModelFingerprint("m", "float16", 4, 2, 2, 64)
+    hashes = chain_hashes(fp, list(range(4 * 64)))
+    layout = Layout(cluster)
+    held, release, answered = threading.Event(), threading.Event(), threading.Event()
+    mirror = IndexMirror(etcd_server.url, cluster).start()
+    real_apply, blocks = mirror._apply, []
+
+    def held_apply(snap, kind, key, value):
+        if b"/blocks/" in key:
+            blocks.append(key)
+            if len(blocks) == 2:  # the transaction's first block is in: hold the rest
+                held.set()
+                release.wait(10)
+        return real_apply(snap, kind, key, value)
+
+    seen = {}
+
+    def wait(revision: int) -> None:
+        seen["revision"] = mirror.wait_for_revision(revision, 10)
+        seen["blocks"] = mirror.match(fp, hashes).length
+        answered.set()
+
+    async def scenario():
+        session = NodeSession(open_metadata(etcd_server.url), layout, NodeRecord("n", "n"), ttl=30)
+        await session.start()
+        try:
+            revision = await session.publish(fp.digest, [(h, BlockRecord("dram", 1, i, 1, i))
+                                                         for i, h in enumerate(hashes)])
+            waiter = asyncio.create_task(asyncio.to_thread(wait, revision))
+            assert await asyncio.to_thread(held.wait, 10)
+            await asyncio.to_thread(answered.wait, 1.5)  # a mirror that announces the revision early answers here
+            release.set()
+            await waiter
+            assert seen == {"revision": True, "blocks": 64}
+        finally:
+            release.set()
+            await session.close()
+
+    try:
+        assert mirror.wait_loaded(10)
+        monkeypatch.setattr(mirror, "_apply", held_apply)
+        asyncio.run(scenario())
+    finally:
+        release.set()
+        mirror.stop()
 
 
 def test_oversize_and_wrong_type_input_gets_typed_errors(etcd_server):

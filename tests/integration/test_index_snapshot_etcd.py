@@ -34,11 +34,12 @@ def test_load_at_one_revision_while_nodes_publish_and_unpublish(etcd_server, mon
         expected = await md.range_page(prefix, prefix_end(prefix))
         more = {fp.digest: external_hashes(range(3000, 4000), fp) for fp in FPS}
 
-        async def churn() -> None:
+        async def churn() -> int:
             for i in range(0, 1000, 50):
                 for fp in more:
                     await sessions[1].publish(fp, [(h, BlockRecord("dram", 3, 0, 1, 0)) for h in more[fp][i:i + 50]])
-                    await sessions[0].unpublish(fp, hashes[fp][i:i + 50])
+                    last = await sessions[0].unpublish(fp, hashes[fp][i:i + 50])
+            return last
 
         pages = []
         writer = asyncio.create_task(churn())
@@ -46,14 +47,16 @@ def test_load_at_one_revision_while_nodes_publish_and_unpublish(etcd_server, mon
         # start() returns once its snapshot has begun loading, so the load overlaps the churn; a
         # 10 ms bound here (as before) failed on a busy CI host before even connecting.
         mirror = IndexMirror(etcd_server.url, layout.cluster).start(wait=10)
-        await writer
+        last_write = await writer
         got = sorted((k, v) for page in pages for k, v in zip(page.keys, page.values))
         assert count == len(expected.keys) == 6000 + 2000 and len(pages) > 30
         assert got == list(zip(expected.keys, expected.values))
 
         final = await md.range_page(prefix, prefix_end(prefix))
         assert await asyncio.to_thread(mirror.wait_loaded, 20)
-        assert await asyncio.to_thread(mirror.wait_for_revision, final.revision, 10)
+        # The churn's last write, not `final.revision`: that counts other clusters' writes to this
+        # etcd too (another test's lease expiring), which this mirror never hears of.
+        assert await asyncio.to_thread(mirror.wait_for_revision, last_write, 10)
         seen = {(fp, h, node) for fp in hashes for h in hashes[fp] + more[fp]
                 for node in mirror.lookup(fp, h)}
         in_etcd = {(k.split(b"/")[4].decode(), bytes.fromhex(k.split(b"/")[5].decode()), k.split(b"/")[6].decode())
