@@ -1,44 +1,39 @@
 """No benchmark leaves a process behind, whatever goes wrong: a benchmark that fails with its
 children up, or is interrupted (Ctrl-C, SIGTERM, SIGHUP) while they start, still stops every one
-of them (their process groups too: vLLM's engine core), through kvstore.testing.processes.
+of them (their process groups too: vLLM's engine core), through kvstore.testing.processes. What
+outlives a run is found by reaper.py (a child subreaper: every descendant comes back to it).
 
 A failure is injected with KVSTORE_TESTING_FAIL_AFTER_SPAWNS=N: the benchmark's Nth child
 starts, then the call that started it raises, as a bug after that point would."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import signal
 import time
-import uuid
 
 import pytest
 
+from bench_run import Started, describe, descendants
 from kvstore.testing.processes import FAIL_AFTER_ENV
-
-from bench_run import describe, finish, start, survivors, tagged
 
 needs_etcd = pytest.mark.skipif(shutil.which("etcd") is None, reason="needs etcd (scripts/install-test-deps.sh)")
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the vllm extra")
 
 
-def crash_after(name: str, spawns: int, *args: str, timeout: float = 120.0) -> tuple[int, str, list[str]]:
-    tag = uuid.uuid4().hex
-    proc = start(name, ["--quick", *args], tag, env={FAIL_AFTER_ENV: str(spawns)})
-    code, output = finish(proc, timeout)
-    return code, output, survivors(tag)
+def crash_after(tmp_path, name: str, spawns: int, *args: str, timeout: float = 120.0) -> tuple[int, str, list[str]]:
+    return Started(name, ["--quick", *args], tmp_path / "reaper.json", timeout, env={FAIL_AFTER_ENV: str(spawns)}).finish()
 
 
 @needs_etcd
 @needs_vllm
-def test_serving_failing_with_its_engines_up_leaves_nothing():
+def test_serving_failing_with_its_engines_up_leaves_nothing(tmp_path):
     """The broken variant this kills: benchmarks.serving raising once its three `vllm serve`
     engines run (children 3-5 after etcd and the store daemon), as its clean-up's AttributeError
     at the end of the first mode did, which left three `vllm serve` processes (and their engine
     cores) running. Two of them are stopped by run_mode's own `finally`; the third, whose start
     raised, by the benchmark's exit path (run_main)."""
-    code, output, left = crash_after("serving", 5)
+    code, output, left = crash_after(tmp_path, "serving", 5)
     assert "InjectedFailure" in output, output[-3000:]
     assert code == 1, output[-3000:]
     assert left == [], left
@@ -53,47 +48,44 @@ def test_serving_failing_with_its_engines_up_leaves_nothing():
     pytest.param("vllm_ttft", 3, "etcd, the daemon and a vLLM engine process", marks=[needs_etcd, needs_vllm],
                  id="vllm_ttft"),
 ])
-def test_benchmark_failing_with_children_up_leaves_nothing(name, spawns, what):
+def test_benchmark_failing_with_children_up_leaves_nothing(tmp_path, name, spawns, what):
     """The broken variant this kills: each benchmark raising right after it started `what`
     (before, a benchmark's children outlived any exception its own `finally` did not cover)."""
-    code, output, left = crash_after(name, spawns)
+    code, output, left = crash_after(tmp_path, name, spawns)
     assert "InjectedFailure" in output, output[-3000:]
     assert code == 1, output[-3000:]
     assert left == [], left
 
 
-def wait_for_children(tag: str, needle: str, count: int, timeout: float = 120.0) -> list[str]:
+def wait_for_children(run: Started, needle: str, count: int, timeout: float = 120.0) -> list[str]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = [d for d in map(describe, tagged(tag)) if needle in d]
+        found = [d for d in map(describe, descendants(run.proc.pid)) if needle in d]
         if len(found) >= count:
             return found
         time.sleep(0.2)
-    raise AssertionError(f"no {count} x {needle!r} within {timeout} s: {[describe(p) for p in tagged(tag)]}")
+    raise AssertionError(f"no {count} x {needle!r} within {timeout} s: "
+                         f"{[describe(p) for p in descendants(run.proc.pid)]}")
 
 
 @pytest.mark.parametrize("name, sig, needle, count", [
-    pytest.param("serving", signal.SIGTERM, "kvstore.integrations.vllm.serve", 3, marks=[needs_etcd, needs_vllm],
+    pytest.param("serving", signal.SIGTERM, "VLLM::EngineCore", 3, marks=[needs_etcd, needs_vllm],
                  id="serving-SIGTERM"),
     pytest.param("store", signal.SIGINT, "kvstore.cli serve", 1, marks=needs_etcd, id="store-SIGINT"),
     pytest.param("transfer", signal.SIGHUP, "benchmarks.transfer --serve", 1, id="transfer-SIGHUP"),
 ])
-def test_interrupted_benchmark_leaves_nothing(name, sig, needle, count):
+def test_interrupted_benchmark_leaves_nothing(tmp_path, name, sig, needle, count):
     """The broken variant this kills: a benchmark stopped from outside (Ctrl-C, `kill`, a closed
     terminal) while its children run: before, SIGTERM and SIGHUP ended Python at once, no
-    `finally` ran, and etcd, daemons and `vllm serve` engines (each in a group of its own) lived on."""
-    tag = uuid.uuid4().hex
-    proc = start(name, ["--quick"], tag)
+    `finally` ran, and etcd, daemons and `vllm serve` engines with their engine cores (each in a
+    group of its own) lived on."""
+    run = Started(name, ["--quick"], tmp_path / "reaper.json", timeout=240)
     try:
-        wait_for_children(tag, needle, count)
-        time.sleep(0.5)  # the children are past their start, their own children too
-        os.kill(proc.pid, sig)
-        code, output = finish(proc, 60)
+        wait_for_children(run, needle, count, timeout=180)
+        time.sleep(0.5)  # the children are past their start
+        run.signal(sig)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        left = survivors(tag)
+        code, output, left = run.finish()
     assert left == [], left
     assert code == 128 + sig, output[-3000:]
     assert "interrupted" in output, output[-3000:]
