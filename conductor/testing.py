@@ -104,10 +104,12 @@ async def start_fakes(*engines: FakeEngine) -> list[web.AppRunner]:
 
 
 class Rig:
-    """Fake engines + a gateway, all in this event loop."""
+    """Fake engines + a gateway, all in this event loop. `source`: the address the rig's own client
+    (`rig.http`, `rig.post`) connects from, e.g. 127.0.1.1: another /24 than a test's 127.0.0.x."""
 
-    def __init__(self, prefill: list[FakeEngine], decode: list[FakeEngine], **config) -> None:
-        self.prefill, self.decode, self.config = prefill, decode, config
+    def __init__(self, prefill: list[FakeEngine], decode: list[FakeEngine], *, source: str | None = None,
+                 **config) -> None:
+        self.prefill, self.decode, self.config, self.source = prefill, decode, config, source
 
     async def __aenter__(self) -> "Rig":
         self.runners = await start_fakes(*self.prefill, *self.decode)
@@ -117,7 +119,9 @@ class Rig:
         self.gateway = Gateway(config)
         port = await self.gateway.start()
         self.url = f"http://127.0.0.1:{port}"
-        self.http = aiohttp.ClientSession()
+        self.port = port
+        local = {"local_addr": (self.source, 0)} if self.source else {}
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(**local))
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -134,6 +138,45 @@ class Rig:
                 return resp.status, json.loads(text)
             except ValueError:
                 return resp.status, text
+
+
+async def raw_request(port: int, data: bytes = b"", source: str | None = None,
+                      host: str = "127.0.0.1") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A bare TCP connection to the gateway (from `source`, when given) that has sent `data`:
+    a half-sent request stays half-sent."""
+    reader, writer = await asyncio.open_connection(host, port, local_addr=(source, 0) if source else None)
+    if data:
+        writer.write(data)
+        await writer.drain()
+    return reader, writer
+
+
+async def read_answer(reader: asyncio.StreamReader, timeout: float = 5.0) -> tuple[int, dict, bytes]:
+    """One HTTP/1.1 answer off a bare connection: (status, lower-cased headers, body); status 0 when
+    the connection closed (or was reset) before any answer."""
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return 0, {}, b""
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict((k.strip().lower(), v.strip()) for k, _, v in (line.partition(":") for line in lines[1:] if line))
+    body = await asyncio.wait_for(reader.readexactly(int(headers.get("content-length", 0))), timeout)
+    return int(lines[0].split()[1]), headers, body
+
+
+async def closed(reader: asyncio.StreamReader, timeout: float) -> bool:
+    """Does the server close this connection within `timeout` (whatever it sends first)?"""
+    async def drain() -> None:
+        while await reader.read(65536):
+            pass
+
+    try:
+        await asyncio.wait_for(drain(), timeout)
+        return True
+    except ConnectionError:
+        return True
+    except asyncio.TimeoutError:
+        return False
 
 
 def completion(prompt, **kw) -> dict:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 
@@ -19,12 +18,14 @@ from .config import GatewayConfig
 from .errors import ApiError, UpstreamFailed
 from .fingerprint import gateway_fingerprint
 from .flow import PassThrough, Timing, open_decode, run_prefill, sse_error
+from .guard import CLOSE, ConnectionGuard, GuardedHandler, descriptor_room
 from .kv_events import KVEventFollower
 from .metrics import GatewayMetrics
 from .pool import Engine, Pool
 from .prefix import PrefixTracker
 from .route import Route, Router
 from .tokens import Tokens
+from .validate import check_fields, parse
 
 log = logging.getLogger("conductor.gateway")
 KINDS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
@@ -53,6 +54,10 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.AbstractServer | None = None
+        self.guard = ConnectionGuard(config.max_connections, config.max_connections_per_source,
+                                     config.header_timeout_s, self.metrics)
+        self.metrics.open_connections.set_function(lambda: float(self.guard.open))
         self.port = 0
 
     # ------------------------------------------------------------ lifecycle
@@ -75,17 +80,34 @@ class Gateway:
             follower = KVEventFollower(url.rstrip("/"), endpoint, self.tracker, self.fingerprint)
             self.followers.append(follower)
             self._tasks.append(asyncio.create_task(follower.run()))
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        self._fit_descriptors()
+        # aiohttp's keep-alive (an hour by default) bounds idle connections; the guard, the rest.
+        handler_args = {"keepalive_timeout": self.config.keepalive_timeout_s, "access_log": None}
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, **handler_args)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        server, guard, loop = self._runner.server, self.guard, asyncio.get_running_loop()
+        self._listener = await loop.create_server(lambda: GuardedHandler(server, guard, loop=loop, **handler_args),
+                                                  host, port, backlog=1024)
+        self.port = self._listener.sockets[0].getsockname()[1]
         return self.port
+
+    def _fit_descriptors(self) -> None:
+        """Client connections must never take the descriptors engine calls need (EMFILE stops accept()
+        for everyone): the caps come down to what `ulimit -n` leaves room for."""
+        room = descriptor_room()
+        if room is None or room >= self.guard.max_connections:
+            return
+        wanted, per_source = self.guard.max_connections, self.guard.per_source
+        self.guard.resize(room, max(1, per_source * room // wanted) if per_source else 0)
+        log.warning("max_connections %d lowered to %d (per source: %d) to fit the descriptor limit (ulimit -n); "
+                    "raise the limit to admit more", wanted, room, self.guard.per_source)
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()  # no new connections; the runner closes the open ones
         if self._runner is not None:
             await self._runner.cleanup()
         if self.session is not None:
@@ -116,7 +138,8 @@ class Gateway:
         except PassThrough as exc:
             resp = exc.response()
         except web.HTTPRequestEntityTooLarge:
-            resp = ApiError(413, f"request body over {self.config.max_body_bytes} bytes").response()
+            resp = ApiError(413, f"request body over {self.config.max_body_bytes} bytes",
+                            code="body_too_large").response()
         except web.HTTPException as exc:
             resp = ApiError(exc.status, exc.reason or "error").response()
         except asyncio.CancelledError:
@@ -125,17 +148,24 @@ class Gateway:
         except Exception:  # a bug must cost one request, not the gateway
             log.exception("unhandled error on %s", request.path)
             resp = ApiError(500, "internal gateway error").response()
+        if request.get(CLOSE) and not resp.prepared:
+            resp.force_close()  # tell the client: the connection closes after this answer
         self.metrics.requests.labels(endpoint, str(resp.status)).inc()
         return resp
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
-        if self.config.api_keys and request.path != "/health":
+        if self.config.api_keys:
             given = request.headers.get("Authorization", "")
             token = given[7:].encode() if given.startswith("Bearer ") else b""
             # Compare against every key in constant time: no early exit that times the match.
             if not any([hmac.compare_digest(token, k.encode()) for k in self.config.api_keys]):
-                raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+                # No keep-alive and no body read without a key: a stranger holds a connection no
+                # longer than the header timeout (health probes, which need none, included).
+                request[CLOSE] = True
+                if request.path != "/health":
+                    raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                   code="invalid_api_key")
         return await handler(request)
 
     # ------------------------------------------------------------ plain endpoints
@@ -157,26 +187,27 @@ class Gateway:
 
     # ------------------------------------------------------------ generation
     async def _body(self, request: web.Request, kind: str) -> dict:
-        raw = await request.read()
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")  # not read at all
         try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise ApiError(400, "request body must be a JSON object")
+            raw = await asyncio.wait_for(request.read(), self.config.body_timeout_s)  # 413 past max_body_bytes
+        except asyncio.TimeoutError:
+            self.metrics.body_timeouts.inc()
+            request[CLOSE] = True  # the rest of the body is not waited for
+            raise ApiError(408, f"request body not received within {self.config.body_timeout_s:g} s",
+                           code="body_timeout") from None
+        body = parse(raw, self.config.max_json_depth)
         need = "prompt" if kind == "completions" else "messages"
         if need not in body:
             raise ApiError(400, f"missing required field {need!r}", param=need)
-        if kind == "chat" and (not isinstance(body["messages"], list) or not body["messages"]):
-            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-        if "model" not in body or not isinstance(body["model"], str):
-            raise ApiError(400, "missing required field 'model'", param="model")
+        if not isinstance(body.get("model"), str):
+            raise ApiError(400, "missing required field 'model' (a string)", param="model")
         models = self.pool.models()
         if models and body["model"] not in models:
             raise ApiError(404, f"the model {body['model']!r} does not exist; served: {models}", param="model",
                            code="model_not_found")
-        if not isinstance(body.get("stream", False), bool):
-            raise ApiError(400, "'stream' must be a boolean", param="stream")
+        check_fields(kind, body)
         return body
 
     async def generate(self, request: web.Request) -> web.StreamResponse:

@@ -23,7 +23,13 @@ class GatewayConfig:
     decode_timeout_s: float = 300.0  # whole decode; the first byte must come within prefill_timeout_s
     connect_timeout_s: float = 3.0
     health_interval_s: float = 1.0
-    max_body_bytes: int = 4 << 20
+    max_body_bytes: int = 4 << 20  # larger bodies: 413
+    max_json_depth: int = 64  # JSON nested deeper: 400 (tool schemas nest; Python's json gives up near 1000)
+    header_timeout_s: float = 10.0  # a request's line and headers, from the connection's start: else 408, closed
+    body_timeout_s: float = 30.0  # the whole body, from the headers' end: else 408, closed
+    keepalive_timeout_s: float = 75.0  # an idle keep-alive connection is closed after this (nginx's default)
+    max_connections: int = 4096  # open client connections (lowered to fit ulimit -n); more: 503 + Retry-After
+    max_connections_per_source: int = 512  # of those, from one IPv4 /24 or IPv6 /64; 0: no per-source cap
     api_keys: list[str] = field(default_factory=list)  # empty: no client auth
     kv_events: dict[str, str] = field(default_factory=dict)  # engine URL -> its ZMQ KV-event endpoint
     session_header: str = "x-session-id"
@@ -50,6 +56,15 @@ class GatewayConfig:
             raise ValueError("block_tokens and max_body_bytes must be positive")
         if self.tokenize_threads < 0:
             raise ValueError("tokenize_threads must be 0 or more")
+        for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+        for name, least in (("max_connections", 1), ("max_connections_per_source", 0), ("max_json_depth", 1),
+                            ("max_body_bytes", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer of at least {least}, not {value!r}")
         return self
 
 

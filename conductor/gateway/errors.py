@@ -8,7 +8,7 @@ class ApiError(Exception):
     """Raised anywhere in a request; the app turns it into the OpenAI error object."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 429: "rate_limit_exceeded", 502: "upstream_error",
+             408: "invalid_request_error", 413: "invalid_request_error", 431: "invalid_request_error", 429: "rate_limit_exceeded", 502: "upstream_error",
              503: "service_unavailable", 504: "timeout"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:

@@ -28,6 +28,15 @@ class GatewayMetrics:
                               buckets=_LATENCY, registry=r)
         self.overhead = Histogram("conductor_gateway_overhead_seconds",
                                   "gateway time minus time spent waiting on engines", buckets=_LATENCY, registry=r)
+        self.connections_refused = Counter("conductor_gateway_connections_refused",
+                                           "client connections refused at a cap (503)", ["cap"], registry=r)
+        self.connections_evicted = Counter("conductor_gateway_connections_evicted",
+                                           "idle keep-alive connections closed to make room at a cap", registry=r)
+        self.header_timeouts = Counter("conductor_gateway_header_timeouts",
+                                       "connections closed for headers not received in time (408)", registry=r)
+        self.body_timeouts = Counter("conductor_gateway_body_timeouts",
+                                     "requests whose body was not received in time (408)", registry=r)
+        self.open_connections = Gauge("conductor_gateway_connections", "open client connections", registry=r)
         self.recent_overhead: deque[float] = deque(maxlen=10_000)
         Gauge("conductor_gateway_overhead_p50_seconds", "median overhead of the last 10k requests",
               registry=r).set_function(lambda: statistics.median(self.recent_overhead) if self.recent_overhead else 0.0)

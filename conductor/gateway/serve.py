@@ -7,8 +7,15 @@ import json
 import logging
 import signal
 
+from kvstore.cli_args import number, positive_float, positive_int
+
 from .app import Gateway
 from .config import GatewayConfig, read_api_keys
+from .guard import raise_descriptor_limit
+
+# What outside traffic may hold: flag -> GatewayConfig field (None: keep the config file's or the default).
+LIMITS = ("max_connections", "max_connections_per_source", "header_timeout_s", "body_timeout_s",
+          "keepalive_timeout_s", "max_body_bytes", "max_json_depth")
 
 
 def add_arguments(serve: argparse.ArgumentParser) -> None:
@@ -22,12 +29,29 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--slo-ttft-ms", type=float, default=None, help="429 above this predicted TTFT")
     serve.add_argument("--kv-events", action="append", default=[], metavar="URL=tcp://HOST:PORT",
                        help="an engine's ZMQ KV-event endpoint (repeat per engine)")
+    limits = serve.add_argument_group("client limits (what outside traffic may hold)")
+    limits.add_argument("--max-connections", type=positive_int, default=None, metavar="N",
+                        help="open client connections; more are answered 503 with Retry-After and closed "
+                             "(lowered to fit ulimit -n)")
+    limits.add_argument("--max-connections-per-source", type=number(int, 0), default=None, metavar="N",
+                        help="of those, from one IPv4 /24 or IPv6 /64 (0: no per-source cap; behind a proxy "
+                             "that hides client addresses, raise it or use 0)")
+    limits.add_argument("--header-timeout-s", type=positive_float, default=None, metavar="S",
+                        help="a request's line and headers must arrive within this, else 408 and closed")
+    limits.add_argument("--body-timeout-s", type=positive_float, default=None, metavar="S",
+                        help="a request's whole body must arrive within this after its headers, else 408")
+    limits.add_argument("--keepalive-timeout-s", type=positive_float, default=None, metavar="S",
+                        help="an idle keep-alive connection is closed after this")
+    limits.add_argument("--max-body-bytes", type=positive_int, default=None, metavar="N",
+                        help="larger request bodies are answered 413")
+    limits.add_argument("--max-json-depth", type=positive_int, default=None, metavar="N",
+                        help="request JSON nested deeper is answered 400")
 
 
 def config_from(args: argparse.Namespace) -> GatewayConfig:
     overrides = {"prefill": args.prefill, "decode": args.decode, "metadata": args.metadata,
                  "model_dir": args.model_dir, "local_prefill_tokens": args.local_prefill_tokens,
-                 "slo_ttft_ms": args.slo_ttft_ms}
+                 "slo_ttft_ms": args.slo_ttft_ms, **{name: getattr(args, name, None) for name in LIMITS}}
     if args.policy is not None:
         overrides["policy"] = args.policy
     if args.cluster is not None:
@@ -47,6 +71,7 @@ def config_from(args: argparse.Namespace) -> GatewayConfig:
 
 async def _run(config: GatewayConfig, listen: str) -> None:
     host, _, port = listen.rpartition(":")
+    raise_descriptor_limit()  # else a default `ulimit -n` of 1024 caps the connections at 448
     gateway = Gateway(config)
     bound = await gateway.start(host or "127.0.0.1", int(port or 0))
     print(json.dumps({"listen": f"{host}:{bound}"}), flush=True)
