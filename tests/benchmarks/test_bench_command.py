@@ -41,6 +41,7 @@ def test_kvstore_bench_passes_arguments_through():
 @pytest.mark.parametrize("name, args, says", [
     ("serving", ["--modes", "pd,sideways"], "--modes: unknown sideways"),
     ("serving", ["--routers", "kvstore,nginx"], "--routers: unknown nginx"),
+    ("serving", ["--engines", "1"], "--engines must be at least 2"),
     ("transfer", ["--systems", "kvstore,rdma"], "--systems: unknown rdma"),
     ("store", ["--rounds", "0"], "--rounds must be at least 1"),
     ("metadata", ["--blocks", "100"], "--blocks must be at least 4096"),

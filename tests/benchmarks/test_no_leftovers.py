@@ -28,12 +28,12 @@ def crash_after(tmp_path, name: str, spawns: int, *args: str, timeout: float = 1
 @needs_etcd
 @needs_vllm
 def test_serving_failing_with_its_engines_up_leaves_nothing(tmp_path):
-    """The broken variant this kills: benchmarks.serving raising once its three `vllm serve`
-    engines run (children 3-5 after etcd and the store daemon), as its clean-up's AttributeError
-    at the end of the first mode did, which left three `vllm serve` processes (and their engine
-    cores) running. Two of them are stopped by run_mode's own `finally`; the third, whose start
-    raised, by the benchmark's exit path (run_main)."""
-    code, output, left = crash_after(tmp_path, "serving", 5)
+    """The broken variant this kills: benchmarks.serving raising once its `vllm serve` engines run
+    (--quick: two, children 3 and 4 after etcd and the store daemon), as its clean-up's
+    AttributeError at the end of the first mode did, which left three `vllm serve` processes (and
+    their engine cores) running. The first is stopped by run_mode's own `finally`; the second,
+    whose start raised, by the benchmark's exit path (run_main)."""
+    code, output, left = crash_after(tmp_path, "serving", 4)
     assert "InjectedFailure" in output, output[-3000:]
     assert code == 1, output[-3000:]
     assert left == [], left
@@ -69,7 +69,7 @@ def wait_for_children(run: Started, needle: str, count: int, timeout: float = 12
 
 
 @pytest.mark.parametrize("name, sig, needle, count", [
-    pytest.param("serving", signal.SIGTERM, "VLLM::EngineCore", 3, marks=[needs_etcd, needs_vllm],
+    pytest.param("serving", signal.SIGTERM, "VLLM::EngineCore", 2, marks=[needs_etcd, needs_vllm],
                  id="serving-SIGTERM"),
     pytest.param("store", signal.SIGINT, "kvstore.cli serve", 1, marks=needs_etcd, id="store-SIGINT"),
     pytest.param("transfer", signal.SIGHUP, "benchmarks.transfer --serve", 1, id="transfer-SIGHUP"),

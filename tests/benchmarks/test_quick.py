@@ -245,12 +245,12 @@ def test_serving_quick(run_benchmark):
         assert positive(r["ttft_p50_ms"]) and positive(r["ttft_p99_ms"]), r
         assert r["tpot_p50_ms"] is not None and r["tpot_p50_ms"] >= 0, r  # a tiny model's tokens may arrive together
         assert 0 <= r["prefix_hit_ratio"] <= 1 and r["prompt_tokens"] > 0, r
-        assert len(r["engines"]) == 3 and sum(r["engine_requests"]) >= 6, r  # P/D: a prefill and a decode each
+        assert len(r["engines"]) == 2 and sum(r["engine_requests"]) >= 6, r  # P/D: a prefill and a decode each
         assert set(r["store"]) == {"kvstore_hits_total", "kvstore_evictions_total", "kvstore_allocation_failures_total"}
         if router == "kvstore":
             assert r["gateway_overhead_p50_ms"] is not None and r["gateway_overhead_p50_ms"] >= 0, r
     pd = records[("pd", "kvstore")]
-    assert pd["engine_requests"][2] >= 6, pd  # the decode engine served every request
+    assert pd["engine_requests"][-1] >= 6, pd  # the decode engine served every request
     assert "n/a" in run.output if not peers_installed else True
     for label, value in run.records["ratios"].items():
         assert (value is None) == (not peers_installed), (label, value)
