@@ -98,7 +98,7 @@ def route_latency(samples: int = 2000, index_blocks: int = 100_000) -> dict:
             per_node = index_blocks // 8
             own = external_hashes(range(100_000 + n * per_node, 100_000 + (n + 1) * per_node), fp)
             lead = prompt[: 32 * (n + 1)]
-            await s.publish(fp.digest, [(h, BlockRecord("dram", 1, 0, 1, 0)) for h in lead + own])
+            await s.publish(fp.digest, [(h, BlockRecord("dram", 1, 0, 1, bytes(32))) for h in lead + own])
 
     asyncio.run(publish())
     with IndexMirror(url, cluster) as mirror:

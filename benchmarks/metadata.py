@@ -40,7 +40,8 @@ def percentile(samples: list[float], q: float) -> float:
 
 def records(start: int, count: int) -> list[tuple[bytes, BlockRecord]]:
     hashes = external_hashes(range(start, start + count), FP)
-    return [(h, BlockRecord("dram", 1, (start + i) * 4096, 4096, start + i)) for i, h in enumerate(hashes)]
+    return [(h, BlockRecord("dram", 1, (start + i) * 4096, 4096, (start + i).to_bytes(32, "little")))
+            for i, h in enumerate(hashes)]
 
 
 async def publish_rates(url: str, layout: Layout, batched_blocks: int, single_blocks: int) -> dict:

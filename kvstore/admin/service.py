@@ -94,8 +94,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         page = blocks[start : start + size]
         more = start + size < len(blocks)
         return admin_pb2.ListBlocksResponse(
-            blocks=[admin_pb2.BlockInfo(fingerprint=k[0], hash=k[1].hex(), tier=s.tier.name, size=s.size, checksum=s.checksum)
-                    for k, s in page],
+            blocks=[admin_pb2.BlockInfo(fingerprint=k[0], hash=k[1].hex(), tier=s.tier.name, size=s.size,
+                                        digest=s.digest.hex()) for k, s in page],
             next_page_token=page[-1][0][1].hex() if more and page else "", total=len(blocks))
 
     def Query(self, request, context):

@@ -4,14 +4,14 @@ Put: pick target nodes (same host first, then by DRAM use counting this client's
 the use each node reported in its last reply) -> store the blocks there in one control round trip
 (same host: an authenticated unix socket, the bytes received straight into the node's DRAM arena;
 other hosts: a gRPC Put carrying small blocks) or, for large batches, Reserve -> write with the
-Transfer Engine straight into the node's memory -> Commit. The node verifies the checksum, seals
+Transfer Engine straight into the node's memory -> Commit. The node verifies the digest, seals
 and queues the index update; the putting client's own mirror learns the block at once
 (read-your-writes, unless a watch event about the block came first: see the README), other
 clients when the node's next publish batch reaches etcd.
 Get: index-mirror lookup -> read with the engine (or, for a same-host node's NVMe tier, with
 O_DIRECT from the tier file's read-only fd) straight into the caller's buffer -> verify the
-checksum -> on a dead node or corrupt copy try the next replica, else report a miss. Every remote
-step has a timeout.
+digest (BLAKE3, kvstore.integrity) -> on a dead node or corrupt copy try the next replica, else
+report a miss. Every remote step has a timeout.
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ import grpc
 
 from transfer import Engine, Peer, Read, Region, TransferError, TransferTimeout, Write
 from transfer.descriptor import host_id
-from transfer.digest import AVAILABLE as digest_available
 
 from ..access import ControlAuth, client_secret
 from ..errors import (
@@ -48,7 +47,7 @@ from ..errors import (
 )
 from ..index import IndexMirror
 from ..index.records import MAX_BLOCK_BYTES, BlockRecord, NodeRecord
-from ..integrity import block_checksums, checksum_seeds
+from ..integrity import block_digests
 from ..keys import HASH_BYTES, ModelFingerprint
 from ..store.v1 import store_pb2, store_pb2_grpc
 from ..wire import TCP_SCHEME, tcp_endpoint
@@ -56,7 +55,7 @@ from .channel_guard import ChannelGuard
 from .leases import SlotLeases
 from .local_node import LocalNode, TierFile
 from .placement import PutPlacement
-from .reads import TierReads, landed_checksums, read_in_stages
+from .reads import TierReads, landed_digests, read_in_stages
 from .reports import HitReports
 
 log = logging.getLogger(__name__)
@@ -127,7 +126,7 @@ class Client:
         self._placement = PutPlacement(self._here)
         self._leases = SlotLeases(timeout)
         self._tier_reads = TierReads()
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvs-checksum")  # a large put's checksums
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvs-digest")  # a large put's digests
         self.stats: dict[str, int] = {"control_calls": 0, "local_puts": 0, "wire_puts": 0, "nvme_fd_reads": 0,
                                       "nvme_fd_bytes": 0}
         self.closed = False
@@ -355,13 +354,13 @@ class Client:
                 raise WrongSize(f"block hashes are {HASH_BYTES} bytes, got {len(h)}")
         views = [host_bytes(d) for _, d in items]
         self._check_block_sizes(self._geometry(fingerprint), (v.nbytes for v in views))
-        sums: list[int | None] = [None] * len(views)  # each computed once, when a round first needs it
+        sums: list[bytes | None] = [None] * len(views)  # each computed once, when a round first needs it
 
-        def checksums(start: int, end: int) -> list[int]:
+        def digests(start: int, end: int) -> list[bytes]:
             todo = [i for i in range(start, end) if sums[i] is None]
-            for i, value in zip(todo, block_checksums([hashes[i] for i in todo], [views[i] for i in todo])):
+            for i, value in zip(todo, block_digests([hashes[i] for i in todo], [views[i] for i in todo])):
                 sums[i] = value
-            return sums[start:end]
+            return sums[start:end]  # type: ignore[return-value]
 
         total = sum(v.nbytes for v in views)
         want = replicas or self._replicas_wanted()
@@ -389,8 +388,7 @@ class Client:
                             end += 1
                         with self.mirror.asking(fp, record.name, hashes[start:end]) as since:
                             stored += self._put_on(record.name, fp, hashes[start:end], views[start:end],
-                                                   functools.partial(checksums, start, end), sums, regions,
-                                                   start, since)
+                                                   functools.partial(digests, start, end), regions, start, since)
                         start = end
                     placed += 1
                 except AuthenticationFailed:
@@ -412,11 +410,10 @@ class Client:
         return stored
 
     def _put_on(self, name: str, fp: str, hashes: list[bytes], views: list[memoryview],
-                checksums_of: Callable[[], list[int]], sums: list[int | None], regions, first: int,
-                since: int) -> int:
+                digests_of: Callable[[], list[bytes]], regions, first: int, since: int) -> int:
         """One round of blocks onto `name`; returns how many it newly stored (`since`: from the
-        mirror's `asking`, taken before the round's first request; `sums`: the put's checksums
-        known so far, by index in the whole put, filled in by a copy that takes them)."""
+        mirror's `asking`, taken before the round's first request; `digests_of`: the round's
+        digests, computed by its first call)."""
         local = self._local(name)
         size = sum(v.nbytes for v in views)
         sync = self.publish == "sync"
@@ -425,8 +422,8 @@ class Client:
         if local is not None and size <= LOCAL_INLINE_MAX:  # one round trip, bytes with the request
             self.stats["control_calls"] += 1
             reply, _ = local.call({"op": "put", "fp": fp, "hashes": [h.hex() for h in hashes],
-                                   "sizes": [v.nbytes for v in views], "checksums": checksums_of(), "sync": sync},
-                                  views, timeout=answer_within)
+                                   "sizes": [v.nbytes for v in views], "digests": [d.hex() for d in digests_of()],
+                                   "sync": sync}, views, timeout=answer_within)
             self.stats["local_puts"] += 1
             return self._sealed(name, fp, hashes, reply, since)
         wire = self._control(name)
@@ -434,31 +431,31 @@ class Client:
             self.stats["control_calls"] += 1
             if wire is not None:
                 reply, _ = wire.call({"op": "put", "fp": fp, "hashes": [h.hex() for h in hashes],
-                                      "sizes": [v.nbytes for v in views], "checksums": checksums_of(), "sync": sync},
+                                      "sizes": [v.nbytes for v in views],
+                                      "digests": [d.hex() for d in digests_of()], "sync": sync},
                                      views, timeout=answer_within)
                 self.stats["wire_puts"] += 1
             else:
                 reply = self._rpc(self._node(name).stub.Put, store_pb2.PutRequest(
-                    fingerprint=fp, hashes=hashes, payloads=[bytes(v) for v in views], checksums=checksums_of(),
+                    fingerprint=fp, hashes=hashes, payloads=[bytes(v) for v in views], digests=digests_of(),
                     client=self.engine.name, sync=sync), answer_within)
             return self._sealed(name, fp, hashes, reply, since)
-        return self._put_by_engine(name, local, wire, fp, hashes, regions()[first : first + len(views)],
-                                   checksums_of, sums, first, since, sync, answer_within)
+        return self._put_by_engine(name, wire, fp, hashes, regions()[first : first + len(views)],
+                                   digests_of, since, sync, answer_within)
 
-    def _put_by_engine(self, name: str, local: LocalNode | None, wire: LocalNode | None, fp: str,
-                       hashes: list[bytes], regs: list[Region], checksums_of: Callable[[], list[int]],
-                       sums: list[int | None], first: int, since: int, sync: bool, answer_within: float) -> int:
+    def _put_by_engine(self, name: str, wire: LocalNode | None, fp: str, hashes: list[bytes], regs: list[Region],
+                       digests_of: Callable[[], list[bytes]], since: int, sync: bool, answer_within: float) -> int:
         """Large blocks: write them with the engine (into the node's mapped arena on this host)
         into slots leased by an earlier commit, or else reserved now, then commit them (asking for
         slots for the next put of this shape). Control calls go over `wire` where there is one,
         else gRPC."""
         node = self._node(name)
         size = regs[0].size if all(r.size == regs[0].size for r in regs) else 0  # leases are of one size
-        # Same host: the engine's copy into the mapped arena takes the checksums on the way (one pass
-        # over the bytes, in cache). Elsewhere they are computed, without the GIL, beside the reserve
-        # (or beside the write, when slots are leased: hashing first is no faster).
-        fused = local is not None and digest_available and any(sums[first + i] is None for i in range(len(regs)))
-        hashing = None if fused else self._hasher.submit(checksums_of)
+        # The digests are computed, without the GIL, beside the reserve and the write (the source's
+        # bytes: a caller changing them mid-put gets a refused block, never a wrong one). The engine
+        # no longer takes them as it copies: BLAKE3 has no native home here, and SHA-256 there (OpenSSL)
+        # costs more than BLAKE3 beside the copy (kvstore.integrity).
+        hashing = self._hasher.submit(digests_of)
         leased, aged = self._leases.take(node, name, fp, size, len(regs)) if size else (None, [])
         if aged:  # given back now rather than held at the node until they expire
             self._abort(name, aged)
@@ -481,19 +478,11 @@ class Client:
         tokens = [token for _, token, _, _ in slots]
         try:
             writes = [Write(regs[i], 0, node.peer.region(region), offset, regs[i].size) for i, _, region, offset in slots]
-            if fused and all(write.remote.shm for write in writes):
-                moving = self.engine.submit(writes, digest_seeds=checksum_seeds([hashes[i] for i, _, _, _ in slots]))
+            moving = self.engine.submit(writes)
+            try:
+                digests = hashing.result()
+            finally:
                 moving.wait(self.timeout)
-                checksums = sums[first : first + len(regs)]
-                for (i, _, _, _), value in zip(slots, moving.digests()):
-                    checksums[i] = sums[first + i] = value
-            else:
-                hashing = hashing or self._hasher.submit(checksums_of)
-                moving = self.engine.submit(writes)
-                try:
-                    checksums = hashing.result()
-                finally:
-                    moving.wait(self.timeout)
             self.stats["control_calls"] += 1
             todo = [hashes[i] for i, _, _, _ in slots]
             named = todo if leased is not None else None
@@ -502,7 +491,7 @@ class Client:
             asked = time.monotonic()
             if wire is not None:
                 commit, _ = wire.call({"op": "commit", "fp": fp, "tokens": tokens,
-                                        "checksums": [checksums[i] for i, _, _, _ in slots],
+                                        "digests": [digests[i].hex() for i, _, _, _ in slots],
                                         "sync": sync, "lease": {"size": size, "count": want},
                                         **({"hashes": [h.hex() for h in named]} if named else {})},
                                        timeout=answer_within)
@@ -510,7 +499,7 @@ class Client:
                 ttl = commit.get("lease_ttl")
             else:
                 commit = self._rpc(node.stub.Commit, store_pb2.CommitRequest(
-                    fingerprint=fp, tokens=tokens, checksums=[checksums[i] for i, _, _, _ in slots],
+                    fingerprint=fp, tokens=tokens, digests=[digests[i] for i, _, _, _ in slots],
                     sync=sync, hashes=named or [], lease_size=size, lease_count=want),
                     answer_within)
                 granted = [(s.token, s.region, s.offset) for s in commit.lease if s.size == size]
@@ -571,7 +560,7 @@ class Client:
 
         With `stages` (the stage of each segment of a block's segment list, e.g. its layer) and
         `on_stage`, segments are read stage by stage and `on_stage(s)` says when every block's stage-s
-        bytes have landed, so a consumer can start on them (and change them: each block is checksummed
+        bytes have landed, so a consumer can start on them (and change them: each block's digest is taken
         as its stages land; a block that fails is a miss). Each block is read from its first replica only.
 
         Buffers pair with hashes in order; extra buffers are left alone (`get_many(hashes[:n], outs)`
@@ -655,7 +644,7 @@ class Client:
 
     def _reread_moved(self, name: str, fp: str, hashes: Sequence[bytes], failed: list[tuple[int, BlockRecord]],
                       targets: list[list[tuple[Region, int, int]]], found: list[bool]) -> tuple[list[int], set[int]]:
-        """Blocks whose bytes at `name` failed their checksum may have moved there (demoted, promoted)
+        """Blocks whose bytes at `name` failed their digest may have moved there (demoted, promoted)
         since our mirror heard: ask the node where they are now and read the moved ones once more.
         Returns (blocks found that way, blocks the node no longer holds)."""
         wanted = [(i, record) for i, record in failed if not found[i]]
@@ -706,15 +695,15 @@ class Client:
     def _read_from(self, name: str, hashes: Sequence[bytes], wanted: list[tuple[int, BlockRecord]],
                    targets: list[list[tuple[Region, int, int]]],
                    staged: tuple[Sequence[int] | None, Callable[[int], None]] | None = None) -> list[int]:
-        """Indexes of `wanted` read from `name` whose bytes match their checksum."""
+        """Indexes of `wanted` read from `name` whose bytes match their digest."""
         ops, owners, op_stages = [], [], []
         stage_list = list(staged[0] or ()) if staged is not None else []
         if any(b < a for a, b in zip(stage_list, stage_list[1:])):
             raise ValueError("stages must not decrease along a block's segments")
         last_stage = stage_list[-1] if stage_list else 0  # segments past the list belong to the last stage
-        # Checksums taken as bytes land: staged reads' before the consumer may change them, tier reads'
+        # Digests taken as bytes land: staged reads' before the consumer may change them, tier reads'
         # in the worker that read them.
-        checked: dict[int, int] = {}
+        checked: dict[int, bytes] = {}
         via_fd: list[tuple[int, BlockRecord]] = []
         failed: set[int] = set()
         try:
@@ -762,13 +751,13 @@ class Client:
             self._mark_down(name, exc)
             return []
         failed.update(owner for owner, result in zip(owners, results) if not result.ok)
-        checked.update(landed_checksums(
+        checked.update(landed_digests(
             hashes, [(i, record) for i, record in wanted if i not in failed and i not in checked], targets))
-        return [i for i, record in wanted if i not in failed and checked[i] == record.checksum]
+        return [i for i, record in wanted if i not in failed and checked[i] == record.digest]
 
     def _read_tier(self, tier: TierFile, items: list[tuple[int, BlockRecord]],
-                   targets: list[list[tuple[Region, int, int]]], hashes: Sequence[bytes]) -> dict[int, int]:
-        """Same-host NVMe blocks straight from the node's tier file: {index: checksum of what landed}."""
+                   targets: list[list[tuple[Region, int, int]]], hashes: Sequence[bytes]) -> dict[int, bytes]:
+        """Same-host NVMe blocks straight from the node's tier file: {index: digest of what landed}."""
         read = self._tier_reads.read(tier, items, targets, hashes)
         self.stats["nvme_fd_reads"] += len(read)  # counted here, not by the workers: += is not atomic
         self.stats["nvme_fd_bytes"] += sum(record.size for i, record in items if i in read)

@@ -8,17 +8,17 @@ Transfer Engine's handshake (both ends prove they know the cluster secret; a rel
 yields nothing; `--insecure` has no secret). Every control frame afterwards carries an HMAC under
 the session key over its sequence number (`kvstore.wire`), so frames cannot be injected,
 replayed or reordered. Block bytes follow a `put` frame raw: the authenticated frame names their
-length and checksum, which the daemon verifies before sealing (over TCP, bytes altered on the way
-fail that check unless the attacker can also forge an xxh3 match: run gRPC over TLS, which turns
-this TCP socket off, where the network is not trusted). The NVMe tier's fd is only handed out
-over the unix socket.
+length and BLAKE3 digest, which the daemon verifies before sealing, so bytes altered on the way
+over TCP are refused (finding other bytes with the same digest is beyond anyone: see
+kvstore.integrity). They still travel in the clear: run gRPC over TLS, which turns this TCP socket
+off, where they must not be read. The NVMe tier's fd is only handed out over the unix socket.
 
 Requests (one reply frame each):
-  put      {fp, hashes (hex), sizes, checksums, sync} + the bytes -> {records, errors, used, capacity}
+  put      {fp, hashes (hex), sizes, digests (hex), sync} + the bytes -> {records, errors, used, capacity}
            one round trip: reserve, receive straight into the DRAM arena, then (sync) verify, seal and
            publish before answering, or answer and leave verifying and publishing to the verifier
   reserve  {fp, hashes, sizes} -> {slots: [[token, region, offset, size] | null], used, capacity}
-  commit   {fp, tokens, checksums, sync, hashes?, lease?: {size, count}} -> {records, errors, used,
+  commit   {fp, tokens, digests (hex), sync, hashes?, lease?: {size, count}} -> {records, errors, used,
            capacity, lease: [[token, region, offset, size]], lease_ttl}: `hashes` (hex, one per token)
            name the blocks written into leased slots; `lease` asks for slots for the next put (granted
            from free space only, maybe fewer or none), which that put writes before its commit names them
@@ -42,6 +42,7 @@ from transfer.auth import server_handshake
 from transfer.listener import peer_uid
 
 from ..errors import AllocationFailed, InvalidRequest, KVStoreError, MetadataError
+from ..integrity import DIGEST_BYTES, DIGEST_NAME
 from ..wire import NEXT_REQUEST_SPIN_S, Frames, MalformedFrame
 from .store import MAX_BLOCK_BYTES, BlockStore, Update
 
@@ -71,6 +72,20 @@ def _hashes(values: Any) -> list[bytes]:
         raise _Invalid("hashes: hex strings") from None
     if any(len(h) != 16 for h in out):
         raise _Invalid("hashes: every hash is 16 bytes")
+    return out
+
+
+def _digests(values: Any, n: int) -> list[bytes]:
+    """`n` block digests, hex on the wire; an older client's integer checksums are refused by name."""
+    if not isinstance(values, list) or len(values) != n or not all(isinstance(v, str) for v in values):
+        raise _Invalid(f"digests: {n} hex strings of {DIGEST_BYTES} bytes ({DIGEST_NAME}); a client that "
+                       "sends 'checksums' is older than this node")
+    try:
+        out = [bytes.fromhex(v) for v in values]
+    except ValueError:
+        raise _Invalid("digests: hex strings") from None
+    if any(len(d) != DIGEST_BYTES for d in out):
+        raise _Invalid(f"digests: {DIGEST_BYTES} bytes each")
     return out
 
 
@@ -270,13 +285,13 @@ class LocalControl:
                                           for t, s in slots], **self._usage()}, None
         if op == "commit":
             tokens = _ints(request.get("tokens"), "tokens", len(request.get("tokens") or []))
-            checksums = _ints(request.get("checksums"), "checksums", len(tokens))
+            digests = _digests(request.get("digests"), len(tokens))
             hashes = _hashes(request["hashes"]) if request.get("hashes") is not None else None
             lease = request.get("lease") or {}
             if not isinstance(lease, dict):
                 raise _Invalid("lease: {size, count}")
             size, count = _ints([lease.get("size", 1), lease.get("count", 0)], "lease size and count", 2, MAX_BLOCK_BYTES)
-            return self._commit(fingerprint, tokens, checksums, bool(request.get("sync")), hashes, size, count), None
+            return self._commit(fingerprint, tokens, digests, bool(request.get("sync")), hashes, size, count), None
         if op == "lookup":
             if not isinstance(fingerprint, str):
                 raise _Invalid("fp: a string")
@@ -299,14 +314,14 @@ class LocalControl:
             return {"ok": False, "code": "unavailable", "error": f"metadata service: {exc}"}
         return {"ok": False, "code": "refused", "error": str(exc)}
 
-    def _commit(self, fingerprint: str, tokens: list[int], checksums: list[int], sync: bool,
+    def _commit(self, fingerprint: str, tokens: list[int], digests: list[bytes], sync: bool,
                 hashes: list[bytes] | None, lease_size: int, lease_count: int) -> dict:
         records: list = []
         fresh: list = []
         try:
             # Verified now only when the client waits for publication; else by the verifier, after the answer.
             errors, updates, leased = self.store.commit_and_lease(
-                fingerprint, tokens, checksums, lease_size=lease_size, records=records, fresh=fresh, verify=sync,
+                fingerprint, tokens, digests, lease_size=lease_size, records=records, fresh=fresh, verify=sync,
                 hashes=hashes, lease_count=lease_count if self._accepting() else 0)
         except InvalidRequest as exc:
             return self._error(exc)
@@ -325,7 +340,7 @@ class LocalControl:
         fingerprint = request.get("fp")
         hashes = _hashes(request.get("hashes"))
         sizes = _ints(request.get("sizes"), "sizes", len(hashes), MAX_BLOCK_BYTES)
-        checksums = _ints(request.get("checksums"), "checksums", len(hashes))
+        digests = _digests(request.get("digests"), len(hashes))
         total = sum(sizes)
         if not isinstance(fingerprint, str) or total > MAX_ATTACHMENT:
             raise _Invalid("fp: a string; the blocks of one put at most 256 MiB")  # the stream is lost: close
@@ -353,7 +368,7 @@ class LocalControl:
             self.store.abort([t for t, s in slots if s is not None])
             raise
         sync = bool(request.get("sync"))  # verified and published before the answer
-        errors, records, updates, stored = self.store.commit_reserved(fingerprint, hashes, slots, checksums, sync)
+        errors, records, updates, stored = self.store.commit_reserved(fingerprint, hashes, slots, digests, sync)
         if updates:
             try:
                 self._publish(updates, sync)

@@ -9,7 +9,7 @@ put's reply, would keep listing it. A batch that fails (etcd down, lease lost) g
 whatever arrived since (newer words still win) and is retried with a backoff.
 
 What this keeps true: the index never lists a block the node does not hold sealed under that
-record for longer than one batch, and a get checks every block's checksum, so a record that is
+record for longer than one batch, and a get checks every block's digest, so a record that is
 late or briefly stale yields a miss, never wrong bytes. A daemon that dies before publishing
 leaves nothing behind: its unpublished blocks are simply never visible, and its lease takes the
 published ones away.

@@ -136,7 +136,7 @@ class Daemon:
         self.publisher = Publisher(self._loop, self._apply, c.timeout * 3, self.store.counters,
                                    self.metrics.publish_delay.observe, window=min(max(c.publish_window, 0.0), c.timeout))
         self.metrics.publish_pending = lambda: self.publisher.pending
-        self.verifier = Verifier(self.store, self.publish, c.node)  # puts answered before their checksum pass
+        self.verifier = Verifier(self.store, self.publish, c.node)  # puts answered before their digest pass
         # The framed control wire: puts in one round trip and the NVMe tier's fd for same-host clients
         # over an authenticated unix socket; over TCP beside gRPC for others (not when gRPC runs over
         # TLS: the wire does not encrypt).

@@ -7,11 +7,15 @@ from typing import Callable
 import grpc
 
 from ..errors import AllocationFailed, InvalidRequest, KVStoreError, MetadataError
+from ..integrity import DIGEST_BYTES, DIGEST_NAME
 from ..store.v1 import store_pb2, store_pb2_grpc
 from .metrics import DaemonMetrics
 from .store import BlockStore, Update
 
 
+# A client older than the BLAKE3 digests sends `checksums` (a field now reserved): no digests arrive.
+_DIGESTS_WANTED = (f"digests: {DIGEST_BYTES} bytes each ({DIGEST_NAME}; a client that sends checksums is older "
+                   "than this node):")
 MAX_INLINE_BYTES = 64 << 20  # bytes of blocks one Put may carry (the gRPC message limit is set above it)
 
 
@@ -50,6 +54,12 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
             if len(h) != 16:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hashes: every hash is 16 bytes, got {len(h)}")
 
+    @staticmethod
+    def _check_digests(digests, context) -> None:
+        for d in digests:
+            if len(d) != DIGEST_BYTES:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{_DIGESTS_WANTED} got one of {len(d)} bytes")
+
     def Reserve(self, request, context):
         self._check_hashes(request.hashes, context)
         if not self.accepting():
@@ -67,15 +77,16 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
         return self._run("reserve", context, run)
 
     def Commit(self, request, context):
-        if len(request.tokens) != len(request.checksums):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "checksums: one per token")
+        if len(request.tokens) != len(request.digests):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _DIGESTS_WANTED + " one per token")
+        self._check_digests(request.digests, context)
         self._check_hashes(request.hashes, context)
 
         def run():
             records: list = []
             fresh: list = []
             errors, updates, leased = self.store.commit_and_lease(
-                request.fingerprint, list(request.tokens), list(request.checksums), lease_size=request.lease_size,
+                request.fingerprint, list(request.tokens), list(request.digests), lease_size=request.lease_size,
                 lease_count=request.lease_count if self.accepting() else 0, records=records, fresh=fresh,
                 verify=request.sync, hashes=list(request.hashes) or None)  # else verified after answering
             if updates:
@@ -90,14 +101,15 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
 
     def Put(self, request, context):
         self._check_hashes(request.hashes, context)
-        if not (len(request.hashes) == len(request.payloads) == len(request.checksums)):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "payloads, checksums: one per hash")
+        if not (len(request.hashes) == len(request.payloads) == len(request.digests)):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _DIGESTS_WANTED + " payloads and digests, one per hash")
+        self._check_digests(request.digests, context)
         if not self.accepting():
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.node} is draining: it takes no new blocks")
 
         def run():
             errors, records, updates, stored = self.store.put_inline(request.fingerprint, list(request.hashes),
-                                                             list(request.payloads), list(request.checksums),
+                                                             list(request.payloads), list(request.digests),
                                                              verify=request.sync)  # else verified after answering
             if updates:
                 self.publish(updates, request.sync)

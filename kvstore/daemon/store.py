@@ -1,5 +1,5 @@
 """A daemon's blocks: a DRAM tier (shared-memory arena) and an optional NVMe tier (preallocated
-file), reservations for blocks being written, sealing with checksum verification, and watermark
+file), reservations for blocks being written, sealing with digest verification, and watermark
 eviction that demotes DRAM victims to NVMe and promotes NVMe hits back.
 
 A commit either verifies its blocks' bytes at once, or (`verify=False`) answers first and leaves
@@ -8,7 +8,7 @@ them and returns their index updates. So nothing is published, evicted or demote
 
 Every method returns the index updates it implies — (fingerprint, hash, record or None) — for the
 daemon to publish; nothing here talks to the metadata service. One lock guards everything but the
-checksum passes, which run on slots no one else can reach (popped from the pending or written set).
+digest passes, which run on slots no one else can reach (popped from the pending or written set).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from transfer import Engine, Read, Region, TransferError, Write
 
 from ..errors import AllocationFailed, InvalidRequest, NodeRefused, WrongSize
 from ..index.records import MAX_BLOCK_BYTES, NAME, NAME_RULE, BlockRecord
-from ..integrity import block_checksum, block_checksums
+from ..integrity import block_digest, block_digests, check_digests
 from ..tiers import EvictionPolicy, ExtentAllocator, make_policy
 from ..tiers.allocator import align_up
 
@@ -52,11 +52,11 @@ class Slot:
     tier: "Tier"
     offset: int
     size: int
-    checksum: int = 0
+    digest: bytes = b""  # of the block's bytes, as its writer sent it (kvstore.integrity)
     reserved_at: float = field(default_factory=time.monotonic)
 
     def record(self) -> BlockRecord:
-        return BlockRecord(self.tier.name, self.tier.region.id, self.offset, self.size, self.checksum)
+        return BlockRecord(self.tier.name, self.tier.region.id, self.offset, self.size, self.digest)
 
 
 class Tier:
@@ -223,30 +223,31 @@ class BlockStore:
             self._count("leased_slots", len(out))
         return out
 
-    def commit_and_lease(self, fingerprint: str, tokens: Sequence[int], checksums: Sequence[int], *,
+    def commit_and_lease(self, fingerprint: str, tokens: Sequence[int], digests: Sequence[bytes], *,
                          lease_size: int, lease_count: int, records: list, fresh: list, verify: bool,
                          hashes: Sequence[bytes] | None) -> tuple[list[str], list[Update], list[tuple[int, Slot]]]:
         """`commit`, then `lease` slots for the put after it (a commit's lease request is checked
         before anything is committed, so a bad one takes nothing): (errors, updates, leased)."""
         self._check_lease(lease_size, lease_count)
-        errors, updates = self.commit(fingerprint, tokens, checksums, records, verify, hashes, fresh)
+        errors, updates = self.commit(fingerprint, tokens, digests, records, verify, hashes, fresh)
         return errors, updates, self.lease(fingerprint, lease_size, lease_count)
 
-    def commit(self, fingerprint: str, tokens: Sequence[int], checksums: Sequence[int],
+    def commit(self, fingerprint: str, tokens: Sequence[int], digests: Sequence[bytes],
                records: list | None = None, verify: bool = True,
                hashes: Sequence[bytes] | None = None, fresh: list | None = None) -> tuple[list[str], list[Update]]:
-        """Seal reserved slots whose bytes match their checksum; '' where sealed, else the reason.
+        """Seal reserved slots whose bytes match their digest; '' where sealed, else the reason.
         `records`, when given, gets each block's record here (None where not stored); `fresh`
         whether each block is new here ('' also answers a block another writer stored first).
-        `verify=False`: take the client's checksums now and verify later (`seal_written`), unless
+        `verify=False`: take the client's digests now and verify later (`seal_written`), unless
         the blocks are fewer than VERIFY_LATER_MIN bytes or WRITTEN_MAX bytes already wait; '' then
         means written, and no updates come back for them. `hashes` (one per token) name the blocks
         written into leased slots; a reserved slot's must be the block it was reserved for."""
-        if len(tokens) != len(checksums) or (hashes is not None and len(hashes) != len(tokens)):
-            raise WrongSize(f"{len(tokens)} tokens but {len(checksums)} checksums"
+        if len(tokens) != len(digests) or (hashes is not None and len(hashes) != len(tokens)):
+            raise WrongSize(f"{len(tokens)} tokens but {len(digests)} digests"
                             + ("" if hashes is None else f" and {len(hashes)} hashes"))
         if hashes is not None and any(len(h) != 16 for h in hashes):
             raise InvalidRequest("hashes: every hash is 16 bytes")
+        digests = check_digests(digests)  # before anything is taken: a bad one would be sealed into no record
         if len(set(tokens)) != len(tokens):
             raise InvalidRequest("a token is committed at most once per commit")
         errors: list[str] = []
@@ -256,7 +257,7 @@ class BlockStore:
                 self.abort([t for t in tokens if t in self._pending and self._pending[t].key[0] == fingerprint])
             self._check_taking()
             # Popped, a slot is ours alone: expiry and eviction never see it, so its bytes can be
-            # verified without the lock (python-xxhash releases the GIL as well).
+            # verified without the lock (blake3 releases the GIL as well).
             # A reservation made under another fingerprint is not this caller's: it stays pending.
             found = [self._pending.get(token) for token in tokens]
             found = [slot if slot is not None and slot.key[0] == fingerprint else None for slot in found]
@@ -275,21 +276,21 @@ class BlockStore:
             mine = [slot for slot in slots if slot is not None]
             size = sum(slot.size for slot in mine)
             if not verify and VERIFY_LATER_MIN <= size and self._unverified_bytes() + size <= WRITTEN_MAX:
-                self._seal([(slot, checksum, None) for slot, checksum in zip(slots, checksums)], errors, out, fresh)
+                self._seal([(slot, digest, None) for slot, digest in zip(slots, digests)], errors, out, fresh)
                 self._has_written.notify_all()
                 return errors, []
             self._verifying_commits += 1
         try:
             try:
-                actual = self._checksums(mine)
+                actual = self._digests(mine)
             except BaseException:
                 with self.lock:
                     for slot in mine:
                         self.dram.allocator.release(slot.offset, slot.size)
                 raise
             with self.lock:
-                return errors, self._seal([(slot, checksum, next(actual) if slot is not None else 0)
-                                           for slot, checksum in zip(slots, checksums)], errors, out, fresh)
+                return errors, self._seal([(slot, digest, next(actual) if slot is not None else b"")
+                                           for slot, digest in zip(slots, digests)], errors, out, fresh)
         finally:
             with self.lock:
                 self._verifying_commits -= 1
@@ -306,20 +307,20 @@ class BlockStore:
         if not self.taking_blocks:
             raise NodeRefused("this node was drained: it takes no blocks (put them on another node)")
 
-    def _checksums(self, slots: list[Slot]) -> Iterator[int]:
-        """The checksums of DRAM slots' bytes as they are now (call without the lock)."""
+    def _digests(self, slots: list[Slot]) -> Iterator[bytes]:
+        """The digests of DRAM slots' bytes as they are now (call without the lock)."""
         arena = self.dram.region.buffer
-        return iter(block_checksums([slot.key[1] for slot in slots],
+        return iter(block_digests([slot.key[1] for slot in slots],
                                     [arena[slot.offset : slot.offset + slot.size] for slot in slots]))
 
-    def _seal(self, checked: list[tuple[Slot | None, int, int | None]], errors: list[str], out: list,
+    def _seal(self, checked: list[tuple[Slot | None, bytes, bytes | None]], errors: list[str], out: list,
               fresh: list | None = None) -> list[Update]:
-        """Seal each (slot, expected checksum, checksum of its bytes) that matches, or, where the
-        bytes' checksum is None (not checked yet), leave the slot written for seal_written (lock held).
+        """Seal each (slot, expected digest, digest of its bytes) that matches, or, where the
+        bytes' digest is None (not checked yet), leave the slot written for seal_written (lock held).
         `fresh` gets whether each block is new here."""
         updates: list[Update] = []
         fresh = fresh if fresh is not None else []
-        for slot, checksum, landed in checked:
+        for slot, digest, landed in checked:
             fresh.append(False)
             if slot is None:
                 errors.append("unknown or expired reservation")
@@ -333,19 +334,19 @@ class BlockStore:
                 out.append(theirs.record())
                 continue
             if landed is None:
-                slot.checksum = checksum
+                slot.digest = digest
                 self._written[slot.key] = slot
                 errors.append("")
                 out.append(slot.record())
                 fresh[-1] = True
                 continue
-            if landed != checksum:
+            if landed != digest:
                 self.dram.allocator.release(slot.offset, slot.size)
                 self._count("corrupt_writes")
-                errors.append("checksum mismatch: the bytes that arrived are not the bytes sent")
+                errors.append("digest mismatch: the bytes that arrived are not the bytes sent")
                 out.append(None)
                 continue
-            slot.checksum = checksum
+            slot.digest = digest
             self.dram.sealed[slot.key] = slot
             self.dram.policy.insert(slot.key)
             self._unwrite(slot.key)  # a verified copy wins over an unverified one: one copy per key
@@ -380,7 +381,7 @@ class BlockStore:
         if not batch:
             return []
         try:
-            actual = self._checksums(batch)
+            actual = self._digests(batch)
         except BaseException:
             with self.lock:
                 for slot in batch:
@@ -393,27 +394,27 @@ class BlockStore:
             for slot, landed in zip(batch, actual):
                 if self._verifying.get(slot.key) is slot:
                     del self._verifying[slot.key]
-                    checked.append((slot, slot.checksum, landed))
+                    checked.append((slot, slot.digest, landed))
                 else:  # removed while it was being verified
                     self.dram.allocator.release(slot.offset, slot.size)
             return self._seal(checked, [], [])
 
-    def put_inline(self, fingerprint: str, hashes: Sequence[bytes], payloads: Sequence, checksums: Sequence[int],
+    def put_inline(self, fingerprint: str, hashes: Sequence[bytes], payloads: Sequence, digests: Sequence[bytes],
                    verify: bool = True) -> tuple[list[str], list[BlockRecord | None], list[Update], int]:
         """Reserve, copy in and commit (`verify` as for commit) blocks whose bytes came with the
         request, in one call. Returns what `commit_reserved` does, with the reserve's updates too."""
-        if not (len(hashes) == len(payloads) == len(checksums)):
-            raise WrongSize(f"{len(hashes)} hashes, {len(payloads)} payloads, {len(checksums)} checksums")
+        if not (len(hashes) == len(payloads) == len(digests)):
+            raise WrongSize(f"{len(hashes)} hashes, {len(payloads)} payloads, {len(digests)} digests")
         slots, updates = self.reserve(fingerprint, hashes, [len(p) for p in payloads])
         arena = self.dram.region.buffer
         for (_, slot), payload in zip(slots, payloads):
             if slot is not None:
                 arena[slot.offset : slot.offset + slot.size] = payload
-        errors, records, sealed, stored = self.commit_reserved(fingerprint, hashes, slots, checksums, verify)
+        errors, records, sealed, stored = self.commit_reserved(fingerprint, hashes, slots, digests, verify)
         return errors, records, updates + sealed, stored
 
     def commit_reserved(self, fingerprint: str, hashes: Sequence[bytes], slots: list[tuple[int, Slot | None]],
-                        checksums: Sequence[int], verify: bool) -> tuple[list[str], list[BlockRecord | None],
+                        digests: Sequence[bytes], verify: bool) -> tuple[list[str], list[BlockRecord | None],
                                                                           list[Update], int]:
         """Commit the slots `reserve` gave for `hashes`, their bytes written (a block it found held
         here already gets its record). Returns (error or '' per block, record per block (None where
@@ -421,7 +422,7 @@ class BlockStore:
         todo = [i for i, (_, slot) in enumerate(slots) if slot is not None]
         got: list = []
         fresh: list = []
-        errors, updates = self.commit(fingerprint, [slots[i][0] for i in todo], [checksums[i] for i in todo], got,
+        errors, updates = self.commit(fingerprint, [slots[i][0] for i in todo], [digests[i] for i in todo], got,
                                       verify, fresh=fresh)
         all_errors = [""] * len(hashes)
         records: list[BlockRecord | None] = [None] * len(hashes)
@@ -484,7 +485,7 @@ class BlockStore:
         offset = self._allocate(target, slot.size, updates)
         if offset is None:
             return None
-        moved = Slot(slot.key, target, offset, slot.size, slot.checksum)
+        moved = Slot(slot.key, target, offset, slot.size, slot.digest)
         try:
             if target is self.nvme:
                 self.engine.transfer([Write(slot.tier.region, slot.offset, target.region, offset, slot.size)])
@@ -522,12 +523,12 @@ class BlockStore:
             return
         self._drop(slot)
         view = dram.region.buffer[offset : offset + slot.size]
-        if block_checksum(slot.key[1], view) != slot.checksum:
+        if block_digest(slot.key[1], view) != slot.digest:
             dram.allocator.release(offset, slot.size)
             self._count("corrupt_blocks_nvme")
             updates.append((slot.key[0], slot.key[1], None))
             return
-        moved = Slot(slot.key, dram, offset, slot.size, slot.checksum)
+        moved = Slot(slot.key, dram, offset, slot.size, slot.digest)
         dram.sealed[slot.key] = moved
         dram.policy.insert(slot.key)
         updates.append((slot.key[0], slot.key[1], moved.record()))
@@ -574,16 +575,16 @@ class BlockStore:
             self.engine.unregister(scratch)
 
     def _verify(self, slot: Slot) -> bool:
-        return block_checksum(slot.key[1], self._slot_bytes(slot)) == slot.checksum
+        return block_digest(slot.key[1], self._slot_bytes(slot)) == slot.digest
 
     def read_block(self, key: Key) -> bytes | None:
-        """A copy of a sealed block's bytes, checked against its checksum (None if gone or corrupt)."""
+        """A copy of a sealed block's bytes, checked against its digest (None if gone or corrupt)."""
         with self.lock:
             slot = self.find(key)
             if slot is None:
                 return None
             data = self._slot_bytes(slot)
-            return data if block_checksum(key[1], data) == slot.checksum else None
+            return data if block_digest(key[1], data) == slot.digest else None
 
     def keys(self, fingerprint: str | None = None) -> list[tuple[Key, Slot]]:
         """Sealed blocks (of one fingerprint), sorted by (fingerprint, hash)."""

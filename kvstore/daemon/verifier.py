@@ -1,7 +1,7 @@
 """Verifies, after the put was answered, the bytes of blocks committed with `verify=False`, then
 publishes the good ones.
 
-Why after the answer: the node's checksum pass over a 32 MiB same-host put took a quarter of the
+Why after the answer: the node's digest pass over a 32 MiB same-host put took a quarter of the
 put's time, with the client waiting. The putting client holds the records from its answer
 (read-your-writes) and checks every block it reads, so the pass may come later, as long as no one
 else learns of a block before it: until then the block is only *written* (see BlockStore.commit),

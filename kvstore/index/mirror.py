@@ -27,12 +27,12 @@ from ..aio import shared_loop
 from ..errors import InvalidRecord, KVStoreError, MetadataError, MetadataUnavailable
 from ..keys import HASH_BYTES, ModelFingerprint
 from ..metadata import Metadata, Page, WatchEvent, check_metadata_url, open_metadata, prefix_end
-from .records import BLOCK_RECORD_VERSION, TIERS, BlockRecord, Layout, NodeRecord, check_name
+from .records import BLOCK_RECORD_BYTES, BLOCK_RECORD_VERSION, TIERS, BlockRecord, Layout, NodeRecord, check_name
 from .snapshot import load_prefix
 from .table import NO_IDS, BlockTable, as_words
 
 log = logging.getLogger(__name__)
-_RECORD_BYTES = 26
+_RECORD_BYTES = BLOCK_RECORD_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +74,7 @@ class _Snapshot:
     def __init__(self) -> None:
         self.nodes: dict[str, NodeRecord] = {}
         self.segments: dict[str, str] = {}
-        # fingerprint -> its blocks. A record is the 26-byte BlockRecord prefixed with the owner's
+        # fingerprint -> its blocks. A record is the encoded BlockRecord prefixed with the owner's
         # node number (u16).
         self.blocks: dict[str, BlockTable] = {}
 

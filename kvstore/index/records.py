@@ -2,7 +2,7 @@
 
     /kvstore/<cluster>/nodes/<node>                     NodeRecord (JSON)      on the node's lease
     /kvstore/<cluster>/segments/<node>                  engine descriptor      on the node's lease
-    /kvstore/<cluster>/blocks/<fingerprint>/<hash>/<node>  BlockRecord (26 B)  on the node's lease
+    /kvstore/<cluster>/blocks/<fingerprint>/<hash>/<node>  BlockRecord (50 B)  on the node's lease
 
 A block key ends in the owning node so that each replica lives and dies with its own node's lease,
 and two nodes publishing the same block never overwrite each other.
@@ -15,13 +15,17 @@ import struct
 from dataclasses import asdict, dataclass, field
 
 from ..errors import InvalidRecord
+from ..integrity import DIGEST_BYTES
 from ..keys import HASH_BYTES
 
 TIERS = ("dram", "nvme")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")  # node and fingerprint names (fullmatch)
 NAME_RULE = "1-128 chars of [A-Za-z0-9_.:-]"
-_BLOCK = struct.Struct("<BBIQIQ")  # version, tier, region, offset, size, checksum
-BLOCK_RECORD_VERSION = 1
+_BLOCK = struct.Struct(f"<BBIQI{DIGEST_BYTES}s")  # version, tier, region, offset, size, digest
+# 2: the block's 32-byte BLAKE3 digest (kvstore.integrity). Version 1 records (26 bytes, an xxh3-64
+# checksum anyone could forge a match for) are refused, never read as version 2.
+BLOCK_RECORD_VERSION = 2
+BLOCK_RECORD_BYTES = _BLOCK.size
 MAX_BLOCK_BYTES = 64 << 20  # the largest block a node takes (one reservation, one record)
 
 
@@ -69,23 +73,29 @@ class BlockRecord:
     region: int
     offset: int
     size: int
-    checksum: int
+    digest: bytes  # of the block's bytes (kvstore.integrity.block_digest)
 
     def encode(self) -> bytes:
+        if not isinstance(self.digest, bytes) or len(self.digest) != DIGEST_BYTES:
+            raise InvalidRecord(f"cannot encode {self!r}: the digest is {DIGEST_BYTES} bytes")
         try:
             return _BLOCK.pack(BLOCK_RECORD_VERSION, TIERS.index(self.tier), self.region, self.offset, self.size,
-                               self.checksum)
+                               self.digest)
         except (ValueError, struct.error) as exc:
             raise InvalidRecord(f"cannot encode {self!r}: {exc}") from exc
 
     @classmethod
     def decode(cls, raw: bytes) -> "BlockRecord":
+        # The version first: an older node's record is named as such, whatever its length.
+        if raw[:1] and raw[0] != BLOCK_RECORD_VERSION:
+            raise InvalidRecord(f"block record version {raw[0]} not understood (this node reads version "
+                                f"{BLOCK_RECORD_VERSION}: every node of a cluster runs one release)")
         if len(raw) != _BLOCK.size:
             raise InvalidRecord(f"block record of {len(raw)} bytes, expected {_BLOCK.size}")
-        version, tier, region, offset, size, checksum = _BLOCK.unpack(raw)
-        if version != BLOCK_RECORD_VERSION or tier >= len(TIERS):
-            raise InvalidRecord(f"block record version {version} tier {tier} not understood")
-        return cls(TIERS[tier], region, offset, size, checksum)
+        version, tier, region, offset, size, digest = _BLOCK.unpack(raw)
+        if tier >= len(TIERS):
+            raise InvalidRecord(f"block record tier {tier} not understood")
+        return cls(TIERS[tier], region, offset, size, digest)
 
 
 @dataclass(frozen=True)

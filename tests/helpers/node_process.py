@@ -24,7 +24,7 @@ async def main(args: argparse.Namespace) -> None:
     await session.start()
     fp = node_fingerprint()
     hashes = chain_hashes(fp, [args.seed] * 16 * args.blocks)
-    revision = await session.publish(fp.digest, [(h, BlockRecord("dram", 1, i * 4096, 4096, i))
+    revision = await session.publish(fp.digest, [(h, BlockRecord("dram", 1, i * 4096, 4096, i.to_bytes(32, "little")))
                                                  for i, h in enumerate(hashes)])
     print(json.dumps({"revision": revision, "hashes": [h.hex() for h in hashes]}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)

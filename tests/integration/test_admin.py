@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvstore import Client
 from kvstore.admin.v1 import admin_pb2, admin_pb2_grpc
+from kvstore.integrity import block_digest
 from kvstore.keys import ModelFingerprint, chain_hashes, external_hashes
 
 FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64, kv_layout="bytes")  # blocks of any size
@@ -68,6 +69,8 @@ def test_every_rpc_with_errors_and_access(admin_cluster, etcd_server):
         while True:
             page = stub.ListBlocks(admin_pb2.ListBlocksRequest(fingerprint=FP.digest, page_size=7, page_token=token), timeout=5)
             seen += [blk.hash for blk in page.blocks]
+            digests = {h.hex(): block_digest(h, content(h)).hex() for h in hashes}
+            assert all(blk.digest == digests[blk.hash] for blk in page.blocks)  # the BLAKE3 digest, hex
             assert page.total == 25
             if not page.next_page_token:
                 break
@@ -169,7 +172,7 @@ def test_a_put_under_way_when_a_drain_ends_is_refused_not_left_behind(admin_clus
         with grpc.insecure_channel(a.control) as channel:  # that next put's commit, late
             stub = store_pb2_grpc.StoreControlStub(channel)
             with pytest.raises(grpc.RpcError) as refused:
-                stub.Commit(store_pb2.CommitRequest(fingerprint=FP.digest, tokens=leased, checksums=[0] * count,
+                stub.Commit(store_pb2.CommitRequest(fingerprint=FP.digest, tokens=leased, digests=[bytes(32)] * count,
                                                     hashes=late), timeout=5)
             assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "drained" in refused.value.details()

@@ -27,7 +27,8 @@ def test_routes_by_cached_prefix_and_load(etcd_server):
         for name, blocks in (("node-a", 48), ("node-b", 8)):
             s = NodeSession(open_metadata(etcd_server.url), Layout(cluster), NodeRecord(name, name), ttl=30)
             await s.start()
-            await s.publish(FP.digest, [(h, BlockRecord("dram", 1, i, 1, i)) for i, h in enumerate(hashes[:blocks])])
+            await s.publish(FP.digest, [(h, BlockRecord("dram", 1, i, 1, i.to_bytes(32, "little")))
+                                        for i, h in enumerate(hashes[:blocks])])
             sessions.append(s)
         return sessions
 

@@ -70,7 +70,8 @@ def test_etcd_restart_resyncs_the_mirror(fresh_etcd):
 
     async def scenario():
         a = await session("a")
-        rev = await a.publish(fp.digest, [(h, BlockRecord("dram", 1, i, 1, i)) for i, h in enumerate(hashes[:60])])
+        rev = await a.publish(fp.digest, [(h, BlockRecord("dram", 1, i, 1, i.to_bytes(32, "little")))
+                                          for i, h in enumerate(hashes[:60])])
         mirror = IndexMirror(fresh_etcd.url, cluster, stale_after=1.0, timeout=2.0).start()
         try:
             assert await asyncio.to_thread(mirror.wait_for_revision, rev)
@@ -83,7 +84,8 @@ def test_etcd_restart_resyncs_the_mirror(fresh_etcd):
             writer = open_metadata(fresh_etcd.url)
             b = NodeSession(writer, layout, NodeRecord("b", "y"), ttl=60)
             await b.start()
-            await b.publish(fp.digest, [(h, BlockRecord("nvme", 2, i, 1, i)) for i, h in enumerate(hashes[:80])])
+            await b.publish(fp.digest, [(h, BlockRecord("nvme", 2, i, 1, i.to_bytes(32, "little")))
+                                        for i, h in enumerate(hashes[:80])])
             last_write = await a.unpublish(fp.digest, hashes[:10])
             items, _ = await writer.range(layout.root)
             assert await asyncio.to_thread(mirror.wait_for_revision, last_write, 15)
@@ -152,7 +154,7 @@ def test_concurrent_publishers_of_the_same_block_end_consistent(etcd_server):
             await s.start()
             sessions.append(s)
         # Both nodes store and publish the same 64 blocks at the same time, twice over.
-        revisions = await asyncio.gather(*[s.publish(fp.digest, [(h, BlockRecord("dram", k, i, 1, i))
+        revisions = await asyncio.gather(*[s.publish(fp.digest, [(h, BlockRecord("dram", k, i, 1, bytes(32)))
                                                                  for i, h in enumerate(hashes)])
                                            for k in (1, 2) for s in sessions])
         reader = open_metadata(etcd_server.url)
@@ -206,7 +208,7 @@ def test_a_revision_is_announced_only_once_all_its_events_are_applied(etcd_serve
         session = NodeSession(open_metadata(etcd_server.url), layout, NodeRecord("n", "n"), ttl=30)
         await session.start()
         try:
-            revision = await session.publish(fp.digest, [(h, BlockRecord("dram", 1, i, 1, i))
+            revision = await session.publish(fp.digest, [(h, BlockRecord("dram", 1, i, 1, i.to_bytes(32, "little")))
                                                          for i, h in enumerate(hashes)])
             waiter = asyncio.create_task(asyncio.to_thread(wait, revision))
             assert await asyncio.to_thread(held.wait, 10)

@@ -28,8 +28,10 @@ def test_load_at_one_revision_while_nodes_publish_and_unpublish(etcd_server, mon
             sessions.append(s)
         hashes = {fp.digest: external_hashes(range(3000), fp) for fp in FPS}
         for fp, hs in hashes.items():
-            await sessions[0].publish(fp, [(h, BlockRecord("dram", 1, i, 1, i)) for i, h in enumerate(hs)])
-            await sessions[1].publish(fp, [(h, BlockRecord("nvme", 2, i, 1, i)) for i, h in enumerate(hs[::3])])
+            await sessions[0].publish(fp, [(h, BlockRecord("dram", 1, i, 1, i.to_bytes(32, "little")))
+                                           for i, h in enumerate(hs)])
+            await sessions[1].publish(fp, [(h, BlockRecord("nvme", 2, i, 1, i.to_bytes(32, "little")))
+                                           for i, h in enumerate(hs[::3])])
         md = open_metadata(etcd_server.url)
         expected = await md.range_page(prefix, prefix_end(prefix))
         more = {fp.digest: external_hashes(range(3000, 4000), fp) for fp in FPS}
@@ -37,7 +39,8 @@ def test_load_at_one_revision_while_nodes_publish_and_unpublish(etcd_server, mon
         async def churn() -> int:
             for i in range(0, 1000, 50):
                 for fp in more:
-                    await sessions[1].publish(fp, [(h, BlockRecord("dram", 3, 0, 1, 0)) for h in more[fp][i:i + 50]])
+                    await sessions[1].publish(fp, [(h, BlockRecord("dram", 3, 0, 1, bytes(32)))
+                                                   for h in more[fp][i:i + 50]])
                     last = await sessions[0].unpublish(fp, hashes[fp][i:i + 50])
             return last
 

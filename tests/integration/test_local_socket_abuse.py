@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kvstore import Client
-from kvstore.integrity import block_checksum
+from kvstore.integrity import block_digest
 from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.wire import TCP_SCHEME, Frames, connect, tcp_endpoint
 
@@ -65,7 +65,7 @@ def test_a_put_that_trickles_its_bytes_is_cut_off_at_its_deadline(node):
     block = bytes([0xAA]) * 4096
     frames = raw(address)
     frames.send({"op": "put", "fp": FP.digest, "hashes": [h.hex() for h in hashes], "sizes": [4096] * 5,
-                 "checksums": [block_checksum(h, block) for h in hashes], "sync": False})
+                 "digests": [block_digest(h, block).hex() for h in hashes], "sync": False})
     cut_off = False
     try:
         for _ in hashes:
@@ -92,11 +92,12 @@ def test_reservation_tokens_cannot_be_guessed_by_another_client(node):
     assert reply["ok"]
     other.send({"op": "abort", "tokens": list(range(1, 4097))})
     assert other.recv(5.0)["ok"]
-    owner.send({"op": "commit", "fp": FP.digest, "tokens": [reply["slots"][0][0]], "checksums": [0], "sync": True})
+    owner.send({"op": "commit", "fp": FP.digest, "tokens": [reply["slots"][0][0]], "digests": ["00" * 32],
+                "sync": True})
     commit = owner.recv(5.0)
-    # Still reserved: the commit (sync: checked before the answer) reaches the checksum (nothing was
+    # Still reserved: the commit (sync: checked before the answer) reaches the digest (nothing was
     # written), not "unknown or expired".
-    assert commit["ok"] and commit["errors"][0].startswith("checksum mismatch")
+    assert commit["ok"] and commit["errors"][0].startswith("digest mismatch")
 
 
 @pytest.mark.parametrize("fingerprint", ["\ud800", "a/b", "x" * 200, ""])
@@ -106,7 +107,7 @@ def test_a_fingerprint_that_cannot_name_an_index_key_is_refused_and_publishing_g
     block = bytes(4096)
     frames = raw(address)
     frames.send({"op": "put", "fp": fingerprint, "hashes": [h.hex()], "sizes": [4096],
-                 "checksums": [block_checksum(h, block)], "sync": False}, [block])
+                 "digests": [block_digest(h, block).hex()], "sync": False}, [block])
     reply = frames.recv(5.0)
     assert not reply["ok"] and reply["code"] == "invalid"
     with Client(client.mirror.url, cluster=client.mirror.layout.cluster, fingerprint=FP, secret=SECRET,
@@ -142,13 +143,13 @@ def test_a_commit_with_a_malformed_lease_or_names_is_invalid_and_takes_nothing(n
     h = external_hashes([800], FP)[0]
     frames.send({"op": "reserve", "fp": FP.digest, "hashes": [h.hex()], "sizes": [4096]})
     token = frames.recv(5.0)["slots"][0][0]
-    zeros = block_checksum(h, bytes(4096))  # a fresh arena slot holds zeros
+    zeros = block_digest(h, bytes(4096)).hex()  # a fresh arena slot holds zeros
     if bad.pop("repeat", False):
-        bad = {"tokens": [token, token], "checksums": [zeros, zeros]}
-    frames.send({"op": "commit", "fp": FP.digest, "tokens": [token], "checksums": [zeros], **bad})
+        bad = {"tokens": [token, token], "digests": [zeros, zeros]}
+    frames.send({"op": "commit", "fp": FP.digest, "tokens": [token], "digests": [zeros], **bad})
     reply = frames.recv(5.0)
     assert not reply["ok"] and reply["code"] == "invalid", reply
-    frames.send({"op": "commit", "fp": FP.digest, "tokens": [token], "checksums": [zeros], "sync": True})
+    frames.send({"op": "commit", "fp": FP.digest, "tokens": [token], "digests": [zeros], "sync": True})
     reply = frames.recv(5.0)
     assert reply["ok"] and reply["errors"] == [""] and reply["records"][0]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 
 import numpy as np
+from xxh3_forgery import forge, old_checksum
 
 import kvstore
 from kvstore.keys import ModelFingerprint, chain_hashes
@@ -78,3 +79,28 @@ def test_a_staged_read_of_a_rotten_block_is_a_miss():
         finally:
             store.engine.unregister(region)
         assert found == [False] and stages == [0, 1, 2]
+
+
+def test_a_staged_read_of_a_second_preimage_of_the_old_checksum_is_a_miss():
+    """Kills: staged (layer-by-layer) loads checked with the old seeded xxh3-64 checksum. The slot
+    holds other bytes with the block's old checksum: the load still announces every stage (the
+    consumer may use them), and the block is a miss."""
+    with kvstore.open(f"memory://staged-{uuid.uuid4().hex[:8]}", dram="64MiB", fingerprint=FP) as store:
+        block = np.arange(3 * STAGE, dtype=np.int32)
+        (h,) = chain_hashes(FP, list(range(16)))
+        store.put_many([(h, block)])
+        arena = store.daemon.store
+        (_, slot), = arena.keys()
+        forged = forge(h, block.tobytes())
+        assert old_checksum(h, forged) == old_checksum(h, block.tobytes())
+        arena.dram.region.buffer[slot.offset : slot.offset + slot.size] = forged
+        dest = np.zeros(3 * STAGE, np.int32)
+        region = store.engine.register(dest, remote_access=False)
+        try:
+            stages: list[int] = []
+            found = store.get_many([h], [[(region, s * STAGE * 4, STAGE * 4) for s in range(3)]],
+                                   stages=[0, 1, 2], on_stage=stages.append)
+        finally:
+            store.engine.unregister(region)
+        assert found == [False] and stages == [0, 1, 2]
+        assert dest.tobytes() == forged  # what landed was the forgery: refused by its digest alone

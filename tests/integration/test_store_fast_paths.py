@@ -105,14 +105,14 @@ def put_two_and_settle(client: Client, observer: Client, node: str, ids: list[in
 
 def at_offset_of(record: BlockRecord, other: BlockRecord) -> BlockRecord:
     """`record` pointing at `other`'s bytes: what a mirror that missed a move would hold."""
-    return BlockRecord(record.tier, record.region, other.offset, record.size, record.checksum)
+    return BlockRecord(record.tier, record.region, other.offset, record.size, record.digest)
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_a_block_that_moved_since_the_mirror_heard_is_read_from_where_the_node_has_it(
         etcd_server, spawn_daemon, transport):
     """A mirror that still points at a block's old place (the node demoted or promoted it, and the
-    slot now holds another block) gets bytes that fail the checksum: the client asks the node where
+    slot now holds another block) gets bytes that fail the digest: the client asks the node where
     the block is now and reads it from there, instead of reporting a miss or a corrupt copy."""
     cluster = uuid.uuid4().hex[:8]
     daemon = spawn_daemon("moved", etcd_server.url, cluster, secret=SECRET)
@@ -193,7 +193,7 @@ def test_a_block_dropped_before_its_put_was_published_leaves_the_putters_mirror(
 
 
 def test_a_lookup_answer_older_than_a_re_put_does_not_hide_the_block(etcd_server, spawn_daemon):
-    """A get's bytes fail their checksum, the node answers that it no longer holds the block, and the
+    """A get's bytes fail their digest, the node answers that it no longer holds the block, and the
     block is put there again before that answer is learned: the re-put's event wins, the block stays
     listed and the next get reads it."""
     cluster = uuid.uuid4().hex[:8]
@@ -271,7 +271,7 @@ def test_sync_publish_is_visible_to_others_when_put_returns(etcd_server, spawn_d
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_a_put_answered_before_its_check_publishes_only_bytes_that_verified(etcd_server, spawn_daemon,
                                                                               monkeypatch, transport):
-    """Puts of 2 MiB or more are answered before the node's checksum pass; a block whose bytes then
+    """Puts of 2 MiB or more are answered before the node's digest pass; a block whose bytes then
     fail it is never published (nor read as a hit), one that passes is, on every put path (inline
     and engine). A smaller put is checked before its answer."""
     import kvstore.client.client as client_module
@@ -282,11 +282,10 @@ def test_a_put_answered_before_its_check_publishes_only_bytes_that_verified(etcd
     good, bad = external_hashes([1, 2], FP), external_hashes([3, 4], FP)
     small = external_hashes([5], FP)[0]
     bad.append(small)
-    checksums, seeds, put_many = client_module.block_checksums, client_module.checksum_seeds, Client.put_many
-    # The client sends a checksum its bytes do not have, as a corrupted transfer would look to the node:
-    # computed ones (inline puts, TCP), and those the same-host engine copy takes (a digest under
-    # another seed). Only while putting (on any thread: a helper hashes large puts): gets check what
-    # landed with the same function.
+    digests, put_many = client_module.block_digests, Client.put_many
+    # The client sends a digest its bytes do not have, as a corrupted transfer would look to the node.
+    # Only while putting (on any thread: a helper hashes large puts): gets check what landed with
+    # the same function.
     putting = {"now": False}
 
     def putting_many(self, *args, **kwargs):
@@ -297,17 +296,17 @@ def test_a_put_answered_before_its_check_publishes_only_bytes_that_verified(etcd
             putting["now"] = False
 
     def flip(hs, values):
-        return [value ^ (putting["now"] and h in bad) for h, value in zip(hs, values)]
+        return [bytes([value[0] ^ 1]) + value[1:] if putting["now"] and h in bad else value
+                for h, value in zip(hs, values)]
 
     monkeypatch.setattr(Client, "put_many", putting_many)
-    monkeypatch.setattr(client_module, "block_checksums", lambda hs, ds: flip(hs, checksums(hs, ds)))
-    monkeypatch.setattr(client_module, "checksum_seeds", lambda hs: flip(hs, seeds(hs)))
+    monkeypatch.setattr(client_module, "block_digests", lambda hs, ds: flip(hs, digests(hs, ds)))
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport=transport) as client, \
             Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport=transport) as other:
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
         for h, size in zip(good + bad, sizes + sizes):
             assert client.put(h, content(h, size)) == 1  # written: the answer does not wait for the check
-        with pytest.raises(PutFailed, match="checksum mismatch"):
+        with pytest.raises(PutFailed, match="digest mismatch"):
             client.put(small, content(small, 64 << 10))
         assert other.mirror.wait_until(lambda m: all(m.contains(FP, h) for h in good), 5)
         assert wait_for(lambda: stats(daemon).counters.get("corrupt_writes", 0) == 3)
@@ -522,7 +521,7 @@ def test_same_host_nvme_reads_go_through_the_tier_fd(nvme_node):
     with pytest.raises(OSError):
         os.pwrite(tier.fd, b"x", 0)
     # Records that do not fit the tier are never read (bounds-checked against the tier's size).
-    forged = BlockRecord("nvme", tier.region, tier.size - 4096, 2 * 4096, 0)
+    forged = BlockRecord("nvme", tier.region, tier.size - 4096, 2 * 4096, bytes(32))
     region = client.engine.register(np.zeros(2 * 4096, np.uint8), remote_access=False)
     try:
         assert read_block(tier, forged, [(region, 0, 2 * 4096)]) is False

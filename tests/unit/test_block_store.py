@@ -5,11 +5,12 @@ import threading
 
 import numpy as np
 import pytest
+from xxh3_forgery import forge, old_checksum
 
 import kvstore
 from kvstore.daemon.store import BlockStore
 from kvstore.errors import AllocationFailed, WrongSize
-from kvstore.integrity import block_checksum
+from kvstore.integrity import block_digest
 from kvstore.keys import ModelFingerprint, external_hashes
 from transfer import Engine
 
@@ -27,13 +28,13 @@ def engine():
         yield e
 
 
-def write(store: BlockStore, block_hash: bytes, data: np.ndarray, checksum: int | None = None):
+def write(store: BlockStore, block_hash: bytes, data: np.ndarray, digest: bytes | None = None):
     slots, updates = store.reserve(FP.digest, [block_hash], [data.nbytes])
     token, slot = slots[0]
     if slot is None:
         return [], updates
     store.dram.region.buffer[slot.offset : slot.offset + data.nbytes] = data.tobytes()
-    errors, more = store.commit(FP.digest, [token], [block_checksum(block_hash, data) if checksum is None else checksum])
+    errors, more = store.commit(FP.digest, [token], [block_digest(block_hash, data) if digest is None else digest])
     return errors, updates + more
 
 
@@ -43,8 +44,8 @@ def test_commit_verifies_bytes_and_publishes(engine):
     errors, updates = write(store, h, content(h))
     assert errors == [""] and updates[0][2].tier == "dram"
     h2 = external_hashes([2], FP)[0]
-    errors, updates = write(store, h2, content(h2), checksum=12345)
-    assert errors[0].startswith("checksum mismatch") and updates == []
+    errors, updates = write(store, h2, content(h2), digest=bytes(32))
+    assert errors[0].startswith("digest mismatch") and updates == []
     assert store.dram.used == 65536  # the refused slot went back
     again, _ = store.reserve(FP.digest, [h], [BLOCK])
     assert again == [(0, None)]  # already sealed: nothing to write
@@ -52,7 +53,7 @@ def test_commit_verifies_bytes_and_publishes(engine):
         store.reserve(FP.digest, [h2], [0])
     with pytest.raises(AllocationFailed):
         store.reserve(FP.digest, [h2], [2 << 20])
-    assert store.commit(FP.digest, [999], [0])[0] == ["unknown or expired reservation"]
+    assert store.commit(FP.digest, [999], [bytes(32)])[0] == ["unknown or expired reservation"]
 
 
 def test_a_commit_under_another_fingerprint_leaves_the_reservation_to_its_owner(engine):
@@ -61,14 +62,14 @@ def test_a_commit_under_another_fingerprint_leaves_the_reservation_to_its_owner(
     data = content(h)
     (token, slot), = store.reserve(FP.digest, [h], [BLOCK])[0]
     store.dram.region.buffer[slot.offset : slot.offset + BLOCK] = data.tobytes()
-    assert store.commit("another-model", [token], [block_checksum(h, data)])[0] == ["unknown or expired reservation"]
-    assert store.commit(FP.digest, [token], [block_checksum(h, data)])[0] == [""]
+    assert store.commit("another-model", [token], [block_digest(h, data)])[0] == ["unknown or expired reservation"]
+    assert store.commit(FP.digest, [token], [block_digest(h, data)])[0] == [""]
     assert store.dram.used == BLOCK
 
 
 def test_a_big_commit_verifies_every_block_in_one_batch(engine, monkeypatch):
-    """Each block of a batch is checked against its own checksum (one bad block among many is
-    refused, the rest sealed), and the checksum pass leaves the store's lock free for other requests."""
+    """Each block of a batch is checked against its own digest (one bad block among many is
+    refused, the rest sealed), and the digest pass leaves the store's lock free for other requests."""
     import kvstore.daemon.store as store_module
 
     lock_free_while_hashing = []
@@ -79,8 +80,8 @@ def test_a_big_commit_verifies_every_block_in_one_batch(engine, monkeypatch):
         other.join()
         return real(*args)
 
-    real = store_module.block_checksums
-    monkeypatch.setattr(store_module, "block_checksums", hashing)
+    real = store_module.block_digests
+    monkeypatch.setattr(store_module, "block_digests", hashing)
     store = BlockStore(engine, engine.allocate(16 << 20))
     hashes = external_hashes(range(12), FP)
     size = 1 << 20
@@ -89,14 +90,14 @@ def test_a_big_commit_verifies_every_block_in_one_batch(engine, monkeypatch):
     for h, (_, slot) in zip(hashes, slots):
         data = content(h, size)
         store.dram.region.buffer[slot.offset : slot.offset + size] = data.tobytes()
-        sums.append(block_checksum(h, data))
-    sums[7] ^= 1
+        sums.append(block_digest(h, data))
+    sums[7] = bytes([sums[7][0] ^ 1]) + sums[7][1:]
     errors, updates = store.commit(FP.digest, [token for token, _ in slots], sums)
-    assert [e.startswith("checksum mismatch") for e in errors] == [i == 7 for i in range(12)]
+    assert [e.startswith("digest mismatch") for e in errors] == [i == 7 for i in range(12)]
     assert len(updates) == 11 and store.dram.used == 11 * size
     assert lock_free_while_hashing == [True]
     with pytest.raises(WrongSize):  # never pops what it cannot seal
-        store.commit(FP.digest, [1, 2], [3])
+        store.commit(FP.digest, [1, 2], [bytes(32)])
 
 
 def _try_lock(lock) -> bool:
@@ -141,6 +142,36 @@ def test_corrupt_nvme_block_is_dropped_on_promotion(engine, tmp_path):
     healthy = next(iter(store.nvme.sealed.values()))
     updates = store.touch(FP.digest, [healthy.key[1]])
     assert updates[-1][2].tier == "dram" and store.counters["promotions"] == 1
+
+
+def test_a_second_preimage_of_the_old_checksum_is_caught_on_every_node_side_path(engine, tmp_path):
+    """Kills: node-side checks with the old seeded xxh3-64 checksum. Bytes with the old checksum of
+    the block they replace (a commit's landed bytes, a sealed DRAM copy, an NVMe copy) are refused at
+    commit, never handed to a drain or repair (read_block), dropped when a client reports them, and
+    dropped instead of promoted."""
+    path = tmp_path / "tier"
+    store = BlockStore(engine, engine.allocate(256 * 1024), engine.register_file(path, 1 << 20), high=1.0, low=0.5)
+    h = external_hashes([77], FP)[0]
+    forged = forge(h, content(h).tobytes())
+    assert old_checksum(h, forged) == old_checksum(h, content(h).tobytes())
+    errors, updates = write(store, h, np.frombuffer(forged, np.uint8), digest=block_digest(h, content(h)))
+    assert errors[0].startswith("digest mismatch") and updates == [] and store.counters["corrupt_writes"] == 1
+    hashes = external_hashes(range(8), FP)
+    for each in hashes:
+        write(store, each, content(each))
+    in_dram = next(s for k, s in store.dram.sealed.items())
+    victim = in_dram.key[1]
+    store.dram.region.buffer[in_dram.offset : in_dram.offset + BLOCK] = forge(victim, content(victim).tobytes())
+    assert store.read_block((FP.digest, victim)) is None  # what drain and repair copy elsewhere
+    assert store.touch(FP.digest, [], corrupt=[victim]) == [(FP.digest, victim, None)]
+    on_nvme = next(iter(store.nvme.sealed.values()))
+    with open(path, "r+b") as f:
+        f.seek(on_nvme.offset)
+        f.write(forge(on_nvme.key[1], content(on_nvme.key[1]).tobytes()))
+    assert store.read_block(on_nvme.key) is None
+    store.remove(FP.digest, [k[1] for k in list(store.dram.sealed)])  # make room to promote
+    assert store.touch(FP.digest, [on_nvme.key[1]]) == [(FP.digest, on_nvme.key[1], None)]
+    assert store.find(on_nvme.key) is None and store.counters["corrupt_blocks_nvme"] == 1
 
 
 def test_reads_never_return_another_blocks_bytes_under_churn():
@@ -227,7 +258,7 @@ def test_huge_lookups_touches_and_removes_take_the_lock_a_span_at_a_time(engine)
     slots, _ = store.reserve(FP.digest, held, [4096] * 3)
     for h, (_, slot) in zip(held, slots):
         store.dram.region.buffer[slot.offset : slot.offset + 4096] = content(h, 4096).tobytes()
-    store.commit(FP.digest, [t for t, _ in slots], [block_checksum(h, content(h, 4096)) for h in held])
+    store.commit(FP.digest, [t for t, _ in slots], [block_digest(h, content(h, 4096)) for h in held])
     many = external_hashes(range(100, 100 + 3 * store_module.LOCK_SPAN), FP) + held
     store.lock = counting = CountingLock(store.lock)
     records = store.records(FP.digest, many)

@@ -75,7 +75,8 @@ def test_publish_failures_are_said_when_they_start_while_they_last_and_when_they
     publisher = Publisher(shared_loop(), apply, 2.0, {})
     try:
         with caplog.at_level(logging.WARNING, logger="kvstore"):
-            publisher.publish([("f" * 32, b"h" * 16, BlockRecord("dram", 1, 0, 4096, 1))], wait=True, timeout=30)
+            publisher.publish([("f" * 32, b"h" * 16, BlockRecord("dram", 1, 0, 4096, b"\x01" * 32))], wait=True,
+                              timeout=30)
     finally:
         publisher.stop()
     said = [r.getMessage() for r in caplog.records if r.name == "kvstore.daemon.publisher"]

@@ -20,7 +20,7 @@ HASHES = chain_hashes(FP, list(range(4 * 10)))
 
 
 def records(hashes, tier="dram"):
-    return [(h, BlockRecord(tier, 3, i * 4096, 4096, 1000 + i)) for i, h in enumerate(hashes)]
+    return [(h, BlockRecord(tier, 3, i * 4096, 4096, (1000 + i).to_bytes(32, "little"))) for i, h in enumerate(hashes)]
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ async def test_match_prefix_lengths_and_lookup(url):
         assert result.locations[3] == (("a", "dram"),)
         assert mirror.node_prefix_lengths(FP, HASHES) == {"a": 8, "b": 3}
         assert mirror.node_prefix_lengths(FP.digest, HASHES[1:]) == {"a": 7, "b": 2}
-        assert mirror.lookup(FP, HASHES[0])["b"] == BlockRecord("nvme", 3, 0, 4096, 1000)
+        assert mirror.lookup(FP, HASHES[0])["b"] == BlockRecord("nvme", 3, 0, 4096, (1000).to_bytes(32, "little"))
         assert mirror.contains(FP, HASHES[7]) and not mirror.contains(FP, HASHES[8])
         assert not mirror.contains(ModelFingerprint("other", "float16", 4, 2, 2, 64), HASHES[0])
         assert mirror.match(FP, HASHES[8:]).length == 0
@@ -74,11 +74,11 @@ async def test_expired_lease_removes_blocks(url):
 async def test_bad_records_are_refused_before_anything_is_written(url):
     node = await start_node(url, "a")
     with pytest.raises(InvalidRecord):
-        await node.publish(FP.digest, [(HASHES[0], BlockRecord("tape", 1, 0, 1, 0))])
+        await node.publish(FP.digest, [(HASHES[0], BlockRecord("tape", 1, 0, 1, bytes(32)))])
     with pytest.raises(InvalidRecord):
-        await node.publish(FP.digest, [(b"short", BlockRecord("dram", 1, 0, 1, 0))])
+        await node.publish(FP.digest, [(b"short", BlockRecord("dram", 1, 0, 1, bytes(32)))])
     with pytest.raises(InvalidRecord):
-        await node.publish(FP.digest, [(HASHES[0], BlockRecord("dram", -1, 0, 1, 0))])
+        await node.publish(FP.digest, [(HASHES[0], BlockRecord("dram", -1, 0, 1, bytes(32)))])
     with pytest.raises(InvalidRecord):
         NodeSession(open_metadata(url), Layout("c"), NodeRecord("bad/name", "x")).node.encode()
     items, _ = await open_metadata(url).range(Layout("c").blocks_prefix())
@@ -120,7 +120,7 @@ async def test_an_answer_learned_after_a_watch_event_about_it_does_not_undo_it(u
         with mirror.asking(FP, "a", HASHES[1:3]) as since:  # a lookup says "not held"; meanwhile a re-put
             assert mirror.wait_for_revision(await node.publish(FP.digest, records(HASHES[1:2], "nvme")))
             mirror.forget_many(FP, "a", [HASHES[1], HASHES[2]], since)
-        assert mirror.lookup(FP, HASHES[1]) == {"a": BlockRecord("nvme", 3, 0, 4096, 1000)}
+        assert mirror.lookup(FP, HASHES[1]) == {"a": BlockRecord("nvme", 3, 0, 4096, (1000).to_bytes(32, "little"))}
         assert not mirror.contains(FP, HASHES[2])
         mirror.remember_many(FP, "a", records(HASHES[:1]))  # without `since`: learned as before
         assert mirror.contains(FP, HASHES[0])
@@ -211,14 +211,14 @@ async def test_a_question_asked_while_the_first_snapshot_loads_is_learned_at_onc
 
 async def test_remember_makes_a_block_visible_before_its_watch_event(url):
     with IndexMirror(url, "c") as mirror:
-        mirror.remember(FP, HASHES[0], "a", BlockRecord("dram", 3, 0, 4096, 7))
+        mirror.remember(FP, HASHES[0], "a", BlockRecord("dram", 3, 0, 4096, (7).to_bytes(32, "little")))
         assert mirror.match(FP, HASHES).length == 1
-        assert mirror.lookup(FP, HASHES[0]) == {"a": BlockRecord("dram", 3, 0, 4096, 7)}
+        assert mirror.lookup(FP, HASHES[0]) == {"a": BlockRecord("dram", 3, 0, 4096, (7).to_bytes(32, "little"))}
         node = await start_node(url, "a")
         revision = await node.publish(FP.digest, records(HASHES[:2]))
         assert mirror.wait_for_revision(revision)  # the event itself replaces the remembered record
         assert mirror.match(FP, HASHES).length == 2 and mirror.block_count == 2
-        assert mirror.lookup(FP, HASHES[0]) == {"a": BlockRecord("dram", 3, 0, 4096, 1000)}
+        assert mirror.lookup(FP, HASHES[0]) == {"a": BlockRecord("dram", 3, 0, 4096, (1000).to_bytes(32, "little"))}
         with pytest.raises(InvalidRecord):
             mirror.remember(FP, HASHES[5], "a", b"garbage")
         assert not mirror.contains(FP, HASHES[5])

@@ -30,7 +30,7 @@ def url():
 
 
 def record(i: int, tier: str = "dram") -> BlockRecord:
-    return BlockRecord(tier, 1, i * 4096, 4096, i)
+    return BlockRecord(tier, 1, i * 4096, 4096, i.to_bytes(32, "little"))
 
 
 async def node(url: str, name: str) -> NodeSession:

@@ -114,8 +114,8 @@ def test_mirror_match_of_empty_unknown_partly_and_fully_cached_prompts():
     hashes = external_hashes(range(64), fp)
     mirror = IndexMirror("memory://never-started")
     for i, h in enumerate(hashes[:12]):
-        mirror.remember(fp, h, "a", BlockRecord("dram", 1, i * 64, 64, i))
-    mirror.remember(fp, hashes[3], "b", BlockRecord("nvme", 1, 0, 64, 0))
+        mirror.remember(fp, h, "a", BlockRecord("dram", 1, i * 64, 64, i.to_bytes(32, "little")))
+    mirror.remember(fp, hashes[3], "b", BlockRecord("nvme", 1, 0, 64, bytes(32)))
     assert mirror.match(fp, []).length == 0
     assert mirror.match(ModelFingerprint("other", "float16", 4, 2, 2, 64), hashes).length == 0
     assert mirror.match(fp, hashes[12:]).length == 0

@@ -8,17 +8,17 @@ import pytest
 
 from kvstore.daemon.store import LEASE_MAX_SLOTS, BlockStore
 from kvstore.errors import InvalidRequest, NodeRefused, WrongSize
-from kvstore.integrity import block_checksum
+from kvstore.integrity import block_digest
 from kvstore.keys import external_hashes
 
 from .test_block_store import BLOCK, FP, content, engine  # noqa: F401 - engine is a fixture
 
 
 def fill(store: BlockStore, leased, hashes) -> list[int]:
-    """Write each block into its leased slot; the checksums to commit."""
+    """Write each block into its leased slot; the digests to commit."""
     for (_, slot), h in zip(leased, hashes):
         store.dram.region.buffer[slot.offset : slot.offset + slot.size] = content(h, slot.size).tobytes()
-    return [block_checksum(h, content(h, slot.size)) for (_, slot), h in zip(leased, hashes)]
+    return [block_digest(h, content(h, slot.size)) for (_, slot), h in zip(leased, hashes)]
 
 
 def seal(store: BlockStore, hashes) -> None:
@@ -44,12 +44,13 @@ def test_a_commit_that_misnames_slots_takes_nothing(engine):
     h, other = external_hashes([1, 2], FP)
     sums = fill(store, leased, [h])
     with pytest.raises(InvalidRequest):  # a leased slot committed without its block's hash
-        store.commit(FP.digest, [leased[0][0], reserved[0][0]], sums + [0])
+        store.commit(FP.digest, [leased[0][0], reserved[0][0]], sums + [bytes(32)])
     with pytest.raises(InvalidRequest):  # a reserved slot named as another block
         store.commit(FP.digest, [leased[0][0], reserved[0][0]], sums + [0], hashes=[h, other])
     # Nothing was taken: the leased slot still commits, under its hash.
     assert store.commit(FP.digest, [leased[0][0]], sums, hashes=[h])[0] == [""]
-    assert store.commit("another-model", [reserved[0][0]], [0], hashes=[other])[0] == ["unknown or expired reservation"]
+    assert store.commit("another-model", [reserved[0][0]], [bytes(32)],
+                        hashes=[other])[0] == ["unknown or expired reservation"]
 
 
 def test_a_leased_slot_for_a_block_held_already_is_given_back(engine):
@@ -119,7 +120,7 @@ def test_leases_expire_and_abort_like_reservations(engine):
     store.lease(FP.digest, BLOCK, 1)  # any lease or reserve reclaims expired slots first
     assert store.dram.used == BLOCK
     h = external_hashes([9], FP)
-    assert store.commit(FP.digest, [expiring[0][0]], [0], hashes=h)[0] == ["unknown or expired reservation"]
+    assert store.commit(FP.digest, [expiring[0][0]], [bytes(32)], hashes=h)[0] == ["unknown or expired reservation"]
 
 
 def test_a_block_committed_into_a_leased_slot_during_a_drain_is_drained_too():
@@ -177,14 +178,14 @@ def test_the_drains_last_look_waits_for_a_commit_still_verifying(engine, monkeyp
     slots, _ = store.reserve(FP.digest, h, [BLOCK])
     sums = fill(store, slots, h)
     hashing, release = threading.Event(), threading.Event()
-    real = store_module.block_checksums
+    real = store_module.block_digests
 
     def slow(*args):
         hashing.set()
         release.wait(5)
         return real(*args)
 
-    monkeypatch.setattr(store_module, "block_checksums", slow)
+    monkeypatch.setattr(store_module, "block_digests", slow)
     committing = threading.Thread(target=store.commit, args=(FP.digest, [slots[0][0]], sums))
     committing.start()
     assert hashing.wait(5)
@@ -246,7 +247,7 @@ def test_a_refused_commit_gives_its_slots_back(engine, monkeypatch):
     monkeypatch.setattr(store, "reserve", reserve_then_drained)
     h = external_hashes([1], FP)
     with pytest.raises(NodeRefused):
-        store.put_inline(FP.digest, h, [content(h[0]).tobytes()], [block_checksum(h[0], content(h[0]))])
+        store.put_inline(FP.digest, h, [content(h[0]).tobytes()], [block_digest(h[0], content(h[0]))])
     assert store.dram.used == 0
 
 

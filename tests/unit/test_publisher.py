@@ -14,7 +14,7 @@ from kvstore.index.records import BlockRecord
 
 
 def rec(n: int) -> BlockRecord:
-    return BlockRecord("dram", 1, n * 4096, 4096, n)
+    return BlockRecord("dram", 1, n * 4096, 4096, n.to_bytes(32, "little"))
 
 
 class Sink:

@@ -1,4 +1,4 @@
-"""Commits answered before their checksum pass (`verify=False`): the blocks stay *written* (held,
+"""Commits answered before their digest pass (`verify=False`): the blocks stay *written* (held,
 unlisted, unevictable, unpublished) until `seal_written` verifies them; bad bytes never get sealed."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import kvstore.daemon.store as store_module
 from kvstore.daemon.store import BlockStore
 from kvstore.errors import AllocationFailed
-from kvstore.integrity import block_checksum
+from kvstore.integrity import block_digest
 from kvstore.keys import ModelFingerprint, external_hashes
 from transfer import Engine
 
@@ -37,9 +37,9 @@ def write_later(store: BlockStore, ids: list[int], wrong: bool = False) -> tuple
     slots, _ = store.reserve(FP.digest, hashes, [BLOCK] * len(hashes))
     for h, (_, slot) in zip(hashes, slots):
         store.dram.region.buffer[slot.offset : slot.offset + BLOCK] = content(h).tobytes()
-    checksums = [12345 if wrong else block_checksum(h, content(h)) for h in hashes]
+    digests = [bytes(32) if wrong else block_digest(h, content(h)) for h in hashes]
     records: list = []
-    errors, updates = store.commit(FP.digest, [t for t, _ in slots], checksums, records, verify=False)
+    errors, updates = store.commit(FP.digest, [t for t, _ in slots], digests, records, verify=False)
     return hashes, records, errors, updates
 
 
@@ -70,13 +70,13 @@ def test_a_block_removed_before_or_while_it_is_verified_is_never_sealed(store, m
     assert store.seal_written() == []
 
     (h2,), _, _, _ = write_later(store, [2])
-    checksums = store._checksums
+    digests = store._digests
 
     def removed_meanwhile(slots):
         assert store.remove(FP.digest, [h2])[0] == 1
-        return checksums(slots)
+        return digests(slots)
 
-    monkeypatch.setattr(store, "_checksums", removed_meanwhile)
+    monkeypatch.setattr(store, "_digests", removed_meanwhile)
     assert store.seal_written() == []
     assert store.records(FP.digest, [h2]) == [None] and store.dram.used == 0 and store.keys() == []
 
@@ -86,7 +86,7 @@ def test_written_blocks_are_never_evicted_before_they_are_verified(store):
     sealed = external_hashes([9], FP)
     (token, slot), = store.reserve(FP.digest, sealed, [BLOCK])[0]
     store.dram.region.buffer[slot.offset : slot.offset + BLOCK] = content(sealed[0]).tobytes()
-    store.commit(FP.digest, [token], [block_checksum(sealed[0], content(sealed[0]))])
+    store.commit(FP.digest, [token], [block_digest(sealed[0], content(sealed[0]))])
     hashes, _, _, _ = write_later(store, [1, 2, 3, 4, 5])  # 6 of the 8 slots taken
     with pytest.raises(AllocationFailed):  # evicting cannot free written blocks: refused up front
         store.reserve(FP.digest, external_hashes([6, 7, 8, 10], FP), [BLOCK] * 4)
@@ -107,7 +107,7 @@ def test_a_verified_commit_still_seals_at_once(store):
     h = external_hashes([1], FP)[0]
     (token, slot), = store.reserve(FP.digest, [h], [BLOCK])[0]
     store.dram.region.buffer[slot.offset : slot.offset + BLOCK] = content(h).tobytes()
-    errors, updates = store.commit(FP.digest, [token], [block_checksum(h, content(h))])
+    errors, updates = store.commit(FP.digest, [token], [block_digest(h, content(h))])
     assert errors == [""] and [u[1] for u in updates] == [h]
     assert store.seal_written() == []
 
@@ -120,21 +120,21 @@ def test_a_verified_copy_of_a_block_retires_its_unverified_one(store):
     s2.key = s1.key  # a second reservation of the same block (as two clients racing would hold)
     for slot in (s1, s2):
         store.dram.region.buffer[slot.offset : slot.offset + BLOCK] = content(h).tobytes()
-    checksum = block_checksum(h, content(h))
-    assert store.commit(FP.digest, [t1], [checksum], verify=False) == ([""], [])
-    assert [u[1] for u in store.commit(FP.digest, [t2], [checksum])[1]] == [h]
+    digest = block_digest(h, content(h))
+    assert store.commit(FP.digest, [t1], [digest], verify=False) == ([""], [])
+    assert [u[1] for u in store.commit(FP.digest, [t2], [digest])[1]] == [h]
     assert store.dram.used == BLOCK  # the written copy went when the verified one was sealed
     assert store.remove(FP.digest, [h])[0] == 1
     assert store.seal_written() == [] and store.dram.used == 0 and store.keys() == []
 
 
-def test_a_checksum_pass_that_fails_frees_its_blocks(store, monkeypatch):
+def test_a_digest_pass_that_fails_frees_its_blocks(store, monkeypatch):
     (h,), _, _, _ = write_later(store, [1])
 
     def broken(slots):
         raise OSError("arena gone")
 
-    monkeypatch.setattr(store, "_checksums", broken)
+    monkeypatch.setattr(store, "_digests", broken)
     with pytest.raises(OSError):
         store.seal_written()
     assert store.dram.used == 0 and store.reserve(FP.digest, [h], [BLOCK])[0][0][1] is not None
@@ -143,6 +143,6 @@ def test_a_checksum_pass_that_fails_frees_its_blocks(store, monkeypatch):
 def test_a_small_commit_verifies_at_once_even_when_asked_to_verify_later(store, monkeypatch):
     monkeypatch.setattr(store_module, "VERIFY_LATER_MIN", 2 * BLOCK)
     (h,), _, errors, updates = write_later(store, [1], wrong=True)
-    assert errors[0].startswith("checksum mismatch") and updates == []
+    assert errors[0].startswith("digest mismatch") and updates == []
     hashes, _, errors, updates = write_later(store, [2, 3])  # 2 blocks: at the bound, verified later
     assert errors == ["", ""] and updates == [] and [u[1] for u in store.seal_written()] == hashes
