@@ -106,19 +106,12 @@ class Batch {
   }
   int32_t status(size_t op) const { return status_[op].load(std::memory_order_acquire); }
   uint64_t bytes(size_t op) const { return bytes_[op].load(std::memory_order_acquire); }
-  // xxh3 digests of the ops' local bytes (submitted with seeds): each set before its op's
-  // part_done, so a waiter that saw the batch finish reads it.
-  void want_digests() { digests_.reset(new uint64_t[n_]()); }
-  bool has_digests() const { return digests_ != nullptr; }
-  void set_digest(size_t op, uint64_t value) { digests_[op] = value; }
-  uint64_t digest(size_t op) const { return digests_ ? digests_[op] : 0; }
 
  private:
   size_t n_;
   std::unique_ptr<std::atomic<int32_t>[]> status_;
   std::unique_ptr<std::atomic<uint64_t>[]> bytes_;
   std::unique_ptr<std::atomic<uint32_t>[]> parts_;
-  std::unique_ptr<uint64_t[]> digests_;
   std::atomic<size_t> remaining_;
   std::mutex mu_;
   std::condition_variable cv_;

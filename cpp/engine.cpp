@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cstring>
 
-#include "digest.h"
 #include "io.h"
 
 namespace kvt {
@@ -15,7 +14,6 @@ namespace kvt {
 namespace {
 constexpr uint64_t kInlineBytes = 256 * 1024;  // below this a local batch runs in submit()
 constexpr uint64_t kLocalPiece = 4ull << 20;   // large local copies split for the pool
-constexpr uint64_t kDigestChunk = 64 * 1024;   // copied then hashed while still in L1/L2
 
 int32_t copy_between(Region& dst, uint64_t dst_off, Region& src, uint64_t src_off, uint64_t len) {
   if (dst.kind == RegionKind::kMemory) return region_read(src, src_off, dst.base + dst_off, len);
@@ -28,18 +26,6 @@ int32_t copy_between(Region& dst, uint64_t dst_off, Region& src, uint64_t src_of
     done += n;
   }
   return kOk;
-}
-// Copy memory to memory a chunk at a time, hashing each chunk of the local side right after it
-// was copied (still in cache): one pass over the bytes instead of a copy and a separate hash.
-uint64_t copy_digest(uint8_t* dst, const uint8_t* src, uint64_t len, bool hash_src, uint64_t seed) {
-  Xxh3 state(seed);
-  for (uint64_t done = 0; done < len;) {
-    uint64_t n = std::min(kDigestChunk, len - done);
-    std::memcpy(dst + done, src + done, n);
-    state.update((hash_src ? src : dst) + done, n);
-    done += n;
-  }
-  return state.digest();
 }
 }  // namespace
 
@@ -269,9 +255,8 @@ bool Engine::set_ucx_memh(uint64_t region, uintptr_t memh, bool cuda, uintptr_t 
   return true;
 }
 
-BatchPtr Engine::submit(const std::vector<OpSpec>& ops, const std::vector<uint64_t>* seeds) {
+BatchPtr Engine::submit(const std::vector<OpSpec>& ops) {
   auto batch = std::make_shared<Batch>(ops.size());
-  if (seeds) batch->want_digests();
   std::vector<UcxItem> ucx;
   std::vector<UcxPeer*> ucx_checked;  // peers whose liveness this batch has checked
   std::vector<Piece> pieces;
@@ -308,32 +293,17 @@ BatchPtr Engine::submit(const std::vector<OpSpec>& ops, const std::vector<uint64
       batch->part_done(i, kOk, 0);
       continue;
     }
-    if (seeds && (op.route != 0 || !digest_loaded())) {  // digests are taken while copying locally only
-      batch->part_done(i, kInvalid, 0);
-      continue;
-    }
     if (op.route == 0) {
       RegionPtr other = regions_.get(op.remote_region);
       int32_t st = kOk;
       if (!other) st = kUnknownRegion;
       else if (!other->contains(op.remote_off, op.len)) st = kOutOfBounds;
       else if (op.opcode == kWrite && other->readonly) st = kReadOnly;
-      else if (seeds && (local->kind != RegionKind::kMemory || other->kind != RegionKind::kMemory)) st = kInvalid;
       if (st != kOk) {
         batch->part_done(i, st, 0);
         continue;
       }
       bool read = op.opcode == kRead;
-      if (seeds) {  // one piece: the digest takes the op's bytes in order
-        Piece p = read ? Piece{i, local, other, op.local_off, op.remote_off, op.len}
-                       : Piece{i, other, local, op.remote_off, op.local_off, op.len};
-        p.digest = true;
-        p.digest_src = !read;
-        p.seed = (*seeds)[i];
-        pieces.push_back(std::move(p));
-        local_bytes += op.len;
-        continue;
-      }
       uint64_t parts = std::max<uint64_t>(1, (op.len + kLocalPiece - 1) / kLocalPiece);
       batch->set_parts(i, static_cast<uint32_t>(parts));
       for (uint64_t done = 0; done < op.len; done += kLocalPiece) {
@@ -405,13 +375,8 @@ void Engine::run_pieces(const BatchPtr& batch, std::vector<Piece>& pieces, uint6
     for (Piece* p = first; p != last; ++p) {
       int32_t st = kOk;
       try {
-        if (p->digest) {
-          b->set_digest(p->op, copy_digest(p->dst->base + p->dst_off, p->src->base + p->src_off, p->len,
-                                           p->digest_src, p->seed));
-        } else {
-          st = copy_between(*p->dst, p->dst_off, *p->src, p->src_off, p->len);
-        }
-      } catch (...) {  // bounce (or hash state) allocation failed: this op fails, the batch still completes
+        st = copy_between(*p->dst, p->dst_off, *p->src, p->src_off, p->len);
+      } catch (...) {  // bounce allocation failed: this op fails, the batch still completes
         st = kIoError;
       }
       bool file = p->dst->kind == RegionKind::kFile || p->src->kind == RegionKind::kFile;

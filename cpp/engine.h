@@ -60,10 +60,7 @@ class Engine {
   std::vector<uint32_t> ucx_broken();  // routes whose ops failed or stalled: Python retires them
   bool set_ucx_memh(uint64_t region, uintptr_t memh, bool cuda, uintptr_t address);
 
-  // With `seeds` (one per op), every op must be a local copy between memory regions: it is copied
-  // in cache-sized chunks and the batch gets the xxh3 of its local bytes (a write's source, a
-  // read's destination) with that seed, computed while they are in cache.
-  BatchPtr submit(const std::vector<OpSpec>& ops, const std::vector<uint64_t>* seeds = nullptr);
+  BatchPtr submit(const std::vector<OpSpec>& ops);
   std::map<std::string, uint64_t> stats() const;
   void close();
 
@@ -72,9 +69,6 @@ class Engine {
     uint32_t op;
     RegionPtr dst, src;
     uint64_t dst_off, src_off, len;
-    bool digest = false;  // the whole op in one piece, its local bytes hashed with `seed`
-    bool digest_src = false;  // the local side is the source (a write)
-    uint64_t seed = 0;
   };
   // Served connections run on detached threads that close their own fd when they end; the
   // state lives in a shared_ptr so a thread finishing during ~Engine never touches freed memory.

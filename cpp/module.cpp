@@ -5,11 +5,8 @@
 #include <poll.h>
 
 #include <chrono>
-#include <optional>
-#include <string_view>
 #include <thread>
 
-#include "digest.h"
 #include "engine.h"
 #include "index_probe.h"
 
@@ -46,19 +43,6 @@ PYBIND11_MODULE(_native, m) {
     std::string err;
     if (!kvt::ucx_load(path, &err)) throw std::runtime_error(err);
   }, py::arg("libucp_path"), "Resolve the UCX calls of the ucx route from libucp (the copy ucxx loaded).");
-
-  m.def("digest_load", [](const std::string& path) {
-    std::string err;
-    if (!kvt::digest_load(path, &err)) throw std::runtime_error(err);
-  }, py::arg("path"), "Resolve xxh3 from python-xxhash's extension (the copy Python loaded).");
-  m.def("xxh3", [](const py::bytes& data, uint64_t seed) {
-    if (!kvt::digest_loaded()) throw std::runtime_error("xxh3 is not loaded (digest_load)");
-    std::string_view bytes(data);
-    kvt::Xxh3 state(seed);  // as an engine copy takes it: a piece at a time
-    for (size_t done = 0; done < bytes.size(); done += 1000)
-      state.update(bytes.data() + done, std::min<size_t>(1000, bytes.size() - done));
-    return state.digest();
-  }, py::arg("data"), py::arg("seed"), "xxh3-64 of `data` streamed in pieces, as engine copies take digests.");
 
   m.def("wait_readable", [](int fd, double spin_s) {
     py::gil_scoped_release nogil;
@@ -106,12 +90,6 @@ PYBIND11_MODULE(_native, m) {
         for (size_t i = 0; i < b.size(); ++i) out[i] = b.status(i);
         return out;
       })
-      .def("digests", [](const Batch& b) {
-        if (!b.has_digests()) throw std::runtime_error("the batch was submitted without digest seeds");
-        std::vector<uint64_t> out(b.size());
-        for (size_t i = 0; i < b.size(); ++i) out[i] = b.digest(i);
-        return out;
-      }, "xxh3 of each op's local bytes (valid for ops that succeeded, once the batch is done).")
       .def("byte_counts", [](const Batch& b) {
         std::vector<uint64_t> out(b.size());
         for (size_t i = 0; i < b.size(); ++i) out[i] = b.bytes(i);
@@ -170,13 +148,11 @@ PYBIND11_MODULE(_native, m) {
         py::gil_scoped_release nogil;  // waits out batches issuing ops on it
         e.remove_ucx_peer(route);
       })
-      .def("submit", [](Engine& e, const py::buffer& flat, std::optional<std::vector<uint64_t>> seeds) {
+      .def("submit", [](Engine& e, const py::buffer& flat) {
         std::vector<kvt::OpSpec> ops = parse_ops(flat);
-        if (seeds && seeds->size() != ops.size()) throw py::value_error("one digest seed per op");
         py::gil_scoped_release nogil;
-        return e.submit(ops, seeds ? &*seeds : nullptr);
-      }, py::arg("ops"), py::arg("seeds") = py::none(),
-         "Start the ops; with seeds (local copies only) the batch also gets each op's xxh3 digest.")
+        return e.submit(ops);
+      }, py::arg("ops"), "Start the ops.")
       .def("run", [](Engine& e, const py::buffer& flat, double timeout_s) {
         std::vector<kvt::OpSpec> ops = parse_ops(flat);
         BatchPtr batch;

@@ -81,11 +81,6 @@ class Batch:
                     raise error
         return results
 
-    def digests(self) -> list[int]:
-        """xxh3-64 of each op's local bytes, for a batch submitted with digest seeds (valid for
-        the ops that succeeded, once it is done)."""
-        return self._native.digests()
-
     def __await__(self):
         loop = asyncio.get_running_loop()
         return loop.run_in_executor(None, self.wait).__await__()

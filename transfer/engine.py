@@ -8,7 +8,7 @@ import uuid
 from array import array
 from typing import Any, Callable, Sequence
 
-from . import _native, digest
+from . import _native
 from .auth import WIRE_MODES
 from .batch import Batch
 from .descriptor import EngineDescriptor, host_id
@@ -238,20 +238,10 @@ class Engine:
         return peer
 
     # --- transfers ---------------------------------------------------------------------------
-    def submit(self, ops: Sequence[Op], *, digest_seeds: Sequence[int] | None = None) -> Batch:
-        """Start moving every op; returns at once (tiny local batches finish before it returns).
-        With `digest_seeds` (one per op; local and same-host shared-memory copies only),
-        `Batch.digests()` gives each op's xxh3-64 of its local bytes (a write's source, a
-        read's destination), taken during the copy while the bytes are in cache."""
+    def submit(self, ops: Sequence[Op]) -> Batch:
+        """Start moving every op; returns at once (tiny local batches finish before it returns)."""
         flat, cuda_reads, ucx = self._prepare(ops)
-        if digest_seeds is None:
-            return self._batch(self._native.submit(flat), ops, cuda_reads, ucx)
-        if len(digest_seeds) != len(ops):
-            raise InvalidOp(f"{len(digest_seeds)} digest seeds for {len(ops)} ops")
-        if not digest.AVAILABLE or any(isinstance(op.remote, RemoteRegion) and not op.remote.shm for op in ops):
-            raise InvalidOp("digests are taken only on local and same-host shared-memory copies (not tcp "
-                            "or ucx), with native xxh3 loaded")
-        return self._batch(self._native.submit(flat, list(digest_seeds)), ops, cuda_reads, ucx)
+        return self._batch(self._native.submit(flat), ops, cuda_reads, ucx)
 
     def transfer(self, ops: Sequence[Op], timeout: float | None = None) -> list[OpResult]:
         """submit + wait: raises the first failed op's typed error."""
