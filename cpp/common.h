@@ -27,7 +27,9 @@ enum Status : int32_t {
   kProtocol = 9,
   kInvalid = 10,
   kBusy = 11,  // the serving engine's bounce-buffer budget stayed full for the stall time
+  kNotGranted = 12,  // a remote write outside every range the owner granted that peer
 };
+constexpr int32_t kLastStatus = kNotGranted;
 
 enum Opcode : uint8_t { kRead = 1, kWrite = 2 };
 
@@ -45,6 +47,7 @@ struct Region {
   uint64_t size = 0;
   bool readonly = false;
   bool remote_access = false;
+  uint8_t remote_writes = 0;  // RemoteWrites (grants.h): who may write it over a data connection
   int fd = -1;         // file regions: buffered descriptor
   int direct_fd = -1;  // file regions: O_DIRECT descriptor, -1 when unsupported
 

@@ -76,8 +76,10 @@ Engine::Engine(uint64_t stall_ms, uint64_t stripe_bytes, int local_workers, uint
 
 Engine::~Engine() { close(); }
 
-uint64_t Engine::register_memory(uintptr_t ptr, uint64_t size, bool readonly, bool remote_access) {
+uint64_t Engine::register_memory(uintptr_t ptr, uint64_t size, bool readonly, bool remote_access,
+                                 uint8_t remote_writes) {
   auto r = std::make_shared<Region>();
+  r->remote_writes = remote_writes;
   r->kind = RegionKind::kMemory;
   r->base = reinterpret_cast<uint8_t*>(ptr);
   r->size = size;
@@ -87,7 +89,7 @@ uint64_t Engine::register_memory(uintptr_t ptr, uint64_t size, bool readonly, bo
 }
 
 uint64_t Engine::register_file(const std::string& path, uint64_t size, bool readonly,
-                               bool remote_access, std::string* err) {
+                               bool remote_access, std::string* err, uint8_t remote_writes) {
   int flags = (readonly ? O_RDONLY : O_RDWR | O_CREAT) | O_CLOEXEC;
   int fd = ::open(path.c_str(), flags, 0600);
   if (fd < 0) {
@@ -97,6 +99,7 @@ uint64_t Engine::register_file(const std::string& path, uint64_t size, bool read
   auto r = std::make_shared<Region>();
   r->fd = fd;
   r->kind = RegionKind::kFile;
+  r->remote_writes = remote_writes;
   r->size = size;
   r->readonly = readonly;
   r->remote_access = remote_access;
@@ -183,7 +186,7 @@ int Engine::serving() const {
   return conns_->active;
 }
 
-void Engine::serve(int fd, const WireKeys& keys) {
+void Engine::serve(int fd, const WireKeys& keys, const std::string& peer) {
   // closing_ is checked under the lock close() takes to stop connections: a connection is either
   // refused here or registered before close() looks, never added after it finished waiting.
   std::lock_guard<std::mutex> lock(conns_->mu);
@@ -191,21 +194,30 @@ void Engine::serve(int fd, const WireKeys& keys) {
     ::close(fd);
     return;
   }
+  GrantSetPtr grants;
+  try {
+    if (!peer.empty()) grants = grants_.attach(peer);  // held while the connection is served
+  } catch (...) {
+    ::close(fd);
+    return;
+  }
   conns_->fds.insert(fd);
   ++conns_->active;
   try {
-    std::thread([this, fd, keys, conns = conns_] {
+    std::thread([this, fd, keys, peer, grants, conns = conns_]() mutable {
       try {
-        serve_connection(fd, keys, regions_, stall_ms_, &counters_, &budget_, closing_);
+        serve_connection(fd, keys, regions_, stall_ms_, &counters_, &budget_, closing_, grants.get());
       } catch (...) {
         // e.g. bad_alloc: this connection ends, the process goes on
       }
+      if (grants) grants_.detach(grants, peer);
       std::lock_guard<std::mutex> done(conns->mu);
       conns->fds.erase(fd);
       ::close(fd);
       if (--conns->active == 0) conns->cv.notify_all();
     }).detach();
   } catch (...) {  // no thread to serve it (e.g. out of threads): refuse the connection
+    if (grants) grants_.detach(grants, peer);
     conns_->fds.erase(fd);
     --conns_->active;
     ::close(fd);
@@ -410,7 +422,8 @@ std::map<std::string, uint64_t> Engine::stats() const {
           {"local_bytes", counters_.local_bytes.load()},   {"file_bytes", counters_.file_bytes.load()},
           {"ucx_bytes", counters_.ucx_bytes.load()},
           {"served_ops", counters_.served_ops.load()},     {"refused_ops", counters_.refused_ops.load()},
-          {"bounce_bytes", budget_.used()},                {"bounce_limit", budget_.limit()}};
+          {"bounce_bytes", budget_.used()},                {"bounce_limit", budget_.limit()},
+          {"write_grants", grants_.count()}};
 }
 
 void Engine::close() {

@@ -11,6 +11,7 @@
 
 #include "aead.h"
 #include "common.h"
+#include "grants.h"
 #include "tcp.h"
 #include "ucx.h"
 
@@ -39,10 +40,12 @@ class Engine {
   Engine(uint64_t stall_ms, uint64_t stripe_bytes, int local_workers, uint64_t bounce_limit);
   ~Engine();
 
-  uint64_t register_memory(uintptr_t ptr, uint64_t size, bool readonly, bool remote_access);
+  // remote_writes: RemoteWrites (grants.h), who may write the region over a data connection.
+  uint64_t register_memory(uintptr_t ptr, uint64_t size, bool readonly, bool remote_access,
+                           uint8_t remote_writes = kWritesAny);
   // Returns 0 and sets err on failure.
   uint64_t register_file(const std::string& path, uint64_t size, bool readonly, bool remote_access,
-                         std::string* err);
+                         std::string* err, uint8_t remote_writes = kWritesAny);
   bool unregister(uint64_t id, double wait_s);  // false: ops still hold it after wait_s
   bool released(uint64_t id);  // after a timed-out unregister: true once no op holds the region
 
@@ -50,8 +53,21 @@ class Engine {
   bool peer_alive(uint32_t id);
   std::vector<uint64_t> peer_stream_bytes(uint32_t id);
   void remove_peer(uint32_t id);
-  void serve(int fd, const WireKeys& keys);
+  // Serve an authenticated data connection of the peer whose handshake named `peer` (its writes
+  // into granted regions are checked against that identity's grants; "" has none).
+  void serve(int fd, const WireKeys& keys, const std::string& peer = "");
   int serving() const;  // data connections being served now
+
+  // Write grants of regions registered kWritesGranted (see grants.h).
+  bool grant(const std::string& peer, uint64_t region, uint64_t offset, uint64_t len) {
+    return grants_.grant(peer, region, offset, len);
+  }
+  bool revoke(const std::string& peer, uint64_t region, uint64_t offset, uint64_t len) {
+    return grants_.revoke(peer, region, offset, len);
+  }
+  bool landing(const std::string& peer, uint64_t region, uint64_t offset, uint64_t len) {
+    return grants_.landing(peer, region, offset, len);
+  }
 
   // The ucx route: Python's ucxx endpoint on `worker`; route ids have kUcxRoute set.
   uint32_t add_ucx_peer(uintptr_t worker, uintptr_t ep, int watch_fd);
@@ -95,6 +111,7 @@ class Engine {
   std::shared_ptr<Conns> conns_ = std::make_shared<Conns>();
   std::atomic<bool> closing_{false};
   BounceBudget budget_;
+  GrantTable grants_;
   std::mutex graveyard_mu_;
   std::map<uint64_t, std::weak_ptr<Region>> graveyard_;  // unregistered while ops held them
   WorkerPool pool_;

@@ -100,17 +100,19 @@ PYBIND11_MODULE(_native, m) {
       .def(py::init<uint64_t, uint64_t, int, uint64_t>(), py::arg("stall_ms"), py::arg("stripe_bytes"),
            py::arg("local_workers"), py::arg("bounce_limit"))
       .def("register_memory", &Engine::register_memory, py::arg("address"), py::arg("size"),
-           py::arg("readonly"), py::arg("remote_access"))
-      .def("register_file", [](Engine& e, const std::string& path, uint64_t size, bool readonly, bool remote) {
+           py::arg("readonly"), py::arg("remote_access"), py::arg("remote_writes") = 0,
+           "remote_writes: 0 any authenticated peer, 1 only inside ranges granted to it, 2 no remote peer.")
+      .def("register_file", [](Engine& e, const std::string& path, uint64_t size, bool readonly, bool remote,
+                               uint8_t remote_writes) {
         std::string err;
         uint64_t id;
         {
           py::gil_scoped_release nogil;
-          id = e.register_file(path, size, readonly, remote, &err);
+          id = e.register_file(path, size, readonly, remote, &err, remote_writes);
         }
         if (id == 0) throw std::runtime_error(err);
         return id;
-      })
+      }, py::arg("path"), py::arg("size"), py::arg("readonly"), py::arg("remote_access"), py::arg("remote_writes") = 0)
       .def("unregister", [](Engine& e, uint64_t id, double wait_s) {
         py::gil_scoped_release nogil;
         return e.unregister(id, wait_s);
@@ -129,11 +131,18 @@ PYBIND11_MODULE(_native, m) {
         py::gil_scoped_release nogil;
         e.remove_peer(id);
       })
-      .def("serve", [](Engine& e, int fd, const py::bytes& tx, const py::bytes& rx) {
+      .def("serve", [](Engine& e, int fd, const py::bytes& tx, const py::bytes& rx, const std::string& peer) {
         kvt::WireKeys keys{std::string(tx), std::string(rx)};
         py::gil_scoped_release nogil;
-        e.serve(fd, keys);
-      }, py::arg("fd"), py::arg("tx"), py::arg("rx"))
+        e.serve(fd, keys, peer);
+      }, py::arg("fd"), py::arg("tx"), py::arg("rx"), py::arg("peer") = "",
+         "Serve a data connection of the peer identity `peer` (its grants apply; \"\": none).")
+      .def("grant", &Engine::grant, py::arg("peer"), py::arg("region"), py::arg("offset"), py::arg("length"),
+           "Let `peer` write [offset, offset+length) of a granted region; False when it overlaps one of its grants.")
+      .def("revoke", &Engine::revoke, py::arg("peer"), py::arg("region"), py::arg("offset"), py::arg("length"),
+           "Drop `peer`'s grants overlapping the range; True when none of its writes is still landing there.")
+      .def("landing", &Engine::landing, py::arg("peer"), py::arg("region"), py::arg("offset"), py::arg("length"),
+           "Whether a write of `peer` under a revoked grant is still landing in the range.")
       .def("add_ucx_peer", &Engine::add_ucx_peer, py::arg("worker"), py::arg("ep"), py::arg("watch_fd"),
            "A ucx route over a ucxx endpoint (handles stay owned by Python); returns its route id. watch_fd: "
            "the peer's control socket when UCX cannot detect the peer's death itself, else -1.")

@@ -330,7 +330,7 @@ int32_t Stream::recv_frames() {
         counters_->tcp_rx.fetch_add(req.len, std::memory_order_relaxed);
         moved_.fetch_add(req.len, std::memory_order_relaxed);
       }
-    } else if (h.length != 0 || h.status < kOk || h.status > kBusy || h.status == kPending) {
+    } else if (h.length != 0 || h.status < kOk || h.status > kLastStatus || h.status == kPending) {
       st = kProtocol;
     }
     finish(req, st == kOk ? result : st);
@@ -388,7 +388,7 @@ void Peer::dispatch(std::vector<SubReq>& reqs) {
 }
 
 void serve_connection(int fd, const WireKeys& keys, const RegionTable& regions, uint64_t stall_ms,
-                      Counters* counters, BounceBudget* budget, const std::atomic<bool>& closing) {
+                      Counters* counters, BounceBudget* budget, const std::atomic<bool>& closing, GrantSet* grants) {
   set_stream_options(fd, stall_ms);
   std::unique_ptr<Aead> rx, tx;
   if (keys.enabled()) {
@@ -438,7 +438,14 @@ void serve_connection(int fd, const WireKeys& keys, const RegionTable& regions, 
       st = kOutOfBounds;
     } else if (h.opcode == kWrite && r->readonly) {
       st = kReadOnly;
+    } else if (h.opcode == kWrite && r->remote_writes != kWritesAny) {
+      // Only inside a range the owner granted this connection's peer (and claimed below while the
+      // bytes are copied in, so a revoke never races a write still landing).
+      st = r->remote_writes == kWritesNone                               ? kReadOnly
+           : grants && grants->covers(h.region, h.offset, h.length) ? kOk
+                                                                     : kNotGranted;
     }
+    const bool granted = st == kOk && h.opcode == kWrite && r->remote_writes == kWritesGranted;
     // File regions and encrypted streams go through a bounce buffer; its size is capped per op
     // and its bytes come out of the engine-wide budget.
     const bool bounce = st == kOk && (r->kind == RegionKind::kFile || rx);
@@ -454,17 +461,29 @@ void serve_connection(int fd, const WireKeys& keys, const RegionTable& regions, 
     }
     if (st != kOk) counters->refused_ops.fetch_add(1, std::memory_order_relaxed);
     if (h.opcode == kWrite) {
+      Landing landing;  // a granted write's hold on its grant while its bytes go into the region
+      if (granted && !bounce && !landing.claim(grants, h.region, h.offset, h.length)) {
+        st = kNotGranted;  // revoked since the check above
+        counters->refused_ops.fetch_add(1, std::memory_order_relaxed);
+      }
       if (st == kOk && !bounce) {
         if (reader.read(r->base + h.offset, h.length) != kOk) break;
       } else if (st == kOk) {
         AlignedBuffer buf(h.length + tag);
         if (reader.read(buf.data(), h.length + tag) != kOk) break;
         if (rx && !rx->open(buf.data(), h.length, buf.data(), buf.data() + h.length)) break;
-        st = region_write(*r, h.offset, buf.data(), h.length);
+        // Claimed for the copy only: the grant may have been revoked while the bytes arrived.
+        if (granted && !landing.claim(grants, h.region, h.offset, h.length)) {
+          st = kNotGranted;
+          counters->refused_ops.fetch_add(1, std::memory_order_relaxed);
+        } else {
+          st = region_write(*r, h.offset, buf.data(), h.length);
+        }
       } else {
         if (h.length > kMaxDiscard || reader.discard(h.length + tag) != kOk) break;
         if (rx) rx->skip();  // the refused payload still used a nonce
       }
+      landing.done();  // before the answer: a peer told its write is over finds it over
       if (st == kOk) counters->tcp_rx.fetch_add(h.length, std::memory_order_relaxed);
       if (!respond(st, 0)) break;
     } else if (st == kOk && bounce) {

@@ -7,6 +7,7 @@
 
 #include "aead.h"
 #include "common.h"
+#include "grants.h"
 
 namespace kvt {
 
@@ -95,8 +96,11 @@ class Peer {
 };
 
 // Serves one authenticated data connection until it closes; bounds-checks every op against the
-// regions this engine exports. Bounce buffers (file regions, encrypted streams) come out of `budget`.
+// regions this engine exports, and every write into a "granted" region against `grants` (the
+// grants of the peer this connection authenticated as; null: none). Bounce buffers (file regions,
+// encrypted streams) come out of `budget`.
 void serve_connection(int fd, const WireKeys& keys, const RegionTable& regions, uint64_t stall_ms,
-                      Counters* counters, BounceBudget* budget, const std::atomic<bool>& closing);
+                      Counters* counters, BounceBudget* budget, const std::atomic<bool>& closing,
+                      GrantSet* grants = nullptr);
 
 }  // namespace kvt

@@ -36,6 +36,12 @@ class PeerProcess:
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())["sha"]
 
+    def call(self, **cmd) -> dict:
+        """One command on the peer's stdin (peer_process.py), its one-line answer."""
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
     def expected(self) -> np.ndarray:
         return pattern(self.seed, self.size)
 

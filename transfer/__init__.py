@@ -23,6 +23,7 @@ from .errors import (
                      TransferTimeout,
                      UnknownRegion,
                      UnsupportedBuffer,
+                     WriteNotGranted,
 )
 from .ops import OpResult, Read, Write
 from .peer import Peer, RemoteRegion
@@ -32,5 +33,5 @@ __all__ = [
     "AuthenticationFailed", "Batch", "Engine", "EngineClosed", "EngineDescriptor", "InvalidOp",
     "MissingSecret", "OpResult", "OutOfBounds", "Peer", "PeerBusy", "PeerUnreachable", "ProtocolError", "Read", "ReadOnlyRegion",
     "Region", "RemoteRegion", "TransferError", "TransferIOError", "TransferTimeout", "UnknownRegion",
-    "UnsupportedBuffer", "Write",
+    "UnsupportedBuffer", "Write", "WriteNotGranted",
 ]

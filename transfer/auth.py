@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import socket
 import struct
 import time
@@ -26,6 +27,7 @@ MAX_FRAME = 1 << 20
 MAX_HELLO = 4096  # before authentication a peer gets this much of our memory, no more
 WIRE_MODES = ("aead", "plain")  # per-frame AES-GCM on TCP data streams, or plaintext (trusted network)
 _MAC_BYTES = 32
+PEER_ID = re.compile(r"[0-9a-f]{32}")  # an engine's peer identity: 128 random bits, hex
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
@@ -86,6 +88,13 @@ class Session:
     rx: bytes
 
     @property
+    def peer(self) -> str:
+        """The peer identity the client's hello named ("" when none, or not a valid one): proven
+        with the rest of the hello by the client's MAC over the transcript."""
+        value = self.hello.get("peer")
+        return value if isinstance(value, str) and PEER_ID.fullmatch(value) else ""
+
+    @property
     def native_keys(self) -> tuple[bytes, bytes]:
         """(tx, rx) for the native data plane; empty keys mean plaintext."""
         return (self.tx, self.rx) if self.wire == "aead" else (b"", b"")
@@ -124,11 +133,14 @@ def _hex(value: Any, what: str) -> bytes:
 
 
 def client_handshake(sock: socket.socket, secret: bytes, role: str, name: str, *, wire: str = "aead",
-                     timeout: float = 5.0) -> Session:
-    """Authenticate to a server as `role` ("ctl" | "data"); returns the session."""
+                     timeout: float = 5.0, peer: str = "") -> Session:
+    """Authenticate to a server as `role` ("ctl" | "data"); returns the session. `peer`: the
+    engine's peer identity (what the server's write grants name), authenticated with the rest."""
     deadline = time.monotonic() + timeout
-    ours = _encode({"hello": PROTOCOL_VERSION, "role": role, "name": name, "nonce": os.urandom(32).hex(),
-                    "wire": wire})
+    hello = {"hello": PROTOCOL_VERSION, "role": role, "name": name, "nonce": os.urandom(32).hex(), "wire": wire}
+    if peer:
+        hello["peer"] = peer
+    ours = _encode(hello)
     sock.settimeout(timeout)
     sock.sendall(struct.pack("<I", len(ours)) + ours)
     raw = recv_raw(sock, MAX_HELLO, deadline)

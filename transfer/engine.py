@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import uuid
 from array import array
@@ -16,16 +17,17 @@ from .errors import (
     EngineClosed,
     InvalidOp,
     MissingSecret,
+    OutOfBounds,
     PeerUnreachable,
     TransferIOError,
     UnknownRegion,
     UnsupportedBuffer,
 )
 from .listener import Listener
-from .ops import Op, OpResult, Read, Write
+from .ops import WRITE, Op, OpResult, Read, Write
 from .peer import Peer, RemoteRegion
 from .regions import Region, anonymous_shared, buffer_view
-from .ucx_routes import direct_cuda, start_ucx
+from .ucx_routes import direct_cuda, start_ucx, ucx_exports
 
 log = logging.getLogger("transfer.engine")
 DEFAULT_STREAMS = 4
@@ -33,6 +35,10 @@ DEFAULT_LOCAL_WORKERS = 2  # threads copying a local or same-host batch
 DEFAULT_STRIPE = 256 * 1024
 DEFAULT_BOUNCE_LIMIT = 256 << 20  # bytes of bounce buffers the serving side may hold at once
 UCX_ROUTE = 1 << 31  # native route ids of UCX endpoints (cpp/engine.h kUcxRoute)
+# Who may write a region over a data connection (cpp/grants.h RemoteWrites): "any" authenticated
+# peer, anywhere in it; only inside ranges "granted" to that peer (Engine.grant); "none" (read-only
+# to peers). Same-host peers that map shared memory write it directly: they are trusted by uid.
+REMOTE_WRITES = {"any": 0, "granted": 1, "none": 2}
 
 
 def _stage_in(cuda_reads: list[Read]) -> Callable[[], None]:
@@ -41,6 +47,13 @@ def _stage_in(cuda_reads: list[Read]) -> Callable[[], None]:
         for op in cuda_reads:
             op.local.sync_to_device(op.local_offset, op.length)
     return stage_in
+
+
+def _remote_writes(mode: str) -> int:
+    try:
+        return REMOTE_WRITES[mode]
+    except (KeyError, TypeError):
+        raise ValueError(f"remote_writes must be one of {tuple(REMOTE_WRITES)}, not {mode!r}") from None
 
 
 def _split_endpoint(listen: str) -> tuple[str, int]:
@@ -57,7 +70,13 @@ class Engine:
     anyone who can reach it may read and write what it exports. `wire` picks how TCP data streams
     travel: "aead" (authenticated and encrypted per frame; the default with a secret) or "plain"
     (trusted networks only; the default when insecure). The stronger of both ends' choices wins.
-    An initiator-only engine without a secret can reach only insecure peers."""
+    An initiator-only engine without a secret can reach only insecure peers.
+
+    `peer_id` is who this engine is to the engines it connects to: 128 random bits sent in every
+    handshake (proven with the rest of it by the cluster secret), never published. An owner lets
+    a peer write parts of a region registered with remote_writes="granted" by granting them to
+    that peer's id (`grant`/`revoke`); the peer tells the owner its id over the owner's own
+    control plane (a store client names it in its reserve and commit requests)."""
 
     def __init__(self, name: str | None = None, *, listen: str | None = "127.0.0.1:0",
                  secret: str | bytes | None = None, insecure: bool = False, wire: str | None = None,
@@ -65,6 +84,7 @@ class Engine:
                  local_workers: int = DEFAULT_LOCAL_WORKERS, handshake_timeout: float = 5.0, ucx: str | None = "auto",
                  bounce_limit: int = DEFAULT_BOUNCE_LIMIT) -> None:
         self.name = name or f"engine-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.peer_id = secrets.token_hex(16)
         self.secret = secret.encode() if isinstance(secret, str) else (secret or b"")
         if not self.secret and listen is not None and not insecure:
             raise MissingSecret(f"engine {self.name} listens on {listen} but has no cluster secret: pass "
@@ -92,13 +112,15 @@ class Engine:
                                       self._native.serve, self._export_table, handshake_timeout, wire=self.wire)
 
     # --- regions -------------------------------------------------------------------------
-    def register(self, obj: Any, *, remote_access: bool = True) -> Region:
+    def register(self, obj: Any, *, remote_access: bool = True, remote_writes: str = "any") -> Region:
         """Register a torch tensor (CPU, or CUDA via host staging), numpy array, bytearray,
-        memoryview, mmap or bytes (read-only). The object stays alive while registered."""
+        memoryview, mmap or bytes (read-only). The object stays alive while registered.
+        `remote_writes`: "any", "granted" or "none" (REMOTE_WRITES)."""
         view = buffer_view(obj)
         kind = "cuda" if view.cuda_tensor is not None else "memory"
         region = self._register_view(view.keepalive, view.nbytes, readonly=view.readonly,
-                                     remote_access=remote_access, kind=kind, address=view.address)
+                                     remote_access=remote_access, kind=kind, address=view.address,
+                                     remote_writes=remote_writes)
         region._cuda_tensor = view.cuda_tensor
         if view.cuda_tensor is not None and self._ucx is not None:
             direct_cuda(self._ucx, region, view.cuda_tensor)  # the device memory itself, or nothing
@@ -111,45 +133,57 @@ class Engine:
         self._native.set_ucx_memh(region.id, mapped.memh if mapped else 0, bool(mapped and mapped.cuda),
                                   mapped.address if mapped else 0)
 
-    def allocate(self, size: int, *, remote_access: bool = True) -> Region:
-        """A new zeroed shared-memory region; same-host peers map it and copy directly."""
+    def allocate(self, size: int, *, remote_access: bool = True, remote_writes: str = "any") -> Region:
+        """A new zeroed shared-memory region; same-host peers map it and copy directly (whatever
+        `remote_writes` says: they are trusted by uid), remote peers write it as `remote_writes`
+        says."""
         if size <= 0:
             raise UnsupportedBuffer(f"cannot allocate {size} bytes")
+        _remote_writes(remote_writes)
         try:
             fd, mapping = anonymous_shared(size, self.name)
         except OSError as exc:
             raise TransferIOError(f"cannot allocate {size} bytes of shared memory: {exc}") from exc
-        region = self._register_view(mapping, size, readonly=False, remote_access=remote_access, kind="shm")
+        region = self._register_view(mapping, size, readonly=False, remote_access=remote_access, kind="shm",
+                                     remote_writes=remote_writes)
         region._shm_fd = fd
         return region
 
     def register_file(self, path: str | os.PathLike[str], size: int, *, readonly: bool = False,
-                      remote_access: bool = True) -> Region:
-        """A file-backed region (NVMe tier): created and preallocated to `size` if needed."""
+                      remote_access: bool = True, remote_writes: str = "any") -> Region:
+        """A file-backed region (NVMe tier): created and preallocated to `size` if needed.
+        remote_writes="none" keeps writes to it this engine's own (peers may still read it)."""
         self._check_open()
         if size <= 0:
             raise UnsupportedBuffer(f"cannot register a file region of {size} bytes")
+        mode = _remote_writes(remote_writes)
         try:
-            rid = self._native.register_file(os.fspath(path), size, readonly, remote_access)
+            rid = self._native.register_file(os.fspath(path), size, readonly, remote_access, mode)
         except RuntimeError as exc:
             raise TransferIOError(str(exc)) from exc
-        region = Region(rid, size, "file", readonly, remote_access)
+        region = Region(rid, size, "file", readonly, remote_access, remote_writes=remote_writes)
         with self._lock:
             self._regions[rid] = region
         return region
 
     def _register_view(self, obj: Any, size: int, *, readonly: bool, remote_access: bool, kind: str,
-                       address: int | None = None) -> Region:
+                       address: int | None = None, remote_writes: str = "any") -> Region:
         self._check_open()
+        mode = _remote_writes(remote_writes)
         keepalive = obj
         if address is None:
             view = buffer_view(obj)
             address, keepalive = view.address, view.keepalive
-        rid = self._native.register_memory(address, size, readonly, remote_access)
+        rid = self._native.register_memory(address, size, readonly, remote_access, mode)
         buffer = keepalive if isinstance(keepalive, memoryview) else None
-        region = Region(rid, size, kind, readonly, remote_access, buffer=buffer, _keepalive=keepalive)
+        region = Region(rid, size, kind, readonly, remote_access, buffer=buffer, _keepalive=keepalive,
+                        remote_writes=remote_writes)
         if self._ucx is not None:
-            region._ucx = self._ucx.try_map(address, size, readonly=readonly, exported=remote_access)
+            # Nothing of ours sees a peer's UCX write: regions whose remote writes we check export a
+            # read-only rkey, and none at all where UCX would not enforce that (over TCP).
+            region._ucx = self._ucx.try_map(address, size, readonly=readonly,
+                                            exported=remote_access and ucx_exports(self._ucx, remote_writes),
+                                            remote_write=remote_writes == "any")
             self._set_ucx_mapping(region)
         with self._lock:
             self._regions[rid] = region
@@ -199,6 +233,41 @@ class Engine:
         with self._lock:
             return sorted(self._regions.values(), key=lambda r: r.id)
 
+    # --- write grants ---------------------------------------------------------------------------
+    def _granted_region(self, region: Region, offset: int, length: int) -> None:
+        if self._regions.get(region.id) is not region:
+            raise UnknownRegion(f"region {region.id} is not registered with {self.name}")
+        if region.remote_writes != "granted":
+            raise InvalidOp(f"region {region.id} was registered with remote_writes={region.remote_writes!r}: "
+                            "grants apply to regions registered with remote_writes='granted'")
+        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 < length
+                and offset + length <= region.size):
+            raise OutOfBounds(f"[{offset}, {offset}+{length}) is not a range of region {region.id} ({region.size} bytes)")
+
+    def grant(self, peer: str, region: Region, offset: int, length: int) -> None:
+        """Let the engine whose `peer_id` is `peer` write [offset, offset+length) of `region` (one
+        write op must fit inside one grant) until revoked. A peer's grants never overlap (InvalidOp)."""
+        self._check_open()
+        if not isinstance(peer, str) or not peer:
+            raise InvalidOp("a grant names a peer id")
+        self._granted_region(region, offset, length)
+        if not self._native.grant(peer, region.id, offset, length):
+            raise InvalidOp(f"[{offset}, {offset}+{length}) of region {region.id} overlaps a grant {peer} holds")
+
+    def revoke(self, peer: str, region: Region, offset: int, length: int) -> bool:
+        """Drop `peer`'s grants that overlap the range. True: no write of that peer lands there any
+        more (the range may go to someone else). False: one admitted before is still landing;
+        `landing` says when it is over (until then, the range is not anyone else's)."""
+        if self._closed:
+            return True
+        return self._native.revoke(peer, region.id, offset, length)
+
+    def landing(self, peer: str, region: Region, offset: int, length: int) -> bool:
+        """Whether a write of `peer` under a grant revoked since is still landing in the range."""
+        if self._closed:
+            return False
+        return self._native.landing(peer, region.id, offset, length)
+
     def _export_table(self) -> tuple[list[dict[str, Any]], list[int]]:
         """Exported regions and duplicates of their shared-memory fds (the caller closes them)."""
         table, fds = [], []
@@ -209,7 +278,8 @@ class Engine:
                         continue
                     shm = region._shm_fd is not None
                     table.append({"id": region.id, "size": region.size, "kind": region.kind,
-                                  "readonly": region.readonly, "shm": shm,
+                                  "readonly": region.readonly or region.remote_writes == "none",
+                                  "writes": region.remote_writes, "shm": shm,
                                   **(region._ucx.advert() if region._ucx is not None else {})})
                     if shm:
                         fds.append(os.dup(region._shm_fd))
@@ -316,7 +386,7 @@ class Engine:
         if not isinstance(local, Region) or self._regions.get(local.id) is not local:
             raise UnknownRegion(f"local side of {op!r} is not registered with {self.name}")
         if isinstance(remote, RemoteRegion):
-            route, remote_id = remote.peer.route(remote, local)
+            route, remote_id = remote.peer.route(remote, local, op.opcode == WRITE)
         elif isinstance(remote, Region) and self._regions.get(remote.id) is remote:
             route, remote_id = 0, remote.id
         else:

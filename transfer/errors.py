@@ -18,7 +18,12 @@ class OutOfBounds(TransferError, IndexError):
 
 
 class ReadOnlyRegion(TransferError):
-    """A write targeted a region registered read-only."""
+    """A write targeted a region registered read-only (or, from a peer, one that takes no remote writes)."""
+
+
+class WriteNotGranted(TransferError, PermissionError):
+    """A write into a region that takes remote writes only where granted, outside every range its
+    owner granted this engine (never granted, revoked since, or granted to another peer)."""
 
 
 class PeerUnreachable(TransferError, ConnectionError):
@@ -73,6 +78,7 @@ STATUS_ERRORS: dict[int, type[TransferError]] = {
     9: ProtocolError,
     10: InvalidOp,
     11: PeerBusy,
+    12: WriteNotGranted,
 }
 
 STATUS_NAMES: dict[int, str] = {
@@ -88,4 +94,5 @@ STATUS_NAMES: dict[int, str] = {
     9: "protocol error",
     10: "invalid op",
     11: "peer busy: its bounce-buffer budget is full",
+    12: "write not granted: outside every range the owner granted this engine",
 }

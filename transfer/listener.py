@@ -1,5 +1,6 @@
 """Accepts peer connections: authenticates them, then hands data connections to the native
-server and answers control requests (region table, shared-memory descriptors) itself.
+server (with the peer identity their handshake named, whose write grants apply) and answers
+control requests (region table, shared-memory descriptors) itself.
 
 Work done before a peer authenticates is bounded: at most `max_handshakes` at once (and a share of
 them per source address), one deadline for each whole handshake, a pause when out of descriptors,
@@ -37,7 +38,7 @@ class Listener:
     """TCP listener (data + control) and an abstract unix socket (same-host control)."""
 
     def __init__(self, host: str, port: int, unix_name: str | None, secret: bytes, name: str,
-                 serve_data: Callable[[int, bytes, bytes], None],
+                 serve_data: Callable[[int, bytes, bytes, str], None],
                  export_table: Callable[[], tuple[list[dict[str, Any]], list[int]]],
                  handshake_timeout: float, wire: str = "aead", max_handshakes: int = MAX_HANDSHAKES,
                  max_per_source: int = MAX_HANDSHAKES_PER_SOURCE) -> None:
@@ -147,7 +148,7 @@ class Listener:
                 return
             conn.settimeout(None)
             tx, rx = session.native_keys
-            self._serve_data(conn.detach(), tx, rx)
+            self._serve_data(conn.detach(), tx, rx, session.peer)
             return
         with self._lock:
             if self._closed.is_set():

@@ -27,6 +27,7 @@ class PeerHost(Protocol):
     here, is registered as a local region and dropped again. The engine passes itself."""
 
     name: str
+    peer_id: str
     secret: bytes
     wire: str
     _native: Any
@@ -47,6 +48,7 @@ class RemoteRegion:
     size: int
     shm: bool = False
     readonly: bool = False
+    granted: bool = False  # the peer takes our writes only where it granted them to our peer_id
 
 
 @dataclass
@@ -76,7 +78,8 @@ def _connect_unix(name: str, timeout: float) -> socket.socket | None:
 def _handshake(sock: socket.socket, engine: PeerHost, role: str, peer: str, timeout: float) -> Session:
     """client_handshake with socket failures as typed errors."""
     try:
-        return client_handshake(sock, engine.secret, role, engine.name, wire=engine.wire, timeout=timeout)
+        return client_handshake(sock, engine.secret, role, engine.name, wire=engine.wire, timeout=timeout,
+                                peer=engine.peer_id)
     except TransferError:
         raise  # AuthenticationFailed and ProtocolError say it better already
     except TimeoutError as exc:
@@ -139,6 +142,7 @@ class Peer:
         self._ucx = None  # the UCX endpoint when the route is ucx (transfer/ucx.py)
         self._ucx_route = 0  # its native route id while it serves
         self._ucx_keyed: set[int] = set()  # peer regions the native route has an rkey for
+        self._ucx_reads_only: set[int] = set()  # ... that take our writes over TCP only (granted regions)
         try:
             self._ucx = connect_ucx(engine._ucx, descriptor, transport, self.transport == "shm")
             if self._ucx is not None:
@@ -204,14 +208,19 @@ class Peer:
                 mapping = map_shared(fd, size, writable=not readonly)
                 local = self._engine._register_view(mapping, size, readonly=readonly, remote_access=False, kind="shm")
                 self._mapped[rid] = _Mapped(local, mapping)
-            self._remote[rid] = RemoteRegion(self, rid, size, shm=rid in self._mapped, readonly=readonly)
+            granted = entry.get("writes") == "granted"
+            self._remote[rid] = RemoteRegion(self, rid, size, shm=rid in self._mapped, readonly=readonly,
+                                             granted=granted)
             if self._ucx_route and isinstance(entry.get("ucx"), dict):
                 address = int(entry["ucx"]["addr"])
                 self._ucx.advertise(rid, address, size, bytes.fromhex(str(entry["ucx"]["rkey"])))
                 memory = self._ucx.rkey(rid)
-                if memory is not None:
-                    self._engine._native.ucx_key(self._ucx_route, rid, address, size, memory.handle, readonly)
+                if memory is not None:  # a granted region's rkey reads only: its writes go over TCP
+                    self._engine._native.ucx_key(self._ucx_route, rid, address, size, memory.handle,
+                                                 readonly or granted)
                     self._ucx_keyed.add(rid)
+                    if granted and not readonly:
+                        self._ucx_reads_only.add(rid)
 
     def region(self, region_id: int) -> RemoteRegion:
         """The peer's exported region `region_id` (refreshing the table once if it is new)."""
@@ -225,16 +234,18 @@ class Peer:
     def regions(self) -> list[RemoteRegion]:
         return sorted(self._remote.values(), key=lambda r: r.id)
 
-    def route(self, region: RemoteRegion, local: Region) -> tuple[int, int]:
+    def route(self, region: RemoteRegion, local: Region, write: bool = False) -> tuple[int, int]:
         """(native route, region id): 0 and a local mapping for shared memory, the ucx route when
-        both sides are mapped with UCX, else the TCP peer. Shared-memory routes cannot see the peer
-        die, so the caller checks `alive` once a batch (the native ucx route checks for itself)."""
+        both sides are mapped with UCX (not for writes into a granted region: the owner checks
+        those, which it cannot do for RDMA), else the TCP peer. Shared-memory routes cannot see the
+        peer die, so the caller checks `alive` once a batch (the native ucx route checks for itself)."""
         if self._closed:
             raise EngineClosed(f"peer {self.name} was closed")
         mapped = self._mapped.get(region.id)
         if mapped is not None:
             return 0, mapped.region.id
-        if self._ucx_route and local._ucx is not None and region.id in self._ucx_keyed:
+        if self._ucx_route and local._ucx is not None and region.id in self._ucx_keyed and \
+                not (write and region.id in self._ucx_reads_only):
             return self._ucx_route, region.id
         return self._native_id, region.id
 

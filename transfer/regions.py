@@ -67,6 +67,7 @@ class Region:
     readonly: bool
     remote_access: bool
     buffer: memoryview | None = None  # host bytes of memory-backed regions
+    remote_writes: str = "any"  # who may write it over a data connection: "any", "granted", "none"
     _keepalive: Any = field(default=None, repr=False)
     _cuda_tensor: Any = field(default=None, repr=False)
     _shm_fd: int | None = field(default=None, repr=False)

@@ -50,6 +50,10 @@ class UcxNode:
         if not self.transports:
             raise PeerUnreachable(f"UCX found no usable transport in UCX_TLS={tls!r}")
         self.cuda = bool(self.context.cuda_support)
+        # UCX over TCP serves RMA in software and checks no rkey's access: a peer holding the rkey of
+        # a region could write it whatever we granted. RDMA NICs enforce it; shared memory reaches
+        # only processes of our own user (trusted by uid, as for our own shared-memory route).
+        self.unchecked_remote = any(t.startswith("tcp") for t in self.transports)
         self.worker = libucxx.UCXWorker(self.context)
         self.worker.start_progress_thread(False, 100)
         self.tls, self.name = tls, name
@@ -63,11 +67,13 @@ class UcxNode:
     def address(self) -> bytes:
         return self.worker.address.tobytes()
 
-    def map(self, address: int, size: int, *, readonly: bool, exported: bool, cuda: bool = False) -> UcxMemory:
-        """Register memory with UCX; exported regions also get a packed rkey (read-only: remote read only)."""
+    def map(self, address: int, size: int, *, readonly: bool, exported: bool, cuda: bool = False,
+            remote_write: bool = True) -> UcxMemory:
+        """Register memory with UCX; exported regions also get a packed rkey (read-only, or not
+        `remote_write`: remote read only)."""
         prot = U.PROT_LOCAL_READ | (0 if readonly else U.PROT_LOCAL_WRITE)
         if exported:
-            prot |= U.PROT_REMOTE_READ | (0 if readonly else U.PROT_REMOTE_WRITE)
+            prot |= U.PROT_REMOTE_READ | (0 if readonly or not remote_write else U.PROT_REMOTE_WRITE)
         params = U.MemMapParams(field_mask=U.MAP_ADDRESS | U.MAP_LENGTH | U.MAP_PROT | U.MAP_MEMORY_TYPE,
                                 address=address, length=size, prot=prot,
                                 memory_type=U.MEMORY_TYPE_CUDA if cuda else U.MEMORY_TYPE_HOST)
@@ -86,10 +92,11 @@ class UcxNode:
             U.lib().ucp_rkey_buffer_release(buf)
         return UcxMemory(memh.value, address, size, rkey, cuda)
 
-    def try_map(self, address: int, size: int, *, readonly: bool, exported: bool, cuda: bool = False) -> UcxMemory | None:
+    def try_map(self, address: int, size: int, *, readonly: bool, exported: bool, cuda: bool = False,
+                remote_write: bool = True) -> UcxMemory | None:
         """`map`, or None (the region then uses the other routes) when UCX refuses the memory."""
         try:
-            return self.map(address, size, readonly=readonly, exported=exported, cuda=cuda)
+            return self.map(address, size, readonly=readonly, exported=exported, cuda=cuda, remote_write=remote_write)
         except UnsupportedBuffer as exc:
             log.warning("%s: region of %d bytes not mapped with UCX (other routes only): %s", self.name, size, exc)
             return None

@@ -90,6 +90,12 @@ def connect_ucx(node: UcxNode | None, descriptor: object, transport: str, same_h
         return None
 
 
+def ucx_exports(node: UcxNode, remote_writes: str) -> bool:
+    """Whether a region whose remote writes are `remote_writes` gets an rkey for peers: always when
+    anyone may write it; else (a read-only rkey) only where UCX enforces the rkey's access."""
+    return remote_writes == "any" or not node.unchecked_remote
+
+
 def direct_cuda(node: UcxNode, region: object, tensor: object) -> None:
     """CUDA regions: map the device memory itself when UCX has CUDA support (no host bounce on the
     ucx route); otherwise only the host staging copy serves (other routes)."""
@@ -99,5 +105,7 @@ def direct_cuda(node: UcxNode, region: object, tensor: object) -> None:
     region._ucx = None  # type: ignore[attr-defined]
     if node.cuda:
         nbytes = tensor.numel() * tensor.element_size()  # type: ignore[attr-defined]
+        writes = getattr(region, "remote_writes", "any")
         region._ucx = node.try_map(tensor.data_ptr(), nbytes, readonly=False,  # type: ignore[attr-defined]
-                                   exported=region.remote_access, cuda=True)  # type: ignore[attr-defined]
+                                   exported=region.remote_access and ucx_exports(node, writes),  # type: ignore[attr-defined]
+                                   cuda=True, remote_write=writes == "any")

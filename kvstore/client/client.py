@@ -456,6 +456,9 @@ class Client:
         # no longer takes them as it copies: BLAKE3 has no native home here, and SHA-256 there (OpenSSL)
         # costs more than BLAKE3 beside the copy (kvstore.integrity).
         hashing = self._hasher.submit(digests_of)
+        # Over TCP the node lets our engine (its handshakes carry this id), and no other, write the
+        # slots it reserves or leases for this put; on this host we write its mapped arena directly.
+        peer = "" if node.peer.transport == "shm" else self.engine.peer_id
         leased, aged = self._leases.take(node, name, fp, size, len(regs)) if size else (None, [])
         if aged:  # given back now rather than held at the node until they expire
             self._abort(name, aged)
@@ -464,12 +467,12 @@ class Client:
         elif wire is not None:
             self.stats["control_calls"] += 1
             reply, _ = wire.call({"op": "reserve", "fp": fp, "hashes": [h.hex() for h in hashes],
-                                   "sizes": [r.size for r in regs]})
+                                   "sizes": [r.size for r in regs], **({"peer": peer} if peer else {})})
             slots = [(i, s[0], s[1], s[2]) for i, s in enumerate(reply["slots"]) if s is not None]
         else:
             self.stats["control_calls"] += 1
             reply = self._rpc(node.stub.Reserve, store_pb2.ReserveRequest(
-                fingerprint=fp, hashes=hashes, sizes=[r.size for r in regs], client=self.engine.name))
+                fingerprint=fp, hashes=hashes, sizes=[r.size for r in regs], client=self.engine.name, peer=peer))
             slots = [(i, s.token, s.region, s.offset) for i, s in enumerate(reply.slots) if not s.exists]
         if leased is None:
             self._placement.seen(name, reply)
@@ -493,14 +496,15 @@ class Client:
                 commit, _ = wire.call({"op": "commit", "fp": fp, "tokens": tokens,
                                         "digests": [digests[i].hex() for i, _, _, _ in slots],
                                         "sync": sync, "lease": {"size": size, "count": want},
-                                        **({"hashes": [h.hex() for h in named]} if named else {})},
+                                        **({"hashes": [h.hex() for h in named]} if named else {}),
+                                        **({"peer": peer} if peer else {})},
                                        timeout=answer_within)
                 granted = [(t, r, o) for t, r, o, n in commit.get("lease") or [] if n == size]
                 ttl = commit.get("lease_ttl")
             else:
                 commit = self._rpc(node.stub.Commit, store_pb2.CommitRequest(
                     fingerprint=fp, tokens=tokens, digests=[digests[i] for i, _, _, _ in slots],
-                    sync=sync, hashes=named or [], lease_size=size, lease_count=want),
+                    sync=sync, hashes=named or [], lease_size=size, lease_count=want, peer=peer),
                     answer_within)
                 granted = [(s.token, s.region, s.offset) for s in commit.lease if s.size == size]
                 ttl = commit.lease_ttl

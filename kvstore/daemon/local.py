@@ -17,8 +17,10 @@ Requests (one reply frame each):
   put      {fp, hashes (hex), sizes, digests (hex), sync} + the bytes -> {records, errors, used, capacity}
            one round trip: reserve, receive straight into the DRAM arena, then (sync) verify, seal and
            publish before answering, or answer and leave verifying and publishing to the verifier
-  reserve  {fp, hashes, sizes} -> {slots: [[token, region, offset, size] | null], used, capacity}
-  commit   {fp, tokens, digests (hex), sync, hashes?, lease?: {size, count}} -> {records, errors, used,
+  reserve  {fp, hashes, sizes, peer?} -> {slots: [[token, region, offset, size] | null], used, capacity}:
+           `peer` (the client engine's peer_id) is granted writes into the slots until they are
+           committed, aborted or expire; only that engine's one-sided writes land there
+  commit   {fp, tokens, digests (hex), sync, hashes?, lease?: {size, count}, peer?} -> {records, errors, used,
            capacity, lease: [[token, region, offset, size]], lease_ttl}: `hashes` (hex, one per token)
            name the blocks written into leased slots; `lease` asks for slots for the next put (granted
            from free space only, maybe fewer or none), which that put writes before its commit names them
@@ -38,7 +40,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from transfer.auth import server_handshake
+from transfer.auth import PEER_ID, server_handshake
 from transfer.listener import peer_uid
 
 from ..errors import AllocationFailed, InvalidRequest, KVStoreError, MetadataError
@@ -87,6 +89,16 @@ def _digests(values: Any, n: int) -> list[bytes]:
     if any(len(d) != DIGEST_BYTES for d in out):
         raise _Invalid(f"digests: {DIGEST_BYTES} bytes each")
     return out
+
+
+def _peer(request: dict) -> str:
+    """The client engine's peer id a reserve or commit names ("" when none)."""
+    peer = request.get("peer")
+    if peer is None or peer == "":
+        return ""
+    if not isinstance(peer, str) or not PEER_ID.fullmatch(peer):
+        raise _Invalid("peer: the client engine's peer_id, 32 hex digits")
+    return peer
 
 
 def _ints(values: Any, what: str, n: int, limit: int = 2**64 - 1) -> list[int]:
@@ -276,7 +288,7 @@ class LocalControl:
             hashes = _hashes(request.get("hashes"))
             sizes = _ints(request.get("sizes"), "sizes", len(hashes), MAX_BLOCK_BYTES)
             try:
-                slots, updates = self.store.reserve(fingerprint, hashes, sizes)
+                slots, updates = self.store.reserve(fingerprint, hashes, sizes, _peer(request))
             except (AllocationFailed, InvalidRequest) as exc:
                 return self._error(exc), None
             if updates:
@@ -291,7 +303,8 @@ class LocalControl:
             if not isinstance(lease, dict):
                 raise _Invalid("lease: {size, count}")
             size, count = _ints([lease.get("size", 1), lease.get("count", 0)], "lease size and count", 2, MAX_BLOCK_BYTES)
-            return self._commit(fingerprint, tokens, digests, bool(request.get("sync")), hashes, size, count), None
+            return self._commit(fingerprint, tokens, digests, bool(request.get("sync")), hashes, size, count,
+                                _peer(request)), None
         if op == "lookup":
             if not isinstance(fingerprint, str):
                 raise _Invalid("fp: a string")
@@ -315,14 +328,14 @@ class LocalControl:
         return {"ok": False, "code": "refused", "error": str(exc)}
 
     def _commit(self, fingerprint: str, tokens: list[int], digests: list[bytes], sync: bool,
-                hashes: list[bytes] | None, lease_size: int, lease_count: int) -> dict:
+                hashes: list[bytes] | None, lease_size: int, lease_count: int, peer: str = "") -> dict:
         records: list = []
         fresh: list = []
         try:
             # Verified now only when the client waits for publication; else by the verifier, after the answer.
             errors, updates, leased = self.store.commit_and_lease(
                 fingerprint, tokens, digests, lease_size=lease_size, records=records, fresh=fresh, verify=sync,
-                hashes=hashes, lease_count=lease_count if self._accepting() else 0)
+                hashes=hashes, lease_count=lease_count if self._accepting() else 0, peer=peer)
         except InvalidRequest as exc:
             return self._error(exc)
         if updates:

@@ -116,12 +116,15 @@ class Daemon:
         secret = (c.secret or "").encode()
         self.engine = Engine(c.node, listen=c.engine_listen, secret=c.secret, insecure=c.insecure,
                              stall_timeout=c.timeout)
-        dram = self.engine.allocate(c.dram_bytes)
+        # Remote peers write DRAM only into slots reserved or leased to them (BlockStore grants), and
+        # never the NVMe tier (its writes are the daemon's own demotions); same-host clients map the
+        # arena and write it directly: they are trusted by uid.
+        dram = self.engine.allocate(c.dram_bytes, remote_writes="granted")
         nvme = None
         if c.disk_dir and c.disk_bytes > 0:
             self.disk = DiskTierFile.prepare(c.disk_dir, c.node, c.disk_bytes, keep=c.keep_disk)
             try:
-                nvme = self.engine.register_file(self.disk.path, c.disk_bytes)
+                nvme = self.engine.register_file(self.disk.path, c.disk_bytes, remote_writes="none")
             except BaseException:
                 self.disk.remove()  # a failed allocation leaves no file behind
                 raise

@@ -6,6 +6,8 @@ from typing import Callable
 
 import grpc
 
+from transfer.auth import PEER_ID
+
 from ..errors import AllocationFailed, InvalidRequest, KVStoreError, MetadataError
 from ..integrity import DIGEST_BYTES, DIGEST_NAME
 from ..store.v1 import store_pb2, store_pb2_grpc
@@ -66,7 +68,8 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.node} is draining: it takes no new blocks")
 
         def run():
-            slots, updates = self.store.reserve(request.fingerprint, list(request.hashes), list(request.sizes))
+            slots, updates = self.store.reserve(request.fingerprint, list(request.hashes), list(request.sizes),
+                                                self._peer(request, context))
             if updates:
                 self.publish(updates, False)
             return store_pb2.ReserveResponse(slots=[
@@ -76,11 +79,19 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
 
         return self._run("reserve", context, run)
 
+    @staticmethod
+    def _peer(request, context) -> str:
+        """The client engine's peer id the request names (granted writes into its slots), or ""."""
+        if request.peer and not PEER_ID.fullmatch(request.peer):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "peer: the client engine's peer_id, 32 hex digits")
+        return request.peer
+
     def Commit(self, request, context):
         if len(request.tokens) != len(request.digests):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, _DIGESTS_WANTED + " one per token")
         self._check_digests(request.digests, context)
         self._check_hashes(request.hashes, context)
+        peer = self._peer(request, context)  # before anything is taken
 
         def run():
             records: list = []
@@ -88,7 +99,7 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
             errors, updates, leased = self.store.commit_and_lease(
                 request.fingerprint, list(request.tokens), list(request.digests), lease_size=request.lease_size,
                 lease_count=request.lease_count if self.accepting() else 0, records=records, fresh=fresh,
-                verify=request.sync, hashes=list(request.hashes) or None)  # else verified after answering
+                verify=request.sync, hashes=list(request.hashes) or None, peer=peer)  # else verified after answering
             if updates:
                 self.publish(updates, request.sync)  # queued; published before we answer only when asked
             return store_pb2.CommitResponse(sealed=[not e for e in errors], errors=errors, stored=sum(fresh),

@@ -9,9 +9,17 @@ them and returns their index updates. So nothing is published, evicted or demote
 Every method returns the index updates it implies — (fingerprint, hash, record or None) — for the
 daemon to publish; nothing here talks to the metadata service. One lock guards everything but the
 digest passes, which run on slots no one else can reach (popped from the pending or written set).
+
+Write grants: a slot reserved or leased for a client that named its engine's peer id is granted to
+that engine (Engine.grant), and only while the slot is pending: its commit, abort or expiry revokes
+the grant before anything else happens to the slot. Remote writes into the DRAM tier land nowhere
+else (the daemon registers it remote_writes="granted"; the NVMe tier takes none). A slot whose
+revoke finds a write still landing is fenced: its commit fails, and its space goes back only once
+the native side says that write is over, so late bytes never land on someone else's block.
 """
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -26,6 +34,7 @@ from ..integrity import block_digest, block_digests, check_digests
 from ..tiers import EvictionPolicy, ExtentAllocator, make_policy
 from ..tiers.allocator import align_up
 
+log = logging.getLogger(__name__)
 Key = tuple[str, bytes]  # (fingerprint, block hash)
 Update = tuple[str, bytes, BlockRecord | None]
 LOCK_SPAN = 4096  # blocks a lookup, touch or remove handles per hold of the lock: a huge one delays a put by one span
@@ -38,6 +47,7 @@ LEASE_MAX_SLOTS = 4096  # slots one lease is granted at most (a larger ask is gr
 LEASE_SHARE = 8  # one lease takes at most 1/LEASE_SHARE of DRAM
 LEASES_SHARE = 4  # all leases together hold at most 1/LEASES_SHARE of DRAM
 UNNAMED = b""  # the hash of a leased slot until a commit names its block
+STILL_LANDING = "its bytes were still arriving when it was committed (the slot is held until they stop)"
 
 
 def _spans(hashes: Sequence[bytes]) -> Iterator[Sequence[bytes]]:
@@ -54,6 +64,7 @@ class Slot:
     size: int
     digest: bytes = b""  # of the block's bytes, as its writer sent it (kvstore.integrity)
     reserved_at: float = field(default_factory=time.monotonic)
+    peer: str = ""  # the engine (peer id) granted writes into it while it is pending
 
     def record(self) -> BlockRecord:
         return BlockRecord(self.tier.name, self.tier.region.id, self.offset, self.size, self.digest)
@@ -93,6 +104,7 @@ class BlockStore:
         self.promote = promote  # move NVMe blocks back to DRAM when clients hit them
         self.counters = counters if counters is not None else {}
         self._pending: dict[int, Slot] = {}
+        self._fenced: list[tuple[str, Slot]] = []  # (peer, slot): revoked while that peer's write still landed
         self._written: dict[Key, Slot] = {}  # committed, to be verified by seal_written (in order)
         self._verifying: dict[Key, Slot] = {}  # taken by seal_written, being verified now
         self.lock = threading.RLock()
@@ -134,9 +146,10 @@ class BlockStore:
         return out
 
     # --- writes -------------------------------------------------------------------------------
-    def reserve(self, fingerprint: str, hashes: Sequence[bytes], sizes: Sequence[int]
+    def reserve(self, fingerprint: str, hashes: Sequence[bytes], sizes: Sequence[int], peer: str = ""
                 ) -> tuple[list[tuple[int, Slot | None]], list[Update]]:
-        """A (token, slot) per block to write; token 0 and slot None where it is already sealed here."""
+        """A (token, slot) per block to write; token 0 and slot None where it is already sealed here.
+        `peer`: the client engine's peer id, granted writes into the new slots while they are pending."""
         if len(hashes) != len(sizes):
             raise WrongSize(f"{len(hashes)} hashes but {len(sizes)} sizes")
         if not isinstance(fingerprint, str) or not NAME.fullmatch(fingerprint):
@@ -154,7 +167,8 @@ class BlockStore:
             # only when it matters).
             room = self.dram.capacity - sum(align_up(slot.size) for slots in (self._pending, self._written,
                                                                             self._verifying)
-                                            for slot in slots.values())
+                                            for slot in slots.values()) \
+                - sum(align_up(slot.size) for _, slot in self._fenced)
             need = sum(align_up(size) for size in sizes)
             if need > room:
                 need = sum(align_up(size) for h, size in zip(hashes, sizes)
@@ -182,6 +196,9 @@ class BlockStore:
                 token = _new_token(self._pending)
                 self._pending[token] = slot
                 out.append((token, slot))
+            for _, slot in out:
+                if slot is not None:
+                    self._grant(slot, peer)
         return out, updates
 
     @staticmethod
@@ -192,12 +209,12 @@ class BlockStore:
         if count and not 0 < size <= MAX_BLOCK_BYTES:
             raise WrongSize(f"block size {size} outside 1..{MAX_BLOCK_BYTES}")
 
-    def lease(self, fingerprint: str, size: int, count: int) -> list[tuple[int, Slot]]:
+    def lease(self, fingerprint: str, size: int, count: int, peer: str = "") -> list[tuple[int, Slot]]:
         """Up to `count` slots of `size` bytes for blocks not named yet (a client's next put:
         written before their commit names them, saving that put its reserve), as (token, slot).
         Taken from free space below the high watermark only, so a lease never evicts, and within
         a share of DRAM per lease and for all leases together: it may come back short or empty.
-        Held and expired like reservations."""
+        Held, expired and granted to `peer` like reservations."""
         if not isinstance(fingerprint, str) or not NAME.fullmatch(fingerprint):
             raise InvalidRequest(f"fingerprint {str(fingerprint)[:80]!r} must be {NAME_RULE}")
         self._check_lease(size, count)
@@ -219,18 +236,20 @@ class BlockStore:
                     break
                 token = _new_token(self._pending)
                 self._pending[token] = Slot((fingerprint, UNNAMED), tier, offset, size)
+                self._grant(self._pending[token], peer)
                 out.append((token, self._pending[token]))
             self._count("leased_slots", len(out))
         return out
 
     def commit_and_lease(self, fingerprint: str, tokens: Sequence[int], digests: Sequence[bytes], *,
                          lease_size: int, lease_count: int, records: list, fresh: list, verify: bool,
-                         hashes: Sequence[bytes] | None) -> tuple[list[str], list[Update], list[tuple[int, Slot]]]:
+                         hashes: Sequence[bytes] | None, peer: str = ""
+                         ) -> tuple[list[str], list[Update], list[tuple[int, Slot]]]:
         """`commit`, then `lease` slots for the put after it (a commit's lease request is checked
         before anything is committed, so a bad one takes nothing): (errors, updates, leased)."""
         self._check_lease(lease_size, lease_count)
         errors, updates = self.commit(fingerprint, tokens, digests, records, verify, hashes, fresh)
-        return errors, updates, self.lease(fingerprint, lease_size, lease_count)
+        return errors, updates, self.lease(fingerprint, lease_size, lease_count, peer)
 
     def commit(self, fingerprint: str, tokens: Sequence[int], digests: Sequence[bytes],
                records: list | None = None, verify: bool = True,
@@ -267,10 +286,14 @@ class BlockStore:
                     raise InvalidRequest("a leased slot is committed with the hash of its block, a reserved "
                                          "one with none or its own")  # before anything is taken
             slots = []
-            for token, slot, name in zip(tokens, found, names):
+            landing = []  # slots a write of their peer still lands in: not verifiable, fenced
+            for i, (token, slot, name) in enumerate(zip(tokens, found, names)):
                 if slot is not None:
                     del self._pending[token]
-                    if slot.key[1] == UNNAMED:
+                    if not self._ungrant(slot):
+                        landing.append(i)
+                        slot = None
+                    elif slot.key[1] == UNNAMED:
                         slot.key = (fingerprint, name)
                 slots.append(slot)
             mine = [slot for slot in slots if slot is not None]
@@ -278,7 +301,7 @@ class BlockStore:
             if not verify and VERIFY_LATER_MIN <= size and self._unverified_bytes() + size <= WRITTEN_MAX:
                 self._seal([(slot, digest, None) for slot, digest in zip(slots, digests)], errors, out, fresh)
                 self._has_written.notify_all()
-                return errors, []
+                return _still_landing(errors, landing), []
             self._verifying_commits += 1
         try:
             try:
@@ -289,8 +312,9 @@ class BlockStore:
                         self.dram.allocator.release(slot.offset, slot.size)
                 raise
             with self.lock:
-                return errors, self._seal([(slot, digest, next(actual) if slot is not None else b"")
-                                           for slot, digest in zip(slots, digests)], errors, out, fresh)
+                updates = self._seal([(slot, digest, next(actual) if slot is not None else b"")
+                                      for slot, digest in zip(slots, digests)], errors, out, fresh)
+                return _still_landing(errors, landing), updates
         finally:
             with self.lock:
                 self._verifying_commits -= 1
@@ -438,12 +462,49 @@ class BlockStore:
             for token in tokens:
                 slot = self._pending.pop(token, None)
                 if slot is not None:
-                    self.dram.allocator.release(slot.offset, slot.size)
+                    self._free_unsealed(slot)
 
     def _expire_reservations(self) -> None:
         cutoff = time.monotonic() - self.reservation_timeout
         for token in [t for t, s in self._pending.items() if s.reserved_at < cutoff]:
-            slot = self._pending.pop(token)
+            self._free_unsealed(self._pending.pop(token))
+        if self._fenced:  # space held back for writes that were still landing: back once they stopped
+            still = []
+            for peer, slot in self._fenced:
+                if self.engine.landing(peer, slot.tier.region, slot.offset, slot.size):
+                    still.append((peer, slot))
+                else:
+                    slot.tier.allocator.release(slot.offset, slot.size)
+            self._fenced = still
+
+    # --- write grants (lock held) -----------------------------------------------------------
+    def _grant(self, slot: Slot, peer: str) -> None:
+        """Let the engine `peer` write `slot` while it is pending (the DRAM region takes remote writes
+        only where granted; a region that takes them from anyone needs no grant)."""
+        if not peer or slot.tier.region.remote_writes != "granted":
+            return
+        try:
+            self.engine.grant(peer, slot.tier.region, slot.offset, slot.size)
+        except TransferError as exc:  # a grant left behind would be a bug: its client's write is refused
+            log.error("cannot grant a %d-byte slot at %d to %s: %s", slot.size, slot.offset, peer, exc)
+            return
+        slot.peer = peer
+
+    def _ungrant(self, slot: Slot) -> bool:
+        """Revoke `slot`'s grant as it leaves the pending set. False when a write of its peer still
+        lands in it: the slot is fenced (its space back only once that write is over)."""
+        if not slot.peer:
+            return True
+        peer, slot.peer = slot.peer, ""
+        if self.engine.revoke(peer, slot.tier.region, slot.offset, slot.size):
+            return True
+        self._count("fenced_slots")
+        self._fenced.append((peer, slot))
+        return False
+
+    def _free_unsealed(self, slot: Slot) -> None:
+        """A pending slot given up (aborted, expired): its space back, once no granted write lands in it."""
+        if self._ungrant(slot):
             self.dram.allocator.release(slot.offset, slot.size)
 
     # --- space --------------------------------------------------------------------------------
@@ -626,6 +687,12 @@ class BlockStore:
         """Every sealed block as an update (republishing after a lost lease)."""
         with self.lock:
             return [(k[0], k[1], s.record()) for tier in self.tiers for k, s in tier.sealed.items()]
+
+
+def _still_landing(errors: list[str], landing: list[int]) -> list[str]:
+    for i in landing:
+        errors[i] = STILL_LANDING
+    return errors
 
 
 def _new_token(pending: dict) -> int:

@@ -3,7 +3,10 @@
 Exports three regions filled with a seeded pattern (shared memory, a numpy array, a file) and a
 read-only one, prints one JSON line describing them, then answers JSON commands on stdin:
 {"cmd": "sha", "region": NAME, "offset": O, "length": N} -> {"sha": HEX}, {"cmd": "exit"},
-{"cmd": "limit_as", "extra_mib": N | null} -> {"ok": true} (caps the address space, for fault tests).
+{"cmd": "limit_as", "extra_mib": N | null} -> {"ok": true} (caps the address space, for fault tests),
+{"cmd": "grant" | "revoke" | "landing", "peer": ID, "region": NAME, "offset": O, "length": N} ->
+{"ok": true} | {"quiet": bool} | {"landing": bool} | {"error": TYPE} (write grants of the region
+"granted", which takes remote writes only where granted; "sealed" takes none).
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import hashlib
 import json
 import os
 import resource
+import shutil
 import sys
 import tempfile
 
@@ -50,8 +54,17 @@ def main() -> None:
     file_region = engine.register_file(path, args.size)
     frozen = engine.register(bytes(data[:65536].tobytes()))
     private = engine.register(np.zeros(4096, np.uint8), remote_access=False)
-    regions = {"shm": shm, "numpy": arr, "file": file_region, "readonly": frozen, "private": private}
-    views = {"shm": shm.buffer, "numpy": array, "readonly": frozen.buffer, "private": private.buffer}
+    granted = engine.allocate(args.size, remote_writes="granted")
+    np.frombuffer(granted.buffer, np.uint8)[:] = data
+    sealed_path = f"{folder}/sealed.bin"
+    with open(sealed_path, "wb") as f:
+        f.write(data.tobytes())
+    sealed = engine.register_file(sealed_path, args.size, remote_writes="none")
+    regions = {"shm": shm, "numpy": arr, "file": file_region, "readonly": frozen, "private": private,
+               "granted": granted, "sealed": sealed}
+    views = {"shm": shm.buffer, "numpy": array, "readonly": frozen.buffer, "private": private.buffer,
+             "granted": granted.buffer}
+    files = {"file": path, "sealed": sealed_path}
 
     if args.spare_fds is not None:
         in_use = len(os.listdir("/proc/self/fd"))
@@ -72,16 +85,25 @@ def main() -> None:
                     vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) * 1024
                 resource.setrlimit(resource.RLIMIT_AS, (vm + (extra << 20), hard))
             print(json.dumps({"ok": True}), flush=True)
+        if cmd["cmd"] in ("grant", "revoke", "landing"):
+            call = getattr(engine, cmd["cmd"])
+            try:
+                answer = call(cmd["peer"], regions[cmd["region"]], cmd["offset"], cmd["length"])
+                reply = {"ok": True} if cmd["cmd"] == "grant" else {"quiet" if cmd["cmd"] == "revoke" else "landing": answer}
+            except Exception as exc:  # noqa: BLE001 - the test reads which
+                reply = {"error": type(exc).__name__}
+            print(json.dumps(reply), flush=True)
         if cmd["cmd"] == "sha":
             name, offset, length = cmd["region"], cmd["offset"], cmd["length"]
-            if name == "file":
-                with open(path, "rb") as f:
+            if name in files:
+                with open(files[name], "rb") as f:
                     f.seek(offset)
                     blob = f.read(length)
             else:
                 blob = bytes(memoryview(views[name]).cast("B")[offset : offset + length])
             print(json.dumps({"sha": hashlib.sha256(blob).hexdigest()}), flush=True)
     engine.close()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -130,6 +130,45 @@ def test_bounds_readonly_and_unknown_regions(engine):
             engine.submit([Read(other.allocate(16), 0, a, 0, 16)])
 
 
+def test_write_grants_are_checked_and_leave_the_owners_own_copies_alone(engine, tmp_path):
+    """Grants apply to regions registered remote_writes="granted", name a peer id, stay inside
+    the region and never overlap for one peer; the owner's own (local) copies into regions that
+    refuse remote writes still land (the daemon's demotions into its NVMe tier)."""
+    granted = engine.allocate(1 << 16, remote_writes="granted")
+    tier = engine.register_file(tmp_path / "tier.bin", 1 << 16, remote_writes="none")
+    anyone = engine.allocate(4096)
+    peer = "ab" * 16
+    with pytest.raises(ValueError):
+        engine.allocate(4096, remote_writes="sometimes")
+    with pytest.raises(InvalidOp):
+        engine.grant(peer, anyone, 0, 16)  # anyone may write it: a grant means nothing there
+    with pytest.raises(InvalidOp):
+        engine.grant(peer, tier, 0, 16)  # no one may
+    with pytest.raises(InvalidOp):
+        engine.grant("", granted, 0, 16)
+    for offset, length in [(-1, 16), (0, 0), (1 << 16, 1), ((1 << 16) - 8, 16)]:
+        with pytest.raises(OutOfBounds):
+            engine.grant(peer, granted, offset, length)
+    engine.grant(peer, granted, 4096, 4096)
+    with pytest.raises(InvalidOp):
+        engine.grant(peer, granted, 8191, 2)  # overlaps
+    engine.grant("cd" * 16, granted, 4096, 4096)  # another peer's grants are its own
+    engine.grant(peer, granted, 8192, 4096)  # adjacent
+    assert engine.stats()["write_grants"] == 3
+    assert engine.revoke(peer, granted, 0, 1 << 16) and engine.stats()["write_grants"] == 1
+    assert engine.revoke(peer, granted, 0, 16)  # nothing to revoke: quiet
+    assert not engine.landing(peer, granted, 0, 1 << 16)
+    src = engine.register(bytearray(b"q" * 4096))
+    engine.transfer([Write(src, 0, tier, 0, 4096), Write(src, 0, granted, 0, 4096)])
+    assert bytes(granted.buffer[:4]) == b"qqqq"
+
+
+def test_peer_ids_are_random_and_not_published():
+    with Engine("a", secret="s") as a, Engine("b", secret="s") as b:
+        assert a.peer_id != b.peer_id and len(a.peer_id) == 32 and int(a.peer_id, 16) >= 0
+        assert a.peer_id not in a.export().to_json()
+
+
 def test_zero_length_ops_complete(engine):
     a, b = engine.allocate(16), engine.allocate(16)
     assert engine.transfer([Read(a, 16, b, 16, 0)])[0].ok
