@@ -2,13 +2,18 @@
 server (with the peer identity their handshake named, whose write grants apply) and answers
 control requests (region table, shared-memory descriptors) itself.
 
-Work done before a peer authenticates is bounded: at most `max_handshakes` at once (and a share of
-them per source address), one deadline for each whole handshake, a pause when out of descriptors,
-and the same-host socket admits only processes of our own user (SO_PEERCRED).
+Work done before a peer authenticates is bounded (HandshakeBudget): the TCP socket and the
+same-host socket each have a budget of their own, so a flood of one never shuts out the other.
+Over TCP a source is an IPv4 /24 or an IPv6 /64 (one host can use many addresses of its prefix),
+and one source holds at most a sixteenth of the budget; at a cap, a handshake pending longer than
+a legitimate one ever takes (STALE_HANDSHAKE_S) gives its slot to the newcomer. One deadline
+covers each whole handshake, accept pauses when out of descriptors, and the same-host socket
+admits only processes of our own user (SO_PEERCRED).
 """
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import os
 import selectors
@@ -16,14 +21,21 @@ import socket
 import struct
 import threading
 import time
+from collections import OrderedDict
+from itertools import count
 from typing import Any, Callable
 
 from .auth import Channel, server_handshake
 
 log = logging.getLogger(__name__)
 FDS_PER_MESSAGE = 200  # the kernel caps SCM_RIGHTS at 253 descriptors per message
-MAX_HANDSHAKES = 128
-MAX_HANDSHAKES_PER_SOURCE = 16  # one address cannot take every slot from the others
+MAX_HANDSHAKES = 256  # TCP connections still in their handshake, all sources
+MAX_HANDSHAKES_PER_SOURCE = 16  # ... from one IPv4 /24 or IPv6 /64: a sixteenth of them
+MAX_UNIX_HANDSHAKES = 64  # the same-host socket's own budget (processes of our user only)
+# A handshake on a LAN takes milliseconds; one pending this long when its source (or the whole
+# budget) is at its cap is a staller, and a newcomer takes its slot. A flood must then open fresh
+# connections faster than cap / STALE_HANDSHAKE_S per second to keep others out.
+STALE_HANDSHAKE_S = 0.5
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
@@ -34,6 +46,91 @@ def peer_uid(conn: socket.socket) -> int:
     return uid
 
 
+def source_of(address: str) -> str:
+    """The source a handshake budget counts a TCP peer as: its IPv4 /24 or IPv6 /64 (an
+    IPv4-mapped IPv6 address as its IPv4), so the addresses one host or subnet can use are one."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return address
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ipaddress.ip_network(f"{ip}/{24 if ip.version == 4 else 64}", strict=False))
+
+
+class HandshakeBudget:
+    """Connections that have not authenticated yet: at most `total` at once and `per_source` from
+    one source. A newcomer over either cap takes the slot of the oldest handshake pending for
+    `stale_after` seconds or more (of its own source when that source is at its cap, else of the
+    source holding the most), which is shut down; with none that old it is refused."""
+
+    def __init__(self, total: int, per_source: int, stale_after: float = STALE_HANDSHAKE_S) -> None:
+        self.total, self.per_source, self.stale_after = total, per_source, stale_after
+        self._pending: dict[str, OrderedDict[int, tuple[float, socket.socket]]] = {}  # oldest first
+        self._held = 0
+        self._tickets = count(1)
+        self._lock = threading.Lock()
+        self.refused = 0
+        self.evicted = 0
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return self._held
+
+    def by_source(self) -> dict[str, int]:
+        with self._lock:
+            return {source: len(held) for source, held in self._pending.items()}
+
+    def admit(self, source: str, conn: socket.socket) -> int | None:
+        """A ticket for `conn` (release it when its handshake ends), or None: refused."""
+        now = time.monotonic()
+        with self._lock:
+            mine = self._pending.get(source)
+            victim = None
+            if mine is not None and len(mine) >= self.per_source:
+                victim = self._evict(source, now)
+            elif self._held >= self.total:
+                for other in sorted(self._pending, key=lambda s: len(self._pending[s]), reverse=True):
+                    victim = self._evict(other, now)
+                    if victim is not None:
+                        break
+            if victim is None and (self._held >= self.total or (mine is not None and len(mine) >= self.per_source)):
+                self.refused += 1
+                return None
+            ticket = next(self._tickets)
+            self._pending.setdefault(source, OrderedDict())[ticket] = (now, conn)
+            self._held += 1
+        if victim is not None:
+            try:
+                victim.shutdown(socket.SHUT_RDWR)  # its handler sees the end and lets go of the socket
+            except OSError:
+                pass  # it finished (or failed) meanwhile
+        return ticket
+
+    def _evict(self, source: str, now: float) -> socket.socket | None:
+        """Take `source`'s oldest handshake out of the budget if it is stale (lock held)."""
+        held = self._pending[source]
+        ticket, (started, conn) = next(iter(held.items()))
+        if now - started < self.stale_after:
+            return None
+        del held[ticket]
+        if not held:
+            del self._pending[source]
+        self._held -= 1
+        self.evicted += 1
+        return conn
+
+    def release(self, source: str, ticket: int) -> None:
+        with self._lock:
+            held = self._pending.get(source)
+            if held is None or held.pop(ticket, None) is None:
+                return  # evicted: its slot went to a newcomer already
+            self._held -= 1
+            if not held:
+                del self._pending[source]
+
+
 class Listener:
     """TCP listener (data + control) and an abstract unix socket (same-host control)."""
 
@@ -41,12 +138,14 @@ class Listener:
                  serve_data: Callable[[int, bytes, bytes, str], None],
                  export_table: Callable[[], tuple[list[dict[str, Any]], list[int]]],
                  handshake_timeout: float, wire: str = "aead", max_handshakes: int = MAX_HANDSHAKES,
-                 max_per_source: int = MAX_HANDSHAKES_PER_SOURCE) -> None:
+                 max_per_source: int = MAX_HANDSHAKES_PER_SOURCE, max_unix_handshakes: int = MAX_UNIX_HANDSHAKES,
+                 stale_after: float | None = None) -> None:
         self._secret, self._name, self._wire = secret, name, wire
         self._serve_data, self._export_table = serve_data, export_table
         self._handshake_timeout = handshake_timeout
-        self._max_handshakes, self._max_per_source = max_handshakes, max_per_source
-        self._pending: dict[str, int] = {}  # handshakes in progress per source
+        stale = min(STALE_HANDSHAKE_S, handshake_timeout / 2) if stale_after is None else stale_after
+        self.tcp_budget = HandshakeBudget(max_handshakes, max_per_source, stale)
+        self.unix_budget = HandshakeBudget(max_unix_handshakes, max_unix_handshakes, stale)
         self._allowed_uids = {os.geteuid(), 0}
         self._tcp = socket.create_server((host, port), backlog=128)
         self.host, self.port = self._tcp.getsockname()[:2]
@@ -58,32 +157,20 @@ class Listener:
         self._closed = threading.Event()
         self._controls: set[socket.socket] = set()
         self._lock = threading.Lock()
-        self.refused = 0  # connections dropped before authenticating (slots full, wrong user, failed)
+        self._refused = 0  # wrong user, failed handshakes, no thread to spare
         self._thread = threading.Thread(target=self._accept_loop, name=f"kvt-listen-{name}", daemon=True)
         self._thread.start()
 
     @property
     def handshakes(self) -> int:
-        """Handshakes in progress now."""
-        with self._lock:
-            return sum(self._pending.values())
+        """Handshakes in progress now (both sockets)."""
+        return self.tcp_budget.pending + self.unix_budget.pending
 
-    def _admit(self, source: str) -> bool:
+    @property
+    def refused(self) -> int:
+        """Connections dropped before authenticating (over a budget, wrong user, failed)."""
         with self._lock:
-            if sum(self._pending.values()) >= self._max_handshakes or \
-                    self._pending.get(source, 0) >= self._max_per_source:
-                self.refused += 1
-                return False
-            self._pending[source] = self._pending.get(source, 0) + 1
-            return True
-
-    def _release(self, source: str) -> None:
-        with self._lock:
-            left = self._pending[source] - 1
-            if left:
-                self._pending[source] = left
-            else:
-                del self._pending[source]
+            return self._refused + self.tcp_budget.refused + self.unix_budget.refused
 
     def _accept_loop(self) -> None:
         selector = selectors.DefaultSelector()
@@ -115,33 +202,36 @@ class Listener:
             if uid not in self._allowed_uids:
                 log.warning("%s: refused same-host connection from uid %d", self._name, uid)
                 with self._lock:
-                    self.refused += 1
+                    self._refused += 1
                 conn.close()
                 return
-            source = f"uid:{uid}"
+            source, budget = f"uid:{uid}", self.unix_budget
         else:
-            source = str(addr[0])
-        if not self._admit(source):
+            source, budget = source_of(str(addr[0])), self.tcp_budget
+        ticket = budget.admit(source, conn)
+        if ticket is None:
             conn.close()
             return
         try:
-            threading.Thread(target=self._handle, args=(conn, is_unix, source), daemon=True).start()
+            threading.Thread(target=self._handle, args=(conn, is_unix, source, budget, ticket), daemon=True).start()
         except RuntimeError:  # no thread to spare: refuse rather than fail the loop
-            self._release(source)
+            budget.release(source, ticket)
+            with self._lock:
+                self._refused += 1
             conn.close()
 
-    def _handle(self, conn: socket.socket, is_unix: bool, source: str) -> None:
+    def _handle(self, conn: socket.socket, is_unix: bool, source: str, budget: HandshakeBudget, ticket: int) -> None:
         try:
             session = server_handshake(conn, self._secret, self._name, wire=self._wire,
                                        timeout=self._handshake_timeout)
         except Exception as exc:  # whatever a stranger sends, only this connection ends
             log.info("refused connection from %s: %s: %s", source, type(exc).__name__, exc)
             with self._lock:
-                self.refused += 1
+                self._refused += 1
             conn.close()
             return
         finally:
-            self._release(source)
+            budget.release(source, ticket)
         if session.hello["role"] == "data":
             if is_unix:
                 conn.close()

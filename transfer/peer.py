@@ -88,13 +88,20 @@ def _handshake(sock: socket.socket, engine: PeerHost, role: str, peer: str, time
         raise PeerUnreachable(f"handshake with {peer} failed: {exc}") from exc
 
 
-def _dial_data(descriptor: EngineDescriptor, engine: PeerHost, timeout: float) -> tuple[socket.socket, Session]:
-    """A data stream: connect + handshake. A server at its cap of concurrent handshakes closes new
-    connections before saying anything; that case (and only that) is retried a few times."""
+def _dial(descriptor: EngineDescriptor, engine: PeerHost, role: str, timeout: float,
+          unix: str | None = None) -> tuple[socket.socket, Session] | None:
+    """Connect (TCP, or the same-host socket `unix`: None when it cannot be reached) + handshake.
+    A server at a cap of concurrent handshakes closes new connections before saying anything; that
+    case (and only that) is retried a few times."""
     for attempt in range(4):
-        sock = _connect_tcp(descriptor.host, descriptor.port, timeout)
+        if unix is not None:
+            sock = _connect_unix(unix, timeout)
+            if sock is None:
+                return None
+        else:
+            sock = _connect_tcp(descriptor.host, descriptor.port, timeout)
         try:
-            return sock, _handshake(sock, engine, "data", descriptor.name, timeout)
+            return sock, _handshake(sock, engine, role, descriptor.name, timeout)
         except PeerUnreachable as exc:
             sock.close()
             if attempt == 3 or not isinstance(exc.__cause__, ConnectionError):
@@ -127,7 +134,7 @@ class Peer:
         keys: list[tuple[bytes, bytes]] = []
         try:
             for _ in range(max(1, streams)):
-                sock, session = _dial_data(descriptor, engine, timeout)
+                sock, session = _dial(descriptor, engine, "data", timeout)
                 fds.append(sock.fileno())
                 keys.append(session.native_keys)
                 sock.settimeout(None)
@@ -159,16 +166,13 @@ class Peer:
         same_host = d.host_id == host_id() and d.unix is not None
         if transport == "shm" and not same_host:
             raise PeerUnreachable(f"{d.name} is not on this host: shared memory is unavailable")
-        sock = _connect_unix(d.unix, self._timeout) if same_host and transport not in ("tcp", "ucx") and d.unix else None
-        if sock is None and transport == "shm":
+        dialed = None
+        if same_host and transport not in ("tcp", "ucx") and d.unix:
+            dialed = _dial(d, self._engine, "ctl", self._timeout, unix=d.unix)
+        if dialed is None and transport == "shm":
             raise PeerUnreachable(f"cannot reach {d.name}'s same-host control socket")
-        if sock is None:
-            sock = _connect_tcp(d.host, d.port, self._timeout)
-        try:
-            self._channel = Channel(sock, _handshake(sock, self._engine, "ctl", d.name, self._timeout))
-        except BaseException:
-            sock.close()
-            raise
+        sock, session = dialed or _dial(d, self._engine, "ctl", self._timeout)
+        self._channel = Channel(sock, session)
         return sock
 
     @property

@@ -2,8 +2,9 @@
 and (unless gRPC runs over TLS) a TCP socket beside the gRPC one for clients elsewhere.
 
 Who may connect: over the unix socket, processes of the daemon's own user (or root), checked with
-SO_PEERCRED; over TCP, anyone, at most HANDSHAKES_PER_SOURCE of them per address (HANDSHAKES in
-all) until they have authenticated. Both then pass the
+SO_PEERCRED; over TCP, anyone, at most HANDSHAKES_PER_SOURCE of them per source (an IPv4 /24 or
+IPv6 /64; HANDSHAKES in all) until they have authenticated, a handshake stalled past
+transfer.listener.STALE_HANDSHAKE_S giving its slot to a newcomer at a cap. Both then pass the
 Transfer Engine's handshake (both ends prove they know the cluster secret; a relayed handshake
 yields nothing; `--insecure` has no secret). Every control frame afterwards carries an HMAC under
 the session key over its sequence number (`kvstore.wire`), so frames cannot be injected,
@@ -41,7 +42,7 @@ import time
 from typing import Any, Callable
 
 from transfer.auth import PEER_ID, server_handshake
-from transfer.listener import peer_uid
+from transfer.listener import STALE_HANDSHAKE_S, HandshakeBudget, peer_uid, source_of
 
 from ..errors import AllocationFailed, InvalidRequest, KVStoreError, MetadataError
 from ..integrity import DIGEST_BYTES, DIGEST_NAME
@@ -52,8 +53,9 @@ log = logging.getLogger(__name__)
 MAX_ATTACHMENT = 256 << 20
 MAX_CONNECTIONS = 256  # authenticated connections, on each of the two sockets
 # TCP connections still in their handshake: anyone can open them, so they get a budget of their own
-# (as the engine's listener does), apart from authenticated clients' slots.
-HANDSHAKES = 64
+# (as the engine's listener does), apart from authenticated clients' slots. A source is an IPv4 /24
+# or IPv6 /64 and holds at most a sixteenth of it; stalled handshakes make room (HandshakeBudget).
+HANDSHAKES = 256
 HANDSHAKES_PER_SOURCE = 16
 # An idle connection is closed after this long, so clients' pools cannot hold every slot for good
 # (clients drop pooled connections idle for half of it: kvstore.client.local_node.POOLED_IDLE_S).
@@ -132,7 +134,8 @@ class LocalControl:
             self._tcp.listen(128)
             port = self._tcp.getsockname()[1]
             self.tcp_address = f"[{tcp_host}]:{port}" if family == socket.AF_INET6 else f"{tcp_host}:{port}"
-        self._handshaking: dict[str, int] = {}  # TCP connections in their handshake, per address
+        # TCP connections in their handshake, per source
+        self.handshakes = HandshakeBudget(HANDSHAKES, HANDSHAKES_PER_SOURCE, min(STALE_HANDSHAKE_S, timeout / 2))
         self._open = {False: 0, True: 0}  # authenticated connections: unix (False), TCP (True)
         self._refused_logged = 0.0
         self._conns: set[socket.socket] = set()
@@ -156,15 +159,15 @@ class LocalControl:
                     log.warning("%s: accept failed: %s", self._node, exc)
                     self._closed.wait(0.1)
                     continue
-                source = self._admit(conn, None if key.fileobj is self._sock else str(addr[0]))
-                if source is not None:
-                    threading.Thread(target=self._serve, args=(conn, source), daemon=True).start()
+                admitted = self._admit(conn, None if key.fileobj is self._sock else str(addr[0]))
+                if admitted is not None:
+                    threading.Thread(target=self._serve, args=(conn, *admitted), daemon=True).start()
         selector.close()
 
-    def _admit(self, conn: socket.socket, address: str | None) -> str | None:
-        """Take a new connection (None: refused and closed). Returns its source: "" for the unix
-        socket (a process of an allowed user, counted as open at once), the peer's address over
-        TCP (counted as handshaking until it has authenticated)."""
+    def _admit(self, conn: socket.socket, address: str | None) -> tuple[str, int] | None:
+        """Take a new connection (None: refused and closed). Returns its source and handshake
+        ticket: "" and 0 for the unix socket (a process of an allowed user, counted as open at
+        once), the peer's /24 or /64 over TCP (counted as handshaking until it has authenticated)."""
         if address is None:
             try:
                 uid = peer_uid(conn)
@@ -174,25 +177,25 @@ class LocalControl:
         else:
             why = ""
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        source, ticket = "", 0
+        if not why and address is not None:
+            source = source_of(address)
+            ticket = self.handshakes.admit(source, conn)
+            if ticket is None:
+                why = f"too many handshakes from {source}"
         with self._lock:
             if not why and address is None:
                 if self._open[False] >= MAX_CONNECTIONS:
                     why = "too many open"
                 else:
                     self._open[False] += 1
-            elif not why:
-                if sum(self._handshaking.values()) >= HANDSHAKES or \
-                        self._handshaking.get(address, 0) >= HANDSHAKES_PER_SOURCE:
-                    why = f"too many handshakes from {address}"
-                else:
-                    self._handshaking[address] = self._handshaking.get(address, 0) + 1
             if not why:
                 self._conns.add(conn)
         if why:
             self._refused(why)
             conn.close()
             return None
-        return address or ""
+        return source, ticket
 
     def _refused(self, why: str) -> None:
         """Log a refused connection, at most every 10 s (a flood must not flood the log too)."""
@@ -201,21 +204,17 @@ class LocalControl:
             self._refused_logged = now
             log.warning("%s: refused a control connection (%s)", self._node, why)
 
-    def _handshake_over(self, source: str, authenticated: bool) -> bool:
+    def _handshake_over(self, source: str, ticket: int, authenticated: bool) -> bool:
         """A TCP connection's handshake ended: it leaves the handshake budget and, authenticated,
         takes an open slot if one is left (whether it did)."""
+        self.handshakes.release(source, ticket)
         with self._lock:
-            left = self._handshaking.get(source, 1) - 1
-            if left:
-                self._handshaking[source] = left
-            else:
-                self._handshaking.pop(source, None)
             if not authenticated or self._open[True] >= MAX_CONNECTIONS:
                 return False
             self._open[True] += 1
             return True
 
-    def _serve(self, conn: socket.socket, source: str) -> None:
+    def _serve(self, conn: socket.socket, source: str, ticket: int) -> None:
         remote = bool(source)  # over TCP: no descriptors to hand out
         counted = not remote  # holds an open slot (a TCP connection once it has authenticated)
         try:
@@ -223,10 +222,10 @@ class LocalControl:
                 session = server_handshake(conn, self._secret, self._node, wire="plain", timeout=self._timeout)
             except BaseException:
                 if remote:
-                    self._handshake_over(source, authenticated=False)
+                    self._handshake_over(source, ticket, authenticated=False)
                 raise
             if remote:
-                counted = self._handshake_over(source, authenticated=True)
+                counted = self._handshake_over(source, ticket, authenticated=True)
                 if not counted:
                     self._refused("too many open")
                     return
