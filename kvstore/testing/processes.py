@@ -78,9 +78,9 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
                 pass
 
 
-def _exited(proc: subprocess.Popen) -> bool:
+def exited(proc: subprocess.Popen) -> bool:
     """Whether the process ended, without reaping it: while it is a zombie its group id stays taken,
-    so a SIGKILL to the group cannot reach an unrelated process."""
+    so a SIGKILL to the group (`stop`) cannot reach an unrelated process. Use it instead of poll()."""
     if proc.returncode is not None:
         return True
     try:
@@ -92,11 +92,11 @@ def _exited(proc: subprocess.Popen) -> bool:
 def stop(proc: subprocess.Popen, grace: float = 10.0, sig: int = signal.SIGTERM) -> int | None:
     """Stop `proc` and its group: `sig` (after SIGCONT, in case it was stopped), SIGKILL after `grace`
     seconds, then reaped. Returns its exit code. Safe to call twice, or on a process that ended."""
-    if not _exited(proc):
+    if not exited(proc):
         _signal_group(proc, signal.SIGCONT)
         _signal_group(proc, sig)
         deadline = time.monotonic() + grace
-        while not _exited(proc) and time.monotonic() < deadline:
+        while not exited(proc) and time.monotonic() < deadline:
             time.sleep(0.02)
     _signal_group(proc, signal.SIGKILL)  # the leader if it is still up, and stragglers of its group
     try:
@@ -129,12 +129,12 @@ def stop_all(grace: float = 3.0) -> None:
     """Stop every registered child and its group: SIGTERM to all at once, SIGKILL after `grace`."""
     procs = live()
     for proc in procs:
-        if not _exited(proc):
+        if not exited(proc):
             _signal_group(proc, signal.SIGCONT)
             _signal_group(proc, signal.SIGTERM)
     deadline = time.monotonic() + grace
     for proc in procs:
-        while not _exited(proc) and time.monotonic() < deadline:
+        while not exited(proc) and time.monotonic() < deadline:
             time.sleep(0.02)
     for proc in procs:
         stop(proc, grace=0.0, sig=signal.SIGKILL)

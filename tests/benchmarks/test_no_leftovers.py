@@ -31,8 +31,8 @@ def test_serving_failing_with_its_engines_up_leaves_nothing(tmp_path):
     """The broken variant this kills: benchmarks.serving raising once its `vllm serve` engines run
     (--quick: two, children 3 and 4 after etcd and the store daemon), as its clean-up's
     AttributeError at the end of the first mode did, which left three `vllm serve` processes (and
-    their engine cores) running. The first is stopped by run_mode's own `finally`; the second,
-    whose start raised, by the benchmark's exit path (run_main)."""
+    their engine cores) running. The first and the daemon are stopped by the mode's own clean-up
+    (Rig); the second, whose start raised, by the benchmark's exit path (run_main)."""
     code, output, left = crash_after(tmp_path, "serving", 4)
     assert "InjectedFailure" in output, output[-3000:]
     assert code == 1, output[-3000:]

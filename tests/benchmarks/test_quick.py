@@ -241,7 +241,8 @@ def test_serving_quick(run_benchmark):
             assert r["skipped"] and r["requests"] == 0, r
             assert all(r[k] is None for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "prefix_hit_ratio")), r
             continue
-        assert r["skipped"] is None and r["requests"] == 6 and r["errors"] == 0, r
+        assert r["skipped"] is None and r["failed"] is None, r
+        assert r["requests"] == 6 and r["errors"] == 0, r
         assert positive(r["ttft_p50_ms"]) and positive(r["ttft_p99_ms"]), r
         assert r["tpot_p50_ms"] is not None and r["tpot_p50_ms"] >= 0, r  # a tiny model's tokens may arrive together
         assert 0 <= r["prefix_hit_ratio"] <= 1 and r["prompt_tokens"] > 0, r
