@@ -150,12 +150,14 @@ def test_store_quick(run_benchmark):
 
 @needs_etcd
 def test_faults_quick(run_benchmark):
-    """Kill -9 of a daemon, SIGSTOP of a daemon, etcd kill + restart, under verified load with
-    replicas=2: nothing lost or corrupted, no call past its bound, every fault recovered."""
+    """At least kill -9 of a daemon, SIGSTOP of a daemon, etcd kill + restart (in that order), under
+    verified load with replicas=2: nothing lost or corrupted, no call past its bound, every fault
+    recovered."""
     run = run_benchmark("faults", "--quick", "--clients", "2", timeout=240)
     assert_clean(run)
     records = run.records
-    assert [r["fault"] for r in records] == ["kill -9 daemon", "SIGSTOP daemon", "etcd kill+restart"]
+    required = ["kill -9 daemon", "SIGSTOP daemon", "etcd kill+restart"]
+    assert [r["fault"] for r in records if r["fault"] in required] == required, records
     for r in records:
         assert r["ops"] > 0, r
         assert r["wrong_bytes"] == 0 and r["lost_blocks"] == 0 and r["calls_past_timeout"] == 0, r
