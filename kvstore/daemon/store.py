@@ -39,6 +39,10 @@ Key = tuple[str, bytes]  # (fingerprint, block hash)
 Update = tuple[str, bytes, BlockRecord | None]
 LOCK_SPAN = 4096  # blocks a lookup, touch or remove handles per hold of the lock: a huge one delays a put by one span
 WRITTEN_MAX = 256 << 20  # bytes committed but not verified yet; past it a commit verifies at once (backpressure)
+# A reserve that only written blocks stand in the way of waits up to this long for the verifier to
+# seal them (then they can be evicted) before it is refused: on a busy host the BLAKE3 pass can lag a
+# burst of large puts into a small DRAM tier.
+WRITTEN_WAIT_S = 2.0
 # Smaller commits verify at once even when asked to verify later: their pass is shorter than handing
 # them to the verifier thread (paired A/B, same host: a lone 64 KiB or 1 MiB put 7-16 % slower
 # handed over, 32 x 64 KiB 28 % faster).
@@ -109,6 +113,7 @@ class BlockStore:
         self._verifying: dict[Key, Slot] = {}  # taken by seal_written, being verified now
         self.lock = threading.RLock()
         self._has_written = threading.Condition(self.lock)
+        self._verified = threading.Condition(self.lock)  # seal_written finished a batch
         # False once a drain has emptied the node: a put reserved before it must not land after it.
         self.taking_blocks = True
         self._verifying_commits = 0  # commits between taking their slots and sealing them
@@ -128,9 +133,19 @@ class BlockStore:
                 return slot
         return None
 
-    def _unverified_bytes(self) -> int:
-        """Bytes of blocks committed but not verified yet (written or being verified)."""
-        return sum(slot.size for slots in (self._written, self._verifying) for slot in slots.values())
+    def _unverified_bytes(self, aligned: bool = False) -> int:
+        """Bytes of blocks committed but not verified yet (written or being verified); `aligned`:
+        the space their slots take."""
+        return sum(align_up(slot.size) if aligned else slot.size
+                   for slots in (self._written, self._verifying) for slot in slots.values())
+
+    def _room(self) -> int:
+        """DRAM that new slots may take (lock held): all of it but what puts in flight, written
+        blocks and fenced slots hold, none of which evicting can free."""
+        return self.dram.capacity - sum(align_up(slot.size) for slots in (self._pending, self._written,
+                                                                        self._verifying)
+                                        for slot in slots.values()) \
+            - sum(align_up(slot.size) for _, slot in self._fenced)
 
     def _held(self, key: Key) -> Slot | None:
         """The block's slot, sealed or written (awaiting or under verification)."""
@@ -165,14 +180,15 @@ class BlockStore:
             # What the new slots take (4 KiB each at least), beside what puts in flight and written
             # blocks hold: evicting cannot free those. Blocks held here already take nothing (looked up
             # only when it matters).
-            room = self.dram.capacity - sum(align_up(slot.size) for slots in (self._pending, self._written,
-                                                                            self._verifying)
-                                            for slot in slots.values()) \
-                - sum(align_up(slot.size) for _, slot in self._fenced)
+            room = self._room()
             need = sum(align_up(size) for size in sizes)
             if need > room:
                 need = sum(align_up(size) for h, size in zip(hashes, sizes)
                            if self._held((fingerprint, bytes(h))) is None)
+            if room < need <= room + self._unverified_bytes(aligned=True):  # the verifier's to free
+                self._verified.wait_for(lambda: self._room() >= need or not self._unverified_bytes(), WRITTEN_WAIT_S)
+                self._check_taking()  # the lock was let go meanwhile: a drain may have ended puts
+                room = self._room()
             if need > room:  # could never fit: refuse before evicting anything
                 self._count("allocation_failures_dram")
                 raise AllocationFailed(f"{need} bytes of slots cannot fit in {self.dram.capacity} bytes of DRAM "
@@ -412,6 +428,7 @@ class BlockStore:
                     if self._verifying.get(slot.key) is slot:
                         del self._verifying[slot.key]
                     self.dram.allocator.release(slot.offset, slot.size)
+                self._verified.notify_all()
             raise
         with self.lock:
             checked = []
@@ -421,7 +438,9 @@ class BlockStore:
                     checked.append((slot, slot.digest, landed))
                 else:  # removed while it was being verified
                     self.dram.allocator.release(slot.offset, slot.size)
-            return self._seal(checked, [], [])
+            updates = self._seal(checked, [], [])
+            self._verified.notify_all()  # sealed blocks can be evicted: a waiting reserve may fit now
+            return updates
 
     def put_inline(self, fingerprint: str, hashes: Sequence[bytes], payloads: Sequence, digests: Sequence[bytes],
                    verify: bool = True) -> tuple[list[str], list[BlockRecord | None], list[Update], int]:

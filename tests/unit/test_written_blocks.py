@@ -2,6 +2,9 @@
 unlisted, unevictable, unpublished) until `seal_written` verifies them; bad bytes never get sealed."""
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -88,11 +91,30 @@ def test_written_blocks_are_never_evicted_before_they_are_verified(store):
     store.dram.region.buffer[slot.offset : slot.offset + BLOCK] = content(sealed[0]).tobytes()
     store.commit(FP.digest, [token], [block_digest(sealed[0], content(sealed[0]))])
     hashes, _, _, _ = write_later(store, [1, 2, 3, 4, 5])  # 6 of the 8 slots taken
-    with pytest.raises(AllocationFailed):  # evicting cannot free written blocks: refused up front
-        store.reserve(FP.digest, external_hashes([6, 7, 8, 10], FP), [BLOCK] * 4)
+    store_module.WRITTEN_WAIT_S, wait = 0.05, store_module.WRITTEN_WAIT_S  # no verifier runs here
+    try:
+        with pytest.raises(AllocationFailed):  # evicting cannot free written blocks: refused
+            store.reserve(FP.digest, external_hashes([6, 7, 8, 10], FP), [BLOCK] * 4)
+    finally:
+        store_module.WRITTEN_WAIT_S = wait
     assert store.read_block((FP.digest, sealed[0])) is not None  # and nothing was evicted for it
     assert [u[1] for u in store.seal_written()] == hashes
     assert all(store.read_block((FP.digest, h)) == content(h).tobytes() for h in hashes)
+
+
+def test_a_reserve_that_only_written_blocks_stand_in_the_way_of_waits_for_the_verifier(store):
+    """Kills: a reserve refused at once while the verifier lags (a busy host's digest pass behind a
+    burst of large puts into a small DRAM tier): it waits for the seal, then evicts and fits."""
+    hashes, _, _, _ = write_later(store, [1, 2, 3, 4])  # all 4 slots written, none evictable yet
+    sealer = threading.Timer(0.2, store.seal_written)
+    sealer.start()
+    started = time.monotonic()
+    try:
+        slots, updates = store.reserve(FP.digest, external_hashes([5], FP), [BLOCK])
+    finally:
+        sealer.join()
+    assert slots[0][1] is not None and 0.15 < time.monotonic() - started < store_module.WRITTEN_WAIT_S
+    assert updates and all(u[1] in hashes and u[2] is None for u in updates)  # sealed blocks made room
 
 
 def test_past_the_written_bound_a_commit_verifies_at_once(store, monkeypatch):
