@@ -42,7 +42,9 @@ SHORT_WORDS = 400  # about 2,400 characters (500 tokens): short prompts stay und
 LONG_REPEAT = 400  # SENTENCES x 400: about 109k characters, 22k tokens
 
 
-def start_gateway(config: dict, workdir: str, k: int = 0) -> tuple[subprocess.Popen, str]:
+def start_gateway(config: dict, workdir: str, k: int = 0,
+                  started: list[subprocess.Popen] | None = None) -> tuple[subprocess.Popen, str]:
+    """A `conductor serve --config` process, once it serves (it is added to `started` at once)."""
     path = os.path.join(workdir, f"gateway-{k}.json")
     with open(path, "w") as f:
         json.dump(config, f)
@@ -50,6 +52,8 @@ def start_gateway(config: dict, workdir: str, k: int = 0) -> tuple[subprocess.Po
     proc = processes.spawn([sys.executable, "-m", "conductor.cli", "serve", "--config", path,
                             "--listen", f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                            text=True, cwd=str(ROOT))
+    if started is not None:
+        started.append(proc)
     try:
         if not proc.stdout.readline():  # {"listen": ...} once it serves
             proc.wait(10)
@@ -113,14 +117,18 @@ async def run(args: argparse.Namespace) -> list[dict]:
     # before the first (a start is seconds of imports; an idle gateway only checks health every 5 s).
     plan = [(scenario, threads) for scenario in ("alone", "beside long prompts")
             for threads in ((2, 0) if args.quick else (2, 0, 0, 2))]
-    gateways: list[tuple[subprocess.Popen, str] | BaseException] = []
+    procs: list[subprocess.Popen] = []
     records = []
     try:
-        gateways = await asyncio.gather(*(
-            asyncio.to_thread(start_gateway, {"prefill": [prefill.url], "decode": [decode.url], "model_dir": model_dir,
-                                              "block_tokens": 128, "local_prefill_tokens": 0,
-                                              "tokenize_threads": threads, "health_interval_s": 5.0}, workdir, k)
-            for k, (_, threads) in enumerate(plan)), return_exceptions=True)
+        starts = [asyncio.ensure_future(asyncio.to_thread(
+            start_gateway, {"prefill": [prefill.url], "decode": [decode.url], "model_dir": model_dir,
+                            "block_tokens": 128, "local_prefill_tokens": 0, "tokenize_threads": threads,
+                            "health_interval_s": 5.0}, workdir, k, procs)) for k, (_, threads) in enumerate(plan)]
+        await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
+        if any(t.done() and t.exception() is not None for t in starts):  # one failed: stop the rest now
+            for proc in list(procs):
+                await asyncio.to_thread(processes.stop, proc)
+        gateways = await asyncio.gather(*starts, return_exceptions=True)
         failed = next((g for g in gateways if isinstance(g, BaseException)), None)
         if failed is not None:
             raise failed
@@ -132,9 +140,8 @@ async def run(args: argparse.Namespace) -> list[dict]:
             records.append({"scenario": scenario, "tokenize": "threads" if threads else "event loop",
                             "tokenize_threads": threads, **result})
     finally:
-        for gateway in gateways:
-            if not isinstance(gateway, BaseException):
-                await asyncio.to_thread(processes.stop, gateway[0])
+        for proc in procs:
+            await asyncio.to_thread(processes.stop, proc)
         for runner in runners:
             await runner.cleanup()
         shutil.rmtree(workdir, ignore_errors=True)
