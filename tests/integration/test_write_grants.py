@@ -12,6 +12,7 @@ import hashlib
 import json
 import socket
 import struct
+import threading
 import time
 import uuid
 from array import array
@@ -201,6 +202,85 @@ def test_a_revoke_does_not_report_quiet_while_a_granted_write_is_still_landing(s
         assert owner.sha("granted", 0, 8192) == landed
     finally:
         sock.close()
+
+
+class GatedProxy:
+    """Forwards TCP both ways; once `hold(n)` is called, lets n more client-to-server bytes through
+    on each connection and holds the rest until `release()`."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.target = (host, port)
+        self._budget: int | None = None
+        self._open = threading.Event()
+        self._open.set()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def hold(self, n: int) -> None:
+        self._budget = n
+        self._open.clear()
+
+    def release(self) -> None:
+        self._budget = None
+        self._open.set()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, gated: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                while gated and self._budget is not None and len(data) > self._budget:
+                    head, data = data[: self._budget], data[self._budget :]
+                    dst.sendall(head)
+                    self._budget = 0
+                    self._open.wait()
+                if gated and self._budget is not None:
+                    self._budget -= len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_an_encrypted_write_whose_bytes_arrive_after_the_revoke_is_refused(owner):
+    """Variant killed: on AEAD streams (decrypted into a bounce buffer first) the grant checked at
+    the header only: bytes that arrive after a revoke which found nothing landing yet are copied
+    in all the same, on whoever's block the range is by then."""
+    desc = json.loads(owner.descriptor)
+    proxy = GatedProxy(desc["host"], desc["port"])
+    try:
+        via_proxy = dict(desc, port=proxy.port, unix=None)
+        with client_engine("slow") as engine:
+            region = engine.connect(via_proxy, transport="tcp", streams=1).region(owner.regions["granted"])
+            owner.call(cmd="grant", peer=engine.peer_id, region="granted", offset=0, length=65536)
+            before = owner.sha("granted", 0, 65536)
+            proxy.hold(1000)  # the sealed header and the payload's first bytes, no more
+            batch = engine.submit([Write(engine.register(garbage(65536)), 0, region, 0, 65536)])
+            time.sleep(0.3)
+            assert owner.call(cmd="revoke", peer=engine.peer_id, region="granted", offset=0, length=65536) == \
+                {"quiet": True}  # admitted at its header, but nothing is being copied in yet
+            proxy.release()
+            with pytest.raises(WriteNotGranted):
+                batch.wait(10)
+            assert owner.sha("granted", 0, 65536) == before
+    finally:
+        proxy.close()
 
 
 # --- the store: grants follow reservations and leases ---------------------------------------------
