@@ -269,6 +269,7 @@ class Gateway:
                       hashes: list[bytes], timing: Timing, local_tokens: int = 0) -> web.StreamResponse:
         engine = route.decode
         tried: set[str] = set()
+        raw = await request.read()  # read (and kept by aiohttp) in _body: forwarded as is when unchanged
         for attempt in (0, 1):
             current = engine  # (a retry picks another engine; the counts stay with this one)
             current.inflight += 1
@@ -277,7 +278,7 @@ class Gateway:
                 try:
                     resp, first = await open_decode(self.session, current, kind, body, kv_params,
                                                     self.config.prefill_timeout_s, self.config.decode_timeout_s,
-                                                    timing)
+                                                    timing, raw)
                 except UpstreamFailed as exc:
                     self.metrics.upstream_failures.labels("decode").inc()
                     current.fail(str(exc))

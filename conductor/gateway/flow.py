@@ -22,6 +22,14 @@ from .pool import Engine
 log = logging.getLogger("conductor.gateway")
 JSON = {"Content-Type": "application/json"}
 
+try:  # msgspec (the gateway extra) writes a 100k-token prompt ~10x faster than the json module
+    import msgspec
+
+    _encode = msgspec.json.encode
+except ImportError:  # pragma: no cover
+    def _encode(value: Any) -> bytes:
+        return json.dumps(value).encode()
+
 
 @dataclass
 class Timing:
@@ -69,7 +77,7 @@ async def run_prefill(session: aiohttp.ClientSession, engine: Engine, kind: str,
     engine.inflight_tokens += uncached
     t = time.perf_counter()
     try:
-        async with session.post(engine.url + path, data=json.dumps(prefill_body(kind, body)), headers=JSON,
+        async with session.post(engine.url + path, data=_encode(prefill_body(kind, body)), headers=JSON,
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             if resp.status != 200:
                 await _failed_status(resp, engine.url)
@@ -106,16 +114,21 @@ def _has_token(event: bytes) -> bool:
 
 async def open_decode(session: aiohttp.ClientSession, engine: Engine, kind: str, body: dict,
                       kv_params: dict | None, first_timeout: float, total_timeout: float,
-                      timing: Timing) -> tuple[aiohttp.ClientResponse, bytes]:
-    """Send the decode; return once its first token (or the whole answer) arrived."""
+                      timing: Timing, raw: bytes | None = None) -> tuple[aiohttp.ClientResponse, bytes]:
+    """Send the decode; return once its first token (or the whole answer) arrived. `raw`: the
+    client's own body, sent as it came when nothing is added to it."""
     path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
-    payload: dict[str, Any] = dict(body)
-    if kv_params:
-        payload["kv_transfer_params"] = kv_params
+    if kv_params or raw is None:
+        payload: dict[str, Any] = dict(body)
+        if kv_params:
+            payload["kv_transfer_params"] = kv_params
+        data = _encode(payload)
+    else:
+        data = raw
     t = time.perf_counter()
     resp = None
     try:
-        resp = await session.post(engine.url + path, data=json.dumps(payload), headers=JSON,
+        resp = await session.post(engine.url + path, data=data, headers=JSON,
                                   timeout=aiohttp.ClientTimeout(total=total_timeout, sock_read=first_timeout))
         if resp.status != 200:
             await _failed_status(resp, engine.url)

@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger("conductor.gateway")
 
@@ -44,12 +43,24 @@ class Engine:
 
 
 def parse_load(text: str) -> dict[str, float]:
+    """vLLM's load gauges from a `/metrics` page, each summed over its label sets. Read line by line:
+    prometheus_client's parser took ~1.5 ms a page, a quarter of the gateway's CPU at 12 engines
+    scraped every second."""
     out = {v: 0.0 for v in _GAUGES.values()}
-    for family in text_string_to_metric_families(text):
-        key = _GAUGES.get(family.name)
+    for line in text.splitlines():
+        if not line.startswith("vllm:num_requests_") and not line.startswith("vllm:kv_cache_usage_perc"):
+            continue
+        name, _, rest = line.partition("{")
+        if rest:
+            rest = rest[rest.rindex("}") + 1:]
+        else:
+            name, _, rest = line.partition(" ")
+        key = _GAUGES.get(name.strip())
         if key:
-            for sample in family.samples:
-                out[key] += sample.value
+            try:
+                out[key] += float(rest.split()[0])
+            except (IndexError, ValueError):
+                raise ValueError(f"unreadable sample: {line[:200]!r}") from None
     return out
 
 

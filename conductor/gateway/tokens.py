@@ -76,8 +76,8 @@ class Tokens:
                   timeout: float) -> list[int] | None:
         """The prompt's ids, or None when they cannot be known cheaply (routing then ignores caches)."""
         prompt: Any = body.get("prompt")
-        if kind == "completions" and isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return list(prompt)  # already token ids
+        if kind == "completions" and isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+            return prompt  # token ids (validate.check_prompt: one kind throughout; never changed in place)
         if kind == "completions" and not isinstance(prompt, str):
             return None  # a batch of prompts: routed by load only
         if self._tok is not None:

@@ -11,6 +11,15 @@ from .errors import ApiError
 
 MAX_TOKEN_ID = 0xFFFFFFFF  # the store keys token ids as u32
 
+try:  # msgspec (the gateway extra) parses a 100k-token prompt 2-3x faster than the json module
+    import msgspec
+
+    _fast_decode = msgspec.json.decode
+    _FastError: tuple = (msgspec.DecodeError,)
+except ImportError:  # pragma: no cover - without the extra: the json module alone
+    _fast_decode = None
+    _FastError = ()
+
 
 def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
@@ -24,8 +33,13 @@ def parse(raw: bytes, max_depth: int) -> dict:
     # A value cannot nest deeper than it has brackets: most bodies are checked by this count alone.
     deep = raw.count(b"[") + raw.count(b"{") > max_depth
     try:
-        body = json.loads(raw, parse_constant=_no_constants)
-    except RecursionError:  # Python's json gives up near 1000 levels
+        # NaN/Infinity are not JSON to either parser; a lone surrogate escape, which only json
+        # accepts, is left to it.
+        try:
+            body = _fast_decode(raw) if _fast_decode is not None else json.loads(raw, parse_constant=_no_constants)
+        except _FastError:
+            body = json.loads(raw, parse_constant=_no_constants)
+    except RecursionError:  # both parsers give up near 1000 levels
         raise ApiError(400, f"request JSON nested deeper than {max_depth} levels", code="too_deep") from None
     except ValueError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
@@ -89,7 +103,9 @@ def _number(body: dict, name: str, least: float, most: float = math.inf) -> None
 
 
 def _token_ids(value: list) -> bool:
-    return all(not isinstance(t, bool) and isinstance(t, int) and 0 <= t <= MAX_TOKEN_ID for t in value)
+    """Integers (not booleans) from 0 to MAX_TOKEN_ID, checked at C speed: a prompt of 100k ids
+    checked element by element in Python cost the event loop ~10 ms."""
+    return bool(value) and set(map(type, value)) == {int} and min(value) >= 0 and max(value) <= MAX_TOKEN_ID
 
 
 def check_prompt(prompt: Any) -> None:
