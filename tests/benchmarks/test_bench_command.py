@@ -49,6 +49,8 @@ def test_kvstore_bench_passes_arguments_through():
     ("gateway", ["--requests", "0"], "--requests must be at least 1"),
     ("faults", ["--clients", "0"], "--clients must be at least 1"),
     ("vllm_ttft", ["--prompt-tokens", "99999"], "--prompt-tokens must be within"),
+    ("fleet", ["--routers", "ours,nginx"], "--routers: unknown nginx"),
+    ("fleet", ["--fault", "melt:0:1"], "the kind must be one of"),
 ])
 def test_bad_arguments_are_one_line(name, args, says):
     done = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args], cwd=ROOT, capture_output=True,
@@ -56,3 +58,18 @@ def test_bad_arguments_are_one_line(name, args, says):
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert says in done.stderr.strip().splitlines()[-1], done.stderr
+
+
+@pytest.mark.parametrize("line, says", [('{"timestamp": 5, "input_length": 10, "output_length": 2}', "'hash_ids'"),
+                                        ("{not json", "not JSON"),
+                                        ('{"timestamp": 1, "input_length": 0, "output_length": 2, "hash_ids": []}',
+                                         "'input_length' must be an integer of at least 1")])
+def test_fleet_names_the_malformed_trace_line(tmp_path, line, says):
+    """Kills: a bad trace row as a traceback, or an error that does not say which line to fix."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n' + line + "\n")
+    done = subprocess.run([sys.executable, "-m", "benchmarks.fleet", "--trace", str(trace)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"{trace} line 2" in last and says in last, done.stderr

