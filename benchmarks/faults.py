@@ -1,21 +1,29 @@
 """Fault-injection report: a real cluster under load while faults are injected one after another.
 
     python -m benchmarks.faults --json PATH            # every fault this machine can inject
-    python -m benchmarks.faults --quick --json PATH    # bounded (CI): kill -9, SIGSTOP, etcd restart
+    python -m benchmarks.faults --quick --json PATH    # bounded (CI): full NVMe tier, kill -9, SIGSTOP,
+                                                       # etcd restart
 
 A cluster of 3 daemons (`kvstore serve`, replicas=2, a cluster secret) on a real etcd; client threads
 put blocks (replicas=2) and read back blocks already stored on both replicas, verifying every byte.
+Faults come one after another, each after the last one's recovery, in this order: a fault that
+lowers replica counts (the full tier's evictions, its node's graceful stop) right before kill -9 of
+the node holding the other replicas, so a repair that comes too late shows as lost blocks.
 Per fault: `ops` (client calls during the phase), `wrong_bytes` (bytes a read returned that differ
 from what was stored — must be 0), `lost_blocks` (blocks stored on 2 replicas that no longer read back
 after recovery — must be 0), `calls_past_timeout` (client calls that took longer than their bound:
 per node tried, each remote step's timeout, plus 1 s — must be 0), `recovery_s` (from healing the
 fault until every such block reads back and a new put lands on 2 replicas), `errors` (typed errors
 clients saw, by type — allowed, they are how faults surface).
-The partition fault runs node-2 in its own network namespace behind a veth pair and takes the link
-down; the full-NVMe fault adds a node with 1 MiB of DRAM and 2 MiB of NVMe that fills at once (it
-demotes and evicts replicas it was given). Loss: `iptables -m statistic` (Debian's `iptables`) drops
-5% of the packets in and out of node-2's namespace. `tc netem` is not available in this VM's kernel,
-so the 50 ms delay is reported as not run.
+The partition fault runs node-2 in its own network namespace (and host name: another host to the
+clients, reached over TCP) behind a veth pair and takes the link down; the others then listen on the
+veth's host address. The full-NVMe fault adds a node with 1 MiB of DRAM and 2 MiB of NVMe; every put
+goes to it and node-1 (then killed) until FILL_BLOCKS more blocks are stored, so it fills at once,
+demotes and evicts replicas it was given, and is read first (its name sorts first); its counters are
+in the record (`node_counters`: hits, demotions, promotions, NVMe evictions, refused reservations)
+and it stops with SIGTERM (a graceful stop). Loss: `iptables -m statistic` (Debian's `iptables`,
+from scripts/install-test-deps.sh) drops 5% of the packets in and out of node-2's namespace.
+`tc netem` is not available in this VM's kernel, so the 50 ms delay is reported as not run.
 """
 from __future__ import annotations
 
@@ -48,7 +56,11 @@ FP = ModelFingerprint("faults", "float16", 16, 2, 2, 64, kv_layout="bytes")  # B
 BLOCK = 32 * 1024
 TIMEOUT = 2.0  # every remote call of clients and daemons
 LEASE_TTL = 4
-MAX_STORED = 1500  # bounded working set: no eviction, so a missing block is a lost block
+MAX_STORED = 1500  # bounded working set: no eviction on the main nodes, so a missing block is a lost block
+FILL_BLOCKS = 300  # of MAX_STORED, left for the full-tier fault's puts (the others stop at the rest)
+KILLED = "node-1"  # kill -9's node, the full node's partner
+FULL_NODE = "full-node"  # the full-tier fault's node; named to sort first: it is read first, and it is
+# the replica repairer ("the holder with the smallest name") of the blocks it holds
 NETNS_HOST, NETNS_PEER = "10.231.7.1", "10.231.7.2"
 
 
@@ -66,6 +78,7 @@ class FaultResult:
     recovery_s: float | None = None
     errors: dict[str, int] = field(default_factory=dict)
     note: str = ""
+    node_counters: dict[str, int] = field(default_factory=dict)  # the faulty node's own (full-tier fault)
 
 
 class Etcd(EtcdServer):
@@ -124,7 +137,7 @@ class Netns:
 
     @staticmethod
     def available() -> bool:
-        return os.geteuid() == 0 and shutil.which("ip") is not None
+        return os.geteuid() == 0 and all(shutil.which(tool) for tool in ("ip", "unshare", "hostname"))
 
 
 class Cluster:
@@ -146,7 +159,10 @@ class Cluster:
 
     def spawn(self, name: str, dram: str = "64MiB", disk: str | None = None) -> None:
         in_ns = self.netns is not None and name == "node-2"
-        host = NETNS_PEER if in_ns else "127.0.0.1"
+        # With a namespace, the host's daemons listen on the veth's host address, which the
+        # namespace reaches and the host still does when the link is down: every node reaches
+        # every other, the partitioned one aside.
+        host = NETNS_PEER if in_ns else (NETNS_HOST if self.netns is not None else "127.0.0.1")
         metadata = f"etcd://{NETNS_HOST if in_ns else '127.0.0.1'}:{self.etcd.client_port}"
         cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--node", name, "--metadata", metadata, "--cluster",
                self.cluster, "--dram", dram, "--replicas", "2", "--lease-ttl", str(LEASE_TTL), "--timeout",
@@ -155,7 +171,11 @@ class Cluster:
         if disk:
             cmd += ["--disk-dir", os.path.join(self.workdir, f"nvme-{name}"), "--disk", disk]
         if in_ns:
-            cmd = ["ip", "netns", "exec", self.netns.name, *cmd]
+            # A host name of its own (a UTS namespace): it is another host to everyone, so clients
+            # reach it over TCP. On this host's name it would be offered the same-host path (an
+            # abstract unix socket, which does not cross network namespaces) and refuse every call.
+            cmd = ["ip", "netns", "exec", self.netns.name, "unshare", "--uts", "sh", "-c",
+                   'hostname "$0" && exec "$@"', f"{self.netns.name}-host", *cmd]
         proc = processes.spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
         line = proc.stdout.readline()
         if not line:
@@ -191,6 +211,9 @@ class Load:
     def __init__(self, cluster: Cluster, threads: int) -> None:
         self.cluster, self.threads = cluster, threads
         self.stored: list[bytes] = []  # blocks acknowledged on 2 replicas
+        self.cap = MAX_STORED - FILL_BLOCKS  # puts stop at this many stored blocks
+        # (node, partners, every node): each put goes to that node and one partner (the full-tier fault)
+        self.pin: tuple[str, list[str], list[str]] | None = None
         self.lock = threading.Lock()
         self.result = FaultResult("warm-up")
         self.stop = threading.Event()
@@ -213,8 +236,11 @@ class Load:
         try:
             while not self.stop.is_set():
                 with self.lock:
-                    can_put = len(self.stored) < MAX_STORED
-                    target = rng.choice(self.stored) if self.stored else None
+                    can_put = len(self.stored) < self.cap
+                    # While puts are pinned, half the gets read what was just stored (as a prefix is
+                    # read again soon after it was written): the full node is read, not only written.
+                    recent = self.pin is not None and rng.random() < 0.5
+                    target = rng.choice(self.stored[-64:] if recent else self.stored) if self.stored else None
                 if target is None or (can_put and rng.random() < 0.3):
                     self._op(lambda: self._put(client), put=True)
                 else:
@@ -224,7 +250,12 @@ class Load:
 
     def _put(self, client: Client) -> None:
         h = self._fresh_hash()
-        if client.put_many([(h, content(h))]) >= 2:
+        exclude: set[str] = set()
+        pin = self.pin
+        if pin is not None:  # placement spreads puts by free space: pinned, they fill one node
+            node, partners, everyone = pin
+            exclude = set(everyone) - {node, random.choice(partners)}
+        if client.put_many([(h, content(h))], exclude=exclude) >= 2:
             with self.lock:
                 self.stored.append(h)
 
@@ -325,21 +356,34 @@ def run(args: argparse.Namespace) -> list[FaultResult]:
 
         print(f"  {'fault':<16}{'ops':>7}{'wrong':>8}{'lost':>7}{'late':>9}{'recov s':>10}  typed errors")
         pid = lambda name: cluster.daemons[name].pid  # noqa: E731
-        if not args.quick:  # first, while clients still put new blocks (the working set is capped)
-            # A node whose DRAM and NVMe fill at once: it demotes, then evicts, while holding replicas.
-            seen: dict[str, float] = {}
+        # First, while clients still put new blocks (the working set is capped), and right before
+        # kill -9 of its partner: a node whose DRAM and NVMe are full demotes, then evicts, replicas
+        # of acknowledged blocks, then stops gracefully. Placement would spread puts by free space
+        # and never fill it (as a client's same-host node fills): here every put goes to it and
+        # KILLED until FILL_BLOCKS more blocks are stored.
+        seen: dict[str, float] = {}
+        everyone = sorted(cluster.daemons) + [FULL_NODE]
 
-            def heal_small() -> None:
-                seen.update(cluster.counters("node-small"))
-                cluster.kill("node-small", signal.SIGTERM)
+        def fill() -> None:
+            cluster.spawn(FULL_NODE, dram="1MiB", disk="2MiB")
+            with load.lock:
+                load.pin, load.cap = (FULL_NODE, [KILLED], everyone), MAX_STORED
 
-            phase("full NVMe tier", lambda: cluster.spawn("node-small", dram="1MiB", disk="2MiB"), heal_small)
-            results[-1].note = (f"node-small: {int(seen.get('hits_dram', 0) + seen.get('hits_nvme', 0))} hits, "
-                                f"{int(seen.get('demotions', 0))} demotions, "
-                                f"{int(seen.get('evictions_nvme', 0))} NVMe evictions, "
-                                f"{int(seen.get('allocation_failures_nvme', 0) + seen.get('allocation_failures_dram', 0))}"
-                                " refused reservations")
-        phase("kill -9 daemon", lambda: cluster.kill("node-1"), lambda: cluster.spawn("node-1"))
+        def heal_full() -> None:
+            load.pin = None
+            seen.update(cluster.counters(FULL_NODE))
+            cluster.kill(FULL_NODE, signal.SIGTERM)
+
+        phase("full NVMe tier", fill, heal_full)
+        counted = {"hits": seen.get("hits_dram", 0) + seen.get("hits_nvme", 0), "demotions": seen.get("demotions", 0),
+                   "promotions": seen.get("promotions", 0), "evictions_nvme": seen.get("evictions_nvme", 0),
+                   "refused_reservations": seen.get("allocation_failures_nvme", 0)
+                   + seen.get("allocation_failures_dram", 0)}
+        results[-1].node_counters = {k: int(v) for k, v in counted.items()}
+        results[-1].note = (f"{FULL_NODE}: {counted['hits']:.0f} hits, {counted['demotions']:.0f} demotions, "
+                            f"{counted['evictions_nvme']:.0f} NVMe evictions, "
+                            f"{counted['refused_reservations']:.0f} refused reservations")
+        phase("kill -9 daemon", lambda: cluster.kill(KILLED), lambda: cluster.spawn(KILLED))
         phase("SIGSTOP daemon", lambda: os.kill(pid("node-0"), signal.SIGSTOP),
               lambda: os.kill(pid("node-0"), signal.SIGCONT))
         phase("etcd kill+restart", cluster.etcd.kill, cluster.etcd.start)
@@ -373,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("kvstore").setLevel(logging.ERROR)  # per-op warnings are what the table sums up
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the per-fault records here")
-    parser.add_argument("--quick", action="store_true", help="bounded run: three faults, short phases")
+    parser.add_argument("--quick", action="store_true",
+                        help="bounded run: full NVMe tier, kill -9, SIGSTOP, etcd restart; short phases")
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--warmup", type=float, default=None)
     parser.add_argument("--hold", type=float, default=None, help="seconds each fault lasts")

@@ -2,20 +2,32 @@
 
 When holders die (their lease expires and their records leave the index), the surviving holder
 with the smallest name copies each under-replicated block to nodes that lack it; the others only
-wait, so a block is never repaired twice. Scans run when the set of nodes changed, while work is
-left, and every `full_scan_s` as a safety net. `under_replicated` counts the blocks this node is
-responsible for that still lack replicas (summed over nodes by `kvstore admin status`).
+wait, so a block is never repaired twice. Scans run when the set of nodes changed (a node restarted
+under its name counts: its address changed), while work is left, and every `full_scan_s` as a
+safety net. A replica that leaves the index while its node stays (evicted by a full node, removed,
+or the records of a node's previous run expiring after it came back) is looked at within one
+`interval`: the watch tells the repairer, which checks those blocks alone. `under_replicated`
+counts the blocks this node is responsible for that still lack replicas (summed over nodes by
+`kvstore admin status`).
+
+A node that stops gracefully hands off first (`hand_off`): it copies every block it holds that would
+be left with fewer live replicas than the cluster's count without it, before its lease (and with it
+its replicas) goes. Survivors would repair those too, but only once they notice it left; a crash of
+the other holder in that window lost blocks acknowledged on every replica.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 from .oplog import Throttle
 
 log = logging.getLogger(__name__)
 REPAIR_BATCH = 32
+REMOVED_MAX = 1 << 16  # removed replicas noted between two rounds; past it, the next round scans everything
+HAND_OFF_S = 30.0  # a graceful stop copies blocks for at most this long, then leaves anyway
 
 
 class Repairer:
@@ -28,8 +40,12 @@ class Repairer:
         self.interval, self.full_scan_s = interval, full_scan_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._seen_nodes: frozenset[str] = frozenset()
+        self._seen_nodes: frozenset[tuple[str, str]] = frozenset()  # (name, address): a restart changes it
+        self._seen_resyncs = 0
         self._pending = True
+        self._removed: set[tuple[str, bytes]] = set()  # blocks a replica of which left the index
+        self._removed_overflow = False
+        self._removed_lock = threading.Lock()
         self._said_short = 0  # the last scan's shortfall: a line when it grows or ends, not every scan
         self._said_stuck = 0  # blocks last said to have nowhere to go
         self._failure_said = Throttle(30.0)
@@ -41,12 +57,91 @@ class Repairer:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, hand_off: float = 0.0) -> None:
+        """Stop repairing; with `hand_off` (seconds, a graceful stop once the node takes no more
+        puts), first copy what would be left short without this node (`hand_off`)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        if self._client is not None:
-            self._client.close()
+        try:
+            if hand_off > 0:
+                self.hand_off(hand_off)
+        finally:
+            if self._client is not None:
+                self._client.close()
+
+    def hand_off(self, budget: float) -> int:
+        """Copy every block held here that has fewer than `replicas` live replicas elsewhere to
+        nodes that lack it, within `budget` seconds (each call within the client's timeouts);
+        returns blocks left short. Best effort: what fails is said, in one line, and the survivors'
+        repair takes it from there."""
+        deadline = time.monotonic() + budget
+        try:
+            if self._client is None:
+                self._client = self._make_client()
+            live = [n for n in self._live() if n != self.node]
+            mirror = self._client.mirror
+            groups: dict[tuple[str, tuple[str, ...]], list[bytes]] = {}
+            for (fingerprint, block_hash), _slot in self.store.keys():
+                others = tuple(sorted(n for n in mirror.lookup(fingerprint, block_hash) if n in live))
+                if len(others) < self.replicas:
+                    groups.setdefault((fingerprint, others), []).append(block_hash)
+        except Exception as exc:  # noqa: BLE001 - stopping: say it, leave the rest to the survivors
+            log.warning("%s could not hand off its blocks before leaving: %s", self.node, exc)
+            return 0
+        short = sum(len(hashes) for hashes in groups.values())
+        if not short:
+            return 0
+        copied, failed, nowhere = 0, "", 0
+        for (fingerprint, others), hashes in groups.items():
+            exclude = {*others, self.node}
+            if not [n for n in live if n not in exclude]:
+                nowhere += len(hashes)
+                continue
+            for start in range(0, len(hashes), REPAIR_BATCH):
+                if time.monotonic() > deadline:
+                    failed = f"out of time ({budget:.0f} s)"
+                    break
+                items = [(h, data) for h in hashes[start : start + REPAIR_BATCH]
+                         if (data := self.store.read_block((fingerprint, h))) is not None]
+                if not items:
+                    continue
+                try:
+                    self._client.put_many(items, fingerprint=fingerprint, replicas=self.replicas - len(others),
+                                          exclude=exclude)
+                except Exception as exc:  # noqa: BLE001 - typed store errors, a dead node: said below
+                    failed = f"{type(exc).__name__}: {exc}"  # this group's next batch would wait on the same nodes
+                    break
+                copied += len(items)
+                self.counters["replicas_repaired"] += len(items)
+            if time.monotonic() > deadline:
+                break
+        if nowhere:
+            failed = f"{nowhere} with no other node to copy to" + (f"; {failed}" if failed else "")
+        left = short - copied
+        if left:
+            log.warning("%s handed off %d blocks before leaving; %d it held are left with fewer than %d replicas "
+                        "(%s)", self.node, copied, left, self.replicas, failed)
+        else:
+            log.info("%s handed off %d blocks before leaving (they had fewer than %d replicas elsewhere)",
+                     self.node, copied, self.replicas)
+        return left
+
+    def _replica_removed(self, fingerprint: str, block_hash: bytes, node: str) -> None:
+        """The watch removed `node`'s replica of a block (on the watch's thread: only noted)."""
+        if node == self.node:
+            return
+        with self._removed_lock:
+            if len(self._removed) < REMOVED_MAX:
+                self._removed.add((fingerprint, block_hash))
+            else:
+                self._removed_overflow = True
+
+    def _take_removed(self) -> tuple[set[tuple[str, bytes]], bool]:
+        with self._removed_lock:
+            removed, overflow = self._removed, self._removed_overflow
+            self._removed, self._removed_overflow = set(), False
+        return removed, overflow
 
     def _loop(self) -> None:
         since_full = 0.0
@@ -55,10 +150,16 @@ class Repairer:
             try:
                 if self._client is None:
                     self._client = self._make_client()
-                nodes = frozenset(self._client.mirror.nodes)
-                if self._pending or nodes != self._seen_nodes or since_full >= self.full_scan_s:
-                    self._seen_nodes, since_full = nodes, 0.0
+                    self._client.mirror.on_replica_removed(self._replica_removed)
+                mirror = self._client.mirror
+                nodes = frozenset((name, rec.endpoint) for name, rec in mirror.nodes.items())
+                removed, overflow = self._take_removed()
+                if self._pending or overflow or nodes != self._seen_nodes or since_full >= self.full_scan_s \
+                        or mirror.resyncs != self._seen_resyncs:
+                    self._seen_nodes, self._seen_resyncs, since_full = nodes, mirror.resyncs, 0.0
                     self._pending = self.scan() > 0
+                elif removed:
+                    self._pending = self.scan(removed) > 0
             except Exception as exc:  # noqa: BLE001 - a failed round is retried next interval
                 if self._failure_said():  # retried every interval: said at most every 30 s
                     log.warning("replica repair on %s failed (retrying): %s", self.node, exc)
@@ -67,16 +168,28 @@ class Repairer:
     def _live(self) -> dict[str, object]:
         return {name: rec for name, rec in self._client.mirror.nodes.items() if not rec.draining}
 
-    def scan(self) -> int:
-        """One pass: count and repair what this node is responsible for; returns blocks still short."""
+    def _held(self, blocks: set[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        """Those of `blocks` this node holds (sealed), sorted."""
+        by_fp: dict[str, list[bytes]] = {}
+        for fingerprint, block_hash in blocks:
+            by_fp.setdefault(fingerprint, []).append(block_hash)
+        return sorted((fp, h) for fp, hashes in by_fp.items()
+                      for h, record in zip(hashes, self.store.records(fp, hashes)) if record is not None)
+
+    def scan(self, only: set[tuple[str, bytes]] | None = None) -> int:
+        """One pass: count and repair what this node is responsible for (of `only`, the blocks one
+        of whose replicas left the index, when given); returns blocks still short."""
         mirror, live = self._client.mirror, self._live()
+        keys = [key for key, _slot in self.store.keys()] if only is None else self._held(only)
         groups: dict[tuple[str, tuple[str, ...]], list[bytes]] = {}
-        for (fingerprint, block_hash), _slot in self.store.keys():
+        for fingerprint, block_hash in keys:
             holders = {n for n in mirror.lookup(fingerprint, block_hash) if n in live} | {self.node}
             if len(holders) >= self.replicas or min(holders) != self.node:
                 continue
             groups.setdefault((fingerprint, tuple(sorted(holders))), []).append(block_hash)
         short = sum(len(hashes) for hashes in groups.values())
+        if only is not None and not short:
+            return 0  # a look at a few blocks: the count stays the last full scan's
         self.counters["under_replicated_blocks"] = short
         if short > self._said_short:  # more than last time: a holder left (a shrinking count is the repair's)
             log.warning("%d blocks held here have fewer than %d live replicas (a holder left): repairing",

@@ -35,7 +35,7 @@ from .local import LocalControl
 from .metrics import DaemonMetrics
 from .oplog import EvictionLog, NeighbourWatch, Throttle
 from .publisher import Publisher
-from .repair import Repairer
+from .repair import HAND_OFF_S, Repairer
 from .service import MAX_INLINE_BYTES, StoreControlService
 from .session import NodeSession
 from ..tiers.disk import DiskTierFile
@@ -382,19 +382,25 @@ class Daemon:
 
     # --- stop --------------------------------------------------------------------------------
     def stop(self, grace: float = 2.0) -> None:
-        """Graceful: stop taking RPCs, revoke the lease (every record goes at once), close."""
+        """Graceful: stop taking RPCs, hand off what would be left short of the cluster's replicas
+        without this node, revoke the lease (every record goes at once), close."""
         if self._stopped.is_set():
             return
         self._stopped.set()
-        if self.repairer is not None:
-            self.repairer.stop()
         if self.local is not None:
             self.local.close()
         if self.server is not None:
             self.health.enter_graceful_shutdown()
             self.server.stop(grace).wait(grace + 1)
         if self.verifier is not None:
+            if self.repairer is not None:
+                try:
+                    self.verifier.seal()  # blocks written but not verified yet are handed off too
+                except Exception:  # noqa: BLE001 - those are dropped, as the verifier drops a failed batch
+                    log.exception("verifying written blocks before stopping failed")
             self.verifier.stop()
+        if self.repairer is not None:  # no puts land now: its replicas go to other nodes before its lease
+            self.repairer.stop(hand_off=HAND_OFF_S)
         if self.publisher is not None:
             self.publisher.stop()  # the lease revocation below removes whatever it published
         if self.session is not None:

@@ -149,6 +149,7 @@ class IndexMirror:
         self._stopping: asyncio.Event | None = None
         self.resyncs = 0
         self.malformed = 0
+        self._removal_listeners: list[Callable[[str, bytes, str], None]] = []
 
     # --- lifetime -----------------------------------------------------------------------------
     def start(self, wait: float | None = None) -> "IndexMirror":
@@ -161,6 +162,13 @@ class IndexMirror:
             raise MetadataUnavailable(f"index mirror could not load a snapshot from {self.url}")
         self._synced.wait(max(0.0, deadline - time.monotonic()))
         return self
+
+    def on_replica_removed(self, listener: Callable[[str, bytes, str], None]) -> None:
+        """Call `listener(fingerprint, block_hash, node)` for every replica record a watch event
+        removes (an eviction, a removal, the end of a node's lease). It runs on the watch's thread
+        with the mirror's tables locked: it may only take note. A snapshot reload calls nothing
+        (`resyncs` counts those)."""
+        self._removal_listeners.append(listener)
 
     def wait_loaded(self, timeout: float) -> bool:
         """Block until a complete snapshot is in place (tests, benchmarks, callers that must not guess)."""
@@ -588,6 +596,12 @@ class IndexMirror:
         self._applied = max(self._applied, event.revision)
         if replica is not None and self._questions and self._asked(replica):
             self._event_revisions[replica] = event.revision
+        if replica is not None and event.kind == "delete":
+            for listener in self._removal_listeners:
+                try:
+                    listener(*replica)
+                except Exception:  # noqa: BLE001 - a listener's bug must not stop the watch
+                    log.exception("a replica-removal listener failed")
 
     async def _ping(self, metadata: Metadata) -> None:
         """Prove the service is still there while the watch is quiet."""
