@@ -44,6 +44,11 @@ def add_serve(commands) -> None:
     serve.add_argument("--insecure", action="store_true",
                        help="no cluster secret: anyone who reaches this node may read and write its memory (and, "
                             "without --admin-token-file, drain or evict it)")
+    serve.add_argument("--tenants", metavar="PATH",
+                       help="tenants file (0600): one 'NAME SECRET' per line, each secret 16+ bytes of its own; a "
+                            "client given tenant=NAME and that secret may write, reserve and look up only "
+                            "fingerprints of tenant NAME (digests 'NAME:...'); the cluster secret stays the "
+                            "operator's, trusted with everything")
     serve.add_argument("--replicas", type=positive_int, default=1, metavar="N", help="default replicas for clients of this cluster")
     serve.add_argument("--eviction", default="lru", choices=["lru", "lfu"], help="eviction policy")
     serve.add_argument("--high-watermark", type=fraction, default=0.95, metavar="FRACTION",
@@ -175,16 +180,15 @@ def _with_config(argv: list[str], parser: argparse.ArgumentParser, serve: argpar
 # --- secrets and tokens ---------------------------------------------------------------------------
 
 def ensure_private_file(path: str, what: str, how: str) -> tuple[str, bool]:
-    """(content, created): the file's first line, or a fresh random value written to a new 0600
-    file (its folder made 0700) when there is none. ValueError when it exists but is empty."""
+    """(content, created): the file's content, or a fresh random value written to a new 0600
+    file (its folder made 0700) when there is none. InsecureFile (a ValueError, in one line saying
+    how to fix it) when it exists but group or others may read it, or it holds under 16 bytes."""
+    from .access import read_private_file
+
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        with open(path) as f:
-            value = f.read().strip()
-        if not value:
-            raise ValueError(f"{what} file {path} is empty") from None
-        return value, False
+        return read_private_file(path, what), False
     except FileNotFoundError:
         os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
         return ensure_private_file(path, what, how)
@@ -251,10 +255,15 @@ def run_serve(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         fail(prog, "--tls-cert and --tls-key go together")
     configure_logging(args.log_level, args.node)
+    from .access import load_tenants
+    from .errors import InsecureFile
+
     secret = None
     if not args.insecure:
         try:
             secret, _ = ensure_secret(args.secret_file, args.cluster)
+        except InsecureFile as exc:
+            fail(prog, f"--secret-file: {exc}")
         except (OSError, ValueError) as exc:
             fail(prog, f"--secret-file: no cluster secret: {getattr(exc, 'strerror', None) or exc}"
                        f"{f' ({exc.filename})' if getattr(exc, 'filename', None) else ''} (or pass --insecure)")
@@ -263,12 +272,21 @@ def run_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         fail(prog, f"--admin-token-file: {getattr(exc, 'strerror', None) or exc}"
                    f"{f' ({exc.filename})' if getattr(exc, 'filename', None) else ''}")
+    tenants = None
+    if args.tenants:
+        if args.insecure:
+            fail(prog, "--tenants needs a cluster secret: drop --insecure (on an open node anyone is anyone)")
+        try:
+            tenants = load_tenants(args.tenants)
+        except (OSError, ValueError) as exc:
+            fail(prog, f"--tenants: {getattr(exc, 'strerror', None) or exc}"
+                       f"{f' ({exc.filename})' if getattr(exc, 'filename', None) else ''}")
     config = DaemonConfig(node=args.node, metadata=args.metadata, cluster=args.cluster, listen=args.listen,
                           engine_listen=args.engine_listen, wire_port=None if args.wire_port < 0 else args.wire_port,
                           dram_bytes=parse_size(args.dram), disk_dir=args.disk_dir,
                           disk_bytes=parse_size(args.disk_size) if args.disk_dir else 0, keep_disk=args.keep_disk,
                           secret=secret,
-                          insecure=args.insecure,
+                          insecure=args.insecure, tenants=tenants,
                           replicas=args.replicas, eviction=args.eviction, high_watermark=args.high_watermark,
                           low_watermark=args.low_watermark, metrics_port=args.metrics_port,
                           metrics_listen=args.metrics_listen, lease_ttl=args.lease_ttl,

@@ -131,5 +131,13 @@ class InvalidConfig(KVStoreError, ValueError):
     """A setting that cannot work (a tier path that is not a directory, a size the disk cannot hold)."""
 
 
+class InsecureFile(InvalidConfig):
+    """A secret file (cluster secret, admin token, tenants) others may read, or too short to be a secret."""
+
+
+class AccessDenied(KVStoreError, PermissionError):
+    """A tenant asked for a fingerprint that is not its own (gRPC PERMISSION_DENIED, wire code 'denied')."""
+
+
 __all__ += ["AllocationFailed", "InvalidRequest", "WrongSize", "NoStoreNodes", "PutFailed", "NodeRefused",
-            "ConnectionReplaced", "StoreClosed", "InvalidConfig"]
+            "ConnectionReplaced", "StoreClosed", "InvalidConfig", "InsecureFile", "AccessDenied"]

@@ -12,12 +12,19 @@ from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from typing import Iterable, Sequence
 
+import re
+
 import numpy as np
 import xxhash
+
+from transfer.auth import TENANT_NAME, TENANT_RULE
 
 from .errors import FingerprintMismatch, InvalidFingerprint, InvalidTokens
 
 HASH_BYTES = 16
+TENANT_SEPARATOR = ":"  # a tenant's fingerprint digest is `tenant:hash` (never in a tenant name)
+# A fingerprint's digest: 32 hex chars, behind its tenant's name and ':' when it has one (fullmatch).
+FINGERPRINT_DIGEST = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,63}:)?[0-9a-f]{32}")
 BlockHash = bytes  # 16 bytes
 DEFAULT_LAYOUT = "default"  # K and V pages per layer: the fingerprint's fields give a block's size
 BYTES_LAYOUT = "bytes"  # free-form blocks of any size (the fingerprint only names them)
@@ -67,6 +74,9 @@ class ModelFingerprint:
             raise InvalidFingerprint("layer_start must not be negative")
         if not self.model_id or not self.dtype:
             raise InvalidFingerprint("model_id and dtype are required")
+        if self.tenant and not TENANT_NAME.fullmatch(self.tenant):
+            raise InvalidFingerprint(f"tenant must be {TENANT_RULE} (it names the fingerprint's owner in its "
+                                     f"digest), not {self.tenant[:80]!r}: use cache_salt to keep caches apart")
 
     # Computed once per instance (frozen fields never change); cached_property bypasses __setattr__.
     @cached_property
@@ -83,8 +93,11 @@ class ModelFingerprint:
 
     @cached_property
     def digest(self) -> str:
-        """32 hex chars naming this fingerprint in metadata keys."""
-        return xxhash.xxh3_128_hexdigest(self._canonical)
+        """The name of this fingerprint in metadata keys: 32 hex chars, behind `tenant:` when the
+        fingerprint has a tenant (a daemon given tenants lets only that tenant write, reserve,
+        commit or look up under it: `fingerprint_tenant`)."""
+        digest = xxhash.xxh3_128_hexdigest(self._canonical)
+        return f"{self.tenant}{TENANT_SEPARATOR}{digest}" if self.tenant else digest
 
     @cached_property
     def _root(self) -> BlockHash:
@@ -114,6 +127,13 @@ class ModelFingerprint:
 
 
 _OPTIONAL_FIELDS = {"pp_rank": 0, "pp_world_size": 1, "layer_start": 0}
+
+
+def fingerprint_tenant(name: str) -> str:
+    """The tenant whose namespace the fingerprint name (a digest, or a free-form name) is in: the
+    part before the first ':', "" when it has none (the cluster's own namespace)."""
+    tenant, sep, _ = name.partition(TENANT_SEPARATOR)
+    return tenant if sep else ""
 
 
 def token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:

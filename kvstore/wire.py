@@ -1,7 +1,15 @@
 """The framed control wire: length-prefixed JSON frames, each with an HMAC under the session key
 over its sequence number (so frames cannot be injected, replayed or reordered), and raw block bytes
 after a frame. Spoken by a store daemon's unix socket and its TCP twin (`kvstore.daemon.local`)
-and their clients."""
+and their clients.
+
+Over TCP the raw bytes after a frame (attachments) are authenticated too: a 32-byte tag follows
+them, keyed BLAKE3 under a key derived from the sender's session key, over the sequence number of
+the frame they follow and their bytes. A relay that passes the handshake and the frames untouched
+and changes the bytes is refused at the tag, before anything is sealed. Keyed BLAKE3 is a PRF (a
+MAC) at 3-6 GB/s a core here, against 1.3 for HMAC-SHA256: 18 us per 64 KiB, 90 us per 256 KiB a
+side. The unix socket's attachments carry no tag: nothing sits between its ends, and every process
+that may connect to it (the daemon's uid, root) can write the daemon's arena directly anyway."""
 from __future__ import annotations
 
 import hmac
@@ -11,6 +19,7 @@ import struct
 import time
 from typing import Any, Sequence
 
+import blake3
 from transfer._native import wait_readable
 
 from transfer.auth import client_handshake
@@ -23,6 +32,7 @@ MAX_FRAME = 4 << 20  # a put of 4096 blocks still fits its header
 REPLY_SPIN_S = 200e-6
 NEXT_REQUEST_SPIN_S = 100e-6
 _MAC = 32
+ATTACHMENT_TAG = 32  # after the attachments of a frame, on a sealed (TCP) wire
 TCP_SCHEME = "tcp://"
 
 
@@ -30,15 +40,29 @@ class MalformedFrame(ValueError):
     """An authentic frame whose payload is not a JSON object: the stream is still in step."""
 
 
+class AttachmentsAltered(PermissionError):
+    """The bytes after a frame failed their tag: changed (or cut, or added to) on the way."""
+
+
+def _attachment_key(session_key: bytes) -> bytes:
+    return hmac.digest(session_key, b"kvstore wire attachments v1", "sha256")
+
+
 class Frames:
     """Length-prefixed JSON frames with an HMAC over (sequence, payload) in each direction, and raw
-    attachments after a frame. The socket keeps one timeout for every single send and receive;
-    a whole receive also ends at its deadline (TimeoutError)."""
+    attachments after a frame (`sealed`: followed by their tag, see the module docstring; the
+    receiver takes them with recv_into/discard, then `attachments_end`). The socket keeps one
+    timeout for every single send and receive; a whole receive also ends at its deadline
+    (TimeoutError)."""
 
     BUFFER = 64 << 10
 
-    def __init__(self, sock: socket.socket, tx: bytes, rx: bytes, timeout: float) -> None:
+    def __init__(self, sock: socket.socket, tx: bytes, rx: bytes, timeout: float, sealed: bool = False) -> None:
         self.sock, self._tx, self._rx, self.timeout = sock, tx, rx, timeout
+        self.sealed = sealed
+        self._attach_tx = _attachment_key(tx) if sealed else b""
+        self._attach_rx = _attachment_key(rx) if sealed else b""
+        self._incoming: blake3.blake3 | None = None  # the tag of the attachments being received
         self._sent = self._received = 0
         self._buf = bytearray(self.BUFFER)
         self._view = memoryview(self._buf)
@@ -49,7 +73,12 @@ class Frames:
     def _tag(key: bytes, seq: int, payload) -> bytes:
         return hmac.digest(key, struct.pack("<Q", seq) + bytes(payload), "sha256")
 
+    def _attachments(self, key: bytes, seq: int) -> blake3.blake3:
+        return blake3.blake3(struct.pack("<Q", seq), key=key)
+
     def send(self, message: dict[str, Any], attachments: Sequence = ()) -> None:
+        """One frame, and (when `attachments` is not empty) their bytes after it, and their tag
+        when sealed."""
         payload = json.dumps(message, separators=(",", ":")).encode()
         head = struct.pack("<I", len(payload)) + payload + self._tag(self._tx, self._sent, payload)
         self._sent += 1
@@ -59,6 +88,11 @@ class Frames:
         # One gather write for the frame and its blocks (the peer wakes once), finishing what the
         # socket buffer did not take.
         parts = [memoryview(head)] + [memoryview(a).cast("B") for a in attachments]
+        if self.sealed:
+            tag = self._attachments(self._attach_tx, self._sent - 1)
+            for part in parts[1:]:
+                tag.update(part)
+            parts.append(memoryview(tag.digest()))
         while parts:
             sent = self.sock.sendmsg(parts[:512])
             while parts and sent >= parts[0].nbytes:
@@ -112,7 +146,27 @@ class Frames:
                 self.sock.settimeout(self.timeout)
 
     def recv_into(self, view: memoryview, deadline: float | None) -> None:
-        """Exactly view.nbytes bytes (an attachment) into `view`."""
+        """Exactly view.nbytes bytes (an attachment) into `view` (sealed: counted into the tag that
+        `attachments_end` checks)."""
+        self._read_into(view, deadline)
+        if self.sealed:
+            if self._incoming is None:
+                self._incoming = self._attachments(self._attach_rx, self._received - 1)
+            self._incoming.update(view)
+
+    def attachments_end(self, deadline: float | None) -> None:
+        """After the attachments of the last frame received (at least one was announced): on a
+        sealed wire, read their tag and raise AttachmentsAltered unless it is theirs."""
+        if not self.sealed:
+            return
+        expected = (self._incoming or self._attachments(self._attach_rx, self._received - 1)).digest()
+        self._incoming = None
+        tag = bytearray(ATTACHMENT_TAG)
+        self._read_into(memoryview(tag), deadline)
+        if not hmac.compare_digest(bytes(tag), expected):
+            raise AttachmentsAltered("the bytes after a frame failed authentication (altered in flight)")
+
+    def _read_into(self, view: memoryview, deadline: float | None) -> None:
         n = view.nbytes
         take = min(n, self._tail - self._head)
         if take:
@@ -155,12 +209,13 @@ class Frames:
         else:
             self._head += 4
             whole = bytearray(length + _MAC)
-            self.recv_into(memoryview(whole), deadline)
+            self._read_into(memoryview(whole), deadline)
             body = bytes(whole)
         payload, tag = body[:length], body[length:]
         if not hmac.compare_digest(tag, self._tag(self._rx, self._received, payload)):
             raise PermissionError("frame failed authentication (injected or replayed)")
         self._received += 1
+        self._incoming = None
         try:
             message = json.loads(payload)
         except (ValueError, RecursionError) as exc:
@@ -170,10 +225,12 @@ class Frames:
         return message
 
 
-def connect(name: str, secret: bytes, client: str, timeout: float, connect_timeout: float | None = None) -> Frames:
+def connect(name: str, secret: bytes, client: str, timeout: float, connect_timeout: float | None = None,
+            tenant: str = "") -> Frames:
     """A client's authenticated connection to a daemon's control wire: its same-host socket, or
-    `tcp://host:port` (the same wire over TCP). Connecting and the handshake take at most
-    `connect_timeout` (default `timeout`); every later send and receive, `timeout`."""
+    `tcp://host:port` (the same wire over TCP, attachments sealed). Connecting and the handshake
+    take at most `connect_timeout` (default `timeout`); every later send and receive, `timeout`.
+    `tenant`: authenticate as that tenant, `secret` being its own."""
     tcp = name.startswith(TCP_SCHEME)
     if tcp:
         host, port = tcp_endpoint(name)
@@ -191,8 +248,8 @@ def connect(name: str, secret: bytes, client: str, timeout: float, connect_timeo
             sock.connect((host, port))
         else:
             sock.connect("\0" + name)
-        session = client_handshake(sock, secret, "ctl", client, wire="plain", timeout=within)
-        return Frames(sock, session.tx, session.rx, timeout)  # sets the socket's timeout for what follows
+        session = client_handshake(sock, secret, "ctl", client, wire="plain", timeout=within, tenant=tenant)
+        return Frames(sock, session.tx, session.rx, timeout, sealed=tcp)  # sets the socket's timeout for what follows
     except BaseException:
         sock.close()
         raise

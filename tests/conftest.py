@@ -159,6 +159,7 @@ def spawn_daemon(tmp_path) -> Iterator:
         if secret:
             secret_file = tmp_path / f"secret-{name}"
             secret_file.write_text(secret)
+            secret_file.chmod(0o600)  # a daemon refuses a secret file others may read
             cmd += ["--secret-file", str(secret_file)]
             if not any(arg in ("--admin-token-file", "--token-file") for arg in extra or []):
                 cmd += ["--admin-token-file", str(tmp_path / f"admin-token-{cluster}")]  # not in ~/.kvstore

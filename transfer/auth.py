@@ -6,6 +6,13 @@ session keys from the secret and the transcript, so a party that relays a handsh
 it can use: every later frame (control frames here, data frames in the native engine when the wire
 mode is "aead") is authenticated with keys only the two ends hold. One deadline covers the whole
 handshake, however slowly the other side trickles its bytes.
+
+Tenants: a client hello may name a tenant; the server then checks the client's proof, and derives
+the session keys, with that tenant's own secret (from the tenants it was given) instead of the
+cluster secret, and the session carries the tenant. Tenant secrets are independent of the cluster
+secret and of each other: a tenant proves nothing but itself. An unknown tenant fails like a wrong
+secret. A tenant's engine identity is scoped by its name (`scoped_peer`), so the write grants a
+server gives one tenant's engine can never be claimed by another tenant's.
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from .errors import AuthenticationFailed, ProtocolError, TransferTimeout
 
@@ -28,6 +35,14 @@ MAX_HELLO = 4096  # before authentication a peer gets this much of our memory, n
 WIRE_MODES = ("aead", "plain")  # per-frame AES-GCM on TCP data streams, or plaintext (trusted network)
 _MAC_BYTES = 32
 PEER_ID = re.compile(r"[0-9a-f]{32}")  # an engine's peer identity: 128 random bits, hex
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch; no ':' (kvstore.keys uses it)
+TENANT_RULE = "1-64 chars of [A-Za-z0-9_.-], starting with a letter or digit"
+
+
+def scoped_peer(tenant: str, peer: str) -> str:
+    """The identity write grants name for engine `peer` authenticated as `tenant` ("" for the
+    cluster): a tenant's engines can only ever hold grants made for that tenant."""
+    return f"{tenant}/{peer}" if tenant and peer else peer
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
@@ -86,6 +101,7 @@ class Session:
     wire: str
     tx: bytes
     rx: bytes
+    tenant: str = ""  # the tenant the client authenticated as ("" : the cluster secret)
 
     @property
     def peer(self) -> str:
@@ -93,6 +109,11 @@ class Session:
         with the rest of the hello by the client's MAC over the transcript."""
         value = self.hello.get("peer")
         return value if isinstance(value, str) and PEER_ID.fullmatch(value) else ""
+
+    @property
+    def identity(self) -> str:
+        """The peer identity, scoped by the tenant it authenticated as (what write grants name)."""
+        return scoped_peer(self.tenant, self.peer)
 
     @property
     def native_keys(self) -> tuple[bytes, bytes]:
@@ -133,13 +154,16 @@ def _hex(value: Any, what: str) -> bytes:
 
 
 def client_handshake(sock: socket.socket, secret: bytes, role: str, name: str, *, wire: str = "aead",
-                     timeout: float = 5.0, peer: str = "") -> Session:
+                     timeout: float = 5.0, peer: str = "", tenant: str = "") -> Session:
     """Authenticate to a server as `role` ("ctl" | "data"); returns the session. `peer`: the
-    engine's peer identity (what the server's write grants name), authenticated with the rest."""
+    engine's peer identity (what the server's write grants name), authenticated with the rest.
+    `tenant`: authenticate as this tenant, `secret` being the tenant's own (not the cluster's)."""
     deadline = time.monotonic() + timeout
     hello = {"hello": PROTOCOL_VERSION, "role": role, "name": name, "nonce": os.urandom(32).hex(), "wire": wire}
     if peer:
         hello["peer"] = peer
+    if tenant:
+        hello["tenant"] = tenant
     ours = _encode(hello)
     sock.settimeout(timeout)
     sock.sendall(struct.pack("<I", len(ours)) + ours)
@@ -157,18 +181,25 @@ def client_handshake(sock: socket.socket, secret: bytes, role: str, name: str, *
     if not hmac.compare_digest(_mac(secret, b"server", transcript).hex(), str(verdict.get("mac", ""))):
         raise AuthenticationFailed("peer could not prove it knows the cluster secret")
     c2s, s2c = _keys(secret, transcript)
-    return Session(hello, agreed, c2s, s2c)
+    return Session(hello, agreed, c2s, s2c, tenant)
 
 
 def server_handshake(sock: socket.socket, secret: bytes, name: str, *, wire: str = "aead",
-                     timeout: float = 5.0) -> Session:
-    """Challenge a connecting client within `timeout` in all; returns its session or raises."""
+                     timeout: float = 5.0, tenants: Mapping[str, bytes] | None = None) -> Session:
+    """Challenge a connecting client within `timeout` in all; returns its session or raises. A
+    client whose hello names a tenant proves itself with that tenant's secret from `tenants`."""
     deadline = time.monotonic() + timeout
     raw = recv_raw(sock, MAX_HELLO, deadline)
     hello = _decode(raw)
     if hello.get("hello") != PROTOCOL_VERSION or hello.get("role") not in ("ctl", "data"):
         raise ProtocolError(f"bad hello {raw[:200]!r}")
     _hex(hello.get("nonce"), "client nonce")
+    tenant = hello.get("tenant", "")
+    if tenant:
+        if not isinstance(tenant, str) or not TENANT_NAME.fullmatch(tenant):
+            raise ProtocolError(f"tenant must be {TENANT_RULE}")
+        # An unknown tenant meets a key no one holds: it fails exactly as a wrong secret does.
+        secret = (tenants or {}).get(tenant) or os.urandom(32)
     agreed = _agree(wire, hello.get("wire"))
     ours = _encode({"hello": PROTOCOL_VERSION, "name": name, "nonce": os.urandom(32).hex(), "wire": wire})
     sock.sendall(struct.pack("<I", len(ours)) + ours)
@@ -176,11 +207,14 @@ def server_handshake(sock: socket.socket, secret: bytes, name: str, *, wire: str
     answer = recv_frame(sock, MAX_HELLO, deadline)
     # The client proves itself first, over both nonces: our proof is never an oracle for strangers.
     if not hmac.compare_digest(_mac(secret, b"client", transcript).hex(), str(answer.get("mac", ""))):
-        send_frame(sock, {"ok": False, "error": "authentication failed: wrong or missing cluster secret"})
-        raise AuthenticationFailed(f"client {str(hello.get('name'))[:64]!r} failed the challenge")
+        send_frame(sock, {"ok": False, "error": f"authentication failed: wrong secret for tenant {tenant!r}, or no "
+                                               "such tenant here" if tenant else
+                          "authentication failed: wrong or missing cluster secret"})
+        raise AuthenticationFailed(f"client {str(hello.get('name'))[:64]!r}"
+                                   f"{f' of tenant {tenant!r}' if tenant else ''} failed the challenge")
     send_frame(sock, {"ok": True, "mac": _mac(secret, b"server", transcript).hex()})
     c2s, s2c = _keys(secret, transcript)
-    return Session(hello, agreed, s2c, c2s)
+    return Session(hello, agreed, s2c, c2s, tenant)
 
 
 class Channel:

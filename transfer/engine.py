@@ -7,10 +7,10 @@ import secrets
 import threading
 import uuid
 from array import array
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from . import _native
-from .auth import WIRE_MODES
+from .auth import TENANT_NAME, TENANT_RULE, WIRE_MODES
 from .batch import Batch
 from .descriptor import EngineDescriptor, host_id
 from .errors import (
@@ -76,16 +76,31 @@ class Engine:
     handshake (proven with the rest of it by the cluster secret), never published. An owner lets
     a peer write parts of a region registered with remote_writes="granted" by granting them to
     that peer's id (`grant`/`revoke`); the peer tells the owner its id over the owner's own
-    control plane (a store client names it in its reserve and commit requests)."""
+    control plane (a store client names it in its reserve and commit requests).
+
+    `tenant`: this engine authenticates to the engines it connects to as that tenant, `secret`
+    being the tenant's own secret (a store daemon given its tenants checks it, and scopes the
+    grants it makes to that tenant). `tenants` (name -> secret): the tenants a listening engine
+    accepts besides holders of its cluster `secret`; their peer identity, and so their grants,
+    are scoped by tenant (transfer.auth.scoped_peer)."""
 
     def __init__(self, name: str | None = None, *, listen: str | None = "127.0.0.1:0",
                  secret: str | bytes | None = None, insecure: bool = False, wire: str | None = None,
                  stall_timeout: float = 10.0, streams: int = DEFAULT_STREAMS, stripe_bytes: int = DEFAULT_STRIPE,
                  local_workers: int = DEFAULT_LOCAL_WORKERS, handshake_timeout: float = 5.0, ucx: str | None = "auto",
-                 bounce_limit: int = DEFAULT_BOUNCE_LIMIT) -> None:
+                 bounce_limit: int = DEFAULT_BOUNCE_LIMIT, tenant: str = "",
+                 tenants: Mapping[str, str | bytes] | None = None) -> None:
         self.name = name or f"engine-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.peer_id = secrets.token_hex(16)
         self.secret = secret.encode() if isinstance(secret, str) else (secret or b"")
+        if tenant and (not isinstance(tenant, str) or not TENANT_NAME.fullmatch(tenant)):
+            raise ValueError(f"tenant must be {TENANT_RULE}, not {str(tenant)[:80]!r}")
+        if tenant and not self.secret:
+            raise MissingSecret(f"engine {self.name} is tenant {tenant!r} but has no secret: pass that tenant's secret")
+        self.tenant = tenant
+        accepted = {str(k): v.encode() if isinstance(v, str) else bytes(v) for k, v in (tenants or {}).items()}
+        if tenant:
+            accepted[tenant] = self.secret  # engines of its own tenant reach it by naming it
         if not self.secret and listen is not None and not insecure:
             raise MissingSecret(f"engine {self.name} listens on {listen} but has no cluster secret: pass "
                                 "secret=... (or insecure=True to let anyone who reaches it use its regions)")
@@ -109,7 +124,8 @@ class Engine:
             host, port = _split_endpoint(listen)
             self._unix_name = f"kvstore-{uuid.uuid4().hex}"
             self._listener = Listener(host, port, self._unix_name, self.secret, self.name,
-                                      self._native.serve, self._export_table, handshake_timeout, wire=self.wire)
+                                      self._native.serve, self._export_table, handshake_timeout, wire=self.wire,
+                                      tenants=accepted or None)
 
     # --- regions -------------------------------------------------------------------------
     def register(self, obj: Any, *, remote_access: bool = True, remote_writes: str = "any") -> Region:

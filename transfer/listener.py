@@ -1,5 +1,6 @@
 """Accepts peer connections: authenticates them, then hands data connections to the native
-server (with the peer identity their handshake named, whose write grants apply) and answers
+server (with the peer identity their handshake named, scoped by the tenant it authenticated as,
+whose write grants apply) and answers
 control requests (region table, shared-memory descriptors) itself.
 
 Work done before a peer authenticates is bounded (HandshakeBudget): the TCP socket and the
@@ -23,7 +24,7 @@ import threading
 import time
 from collections import OrderedDict
 from itertools import count
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .auth import Channel, server_handshake
 
@@ -139,8 +140,9 @@ class Listener:
                  export_table: Callable[[], tuple[list[dict[str, Any]], list[int]]],
                  handshake_timeout: float, wire: str = "aead", max_handshakes: int = MAX_HANDSHAKES,
                  max_per_source: int = MAX_HANDSHAKES_PER_SOURCE, max_unix_handshakes: int = MAX_UNIX_HANDSHAKES,
-                 stale_after: float | None = None) -> None:
+                 stale_after: float | None = None, tenants: Mapping[str, bytes] | None = None) -> None:
         self._secret, self._name, self._wire = secret, name, wire
+        self._tenants = tenants  # tenant -> its own secret: clients that name one prove it with that
         self._serve_data, self._export_table = serve_data, export_table
         self._handshake_timeout = handshake_timeout
         stale = min(STALE_HANDSHAKE_S, handshake_timeout / 2) if stale_after is None else stale_after
@@ -223,7 +225,7 @@ class Listener:
     def _handle(self, conn: socket.socket, is_unix: bool, source: str, budget: HandshakeBudget, ticket: int) -> None:
         try:
             session = server_handshake(conn, self._secret, self._name, wire=self._wire,
-                                       timeout=self._handshake_timeout)
+                                       timeout=self._handshake_timeout, tenants=self._tenants)
         except Exception as exc:  # whatever a stranger sends, only this connection ends
             log.info("refused connection from %s: %s: %s", source, type(exc).__name__, exc)
             with self._lock:
@@ -238,7 +240,7 @@ class Listener:
                 return
             conn.settimeout(None)
             tx, rx = session.native_keys
-            self._serve_data(conn.detach(), tx, rx, session.peer)
+            self._serve_data(conn.detach(), tx, rx, session.identity)  # a tenant's grants are its own
             return
         with self._lock:
             if self._closed.is_set():

@@ -22,13 +22,14 @@ TRANSPORTS = ("auto", "shm", "tcp", "ucx")
 
 
 class PeerHost(Protocol):
-    """What a peer needs of the engine that connects it: who it is (name, secret, wire mode), the
+    """What a peer needs of the engine that connects it: who it is (name, secret, tenant, wire mode), the
     native data plane and UCX node it adds routes to, and how the peer's shared memory, mapped
     here, is registered as a local region and dropped again. The engine passes itself."""
 
     name: str
     peer_id: str
     secret: bytes
+    tenant: str
     wire: str
     _native: Any
     _ucx: Any
@@ -79,7 +80,7 @@ def _handshake(sock: socket.socket, engine: PeerHost, role: str, peer: str, time
     """client_handshake with socket failures as typed errors."""
     try:
         return client_handshake(sock, engine.secret, role, engine.name, wire=engine.wire, timeout=timeout,
-                                peer=engine.peer_id)
+                                peer=engine.peer_id, tenant=engine.tenant)
     except TransferError:
         raise  # AuthenticationFailed and ProtocolError say it better already
     except TimeoutError as exc:

@@ -56,8 +56,11 @@ class Unreachable(Fail):
 
 
 def fingerprint_arg(text: str) -> str:
-    if len(text) != 32 or any(c not in "0123456789abcdef" for c in text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a model fingerprint digest (32 lowercase hex digits)")
+    from ..keys import FINGERPRINT_DIGEST
+
+    if not FINGERPRINT_DIGEST.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a model fingerprint digest (32 lowercase hex digits, "
+                                         "behind 'TENANT:' for a tenant's)")
     return text
 
 
@@ -108,7 +111,7 @@ def add_parser(commands) -> None:
     node.add_argument("name", help="node name")
     blocks = command("blocks", "list blocks of a model fingerprint")
     blocks.add_argument("--fingerprint", required=True, type=fingerprint_arg, metavar="DIGEST",
-                        help="model fingerprint digest (32 hex digits)")
+                        help="model fingerprint digest (32 hex digits; TENANT:32 hex digits for a tenant's)")
     blocks.add_argument("--node", help="only this node")
     blocks.add_argument("--page-size", type=number(int, 1, 10_000), default=100, metavar="N",
                         help="blocks per node and page (at most 10000)")
@@ -154,19 +157,25 @@ def _reason(exc: grpc.RpcError, timeout: float) -> str:
 
 
 def _read_token(args: argparse.Namespace) -> str | None:
+    """The admin token: --admin-token-file, else KVSTORE_ADMIN_TOKEN, else the one `kvstore serve`
+    generated for this cluster on this host. A token file others may read is refused (Fail 2)."""
+    from ..access import admin_token_path, read_private_file
+    from ..errors import InsecureFile
+
     if args.admin_token_file:
         try:
-            with open(args.admin_token_file) as f:
-                return f.read().strip()
+            return read_private_file(args.admin_token_file, "the admin token")
+        except InsecureFile as exc:
+            raise Fail(f"--admin-token-file: {exc}", USAGE) from None
         except OSError as exc:
             raise Fail(f"--admin-token-file: cannot read {args.admin_token_file}: {exc.strerror or exc}", USAGE)
     if os.environ.get("KVSTORE_ADMIN_TOKEN"):
         return os.environ["KVSTORE_ADMIN_TOKEN"]
-    from ..access import admin_token_path
-
+    path = admin_token_path(args.cluster)
     try:  # the token `kvstore serve` generated for this cluster on this host, if any
-        with open(admin_token_path(args.cluster)) as f:
-            return f.read().strip() or None
+        return read_private_file(path, "the admin token") or None
+    except InsecureFile as exc:
+        raise Fail(str(exc), USAGE) from None
     except OSError:
         return None
 

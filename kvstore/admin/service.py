@@ -8,6 +8,7 @@ import grpc
 
 from ..errors import KVStoreError
 from ..index.records import NodeRecord
+from ..keys import FINGERPRINT_DIGEST
 from .v1 import admin_pb2, admin_pb2_grpc
 
 
@@ -28,13 +29,14 @@ class NodeOperations(Protocol):
 
     def set_draining(self, draining: bool) -> None: ...
 
-_FINGERPRINT = re.compile(r"^[0-9a-f]{32}$")
+_FINGERPRINT = FINGERPRINT_DIGEST  # 32 hex chars, behind 'tenant:' for a tenant's fingerprint
 _HEX = re.compile(r"^[0-9a-f]{0,32}$")
 
 
 def _check_fingerprint(value: str, context) -> str:
-    if not _FINGERPRINT.match(value):
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fingerprint: must be the 32 hex chars of a model fingerprint")
+    if not _FINGERPRINT.fullmatch(value):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fingerprint: must be the 32 hex chars of a model fingerprint "
+                                                        "(behind 'TENANT:' for a tenant's)")
     return value
 
 

@@ -5,6 +5,6 @@
 whether they are right (`reads`), batched hit reports (`reports`), a node's gRPC channel that
 closes only when idle (`channel_guard`) and the same-host node over the framed wire (`local_node`).
 """
-from .client import AsyncClient, Client
+from .client import AsyncClient, Client, PutResult
 
-__all__ = ["AsyncClient", "Client"]
+__all__ = ["AsyncClient", "Client", "PutResult"]

@@ -34,10 +34,12 @@ from transfer.descriptor import host_id
 
 from ..access import ControlAuth, client_secret
 from ..errors import (
+    AccessDenied,
     AllocationFailed,
     AuthenticationFailed,
     ConnectionReplaced,
     FingerprintMismatch,
+    InvalidConfig,
     KVStoreError,
     NodeRefused,
     NoStoreNodes,
@@ -48,7 +50,7 @@ from ..errors import (
 from ..index import IndexMirror
 from ..index.records import MAX_BLOCK_BYTES, BlockRecord, NodeRecord
 from ..integrity import block_digests
-from ..keys import HASH_BYTES, ModelFingerprint
+from ..keys import HASH_BYTES, ModelFingerprint, fingerprint_tenant
 from ..store.v1 import store_pb2, store_pb2_grpc
 from ..wire import TCP_SCHEME, tcp_endpoint
 from .channel_guard import ChannelGuard
@@ -65,6 +67,23 @@ GRPC_INLINE_MAX = 256 << 10  # other hosts: puts up to this many bytes carry the
 WIRE_CONNECT_S = 2.0  # the first connection to a node's TCP wire; unreachable, gRPC is used instead
 WIRE_RETRY_S = 30.0  # ... for this long
 SYNC_PUBLISH_WAITS = 4  # a sync put answers within this many timeouts (the node waits up to 3 to publish)
+
+
+class PutResult(int):
+    """What a put returns: the number of blocks newly stored (an int, as before), and
+    `already_held`: how many of its blocks a node it went to held already (from an earlier put of
+    the same key, this client's or another's), summed over nodes. Such a block is not written
+    again: the node's copy stands, whoever wrote it."""
+
+    already_held: int
+
+    def __new__(cls, stored: int = 0, already_held: int = 0) -> PutResult:
+        result = super().__new__(cls, stored)
+        result.already_held = already_held
+        return result
+
+    def __repr__(self) -> str:
+        return f"PutResult({int(self)}, already_held={self.already_held})"
 
 
 @dataclass
@@ -95,8 +114,22 @@ class Client:
     def __init__(self, metadata: str = "memory://default", *, cluster: str = "default",
                  fingerprint: ModelFingerprint | None = None, secret: str | None = None, timeout: float = 5.0,
                  replicas: int | None = None, mirror: IndexMirror | None = None, transport: str = "auto",
-                 tls_ca: str | None = None, publish: str = "async") -> None:
+                 tls_ca: str | None = None, publish: str = "async", tenant: str | None = None) -> None:
         self.fingerprint, self.timeout = fingerprint, timeout
+        # A tenant client (`tenant=` with that tenant's own `secret=`) may use only its fingerprints.
+        self.tenant = tenant or ""
+        if self.tenant:
+            from transfer.auth import TENANT_NAME, TENANT_RULE
+
+            if not TENANT_NAME.fullmatch(self.tenant):
+                raise InvalidConfig(f"tenant must be {TENANT_RULE}, not {self.tenant[:80]!r}")
+            if not secret:
+                raise InvalidConfig(f"tenant {self.tenant!r} needs its own secret: pass secret= (the tenant's, "
+                                    "from the daemons' --tenants file)")
+            if fingerprint is not None and fingerprint.tenant != self.tenant:
+                raise InvalidConfig(f"this client is tenant {self.tenant!r} but its fingerprint's tenant is "
+                                    f"{fingerprint.tenant!r}: a tenant stores only fingerprints with tenant="
+                                    f"{self.tenant!r}")
         # None: the cluster's count, as its daemons were started with (`kvstore serve --replicas`).
         self.replicas = None if replicas is None else max(1, replicas)
         self._warned_replicas = False
@@ -111,7 +144,7 @@ class Client:
         # Given, else KVSTORE_SECRET, else what `kvstore serve` generated for this cluster (same user).
         secret, self.secret_source = client_secret(cluster, secret)
         self.engine = Engine(f"client-{os.getpid()}-{uuid.uuid4().hex[:6]}", listen=None, secret=secret,
-                             stall_timeout=timeout, stripe_bytes=STRIPE_BYTES)
+                             stall_timeout=timeout, stripe_bytes=STRIPE_BYTES, tenant=self.tenant)
         self._secret = secret.encode() if secret else b""
         self._tls_roots = open(tls_ca, "rb").read() if tls_ca else None  # control calls over TLS
         self._metadata: list[tuple[str, str]] = []  # per-call tokens come from ControlAuth
@@ -128,7 +161,7 @@ class Client:
         self._tier_reads = TierReads()
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvs-digest")  # a large put's digests
         self.stats: dict[str, int] = {"control_calls": 0, "local_puts": 0, "wire_puts": 0, "nvme_fd_reads": 0,
-                                      "nvme_fd_bytes": 0}
+                                      "nvme_fd_bytes": 0, "already_held": 0}
         self.closed = False
         try:
             self.check_secrets()  # a node expecting another kind of secret fails here, in one line
@@ -149,7 +182,11 @@ class Client:
                 self.fingerprint.check_compatible(fingerprint)
             elif fingerprint != self.fingerprint.digest:
                 raise FingerprintMismatch(f"fingerprint {fingerprint} is not this client's {self.fingerprint.digest}")
-        return fingerprint.digest if isinstance(fingerprint, ModelFingerprint) else fingerprint
+        name = fingerprint.digest if isinstance(fingerprint, ModelFingerprint) else fingerprint
+        if self.tenant and isinstance(name, str) and fingerprint_tenant(name) != self.tenant:
+            raise AccessDenied(f"this client is tenant {self.tenant!r}: it may only use fingerprints of its own "
+                               f"(tenant={self.tenant!r}, digests '{self.tenant}:...'), not {name[:80]!r}")
+        return name
 
     def _geometry(self, fingerprint: ModelFingerprint | str | None) -> ModelFingerprint | None:
         """The fingerprint whose fields give a block's size, when one is known (after `_fp`)."""
@@ -232,7 +269,8 @@ class Client:
             guard = ChannelGuard(raw, name)
             channel = guard.channel
             if self._secret:
-                channel = grpc.intercept_channel(channel, ControlAuth(self._secret, name, self.engine.name))
+                channel = grpc.intercept_channel(channel, ControlAuth(self._secret, name, self.engine.name,
+                                                                      self.tenant))
             node = self._nodes[name] = _Node(name, peer, guard, store_pb2_grpc.StoreControlStub(channel))
             return node
 
@@ -298,7 +336,7 @@ class Client:
             if record is not None:
                 self._check_secret(record)
             node = pool[name] = LocalNode(name, address, self._secret, self.engine.name, self.timeout,
-                                          self.secret_source)
+                                          self.secret_source, tenant=self.tenant)
             return node
 
     def _mark_down(self, name: str, why: Exception) -> None:
@@ -330,24 +368,29 @@ class Client:
                 raise AllocationFailed(exc.details()) from None
             if code == grpc.StatusCode.UNAUTHENTICATED:
                 raise AuthenticationFailed(exc.details()) from None
+            if code == grpc.StatusCode.PERMISSION_DENIED:
+                raise AccessDenied(exc.details()) from None
             raise
 
     # --- put ---------------------------------------------------------------------------------
-    def put(self, block_hash: bytes, data: Any, fingerprint: ModelFingerprint | str | None = None) -> int:
-        """Store one block; returns how many nodes newly stored it."""
+    def put(self, block_hash: bytes, data: Any, fingerprint: ModelFingerprint | str | None = None) -> PutResult:
+        """Store one block; returns how many nodes newly stored it (a PutResult: `.already_held`
+        says on how many it was held already)."""
         return self.put_many([(block_hash, data)], fingerprint)
 
     def put_many(self, items: Iterable[tuple[bytes, Any]], fingerprint: ModelFingerprint | str | None = None,
-                 replicas: int | None = None, exclude: Collection[str] = ()) -> int:
+                 replicas: int | None = None, exclude: Collection[str] = ()) -> PutResult:
         """Store blocks on `replicas` distinct nodes each (none of them in `exclude`); returns blocks
-        newly stored (all nodes). `items` is any iterable of (hash, block), a `zip` included. When it
+        newly stored (all nodes), as a PutResult: an int whose `already_held` counts the blocks a
+        node held already (stored earlier by this client or another: their bytes stand, these are
+        not written). `items` is any iterable of (hash, block), a `zip` included. When it
         returns, every block's bytes are on each node counted (the node verifies them before it
         publishes them; sync: before it answers), and this client's mirror lists it there; see the
         docs for what others see."""
         fp = self._fp(fingerprint)
         items = list(items)  # walked more than once below: a zip or a generator would be empty the second time
         if not items:
-            return 0
+            return PutResult(0)
         hashes = [bytes(h) for h, _ in items]
         for h in hashes:
             if len(h) != HASH_BYTES:
@@ -364,7 +407,7 @@ class Client:
 
         total = sum(v.nbytes for v in views)
         want = replicas or self._replicas_wanted()
-        stored, placed, errors, tried = 0, 0, [], set(exclude)
+        stored, held, placed, errors, tried = 0, 0, 0, [], set(exclude)
         registered: list[Region] = []
 
         def regions() -> list[Region]:  # only the two-step path writes through the engine
@@ -387,11 +430,13 @@ class Client:
                             size += views[end].nbytes
                             end += 1
                         with self.mirror.asking(fp, record.name, hashes[start:end]) as since:
-                            stored += self._put_on(record.name, fp, hashes[start:end], views[start:end],
-                                                   functools.partial(digests, start, end), regions, start, since)
+                            done = self._put_on(record.name, fp, hashes[start:end], views[start:end],
+                                                functools.partial(digests, start, end), regions, start, since)
+                        stored += done
+                        held += getattr(done, "already_held", 0)
                         start = end
                     placed += 1
-                except AuthenticationFailed:
+                except (AuthenticationFailed, AccessDenied):
                     raise  # a configuration error, not a dead node
                 except (TransferError, grpc.RpcError, NoStoreNodes, NodeRefused, OSError, ValueError) as exc:
                     if isinstance(exc, WrongSize):
@@ -407,7 +452,8 @@ class Client:
             raise NoStoreNodes("no store node took the blocks" + (f": {'; '.join(errors)}" if errors else ""))
         if placed < want:
             log.warning("stored %d of %d replicas: %s", placed, want, "; ".join(errors))
-        return stored
+        self.stats["already_held"] += held
+        return PutResult(stored, held)
 
     def _put_on(self, name: str, fp: str, hashes: list[bytes], views: list[memoryview],
                 digests_of: Callable[[], list[bytes]], regions, first: int, since: int) -> int:
@@ -476,8 +522,9 @@ class Client:
             slots = [(i, s.token, s.region, s.offset) for i, s in enumerate(reply.slots) if not s.exists]
         if leased is None:
             self._placement.seen(name, reply)
+        held = len(hashes) - len(slots)  # reserved slots come only for blocks the node does not hold
         if not slots:
-            return 0
+            return PutResult(0, held)
         tokens = [token for _, token, _, _ in slots]
         try:
             writes = [Write(regs[i], 0, node.peer.region(region), offset, regs[i].size) for i, _, region, offset in slots]
@@ -511,7 +558,8 @@ class Client:
             never_usable = self._leases.keep(node, name, fp, size, granted, asked, ttl)
             if never_usable:  # back at once (and no more are asked for)
                 self._abort(name, never_usable)
-            return self._sealed(name, fp, todo, commit, since)
+            done = self._sealed(name, fp, todo, commit, since)
+            return PutResult(done, done.already_held + held)
         except TransferTimeout:
             raise  # the copy may still be landing: no abort, the slots expire at the node after it
         except BaseException:
@@ -529,9 +577,10 @@ class Client:
         except (grpc.RpcError, KVStoreError, OSError, ValueError) as exc:
             log.debug("giving slots back to %s failed: %s", name, exc)
 
-    def _sealed(self, name: str, fp: str, hashes: list[bytes], reply: Any, since: int) -> int:
+    def _sealed(self, name: str, fp: str, hashes: list[bytes], reply: Any, since: int) -> PutResult:
         """Check a put's answer (a same-host dict with hex records, or a gRPC reply), teach our own
-        mirror what is now stored there; returns how many blocks."""
+        mirror what is now stored there; returns how many blocks are new there, and how many it held
+        already."""
         self._placement.seen(name, reply)
         hex_records = isinstance(reply, dict)
         errors, records = (reply["errors"], reply["records"]) if hex_records else (reply.errors, reply.records)
@@ -550,7 +599,8 @@ class Client:
         if failed:
             raise PutFailed(f"{name} refused {len(failed)} of {len(errors)} blocks: {failed[0]}")
         stored = reply.get("stored") if isinstance(reply, dict) else getattr(reply, "stored", None)
-        return len(errors) if stored is None else int(stored)
+        stored = len(errors) if stored is None else int(stored)
+        return PutResult(stored, max(0, len(errors) - stored))
 
     # --- get ---------------------------------------------------------------------------------
     def get(self, block_hash: bytes, out: Any, fingerprint: ModelFingerprint | str | None = None) -> bool:

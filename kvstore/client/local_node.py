@@ -14,7 +14,7 @@ from typing import Sequence
 
 from transfer import Region, _native
 
-from ..errors import AllocationFailed, AuthenticationFailed, NodeRefused, WrongSize
+from ..errors import AccessDenied, AllocationFailed, AuthenticationFailed, NodeRefused, WrongSize
 from ..index.records import BlockRecord
 from ..wire import REPLY_SPIN_S, Frames, connect
 
@@ -38,8 +38,9 @@ class LocalNode:
     on this host, its NVMe tier fd."""
 
     def __init__(self, name: str, address: str, secret: bytes, client: str, timeout: float,
-                 secret_source: str = "") -> None:
+                 secret_source: str = "", tenant: str = "") -> None:
         self.name, self.address, self._secret, self._client, self.timeout = name, address, secret, client, timeout
+        self._tenant = tenant  # authenticates as this tenant (`secret` is its own) when set
         self._secret_source = secret_source  # where the secret came from, in words, for a refusal's message
         self._idle: list[tuple[Frames, float]] = []  # (connection, when it was last used)
         self._lock = threading.Lock()
@@ -84,6 +85,8 @@ class LocalNode:
                 raise WrongSize(error)
             if code == "exhausted":
                 raise AllocationFailed(error)
+            if code == "denied":
+                raise AccessDenied(f"{self.name}: {error}")
             raise NodeRefused(f"{self.name}: {error}")
         return reply, fd
 
@@ -93,9 +96,11 @@ class LocalNode:
 
     def _connect(self, connect_timeout: float | None) -> Frames:
         try:
-            frames = connect(self.address, self._secret, self._client, self.timeout, connect_timeout=connect_timeout)
+            frames = connect(self.address, self._secret, self._client, self.timeout, connect_timeout=connect_timeout,
+                             tenant=self._tenant)
         except AuthenticationFailed as exc:
-            raise AuthenticationFailed(f"node {self.name} refused this client's cluster secret "
+            whose = f"tenant {self._tenant!r}'s secret" if self._tenant else "cluster secret"
+            raise AuthenticationFailed(f"node {self.name} refused this client's {whose} "
                                        f"(from {self._secret_source or 'the caller'}): {exc}") from None
         self.reached = True
         return frames

@@ -5,14 +5,19 @@ Who may connect: over the unix socket, processes of the daemon's own user (or ro
 SO_PEERCRED; over TCP, anyone, at most HANDSHAKES_PER_SOURCE of them per source (an IPv4 /24 or
 IPv6 /64; HANDSHAKES in all) until they have authenticated, a handshake stalled past
 transfer.listener.STALE_HANDSHAKE_S giving its slot to a newcomer at a cap. Both then pass the
-Transfer Engine's handshake (both ends prove they know the cluster secret; a relayed handshake
-yields nothing; `--insecure` has no secret). Every control frame afterwards carries an HMAC under
-the session key over its sequence number (`kvstore.wire`), so frames cannot be injected,
-replayed or reordered. Block bytes follow a `put` frame raw: the authenticated frame names their
-length and BLAKE3 digest, which the daemon verifies before sealing, so bytes altered on the way
-over TCP are refused (finding other bytes with the same digest is beyond anyone: see
-kvstore.integrity). They still travel in the clear: run gRPC over TLS, which turns this TCP socket
-off, where they must not be read. The NVMe tier's fd is only handed out over the unix socket.
+Transfer Engine's handshake (both ends prove they know the cluster secret, or the client its
+tenant's own secret; a relayed handshake yields nothing; `--insecure` has no secret). Every
+control frame afterwards carries an HMAC under the session key over its sequence number
+(`kvstore.wire`), so frames cannot be injected, replayed or reordered. Block bytes follow a `put`
+frame raw; over TCP a tag under the session key, bound to that frame's sequence number, follows
+them, so bytes altered on the way are refused before anything is sealed (and the authenticated
+frame names each block's BLAKE3 digest, which the daemon verifies before sealing too). They still
+travel in the clear: run gRPC over TLS, which turns this TCP socket off, where they must not be
+read. The NVMe tier's fd is only handed out over the unix socket.
+
+A client authenticated as a tenant may name only that tenant's fingerprints (`tenant:...`) in a
+put, reserve, commit or lookup (else code `denied`), and the slots it reserves or leases are
+granted to its engine under its tenant-scoped identity only.
 
 Requests (one reply frame each):
   put      {fp, hashes (hex), sizes, digests (hex), sync} + the bytes -> {records, errors, used, capacity}
@@ -29,7 +34,8 @@ Requests (one reply frame each):
   lookup   {fp, hashes} -> {records: [hex | null]}: where this node holds the blocks now
   tier     {} -> {region, size, direct} and, over SCM_RIGHTS, a read-only fd of the NVMe tier file
            (opened O_RDONLY|O_DIRECT here, for this client alone)
-Errors: {ok: false, code: invalid|exhausted|refused|unavailable, error}.
+Errors: {ok: false, code: invalid|exhausted|refused|unavailable|denied, error} (denied: a tenant named
+a fingerprint not its own).
 """
 from __future__ import annotations
 
@@ -41,12 +47,13 @@ import threading
 import time
 from typing import Any, Callable
 
-from transfer.auth import PEER_ID, server_handshake
+from transfer.auth import PEER_ID, scoped_peer, server_handshake
 from transfer.listener import STALE_HANDSHAKE_S, HandshakeBudget, peer_uid, source_of
 
+from ..access import denied
 from ..errors import AllocationFailed, InvalidRequest, KVStoreError, MetadataError
 from ..integrity import DIGEST_BYTES, DIGEST_NAME
-from ..wire import NEXT_REQUEST_SPIN_S, Frames, MalformedFrame
+from ..wire import NEXT_REQUEST_SPIN_S, AttachmentsAltered, Frames, MalformedFrame
 from .store import MAX_BLOCK_BYTES, BlockStore, Update
 
 log = logging.getLogger(__name__)
@@ -93,14 +100,19 @@ def _digests(values: Any, n: int) -> list[bytes]:
     return out
 
 
-def _peer(request: dict) -> str:
-    """The client engine's peer id a reserve or commit names ("" when none)."""
+def _peer(request: dict, tenant: str) -> str:
+    """The client engine's identity a reserve or commit names: its peer id, scoped by the tenant the
+    connection authenticated as ("" when none)."""
     peer = request.get("peer")
     if peer is None or peer == "":
         return ""
     if not isinstance(peer, str) or not PEER_ID.fullmatch(peer):
         raise _Invalid("peer: the client engine's peer_id, 32 hex digits")
-    return peer
+    return scoped_peer(tenant, peer)
+
+
+class _Denied(Exception):
+    pass
 
 
 def _ints(values: Any, what: str, n: int, limit: int = 2**64 - 1) -> list[int]:
@@ -117,8 +129,9 @@ class LocalControl:
                  publish: Callable[[list[Update], bool], None], accepting: Callable[[], bool],
                  observe: Callable[[str, float], None], tier_reader: Callable[[], tuple[int, bool]] | None,
                  timeout: float,
-                 tcp_host: str | None = None, tcp_port: int = 0) -> None:
+                 tcp_host: str | None = None, tcp_port: int = 0, tenants: dict[str, bytes] | None = None) -> None:
         self.name, self._secret, self._node, self.store = name, secret, node, store
+        self._tenants = tenants  # name -> secret of the tenants that may connect besides the cluster
         self._publish, self._accepting, self._observe = publish, accepting, observe
         self._tier_reader, self._timeout = tier_reader, timeout
         self._allowed_uids = {os.geteuid(), 0}
@@ -219,7 +232,8 @@ class LocalControl:
         counted = not remote  # holds an open slot (a TCP connection once it has authenticated)
         try:
             try:
-                session = server_handshake(conn, self._secret, self._node, wire="plain", timeout=self._timeout)
+                session = server_handshake(conn, self._secret, self._node, wire="plain", timeout=self._timeout,
+                                           tenants=self._tenants)
             except BaseException:
                 if remote:
                     self._handshake_over(source, ticket, authenticated=False)
@@ -229,7 +243,7 @@ class LocalControl:
                 if not counted:
                     self._refused("too many open")
                     return
-            frames = Frames(conn, session.tx, session.rx, self._timeout)
+            frames = Frames(conn, session.tx, session.rx, self._timeout, sealed=remote)  # TCP: attachments tagged
             while not self._closed.is_set():
                 try:
                     request = frames.recv(self._timeout, idle=IDLE_S, spin=NEXT_REQUEST_SPIN_S)
@@ -242,9 +256,11 @@ class LocalControl:
                 try:
                     if remote and op == "tier":
                         raise _Invalid("the NVMe tier's fd is only handed out on the same host")
-                    reply, fd = self._handle(op, request, frames, deadline)
+                    reply, fd = self._handle(op, request, frames, deadline, session.tenant)
                 except _Invalid as exc:
                     reply, fd = {"ok": False, "code": "invalid", "error": str(exc)}, None
+                except _Denied as exc:
+                    reply, fd = {"ok": False, "code": "denied", "error": str(exc)}, None
                 except KVStoreError as exc:
                     reply, fd = self._error(exc), None
                 # Counted before the reply goes out: whoever got the answer also sees it in the metrics.
@@ -275,19 +291,24 @@ class LocalControl:
     def _records(self, fingerprint: str, hashes: list[bytes]) -> list[str | None]:
         return [None if r is None else r.encode().hex() for r in self.store.records(fingerprint, hashes)]
 
-    def _handle(self, op: str, request: dict, frames: Frames, deadline: float) -> tuple[dict, int | None]:
+    def _handle(self, op: str, request: dict, frames: Frames, deadline: float, tenant: str = ""
+                ) -> tuple[dict, int | None]:
         fingerprint = request.get("fp", "")
         if op == "put":
-            return self._put(request, frames, deadline), None
-        if op in ("reserve", "commit") and not isinstance(fingerprint, str):
-            raise _Invalid("fp: a string")
+            return self._put(request, frames, deadline, tenant), None
+        if op in ("reserve", "commit", "lookup"):
+            if not isinstance(fingerprint, str):
+                raise _Invalid("fp: a string")
+            refused = denied(tenant, fingerprint)
+            if refused is not None:
+                raise _Denied(refused)
         if op == "reserve":
             if not self._accepting():
                 return {"ok": False, "code": "refused", "error": f"{self._node} is draining"}, None
             hashes = _hashes(request.get("hashes"))
             sizes = _ints(request.get("sizes"), "sizes", len(hashes), MAX_BLOCK_BYTES)
             try:
-                slots, updates = self.store.reserve(fingerprint, hashes, sizes, _peer(request))
+                slots, updates = self.store.reserve(fingerprint, hashes, sizes, _peer(request, tenant))
             except (AllocationFailed, InvalidRequest) as exc:
                 return self._error(exc), None
             if updates:
@@ -303,10 +324,8 @@ class LocalControl:
                 raise _Invalid("lease: {size, count}")
             size, count = _ints([lease.get("size", 1), lease.get("count", 0)], "lease size and count", 2, MAX_BLOCK_BYTES)
             return self._commit(fingerprint, tokens, digests, bool(request.get("sync")), hashes, size, count,
-                                _peer(request)), None
+                                _peer(request, tenant)), None
         if op == "lookup":
-            if not isinstance(fingerprint, str):
-                raise _Invalid("fp: a string")
             return {"ok": True, "records": self._records(fingerprint, _hashes(request.get("hashes")))}, None
         if op == "abort":
             self.store.abort(_ints(request.get("tokens"), "tokens", len(request.get("tokens") or [])))
@@ -347,8 +366,9 @@ class LocalControl:
                 "lease": [[token, slot.tier.region.id, slot.offset, slot.size] for token, slot in leased],
                 "lease_ttl": self.store.reservation_timeout, **self._usage()}
 
-    def _put(self, request: dict, frames: Frames, deadline: float) -> dict:
-        """Reserve, receive the bytes straight into the arena, verify, seal: one round trip."""
+    def _put(self, request: dict, frames: Frames, deadline: float, tenant: str = "") -> dict:
+        """Reserve, receive the bytes straight into the arena (and, over TCP, check their tag),
+        verify, seal: one round trip."""
         fingerprint = request.get("fp")
         hashes = _hashes(request.get("hashes"))
         sizes = _ints(request.get("sizes"), "sizes", len(hashes), MAX_BLOCK_BYTES)
@@ -356,6 +376,10 @@ class LocalControl:
         total = sum(sizes)
         if not isinstance(fingerprint, str) or total > MAX_ATTACHMENT:
             raise _Invalid("fp: a string; the blocks of one put at most 256 MiB")  # the stream is lost: close
+        refused = denied(tenant, fingerprint)
+        if refused is not None:
+            frames.discard(total, deadline)  # then answered and closed, as every refused put
+            return {"ok": False, "code": "denied", "error": refused}
         try:
             if not self._accepting():
                 frames.discard(total, deadline)
@@ -376,8 +400,14 @@ class LocalControl:
                     frames.discard(size, deadline)
                 else:
                     frames.recv_into(arena[slot.offset : slot.offset + size], deadline)
-        except BaseException:
+            if slots:
+                frames.attachments_end(deadline)  # TCP: their tag, before anything is sealed
+        except BaseException as exc:
             self.store.abort([t for t, s in slots if s is not None])
+            if isinstance(exc, AttachmentsAltered):
+                counters = self.store.counters
+                counters["wire_attachments_refused"] = counters.get("wire_attachments_refused", 0) + 1
+                log.warning("%s: refused a put over TCP whose block bytes were altered in flight", self._node)
             raise
         sync = bool(request.get("sync"))  # verified and published before the answer
         errors, records, updates, stored = self.store.commit_reserved(fingerprint, hashes, slots, digests, sync)

@@ -62,6 +62,9 @@ class DaemonConfig:
     keep_disk: bool = False  # keep the tier file when the daemon ends (else it goes, even after a crash)
     secret: str | None = None
     insecure: bool = False  # no secret on purpose: anyone who reaches the node may use its memory
+    # Tenant name -> its own secret (`kvstore serve --tenants FILE`): clients that authenticate as a
+    # tenant may write and look up only that tenant's fingerprints (kvstore.access). Needs a secret.
+    tenants: dict[str, bytes] | None = None
     replicas: int = 1
     eviction: str = "lru"
     high_watermark: float = 0.95
@@ -114,8 +117,10 @@ class Daemon:
     def start(self) -> "Daemon":
         c = self.config
         secret = (c.secret or "").encode()
+        if c.tenants and not secret:
+            raise ValueError("tenants need a cluster secret (on an --insecure node anyone is anyone)")
         self.engine = Engine(c.node, listen=c.engine_listen, secret=c.secret, insecure=c.insecure,
-                             stall_timeout=c.timeout)
+                             stall_timeout=c.timeout, tenants=c.tenants)
         # Remote peers write DRAM only into slots reserved or leased to them (BlockStore grants), and
         # never the NVMe tier (its writes are the daemon's own demotions); same-host clients map the
         # arena and write it directly: they are trusted by uid.
@@ -147,9 +152,10 @@ class Daemon:
                                   lambda: not self.draining, lambda op, s: self.metrics.latency.labels(op).observe(s),
                                   self.disk.reader if self.disk else None, c.timeout,
                                   tcp_host=None if (c.tls_cert and c.tls_key) or c.wire_port is None
-                                  else c.listen.rpartition(":")[0].strip("[]"), tcp_port=c.wire_port or 0)
+                                  else c.listen.rpartition(":")[0].strip("[]"), tcp_port=c.wire_port or 0,
+                                  tenants=c.tenants)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
-                                  interceptors=[AccessRules(secret, c.admin_token, c.node)],
+                                  interceptors=[AccessRules(secret, c.admin_token, c.node, c.tenants)],
                                   options=[("grpc.max_receive_message_length", MAX_INLINE_BYTES + (1 << 20))])
         store_pb2_grpc.add_StoreControlServicer_to_server(
             StoreControlService(c.node, self.store, self.publish, self.metrics, lambda: not self.draining), self.server)

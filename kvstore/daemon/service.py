@@ -1,4 +1,8 @@
-"""The StoreControl gRPC service: thin handlers over BlockStore, errors as proper status codes."""
+"""The StoreControl gRPC service: thin handlers over BlockStore, errors as proper status codes.
+
+Who may call (the cluster secret's holder, or a tenant on its own fingerprints only) is checked
+before a handler runs (kvstore.access.AccessRules); a tenant's engine is granted writes under its
+tenant-scoped identity (transfer.auth.scoped_peer), which no other tenant's engine can claim."""
 from __future__ import annotations
 
 import time
@@ -6,8 +10,9 @@ from typing import Callable
 
 import grpc
 
-from transfer.auth import PEER_ID
+from transfer.auth import PEER_ID, scoped_peer
 
+from ..access import current_tenant
 from ..errors import AllocationFailed, InvalidRequest, KVStoreError, MetadataError
 from ..integrity import DIGEST_BYTES, DIGEST_NAME
 from ..store.v1 import store_pb2, store_pb2_grpc
@@ -81,10 +86,11 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
 
     @staticmethod
     def _peer(request, context) -> str:
-        """The client engine's peer id the request names (granted writes into its slots), or ""."""
+        """The client engine's identity the request names (granted writes into its slots: its peer id,
+        scoped by the caller's tenant), or ""."""
         if request.peer and not PEER_ID.fullmatch(request.peer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "peer: the client engine's peer_id, 32 hex digits")
-        return request.peer
+        return scoped_peer(current_tenant(), request.peer)
 
     def Commit(self, request, context):
         if len(request.tokens) != len(request.digests):

@@ -5,12 +5,45 @@
 """
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
+import threading
 from urllib.parse import parse_qs, unquote, urlparse
 
 from .base import (MAX_TXN_OPS, Compare, Delete, KeyValue, Lease, Metadata, Page, Put, TxnResult, Watch,
                    WatchEvent, prefix_end)
 from .memory import MemoryMetadata
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_plaintext_etcd(url: str) -> bool:
+    """Log, once per process and address, that a plaintext etcd:// URL off loopback lets anyone who
+    reaches that etcd read and rewrite the cluster's index (whether it warned)."""
+    try:
+        parsed = urlparse(url)
+        host = parsed.hostname or ""
+    except ValueError:
+        return False
+    if parsed.scheme != "etcd" or not host:
+        return False
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    where = f"[{host}]:{parsed.port}" if ":" in host else f"{host}:{parsed.port}"  # never the user or password
+    with _warned_lock:
+        if loopback or where in _warned:
+            return False
+        _warned.add(where)
+    log.warning("metadata etcd://%s is plaintext etcd off this host: anyone who reaches it can read the block "
+                "index (nodes, fingerprints, block hashes) and rewrite it (register fake nodes, point clients at "
+                "other memory, drop blocks); use etcd+tls://%s?ca=CA.pem&cert=CERT.pem&key=KEY.pem with etcd's "
+                "client-certificate auth", where, where)
+    return True
 
 
 def _parse(url: str):
@@ -53,6 +86,7 @@ def open_metadata(url: str, *, timeout: float = 5.0) -> Metadata:
     parsed, query = _parse(url)
     if parsed.scheme == "memory":
         return MemoryMetadata(parsed.netloc or parsed.path.strip("/") or "default")
+    warn_plaintext_etcd(url)
     from .etcd import EtcdMetadata, EtcdTls
 
     tls = EtcdTls(query.get("ca"), query.get("cert"), query.get("key")) if parsed.scheme == "etcd+tls" else None
@@ -70,4 +104,5 @@ def open_metadata(url: str, *, timeout: float = 5.0) -> Metadata:
 
 
 __all__ = ["MAX_TXN_OPS", "Compare", "Delete", "KeyValue", "Lease", "Metadata", "MemoryMetadata", "Page", "Put",
-           "TxnResult", "Watch", "WatchEvent", "check_metadata_url", "open_metadata", "prefix_end"]
+           "TxnResult", "Watch", "WatchEvent", "check_metadata_url", "open_metadata", "prefix_end",
+           "warn_plaintext_etcd"]

@@ -54,6 +54,7 @@ def deployment(tmp_path_factory, etcd_server):
     cluster = uuid.uuid4().hex[:8]
     secret_file = tmp / "secret"
     secret_file.write_text(SECRET)
+    secret_file.chmod(0o600)  # a daemon refuses a secret file others may read
     daemon = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--node", "serve-store", "--metadata",
                                etcd_server.url, "--cluster", cluster, "--dram", "256MiB", "--secret-file",
                                str(secret_file), "--metrics-port", "0"], stdout=subprocess.PIPE, text=True)

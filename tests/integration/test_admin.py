@@ -45,6 +45,7 @@ def admin_cluster(etcd_server, spawn_daemon, tmp_path):
     cluster = uuid.uuid4().hex[:8]
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
+    token_file.chmod(0o600)  # a daemon refuses a token file others may read
     extra = ["--admin-token-file", str(token_file)]
     a = spawn_daemon("node-a", etcd_server.url, cluster, extra=extra, disk="8MiB")
     client = Client(etcd_server.url, cluster=cluster, fingerprint=FP, timeout=3.0)
@@ -65,9 +66,16 @@ def test_every_rpc_with_errors_and_access(admin_cluster, etcd_server):
         assert list(status.nodes) == ["node-a", "node-b"] and status.self.name == "node-a" and status.cluster == cluster
         node = stub.GetNodeStatus(admin_pb2.NodeStatusRequest(), timeout=5)
         assert {t.name for t in node.tiers} == {"dram", "nvme"} and sum(t.blocks for t in node.tiers) == 25
+        # Block hashes and digests only with the admin token (kills: listing calls left open to any local user).
+        for listing in (lambda: stub.ListBlocks(admin_pb2.ListBlocksRequest(fingerprint=FP.digest), timeout=5),
+                        lambda: stub.Query(admin_pb2.QueryRequest(fingerprint=FP.digest, hashes=hashes), timeout=5)):
+            with pytest.raises(grpc.RpcError) as info:
+                listing()
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "admin bearer token" in info.value.details()
         seen, token = [], ""
         while True:
-            page = stub.ListBlocks(admin_pb2.ListBlocksRequest(fingerprint=FP.digest, page_size=7, page_token=token), timeout=5)
+            page = stub.ListBlocks(admin_pb2.ListBlocksRequest(fingerprint=FP.digest, page_size=7, page_token=token), timeout=5,
+                                   metadata=AUTH)
             seen += [blk.hash for blk in page.blocks]
             digests = {h.hex(): block_digest(h, content(h)).hex() for h in hashes}
             assert all(blk.digest == digests[blk.hash] for blk in page.blocks)  # the BLAKE3 digest, hex
@@ -77,14 +85,15 @@ def test_every_rpc_with_errors_and_access(admin_cluster, etcd_server):
             token = page.next_page_token
         assert sorted(seen) == sorted(h.hex() for h in hashes) and len(set(seen)) == 25
         with pytest.raises(grpc.RpcError) as info:
-            stub.ListBlocks(admin_pb2.ListBlocksRequest(fingerprint="f" * 32), timeout=5)
+            stub.ListBlocks(admin_pb2.ListBlocksRequest(fingerprint="f" * 32), timeout=5, metadata=AUTH)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND and info.value.details().startswith("fingerprint")
-        query = stub.Query(admin_pb2.QueryRequest(fingerprint=FP.digest, hashes=hashes + external_hashes([5], FP)), timeout=5)
+        query = stub.Query(admin_pb2.QueryRequest(fingerprint=FP.digest, hashes=hashes + external_hashes([5], FP)), timeout=5,
+                           metadata=AUTH)
         assert query.leading_blocks == 25 and set(query.tiers) <= {"dram", "nvme"}
         for bad, field_name in ((admin_pb2.ListBlocksRequest(fingerprint="xyz"), "fingerprint"),
                                 (admin_pb2.ListBlocksRequest(fingerprint=FP.digest, page_size=20000), "page_size")):
             with pytest.raises(grpc.RpcError) as info:
-                stub.ListBlocks(bad, timeout=5)
+                stub.ListBlocks(bad, timeout=5, metadata=AUTH)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith(field_name)
         evict = admin_pb2.EvictRequest(fingerprint=FP.digest, hash_prefix=hashes[0].hex()[:2])
         with pytest.raises(grpc.RpcError) as info:

@@ -13,7 +13,7 @@ from kvstore import Client
 from kvstore.keys import ModelFingerprint, external_hashes
 
 FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64, kv_layout="bytes")
-SECRET = "close-secret"
+SECRET = "close-secret-0123456789"
 
 
 def test_close_waits_for_a_hit_report_in_flight(etcd_server, spawn_daemon):

@@ -16,7 +16,7 @@ from kvstore.store.v1 import store_pb2, store_pb2_grpc
 
 FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64, kv_layout="bytes")
 BLOCK = 64 * 1024
-SECRET = "control-secret"
+SECRET = "control-secret-0123456789"
 STATS = "/kvstore.store.v1.StoreControl/Stats"
 
 

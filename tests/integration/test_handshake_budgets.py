@@ -25,7 +25,7 @@ from kvstore.wire import tcp_endpoint
 from transfer.auth import client_handshake
 from transfer.listener import MAX_HANDSHAKES_PER_SOURCE, HandshakeBudget, Listener, source_of
 
-SECRET = "budget-secret"
+SECRET = "budget-secret-0123456789"
 FP = ModelFingerprint("budgets", "float16", 16, 2, 2, 64, kv_layout="bytes")
 BLOCK = 1 << 20
 

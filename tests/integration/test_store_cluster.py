@@ -175,9 +175,9 @@ def test_full_disk_fails_daemon_start_with_a_clear_error(etcd_server, spawn_daem
 
 def test_secret_is_required(etcd_server, spawn_daemon):
     name = uuid.uuid4().hex[:8]
-    guarded = spawn_daemon("guarded", etcd_server.url, name, secret="s3cret")
+    guarded = spawn_daemon("guarded", etcd_server.url, name, secret="s3cret-s3cret-s3cret")
     h = external_hashes([1], FP)[0]
-    with Client(etcd_server.url, cluster=name, fingerprint=FP, secret="s3cret") as good:
+    with Client(etcd_server.url, cluster=name, fingerprint=FP, secret="s3cret-s3cret-s3cret") as good:
         assert good.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
         assert good.put(h, content(h)) == 1
     with Client(etcd_server.url, cluster=name, fingerprint=FP, secret="wrong") as bad:

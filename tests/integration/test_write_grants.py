@@ -30,7 +30,7 @@ from transfer.auth import client_handshake
 from transfer.ucx import UNSAFE_ENV
 from transfer.ucx_routes import unavailable as ucx_unavailable
 
-SECRET = "grant-secret"
+SECRET = "grant-secret-0123456789"
 FP = ModelFingerprint("write-grants", "float16", 16, 2, 2, 64, kv_layout="bytes")
 BLOCK = 1 << 20  # past the inline limits: puts of it go through the engine (reserve, write, commit)
 REQ = struct.Struct("<IB3xQQQ")  # cpp/common.h ReqHeader

@@ -51,7 +51,7 @@ def test_clients_find_the_secret_kvstore_serve_generated(tmp_path, monkeypatch):
     assert cluster_secret("c1") is None
     path = secret_path("c1")
     os.makedirs(os.path.dirname(path))
-    with open(path, "w") as f:
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
         f.write("generated\n")
     assert cluster_secret("c1") == "generated"
     assert cluster_secret("c2") is None

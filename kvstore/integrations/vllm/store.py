@@ -2,7 +2,12 @@
 `kv_connector_extra_config`:
 
     {"metadata": "embedded" | "memory://name" | "etcd://host:port", "cluster": "default",
-     "dram": "2GiB", "disk": "/path", "disk_size": "16GiB", "secret": "...", "timeout": 5}
+     "dram": "2GiB", "disk": "/path", "disk_size": "16GiB", "secret": "...", "timeout": 5,
+     "tenant": "acme", "tenant_secret": "..."}
+
+"tenant" alone namespaces the fingerprint (digests 'acme:...'); with "tenant_secret" (that tenant's
+own secret from the daemons' --tenants file, instead of "secret") the engine also authenticates as
+the tenant, and the daemons let it write and look up only that tenant's fingerprints.
 
 "embedded" (the default) and memory:// URLs start an in-process store daemon the first time a
 process asks (library mode); etcd:// URLs connect to running `kvstore serve` daemons. A
@@ -54,7 +59,11 @@ def store_for(config: dict[str, Any]) -> Client:
                                        disk_size=config.get("disk_size", "4GiB"), secret=config.get("secret"),
                                        timeout=timeout)
             else:
-                client = Client(url, cluster=cluster, secret=config.get("secret"), timeout=timeout)
+                # With tenant_secret, the engine authenticates as its fingerprint's tenant (daemons given
+                # --tenants then let it use that tenant's fingerprints only); else with the cluster secret.
+                tenant = str(config["tenant"]) if config.get("tenant_secret") and config.get("tenant") else None
+                secret = config.get("tenant_secret") if tenant else config.get("secret")
+                client = Client(url, cluster=cluster, secret=secret, timeout=timeout, tenant=tenant)
             _clients[(url, cluster)] = client
         return client
 
