@@ -23,6 +23,7 @@ import blake3
 from transfer._native import wait_readable
 
 from transfer.auth import client_handshake
+from transfer.descriptor import unix_address
 
 MAX_FRAME = 4 << 20  # a put of 4096 blocks still fits its header
 # Waking a thread parked on an idle vCPU costs 20-30 us here, twice per round trip (a unix socket
@@ -247,7 +248,7 @@ def connect(name: str, secret: bytes, client: str, timeout: float, connect_timeo
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.connect((host, port))
         else:
-            sock.connect("\0" + name)
+            sock.connect(unix_address(name))
         session = client_handshake(sock, secret, "ctl", client, wire="plain", timeout=within, tenant=tenant)
         return Frames(sock, session.tx, session.rx, timeout, sealed=tcp)  # sets the socket's timeout for what follows
     except BaseException:

@@ -3,21 +3,54 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
 
 
+# Containers on one host that share no network namespace (Kubernetes pods) cannot reach each other's
+# abstract unix sockets, and each has a host name of its own. Given the same KVSTORE_HOST_ID (the
+# node's name) and a directory mounted at the same KVSTORE_SOCKET_DIR path in each, they find each
+# other as processes on one host do: same-host sockets are files there, published by path.
+HOST_ID_ENV = "KVSTORE_HOST_ID"
+SOCKET_DIR_ENV = "KVSTORE_SOCKET_DIR"
+
+
 @lru_cache(maxsize=1)
 def host_id() -> str:
-    """Stable id of this host's boot: same value in every process on the host."""
+    """Stable id of this host's boot: same value in every process on the host (the host name, or
+    $KVSTORE_HOST_ID where containers on one host have names of their own, and the boot id)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return hashlib.sha256(f"{socket.gethostname()}/{boot}".encode()).hexdigest()[:16]
+    name = os.environ.get(HOST_ID_ENV) or socket.gethostname()
+    return hashlib.sha256(f"{name}/{boot}".encode()).hexdigest()[:16]
+
+
+def unix_socket_name(name: str) -> str:
+    """The published name of a same-host socket called `name`: `name` itself (the abstract
+    namespace: only this network namespace reaches it), or its path in $KVSTORE_SOCKET_DIR."""
+    folder = os.environ.get(SOCKET_DIR_ENV)
+    return os.path.join(os.path.abspath(folder), name) if folder else name
+
+
+def unix_address(name: str) -> str:
+    """The address to bind or connect to for a published same-host socket name: a path as it is,
+    an abstract name behind a NUL byte."""
+    return name if name.startswith("/") else "\0" + name
+
+
+def unlink_unix(name: str | None) -> None:
+    """Remove a same-host socket's file when it has one (abstract names leave nothing behind)."""
+    if name and name.startswith("/"):
+        try:
+            os.unlink(name)
+        except FileNotFoundError:
+            pass
 
 
 @dataclass(frozen=True)
@@ -28,7 +61,7 @@ class EngineDescriptor:
     host: str
     port: int
     host_id: str
-    unix: str | None = None  # abstract unix socket name for same-host control (shm)
+    unix: str | None = None  # same-host control socket (shm): an abstract name, or a path (unix_socket_name)
     version: int = 1
     ucx_tls: tuple[str, ...] = ()  # UCX transports the engine offers (empty: no ucx route)
     ucx_address: str | None = None  # its UCX worker address (hex); rkeys only go to authenticated peers

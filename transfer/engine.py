@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, Sequence
 from . import _native
 from .auth import TENANT_NAME, TENANT_RULE, WIRE_MODES
 from .batch import Batch
-from .descriptor import EngineDescriptor, host_id
+from .descriptor import EngineDescriptor, host_id, unix_socket_name
 from .errors import (
     EngineClosed,
     InvalidOp,
@@ -122,7 +122,7 @@ class Engine:
         self._listener: Listener | None = None
         if listen is not None:
             host, port = _split_endpoint(listen)
-            self._unix_name = f"kvstore-{uuid.uuid4().hex}"
+            self._unix_name = unix_socket_name(f"kvstore-{uuid.uuid4().hex}")  # a path in $KVSTORE_SOCKET_DIR
             self._listener = Listener(host, port, self._unix_name, self.secret, self.name,
                                       self._native.serve, self._export_table, handshake_timeout, wire=self.wire,
                                       tenants=accepted or None)

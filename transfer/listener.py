@@ -27,6 +27,7 @@ from itertools import count
 from typing import Any, Callable, Mapping
 
 from .auth import Channel, server_handshake
+from .descriptor import unix_address, unlink_unix
 
 log = logging.getLogger(__name__)
 FDS_PER_MESSAGE = 200  # the kernel caps SCM_RIGHTS at 253 descriptors per message
@@ -152,9 +153,10 @@ class Listener:
         self._tcp = socket.create_server((host, port), backlog=128)
         self.host, self.port = self._tcp.getsockname()[:2]
         self._unix: socket.socket | None = None
+        self._unix_name = unix_name
         if unix_name is not None:
             self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._unix.bind("\0" + unix_name)
+            self._unix.bind(unix_address(unix_name))
             self._unix.listen(128)
         self._closed = threading.Event()
         self._controls: set[socket.socket] = set()
@@ -283,6 +285,7 @@ class Listener:
         self._tcp.close()
         if self._unix is not None:
             self._unix.close()
+            unlink_unix(self._unix_name)
         with self._lock:
             for conn in self._controls:
                 try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .auth import Channel, Session, client_handshake
-from .descriptor import EngineDescriptor, host_id
+from .descriptor import EngineDescriptor, host_id, unix_address
 from .errors import EngineClosed, PeerUnreachable, ProtocolError, TransferError, TransferTimeout, UnknownRegion
 from .listener import FDS_PER_MESSAGE
 from .regions import Region, check_sealed, map_shared
@@ -69,7 +69,7 @@ def _connect_unix(name: str, timeout: float) -> socket.socket | None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
-        sock.connect("\0" + name)
+        sock.connect(unix_address(name))
         return sock
     except OSError:
         sock.close()

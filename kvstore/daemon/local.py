@@ -48,6 +48,7 @@ import time
 from typing import Any, Callable
 
 from transfer.auth import PEER_ID, scoped_peer, server_handshake
+from transfer.descriptor import unix_address, unix_socket_name, unlink_unix
 from transfer.listener import STALE_HANDSHAKE_S, HandshakeBudget, peer_uid, source_of
 
 from ..access import denied
@@ -136,7 +137,8 @@ class LocalControl:
         self._tier_reader, self._timeout = tier_reader, timeout
         self._allowed_uids = {os.geteuid(), 0}
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind("\0" + name)
+        self.name = unix_socket_name(name)  # a path in $KVSTORE_SOCKET_DIR, else abstract
+        self._sock.bind(unix_address(self.name))
         self._sock.listen(128)
         self._tcp: socket.socket | None = None
         self.tcp_address: str | None = None  # host:port of the TCP socket, when there is one
@@ -430,6 +432,7 @@ class LocalControl:
         self._closed.set()
         self._thread.join(timeout=2.0)
         self._sock.close()
+        unlink_unix(self.name)
         if self._tcp is not None:
             self._tcp.close()
         with self._lock:
