@@ -35,13 +35,14 @@ def main() -> None:
     parser.add_argument("--secret", default=None)
     parser.add_argument("--stall", type=float, default=10.0)
     parser.add_argument("--handshake-timeout", type=float, default=5.0)
-    parser.add_argument("--bounce-limit", type=int, default=256 << 20)
+    parser.add_argument("--bounce-limit", type=int, default=None, help="the engine's own default without it")
     parser.add_argument("--wire", default=None)
     parser.add_argument("--spare-fds", type=int, default=None, help="cap open files at those in use plus this")
     args = parser.parse_args()
 
     engine = Engine("peer", secret=args.secret, insecure=args.secret is None, stall_timeout=args.stall,
-                    handshake_timeout=args.handshake_timeout, bounce_limit=args.bounce_limit, wire=args.wire)
+                    handshake_timeout=args.handshake_timeout, wire=args.wire,
+                    **({} if args.bounce_limit is None else {"bounce_limit": args.bounce_limit}))
     data = pattern(args.seed, args.size)
     shm = engine.allocate(args.size)
     np.frombuffer(shm.buffer, np.uint8)[:] = data
