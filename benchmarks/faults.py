@@ -152,6 +152,7 @@ class Cluster:
         self.etcd = Etcd(os.path.join(workdir, "etcd")).start()
         self.daemons: dict[str, subprocess.Popen] = {}
         self.control: dict[str, str] = {}
+        self.leaving: list[subprocess.Popen] = []  # stopped gracefully, reaped at close
 
     @property
     def url(self) -> str:
@@ -198,10 +199,24 @@ class Cluster:
         proc.send_signal(sig)
         processes.stop(proc, grace=20)  # reaped (SIGKILL if `sig` did not end it)
 
+    def leave(self, name: str) -> None:
+        """Stop `name` gracefully (SIGTERM) and return once it has left the index, not once its
+        process has ended: the next fault does not wait out its teardown, as a real one would not."""
+        from kvstore.index.mirror import IndexMirror
+
+        proc = self.daemons.pop(name)
+        self.leaving.append(proc)
+        with IndexMirror(self.url, self.cluster, timeout=TIMEOUT) as mirror:
+            proc.send_signal(signal.SIGTERM)
+            if not mirror.wait_until(lambda m: name not in m.nodes, 30):
+                processes.stop(proc, grace=20)
+
     def close(self) -> None:
         for proc in self.daemons.values():
             processes.kill(proc)
         self.daemons.clear()
+        for proc in self.leaving:
+            processes.stop(proc, grace=20)
         self.etcd.cleanup()
 
 
@@ -372,7 +387,7 @@ def run(args: argparse.Namespace) -> list[FaultResult]:
         def heal_full() -> None:
             load.pin = None
             seen.update(cluster.counters(FULL_NODE))
-            cluster.kill(FULL_NODE, signal.SIGTERM)
+            cluster.leave(FULL_NODE)
 
         phase("full NVMe tier", fill, heal_full)
         counted = {"hits": seen.get("hits_dram", 0) + seen.get("hits_nvme", 0), "demotions": seen.get("demotions", 0),
