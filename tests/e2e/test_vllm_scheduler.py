@@ -14,6 +14,7 @@ import torch  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
+from kvstore.integrations.vllm.handoff import make_params  # noqa: E402
 from vllm_harness import BLOCK, Harness  # noqa: E402
 
 
@@ -92,7 +93,8 @@ def test_preemption_resumes_and_drains(model):
 def test_decode_waits_on_the_index_for_blocks_still_being_written(model):
     h = Harness(model, role="kv_consumer", process_local=True, remote_wait_s=10)
     prompt = list(range(21, 21 + 3 * BLOCK + 4))
-    params = {"kvstore": {"fingerprint": h.fingerprint.digest, "prompt_token_ids": prompt, "num_blocks": 3}}
+    # As this deployment's prefill signs them (process-local store: this process's key).
+    params = make_params(h.worker._handoff_key, h.scheduler.connector._chain.digest, prompt, 3, 3 * BLOCK)
     from vllm import SamplingParams
     from vllm.v1.request import Request
     request = Request("d1", prompt, SamplingParams(temperature=0, max_tokens=2, extra_args={"kv_transfer_params": params}),
@@ -127,3 +129,48 @@ def test_producer_promises_blocks_only_to_remote_decode_prefills(model):
               for o in eco.outputs if o.finished}
     assert params["p1"]["kvstore"]["num_blocks"] == 2 and params["p1"]["kvstore"]["prompt_token_ids"] == prompt
     assert params["p2"] is None
+
+
+def test_unsigned_handoff_params_cannot_make_a_decode_wait(model):
+    """Any API client can attach plausible kv_transfer_params (the fingerprint digest is no secret):
+    without this deployment's MAC they load only what the store holds, and never wait. Kills:
+    waiting remote_wait_s on whatever parameters a request carries."""
+    h = Harness(model, role="kv_consumer", process_local=True, remote_wait_s=30)
+    prompt = list(range(51, 51 + 3 * BLOCK + 4))
+    chain = h.scheduler.connector._chain.digest
+    forged = make_params(None, chain, prompt, 3, 3 * BLOCK)  # unsigned
+    tampered = make_params(h.worker._handoff_key, chain, prompt, 3, 3 * BLOCK)
+    tampered["kvstore"]["num_tokens"] = 4 * BLOCK  # a signed body, changed
+    stale = make_params(h.worker._handoff_key, chain, prompt, 3, 3 * BLOCK, now=time.time() - 3600)
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+    for i, params in enumerate((forged, tampered, stale)):
+        request = Request(f"d{i}", prompt, SamplingParams(temperature=0, max_tokens=2,
+                                                          extra_args={"kv_transfer_params": params}),
+                          None, block_hasher=h.block_hasher)
+        started = time.monotonic()
+        h.scheduler.add_request(request)
+        h.run_until_empty(seconds=10)
+        assert time.monotonic() - started < 5 and request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert h.worker.totals.data.get("loaded_blocks", 0) == 0
+
+
+@pytest.mark.parametrize("where", ["store", "bookkeeping"])
+def test_an_unexpected_error_in_an_async_load_still_reports_the_load(model, monkeypatch, where):
+    """An async load that raises anything (not only the store's typed errors) must still tell vLLM
+    it ended, with its blocks failed: else the request stays in WAITING_FOR_REMOTE_KVS for good,
+    holding its blocks. Kills: catching only KVStoreError/OSError/RuntimeError/ValueError, and a
+    load whose end is reported only when its bookkeeping succeeds."""
+    h = Harness(model, sync_load_blocks=0)
+    prompt = list(range(61, 61 + 3 * BLOCK + 2))
+    h.seed_store(prompt, 3)
+
+    def boom(*args, **kwargs):
+        raise LookupError("an error nobody expected")
+
+    monkeypatch.setattr(h.store if where == "store" else h.worker, "get_many" if where == "store" else "_account",
+                        boom)
+    request = h.add("r1", prompt)
+    h.run_until_empty(seconds=15)
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED  # recomputed, not stuck
+    assert len(h.errors) == 3 and h.worker.totals.data["load_failures"] == 3

@@ -1,8 +1,12 @@
 """Deployment shapes where a KV connector can give silently wrong output, each under vLLM's real
-Scheduler (model outputs mocked) on CPU tensors built with the shapes and strides vLLM uses:
-GPU layouts, kernel-block splitting, LoRA/multimodal/cache-salt keys, pipeline stages, TP and P/D
-on a process-local store, hybrid memory, partial blocks, stale KV after reset, KV events and
-Prometheus series."""
+Scheduler (model outputs mocked) on CPU tensors laid out by vLLM's own allocator: every KV cache
+layout, kernel-block splitting, LoRA/multimodal/prompt-embeds/cache-salt keys, partial blocks,
+pipeline stages and ranks, TP and P/D on a process-local store, context parallelism, unsupported
+KV cache groups, stale KV after a weight update, config the fingerprint must cover, layout
+mismatches, late layer-by-layer loads, KV events and Prometheus series.
+
+Where a test names a broken variant ("Kills: ..."), that variant was applied to a throwaway copy
+of the tree and the test failed on it."""
 from __future__ import annotations
 
 import time
@@ -15,49 +19,31 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is part of the test install (scripts/install-test-deps.sh)")
 
 import torch  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec  # noqa: E402
-from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 import kvstore  # noqa: E402
-from kvstore.errors import UnsupportedDeployment  # noqa: E402
+from kvstore.errors import UnsupportedDeployment, UnsupportedKVLayout  # noqa: E402
+from kvstore.integrations.vllm import parallel  # noqa: E402
 from kvstore.integrations.vllm.connector import KVStoreConnector  # noqa: E402
 from kvstore.integrations.vllm.fingerprint import all_rank_fingerprints, fingerprint_from_vllm  # noqa: E402
-from kvstore.integrations.vllm.request_keys import request_hashes  # noqa: E402
+from kvstore.integrations.vllm.kv_cache_io import KVCacheIO  # noqa: E402
+from kvstore.integrations.vllm.request_keys import request_hashes, request_keys  # noqa: E402
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
 from kvstore.keys import ModelFingerprint  # noqa: E402
-from vllm_harness import BLOCK, HEAD, HEADS, Harness, kv_cache_config, vllm_config  # noqa: E402
+from vllm_harness import (BLOCK, HEAD, HEADS, Harness, allocate, fake_backend, full_spec, kv_cache_config,  # noqa: E402
+                          layer_names, physical_bytes, vllm_config)
 
-LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-CHANNELS = 2 * HEAD
+LAYERS = layer_names(2)
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return build_tiny_model(str(tmp_path_factory.mktemp("shapes-model")))
-
-
-BACKINGS: dict[int, torch.Tensor] = {}  # data_ptr -> the LBNHC allocation behind the layer views
-
-
-def lbnhc(num_blocks: int) -> dict[str, torch.Tensor]:
-    """vLLM's default GPU layout: one allocation [layer, block, token, head, channel], each layer seen
-    as the logical [block, head, token, channel] — a block's slice is not contiguous."""
-    backing = torch.zeros(len(LAYERS), num_blocks, BLOCK, HEADS, CHANNELS)
-    BACKINGS[backing.data_ptr()] = backing
-    return {name: backing[i].permute(0, 2, 1, 3) for i, name in enumerate(LAYERS)}
-
-
-def flash_attention(num_blocks: int) -> dict[str, torch.Tensor]:
-    """FlashAttention's per-layer [2 (K, V), block, token, head, head size]: K and V are two runs."""
-    return {name: torch.zeros(2, num_blocks, BLOCK, HEADS, HEAD) for name in LAYERS}
-
-
-def kernel_split(num_blocks: int) -> dict[str, torch.Tensor]:
-    """An attention kernel with half the scheduler's block size: twice as many, half-size blocks."""
-    return {name: torch.zeros(2 * num_blocks, HEADS, BLOCK // 2, CHANNELS) for name in LAYERS}
 
 
 def wait_running(h: Harness, request, seconds: float = 10.0) -> None:
@@ -68,123 +54,275 @@ def wait_running(h: Harness, request, seconds: float = 10.0) -> None:
     assert request.status == RequestStatus.RUNNING
 
 
-def physical_block(h: Harness, layer: int, block_id: int) -> torch.Tensor:
-    """A block's bytes of one layer, read independently of the connector's geometry code."""
-    tensor = h.kv_caches[LAYERS[layer]]
-    backing = BACKINGS.get(h.kv_caches[LAYERS[0]].data_ptr())
-    if backing is not None:
-        return backing[layer, block_id].reshape(-1)  # [token, head, channel] of one block: contiguous
-    if tensor.shape[0] == 2:  # FlashAttention: K run then V run
-        return torch.cat([tensor[0, block_id].reshape(-1), tensor[1, block_id].reshape(-1)])
-    ratio = tensor.shape[0] // h.num_blocks  # kernel blocks per scheduler block
-    return tensor[block_id * ratio:(block_id + 1) * ratio].reshape(-1)
+def layer_bytes(h: Harness, name: str, block_id: int) -> torch.Tensor:
+    """One layer's bytes of one scheduler block, in storage order (independent of the connector)."""
+    return physical_bytes(h.block(name, block_id))
 
 
-LOAD_MODES = {"async": {"sync_load_blocks": 0}, "in-step": {},
-              "layer-by-layer": {"layerwise_load_blocks": 1}}
+def plain_request(prompt: list[int], **kwargs) -> SimpleNamespace:
+    return SimpleNamespace(prompt_token_ids=prompt, cache_salt=None, lora_request=None, mm_features=None,
+                           prompt_embeds=None, **kwargs)
+
+
+# vLLM's layouts: the CPU's LBHNC, GPU ones (LBNHC: a block's [H, N, C] permuted, not contiguous;
+# BLNHC/BLHNC: every layer of a block side by side; LHBNC: heads outside blocks, one run per head),
+# and a kernel that splits each 16-token block into two 8-token kernel blocks.
+LAYOUTS = {"LBHNC": ("LBHNC", None), "LBNHC": ("LBNHC", None), "BLNHC": ("BLNHC", None), "BLHNC": ("BLHNC", None),
+           "LHBNC": ("LHBNC", None), "kernel-split": ("LBHNC", [BLOCK // 2]),
+           "kernel-split-LBNHC": ("LBNHC", [BLOCK // 2])}
+LOAD_MODES = {"async": {"sync_load_blocks": 0}, "in-step": {}, "layer-by-layer": {"layerwise_load_blocks": 1}}
+
+
+def harness(model: str, shape: str, **extra) -> Harness:
+    layout, kernel = LAYOUTS[shape]
+    return Harness(model, layout=layout, layers=2, backend=fake_backend(kernel) if kernel else None, **extra)
 
 
 @pytest.mark.parametrize("mode", list(LOAD_MODES))
-@pytest.mark.parametrize("caches", [lbnhc, flash_attention, kernel_split], ids=["LBNHC", "flash", "kernel-split"])
-def test_loads_land_in_gpu_layouts_and_kernel_blocks(model, caches, mode):
-    h = Harness(model, caches=caches, **LOAD_MODES[mode])
+@pytest.mark.parametrize("shape", list(LAYOUTS))
+def test_loads_land_in_every_layout_and_kernel_split(model, shape, mode):
+    h = harness(model, shape, **LOAD_MODES[mode])
     prompt = list(range(3, 3 + 3 * BLOCK + 5))
     data = h.seed_store(prompt, 3)
     request = h.add("r1", prompt)
     wait_running(h, request)
     block_ids = h.scheduler.kv_cache_manager.get_block_ids("r1")[0]
-    per_layer = h.block_bytes() // 4 // len(LAYERS)
+    per_layer = h.block_bytes() // len(LAYERS)
     for i in range(3):
-        for layer in range(len(LAYERS)):
-            landed = physical_block(h, layer, block_ids[i])
-            assert torch.equal(landed, torch.from_numpy(data[i][layer * per_layer:(layer + 1) * per_layer]))
+        for layer, name in enumerate(LAYERS):
+            want = torch.from_numpy(data[i].view(np.uint8)[layer * per_layer:(layer + 1) * per_layer])
+            assert torch.equal(layer_bytes(h, name, block_ids[i]), want)
     # Only the layer-by-layer load leaves the forward pass anything to wait for, layer by layer.
     assert (h.worker.totals.data.get("layer_wait_seconds", 0) > 0) == (mode == "layer-by-layer")
     assert h.worker.totals.data["loaded_blocks"] == 3 and not h.errors
     h.run_until_empty()
 
 
-def block_major(num_blocks: int) -> dict[str, torch.Tensor]:
-    """vLLM's CPU layout, two layers: [block, head, token, channel]."""
-    return {name: torch.zeros(num_blocks, HEADS, BLOCK, CHANNELS) for name in LAYERS}
-
-
 def test_layer_by_layer_loads_leave_the_new_token_kv_the_forward_wrote(model, monkeypatch):
     """vLLM writes a layer's new-token KV into the last, partly loaded block before that layer waits
     for its load: a load landing afterwards would overwrite it (or fail its checksum)."""
-    h = Harness(model, caches=block_major, layerwise_load_blocks=1)
+    h = Harness(model, layers=2, layerwise_load_blocks=1)
     prompt = list(range(9, 9 + 2 * BLOCK + 5))
     h.add("r1", prompt)
     h.run_until_empty()
     h.scheduler.reset_prefix_cache()
-    read = h.worker._read
+    get_many = h.store.get_many
 
-    def slow_read(blocks, progress=None):  # the forward runs ahead of the layer loads
-        if progress is not None:
+    def slow_get_many(*args, **kwargs):  # the forward runs ahead of the layer loads
+        if kwargs.get("on_stage") is not None:
             time.sleep(0.3)
-        return read(blocks, progress)
+        return get_many(*args, **kwargs)
 
-    monkeypatch.setattr(h.worker, "_read", slow_read)
+    monkeypatch.setattr(h.store, "get_many", slow_get_many)
     h.add("r2", prompt)
     last = {}
 
     def write_new_token(name: str, tensor: torch.Tensor) -> None:
         last[name] = h.scheduler.kv_cache_manager.get_block_ids("r2")[0][2]
-        tensor[last[name]].fill_(7.0)
+        h.block(name, last[name]).fill_(7.0)
 
     h.step(before_layer=write_new_token)
     assert h.worker.totals.data["layer_wait_seconds"] > 0 and not h.errors
     assert h.worker.totals.data["hit_tokens"] == len(prompt) - 1
-    for name, tensor in h.kv_caches.items():
-        assert torch.all(tensor[last[name]] == 7.0)
+    for name in LAYERS:
+        assert torch.all(h.block(name, last[name]) == 7.0)
     h.run_until_empty()
 
 
-@pytest.mark.parametrize("caches", [lbnhc, flash_attention, kernel_split], ids=["LBNHC", "flash", "kernel-split"])
-def test_saved_blocks_load_back_identical_in_gpu_layouts(model, caches):
-    h = Harness(model, sync_load_blocks=0, caches=caches)
+def test_a_layer_load_past_its_deadline_fails_the_step_and_never_writes_late(model, monkeypatch):
+    """wait_for_layer_load gives up on a layer that has not landed: the step's blocks must be
+    reported failed (vLLM then drops the step's output and recomputes), and the load, still
+    running, must never write into those blocks afterwards (vLLM recomputes into them or gives
+    them to another request). Kills: a timeout that only stops waiting (no failure reported), and
+    a late load that lands in the cache after the deadline."""
+    h = Harness(model, layers=2, layerwise_load_blocks=1, layer_load_timeout_s=0.3)
+    prompt = list(range(40, 40 + 3 * BLOCK))  # 3 full blocks: 2 load layer by layer
+    data = h.seed_store(prompt, 3)
+    get_many = h.store.get_many
+    landed = []
+
+    def late_get_many(*args, **kwargs):  # the store answers long after the forward gave up
+        if kwargs.get("on_stage") is not None:
+            time.sleep(1.0)
+            result = get_many(*args, **kwargs)
+            landed.append(time.monotonic())
+            return result
+        return get_many(*args, **kwargs)
+
+    monkeypatch.setattr(h.store, "get_many", late_get_many)
+    request = h.add("r1", prompt)
+    h.step()  # the forward waits 0.3 s for layer 0, gives up: the step's blocks fail
+    ids = h.scheduler.kv_cache_manager.get_block_ids("r1")[0][:2]
+    assert set(ids) <= h.errors, (ids, h.errors)
+    assert h.worker.totals.data["load_failures"] >= 2
+    for name in LAYERS:  # vLLM recomputes into the blocks: play that
+        for block_id in ids:
+            h.block(name, block_id).fill_(-3.0)
+    deadline = time.monotonic() + 5
+    while not landed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    assert landed, "the slow load never finished"
+    for name in LAYERS:
+        for block_id in ids:
+            assert torch.all(h.block(name, block_id) == -3.0), "the cancelled load wrote into the cache"
+    assert request.num_computed_tokens < len(prompt)  # the output of the failed step was not kept
+    monkeypatch.setattr(h.store, "get_many", get_many)
+    h.run_until_empty()
+    assert data
+
+
+@pytest.mark.parametrize("shape", ["LBHNC", "LBNHC", "BLNHC", "LHBNC", "kernel-split"])
+def test_saved_blocks_load_back_identical_in_every_layout(model, shape):
+    h = harness(model, shape, sync_load_blocks=0)
     torch.manual_seed(0)
-    for tensor in h.kv_caches.values():  # "the forward pass": every slot holds distinct values
+    for name in LAYERS:  # "the forward pass": every slot holds distinct values
+        tensor = h.kv_caches[name]
         tensor.copy_(torch.randn(tensor.shape))
     prompt = list(range(5, 5 + 2 * BLOCK + 3))
     h.add("r1", prompt)
     h.step()
     saved_ids = h.scheduler.kv_cache_manager.get_block_ids("r1")[0][:3]  # 2 full blocks + the partial one
-    expected = {i: [physical_block(h, i, b).clone() for b in saved_ids] for i in range(len(LAYERS))}
+    expected = {name: [h.block(name, b).clone() for b in saved_ids] for name in LAYERS}
     h.run_until_empty()
     assert h.worker.totals.data["saved_blocks"] == 3
-    for tensor in h.kv_caches.values():
-        tensor.zero_()
+    for name in LAYERS:
+        h.kv_caches[name].zero_()
     h.scheduler.reset_prefix_cache()  # vLLM's own cache is gone: the blocks must come from the store
     request = h.add("r2", prompt)
     wait_running(h, request)
     assert h.worker.totals.data["hit_tokens"] == len(prompt) - 1  # only the last token is left to compute
     loaded_ids = h.scheduler.kv_cache_manager.get_block_ids("r2")[0][:3]
-    for i in range(len(LAYERS)):
-        for want, b in zip(expected[i], loaded_ids):
-            assert torch.equal(physical_block(h, i, b), want)
+    for name in LAYERS:
+        for want, b in zip(expected[name], loaded_ids):
+            assert torch.equal(h.block(name, b), want)
     h.run_until_empty()
 
 
-def test_lora_multimodal_and_salt_are_part_of_the_key(model):
+@pytest.mark.parametrize("layout", ["LBNHC", "LHBNC"])
+def test_the_device_path_copies_into_the_cache_not_into_a_reshaped_copy(model, layout):
+    """Device caches go through host staging (KVCacheIO with staging; here on CPU tensors in layouts
+    whose block view is not contiguous). Kills: a copy through `reshape`/`view(-1)` of the block,
+    which silently writes into a temporary copy, and a stage that reads a reshaped copy out of order."""
+    config = vllm_config(model, layout=layout)
+    kv_config = kv_cache_config(8, groups=[(full_spec(), LAYERS)], config=config)
+    caches = allocate(config, kv_config, fake_backend())
+    assert not h_block(caches[LAYERS[0]], 3).is_contiguous()  # what makes a reshape copy
+    with kvstore.open("memory://device-path", dram="16MiB") as store:
+        io = KVCacheIO(store.engine, caches, 8, [LAYERS], staged=True)
+        assert not io.on_host
+        data = np.random.default_rng(1).integers(0, 255, io.block_bytes[0], dtype=np.uint8)
+        io.write_block(0, 3, data)
+        per_layer = io.block_bytes[0] // len(LAYERS)
+        for layer, name in enumerate(LAYERS):
+            assert torch.equal(physical_bytes(h_block(caches[name], 3)),
+                               torch.from_numpy(data[layer * per_layer:(layer + 1) * per_layer]))
+            assert not torch.any(h_block(caches[name], 2).view(torch.uint8)) and \
+                not torch.any(h_block(caches[name], 4).view(torch.uint8))  # neighbours untouched
+        staged = np.zeros(io.block_bytes[0], np.uint8)
+        for layer in range(len(LAYERS)):
+            io.stage_layer(layer, 3, staged)
+        assert np.array_equal(staged, data)
+        io.close()
+
+
+def h_block(tensor: torch.Tensor, block_id: int) -> torch.Tensor:
+    return tensor[block_id]
+
+
+def test_the_block_dimension_comes_from_vllm_not_from_a_coincidental_size(model):
+    """vLLM lays each layer out as [kernel blocks, heads, tokens, channels]: with a kernel that
+    halves each block and as many heads as blocks, a dimension of size num_blocks exists that is
+    not the block dimension. Kills: taking the first dimension whose size equals num_blocks (or a
+    multiple of it) instead of vLLM's block dimension and the backend's kernel block size."""
+    heads, blocks = 8, 8
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=HEAD, dtype=torch.float32)
+    h = Harness(model, num_blocks=blocks, groups=[(spec, LAYERS)], backend=fake_backend([BLOCK // 2]))
+    tensor = h.kv_caches[LAYERS[0]]
+    assert tensor.shape[0] == 2 * blocks and tensor.shape[1] == blocks  # heads == blocks: the trap
+    prompt = list(range(60, 60 + 2 * BLOCK + 1))
+    data = h.seed_store(prompt, 2)
+    request = h.add("r1", prompt)
+    wait_running(h, request)
+    block_ids = h.scheduler.kv_cache_manager.get_block_ids("r1")[0]
+    per_layer = h.block_bytes() // len(LAYERS)
+    assert h.block_bytes() == 2 * BLOCK * heads * 2 * HEAD * 4  # 2 layers x block x heads x K|V x fp32
+    for i in range(2):
+        for layer, name in enumerate(LAYERS):
+            want = torch.from_numpy(data[i].view(np.uint8)[layer * per_layer:(layer + 1) * per_layer])
+            assert torch.equal(layer_bytes(h, name, block_ids[i]), want)
+    h.run_until_empty()
+
+
+def test_a_cache_whose_backend_vllm_does_not_name_is_refused(model):
+    """The kernel block size comes from the layer's attention backend: without one, refuse rather
+    than guess."""
+    config = vllm_config(model)
+    kv_config = kv_cache_config(8, groups=[(full_spec(), LAYERS)], config=config)
+    caches = allocate(config, kv_config, fake_backend())
+    config.compilation_config.static_forward_context.clear()
+    worker = KVStoreConnector(config, KVConnectorRole.WORKER, kv_config)
+    with pytest.raises(UnsupportedKVLayout, match="does not guess"):
+        worker.register_kv_caches(caches)
+    worker.shutdown()
+
+
+def test_a_worker_layout_other_than_the_one_its_blocks_are_keyed_by_is_refused(model):
+    """The fingerprint names the KV cache layout (a block's bytes follow it). Kills: a worker
+    accepting caches in another layout than its fingerprint's."""
+    config = vllm_config(model, layout="LBHNC")
+    kv_config = kv_cache_config(8, groups=[(full_spec(), LAYERS)], config=config)
+    worker = KVStoreConnector(config, KVConnectorRole.WORKER, kv_config)
+    assert worker.fingerprint.kv_layout.endswith(":LBHNC")
+    config.cache_config.kv_cache_layout = "LBNHC"  # what this worker's caches turn out to be
+    caches = allocate(config, kv_cache_config(8, groups=[(full_spec(), LAYERS)], config=config), fake_backend())
+    with pytest.raises(UnsupportedKVLayout, match="VLLM_KV_CACHE_LAYOUT"):
+        worker.register_kv_caches(caches)
+    worker.shutdown()
+
+
+def test_lora_multimodal_prompt_embeds_and_salt_are_part_of_the_key(model):
+    """Kills: dropping prompt embeddings (or any of vLLM's extra keys) from the block keys."""
     h = Harness(model)
     connector = h.scheduler.connector
     prompt = list(range(7, 7 + 2 * BLOCK + 1))
     image = lambda ident: [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,  # noqa: E731
                                                  mm_position=PlaceholderRange(offset=4, length=8))]
+    embeds = lambda seed: torch.randn(len(prompt), 128, generator=torch.Generator().manual_seed(seed))  # noqa: E731
     variants = {"plain": {}, "lora-a": {"lora_request": LoRARequest("a", 1, "/adapters/a")},
                 "lora-b": {"lora_request": LoRARequest("b", 2, "/adapters/b")},
                 "image-1": {"mm_features": image("img-1")}, "image-2": {"mm_features": image("img-2")},
-                "salt": {"cache_salt": "tenant-7"}}
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
+                "salt": {"cache_salt": "tenant-7"}, "embeds-1": {"prompt_embeds": embeds(1)},
+                "embeds-2": {"prompt_embeds": embeds(2)}}
     requests = {name: Request(name, prompt, SamplingParams(max_tokens=1), None, **kw) for name, kw in variants.items()}
     keys = {name: request_hashes(h.fingerprint, r) for name, r in requests.items()}
     assert len({tuple(k) for k in keys.values()}) == len(variants)  # every variant its own chain
+    same = Request("embeds-1-again", prompt, SamplingParams(max_tokens=1), None, prompt_embeds=embeds(1))
+    assert request_hashes(h.fingerprint, same) == keys["embeds-1"]  # the same embeddings: the same KV
     h.seed_store(prompt, 2, hashes=keys["lora-a"])  # KV computed under adapter a
     assert connector.get_num_new_matched_tokens(requests["lora-a"], 0)[0] == 2 * BLOCK
-    for other in ("plain", "lora-b", "image-1", "salt"):
+    for other in ("plain", "lora-b", "image-1", "salt", "embeds-1"):
         assert connector.get_num_new_matched_tokens(requests[other], 0) == (0, False), other
+
+
+def test_the_partial_block_key_depends_on_its_whole_prefix(model):
+    """The same trailing tokens behind two different prefixes are different KV. Kills: keying the
+    tail block without the hash of the block before it."""
+    h = Harness(model)
+    tail = [9, 8, 7, 6, 5]
+    a, b = list(range(10, 10 + BLOCK)) + tail, list(range(30, 30 + BLOCK)) + tail
+    full_a, tail_a = request_keys(h.fingerprint, plain_request(a))
+    full_b, tail_b = request_keys(h.fingerprint, plain_request(b))
+    assert full_a != full_b and tail_a != tail_b
+    # Stored for prompt a (its full block and its tail): prompt b finds neither.
+    h.store.put_many([(k, np.zeros(h.block_bytes(), np.uint8)) for k in full_a + [tail_a]], fingerprint=h.fingerprint)
+    assert h.store.mirror.wait_until(lambda m: m.contains(h.fingerprint, tail_a), 5)
+    connector = h.scheduler.connector
+    # All of a but its last token (vLLM computes that one) comes from the store, the tail included.
+    assert connector.get_num_new_matched_tokens(Request("a", a, SamplingParams(), None), 0)[0] == len(a) - 1
+    assert connector.get_num_new_matched_tokens(Request("b", b, SamplingParams(), None), 0) == (0, False)
 
 
 def test_saves_carry_the_cache_salt_even_with_loading_off(model):
@@ -195,8 +333,7 @@ def test_saves_carry_the_cache_salt_even_with_loading_off(model):
     salted = request_hashes(h.fingerprint, SimpleNamespace(prompt_token_ids=prompt, cache_salt="tenant-9",
                                                            lora_request=None, mm_features=None, prompt_embeds=None))
     assert all(h.store.mirror.contains(h.fingerprint, k) for k in salted[:2])
-    assert h.store.mirror.match(h.fingerprint, request_hashes(h.fingerprint, SimpleNamespace(
-        prompt_token_ids=prompt, cache_salt=None, lora_request=None, mm_features=None, prompt_embeds=None))).length == 0
+    assert h.store.mirror.match(h.fingerprint, request_hashes(h.fingerprint, plain_request(prompt))).length == 0
 
 
 def _parallel_config(tp: int, pp: int, mla: bool = False) -> SimpleNamespace:
@@ -223,19 +360,35 @@ def test_pipeline_stages_and_tp_ranks_never_share_a_fingerprint():
     assert b"pp_rank" not in plain.canonical()
 
 
+def test_a_worker_rank_is_read_from_vllm_never_guessed(monkeypatch):
+    """A worker of a TP/PP world whose rank cannot be read must not take itself for rank 0 (it
+    would save its own layers' KV under stage 0's fingerprint). Kills: falling back to rank 0 on
+    any exception."""
+    import vllm.distributed as distributed
+
+    monkeypatch.setattr(distributed, "get_tensor_model_parallel_rank", lambda: 1)
+    monkeypatch.setattr(distributed, "get_pp_group", lambda: SimpleNamespace(rank_in_group=1))
+    assert parallel.worker_ranks(2, 2) == (1, 1)
+
+    def no_group():
+        raise AssertionError("pipeline model parallel group is not initialized")
+
+    monkeypatch.setattr(distributed, "get_pp_group", no_group)
+    with pytest.raises(UnsupportedDeployment, match="rank"):
+        parallel.worker_ranks(1, 2)
+    assert parallel.worker_ranks(1, 1) == (0, 0)  # a world of one has nothing to read
+
+
 def test_scheduler_counts_only_blocks_every_rank_holds(model):
     h = Harness(model)
     connector = h.scheduler.connector
     other_rank = replace(h.fingerprint, tp_rank=1, tp_world_size=2)
-    connector._rank_fingerprints = [h.fingerprint, other_rank]  # as on a TP=2 engine
+    connector._rank_group_fingerprints = [[h.fingerprint], [other_rank]]  # as on a TP=2 engine
     prompt = list(range(11, 11 + 3 * BLOCK + 1))
     h.seed_store(prompt, 3)  # rank 0 holds 3 blocks, rank 1 holds none
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
     assert connector.get_num_new_matched_tokens(Request("x", prompt, SamplingParams(), None), 0) == (0, False)
-    h.store.put_many([(k, np.zeros(h.block_bytes(), np.uint8)) for k in request_hashes(h.fingerprint, SimpleNamespace(
-        prompt_token_ids=prompt, cache_salt=None, lora_request=None, mm_features=None, prompt_embeds=None))[:2]],
-        fingerprint=other_rank)
+    h.store.put_many([(k, np.zeros(h.block_bytes(), np.uint8)) for k in request_hashes(
+        h.fingerprint, plain_request(prompt))[:2]], fingerprint=other_rank)
     assert h.store.mirror.wait_until(lambda m: m.match(other_rank, connector._requests["x"].hashes).length == 2, 5)
     connector._requests.clear()
     assert connector.get_num_new_matched_tokens(Request("y", prompt, SamplingParams(), None), 0)[0] == 2 * BLOCK
@@ -254,14 +407,75 @@ def test_process_local_store_is_refused_where_it_cannot_be_shared(model):
                      kv_cache_config(8)).shutdown()
 
 
-def test_hybrid_memory_is_refused_at_start(model):
-    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
-    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32,
-                               sliding_window=64)
-    hybrid = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec([LAYERS[0]], full), KVCacheGroupSpec([LAYERS[1]], window)])
-    with pytest.raises(UnsupportedDeployment, match="hybrid"):
-        KVStoreConnector(vllm_config(model), KVConnectorRole.SCHEDULER, hybrid)
+def _finished_params(h: Harness, req_id: str) -> dict | None:
+    return {o.request_id: o.kv_transfer_params for outs in h.outputs for eco in outs.values()
+            for o in eco.outputs if o.finished}[req_id]
+
+
+def _remote_decode_request(h: Harness, req_id: str, prompt: list[int], max_tokens: int = 1) -> Request:
+    return Request(req_id, prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                  extra_args={"kv_transfer_params": {"do_remote_decode": True}}),
+                   None, block_hasher=h.block_hasher)
+
+
+def test_kv_both_on_a_private_store_returns_no_handoff_params(model):
+    """A kv_both engine on an embedded/memory:// store asked for a remote decode: no decode in
+    another process can reach that store, so no parameters (the decode would wait, then recompute).
+    Kills: returning hand-off parameters from a private store."""
+    h = Harness(model, role="kv_both")
+    prompt = list(range(31, 31 + 2 * BLOCK + 4))
+    h.scheduler.add_request(_remote_decode_request(h, "p1", prompt))
+    h.run_until_empty()
+    assert _finished_params(h, "p1") is None
+    shared = Harness(model, role="kv_both", process_local=True)  # prefill and decode share this process
+    shared.scheduler.add_request(_remote_decode_request(shared, "p2", prompt))
+    shared.run_until_empty()
+    assert _finished_params(shared, "p2")["kvstore"]["num_blocks"] == 2
+
+
+def test_an_aborted_prefill_promises_nothing(model):
+    """Kills: returning hand-off parameters for a prefill that did not succeed (aborted)."""
+    h = Harness(model, role="kv_producer", process_local=True)
+    prompt = list(range(41, 41 + 2 * BLOCK + 4))
+    connector = h.scheduler.connector
+    returned = {}
+    finish = connector.request_finished_all_groups
+
+    def recording(request, block_ids):
+        returned[request.request_id] = finish(request, block_ids)
+        return returned[request.request_id]
+
+    connector.request_finished_all_groups = recording
+    h.scheduler.add_request(_remote_decode_request(h, "p1", prompt, max_tokens=8))
+    h.step()
+    h.scheduler.finish_requests(["p1"], RequestStatus.FINISHED_ABORTED)
+    h.run_until_empty()
+    assert returned["p1"][1] is None
+    h.scheduler.add_request(_remote_decode_request(h, "p2", prompt))  # the same prefill, run to the end
+    h.run_until_empty()
+    assert returned["p2"][1]["kvstore"]["num_blocks"] == 2
+
+
+@pytest.mark.parametrize("field_name", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallelism_is_refused_at_start(model, field_name):
+    """With DCP/PCP a scheduler block covers block_size x dcp tokens, sharded over ranks by token.
+    Kills: starting anyway (every load and save would land at the wrong positions)."""
+    config = vllm_config(model)
+    object.__setattr__(config.parallel_config, field_name, 2)
+    with pytest.raises(UnsupportedDeployment, match="context-parallel-size 1"):
+        KVStoreConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(8))
+
+
+def test_cache_groups_kvstore_cannot_restore_exactly_are_refused_with_what_to_set(model):
+    full = full_spec()
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8), (2, 16)), dtypes=(torch.float32, torch.float32))
+    chunked = ChunkedLocalAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32,
+                                        attention_chunk_size=64)
+    for spec, remedy in ((mamba, "Mamba.*--kv-transfer-config"), (chunked, "--disable-hybrid-kv-cache-manager")):
+        hybrid = kv_cache_config(8, groups=[(full, [LAYERS[0]]), (spec, [LAYERS[1]])])
+        with pytest.raises(UnsupportedDeployment, match=remedy):
+            KVStoreConnector(vllm_config(model), KVConnectorRole.SCHEDULER, hybrid)
+    assert issubclass(KVStoreConnector, SupportsHMA)  # vLLM keeps its hybrid KV cache manager on
 
 
 def test_a_smaller_stored_block_is_not_a_hit():
@@ -278,17 +492,59 @@ def test_a_smaller_stored_block_is_not_a_hit():
         assert store.get_many([key], [exact]) == [True] and (exact == 7).all()
 
 
-def test_reset_cache_stops_serving_stale_kv(model):
-    h = Harness(model)
-    connector = h.scheduler.connector
+def test_reset_cache_starts_a_chain_no_other_process_shares(model):
+    """After an in-place weight update (reset_cache) the keys chain from the new weights' version:
+    a version the caller names, else a random one. Kills: a per-process reset counter (two engines
+    that reset once each would share keys under different weights; a restarted engine would match
+    the chain it saved before its reset)."""
+    first, second = Harness(model), Harness(model)
     prompt = list(range(13, 13 + 2 * BLOCK + 1))
-    h.seed_store(prompt, 2)
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-    assert connector.get_num_new_matched_tokens(Request("a", prompt, SamplingParams(), None), 0)[0] == 2 * BLOCK
-    assert connector.reset_cache() is True  # e.g. weights updated in place
-    assert connector.get_num_new_matched_tokens(Request("b", prompt, SamplingParams(), None), 0) == (0, False)
+    a, b = first.scheduler.connector, second.scheduler.connector
+    first.seed_store(prompt, 2)
+    assert a.get_num_new_matched_tokens(Request("a", prompt, SamplingParams(), None), 0)[0] == 2 * BLOCK
+    assert a.reset_cache() is True  # e.g. weights updated in place, no version named
+    assert a.get_num_new_matched_tokens(Request("b", prompt, SamplingParams(), None), 0) == (0, False)
+    assert b.reset_cache() is True
+    assert a._chain.digest != b._chain.digest  # each reset once, with their own weights
+    keys_a = request_hashes(a._chain, plain_request(prompt))
+    assert keys_a != request_hashes(b._chain, plain_request(prompt))
+    # A restarted engine starts from its configured weights: never from another's post-reset chain.
+    restarted = Harness(model).scheduler.connector
+    assert restarted._chain.digest not in (a._chain.digest, b._chain.digest)
+    # A version named by the caller (the same weights pushed to every engine) is shared on purpose.
+    a.reset_cache("rl-step-42"), b.reset_cache("rl-step-42")
+    assert a._chain.digest == b._chain.digest
+    named = Harness(model, weight_version="rl-step-42").scheduler.connector
+    assert named._chain.digest == a._chain.digest
     assert KVStoreConnector.requires_piecewise_for_cudagraph({}) is True  # saves run per layer
+
+
+def test_the_fingerprint_covers_quantization_overrides_and_kv_scales(model):
+    """Two engines of one model path configured differently must not share KV. Kills: a
+    fingerprint blind to quantization, hf_overrides (rope scaling, window) or the KV-scale scheme."""
+    base = fingerprint_from_vllm(vllm_config(model)).digest
+
+    def with_model(**changes) -> str:
+        config = vllm_config(model)
+        for key, value in changes.items():
+            object.__setattr__(config.model_config, key, value)
+        return fingerprint_from_vllm(config).digest
+
+    assert with_model() == base
+    assert with_model(quantization="fp8") != base
+    assert with_model(hf_overrides={"rope_theta": 1234.0}) != base
+    config = vllm_config(model)
+    config.model_config.hf_text_config.rope_scaling = {"rope_type": "linear", "factor": 2.0}
+    assert fingerprint_from_vllm(config).digest != base
+    config = vllm_config(model)
+    config.model_config.hf_text_config.quantization_config = {"kv_cache_scheme": {"type": "float", "num_bits": 8}}
+    assert fingerprint_from_vllm(config).digest != base
+    # Scales each engine computes from its own first batch cannot be shared at all.
+    config = vllm_config(model)
+    object.__setattr__(config.cache_config, "cache_dtype", "fp8")
+    object.__setattr__(config.cache_config, "calculate_kv_scales", True)
+    with pytest.raises(UnsupportedDeployment, match="calculate_kv_scales"):
+        KVStoreConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(8))
 
 
 def test_saved_blocks_are_announced_as_kv_events_and_prometheus_series(model):
@@ -314,10 +570,10 @@ def test_saved_blocks_are_announced_as_kv_events_and_prometheus_series(model):
         connector.take_events()
         stored = [e for e in events if type(e).__name__ == "BlockStored"]
         time.sleep(0.01)
-    keys = request_hashes(h.fingerprint, SimpleNamespace(prompt_token_ids=prompt, cache_salt=None, lora_request=None,
-                                                         mm_features=None, prompt_embeds=None))
+    keys = request_hashes(h.fingerprint, plain_request(prompt))
     assert [e.block_hashes[0] for e in stored] == keys[:2]
     assert stored[1].parent_block_hash == keys[0] and stored[0].token_ids == prompt[:BLOCK]
+    assert {(e.group_idx, e.kv_cache_spec_kind) for e in stored} == {(0, "full_attention")}
     metrics = KVStoreConnector.build_prom_metrics(h.scheduler.vllm_config, {Gauge: Gauge, Counter: Counter,
                                                                            Histogram: Histogram},
                                                   ["engine"], {0: ["0"]})

@@ -15,7 +15,7 @@ def blocks(n: int, size: int = 1024) -> list[tuple[bytes, np.ndarray]]:
 
 def test_full_queue_drops_offload_saves_and_keeps_handoffs():
     gate, stored, done = threading.Event(), [], []
-    writer = SaveWriter(lambda b: (gate.wait(10), stored.extend(b)), max_bytes=4096,  # staging being written counts too
+    writer = SaveWriter(lambda b: (gate.wait(10), stored.extend(b.blocks)), max_bytes=4096,  # staging being written counts too
                         on_done=lambda batch, s, err: done.append(err), handoff_wait_s=5)
     try:
         assert writer.submit(SaveBatch(blocks(2), handoff=False))  # taken by the thread, which blocks

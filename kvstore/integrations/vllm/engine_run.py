@@ -2,7 +2,11 @@
 the tests and the TTFT benchmark to put engines in processes of their own.
 
     python -m kvstore.integrations.vllm.engine_run '{"model": PATH, "connector": {...} | null,
-        "prompts": [[ids...], ...], "max_tokens": 8, "kv_transfer_params": [...] | null}'
+        "prompts": [[ids...], ...], "max_tokens": 8, "kv_transfer_params": [...] | null,
+        "engine": {"max_model_len": 4096, "disable_hybrid_kv_cache_manager": false, ...}}'
+
+The result's "engine" says what vLLM made of the model: whether its hybrid KV cache manager is on,
+its KV cache groups (kind, window, layers) and the KV capacity it reports (tokens, concurrency).
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import sys
 import time
 
 
-def engine(model: str, connector: dict | None, kv_space_gib: int = 1):
+def engine(model: str, connector: dict | None, kv_space_gib: int = 1, **engine_args):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_space_gib))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,8 +29,31 @@ def engine(model: str, connector: dict | None, kv_space_gib: int = 1):
             kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm.connector",
             kv_role=connector.get("role", "kv_both"), kv_connector_extra_config=connector.get("extra", {}),
             kv_load_failure_policy="recompute")  # a failed load costs a recompute, never a failed request
-    return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=4096, max_num_seqs=4,
-               max_num_batched_tokens=4096, disable_log_stats=True, **kwargs)
+    options = dict(dtype="float32", enforce_eager=True, max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=4096,
+                   disable_log_stats=True)
+    options.update(engine_args)
+    return LLM(model=model, **options, **kwargs)
+
+
+def engine_info(llm) -> dict:
+    """What vLLM made of the model (single-process engines): the hybrid KV cache manager's state,
+    the KV cache groups, the KV capacity it reports."""
+    config = llm.llm_engine.vllm_config
+    info = {"hybrid_kv_cache_manager": not config.scheduler_config.disable_hybrid_kv_cache_manager,
+            "kv_cache_size_tokens": config.cache_config.kv_cache_size_tokens,
+            "max_concurrency": config.cache_config.kv_cache_max_concurrency,
+            "max_model_len": config.model_config.max_model_len}
+    try:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        info["num_blocks"] = scheduler.kv_cache_config.num_blocks
+        info["groups"] = [{"kind": get_kv_cache_spec_kind(g.kv_cache_spec).value, "layers": len(g.layer_names),
+                           "window": get_kv_cache_spec_sliding_window(g.kv_cache_spec)}
+                          for g in scheduler.kv_cache_config.kv_cache_groups]
+    except AttributeError:  # a multi-process engine: the scheduler lives elsewhere
+        pass
+    return info
 
 
 def connector_stats() -> dict:
@@ -44,7 +71,7 @@ def connector_stats() -> dict:
 def run(spec: dict) -> dict:
     from vllm import SamplingParams
 
-    llm = engine(spec["model"], spec.get("connector"))
+    llm = engine(spec["model"], spec.get("connector"), **spec.get("engine", {}))
     params = spec.get("kv_transfer_params") or [None] * len(spec["prompts"])
     results = []
     for prompt, transfer in zip(spec["prompts"], params):
@@ -60,7 +87,7 @@ def run(spec: dict) -> dict:
                         "kv_transfer_params": out.kv_transfer_params})
         if spec.get("reset_prefix_cache", True):
             llm.reset_prefix_cache()  # the next prompt must not hit vLLM's own cache
-    return {"results": results, "stats": connector_stats()}
+    return {"results": results, "stats": connector_stats(), "engine": engine_info(llm)}
 
 
 if __name__ == "__main__":

@@ -3,18 +3,29 @@ interchangeable (duck-typed, so it works across vLLM versions without importing 
 
 Each (pipeline stage, tensor rank) stores its own blocks under its own fingerprint; the scheduler
 asks about all of them. MLA keeps one latent cache replicated across TP ranks: one copy is stored,
-under a fingerprint that names no TP rank.
+under a fingerprint that names no TP rank. With hybrid KV cache groups each group is a namespace
+of its own (group_fingerprints). What else decides the KV bytes of a model path — quantization,
+hf_overrides (rope scaling, windows), the checkpoint's KV-scale scheme, the KV cache layout — goes
+into the fingerprint's `revision` as a digest, so differently configured engines never share.
 """
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from typing import Any
 
-from ...keys import ModelFingerprint
+import xxhash
 
+from ...errors import UnsupportedDeployment
+from ...keys import ModelFingerprint
+from .groups import CacheGroup, is_plain
 
 # Block-outer, token-major: a block's bytes across K and V are one run per layer, so loads land
 # with one op per layer and saves copy one slice. CPU's attention backend has a fixed layout.
 GPU_KV_LAYOUT = "BLNHC"
+# hf config keys that never change a KV byte (bookkeeping of the file, not of the model).
+IGNORED_CONFIG_KEYS = ("transformers_version", "_commit_hash", "_name_or_path", "_attn_implementation_autoset",
+                       "_attn_implementation_internal", "torch_dtype", "dtype")
 
 
 def device_type(vllm_config: Any) -> str:
@@ -26,14 +37,71 @@ def required_layout(vllm_config: Any) -> str | None:
     return None if device_type(vllm_config) == "cpu" else GPU_KV_LAYOUT
 
 
+def resolved_layout(vllm_config: Any) -> str | None:
+    """The layout vLLM resolved for this engine (None: not known yet)."""
+    layout = getattr(getattr(vllm_config, "cache_config", None), "kv_cache_layout", None)
+    return str(layout) if layout else None
+
+
 def layout_name(vllm_config: Any, extra: dict) -> str:
-    """The fingerprint's KV layout: the same on the scheduler and on every worker."""
-    layout = required_layout(vllm_config)
+    """The fingerprint's KV layout: the same on the scheduler and on every worker. It names the
+    layout vLLM resolved (the bytes of a block follow it), else the one the connector asks for."""
+    layout = resolved_layout(vllm_config) or required_layout(vllm_config)
     return str(extra.get("kv_layout", f"vllm-paged:{device_type(vllm_config)}" + (f":{layout}" if layout else "")))
 
 
 def uses_mla(vllm_config: Any) -> bool:
     return bool(getattr(vllm_config.model_config, "use_mla", False))
+
+
+def _jsonable(value: Any) -> Any:
+    """A deterministic JSON-able form of a config value (dicts sorted, objects by their repr)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict):
+        return _jsonable(to_dict())
+    if callable(value):  # a repr would hold a memory address: different in every process
+        return f"callable {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__name__)}"
+    return repr(value)
+
+
+def config_facts(vllm_config: Any) -> dict[str, Any]:
+    """What besides the model path decides the KV bytes: quantization, overrides, the model's
+    config as loaded (rope settings, windows, the checkpoint's KV-scale scheme), skipped layers."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    hf = getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
+    hf_dict = hf.to_dict() if hf is not None and callable(getattr(hf, "to_dict", None)) else {}
+    hf_dict = {k: v for k, v in hf_dict.items() if k not in IGNORED_CONFIG_KEYS}
+    return {
+        "quantization": getattr(model, "quantization", None),
+        "hf_overrides": getattr(model, "hf_overrides", None),
+        "hf_config": hf_dict,
+        "kv_cache_dtype_skip_layers": sorted(getattr(cache, "kv_cache_dtype_skip_layers", None) or []),
+    }
+
+
+def config_digest(vllm_config: Any) -> str:
+    facts = json.dumps(_jsonable(config_facts(vllm_config)), sort_keys=True, separators=(",", ":"))
+    return xxhash.xxh3_64_hexdigest(facts.encode())
+
+
+def check_kv_scales(vllm_config: Any) -> None:
+    """KV scales computed by each engine from its first batch make its quantized KV bytes its own:
+    another engine would read them with other scales. Refused (vLLM 0.32 takes them from the
+    checkpoint, which the config digest covers; versions with calculate_kv_scales compute them)."""
+    cache = vllm_config.cache_config
+    quantized = str(getattr(cache, "cache_dtype", "auto")) not in ("auto", "float16", "bfloat16", "float32")
+    if quantized and bool(getattr(cache, "calculate_kv_scales", False) or
+                          getattr(vllm_config.model_config, "calculate_kv_scales", False)):
+        raise UnsupportedDeployment(
+            "calculate_kv_scales computes each engine's KV scales from its own first batch, so its quantized KV "
+            "cannot be shared: set calculate_kv_scales=False (scales from the checkpoint) or kv_cache_dtype=auto")
 
 
 def _stage_layers(model: Any, pp_rank: int, pp_size: int) -> tuple[int, int]:
@@ -62,9 +130,10 @@ def fingerprint_from_vllm(vllm_config: Any, tp_rank: int = 0, extra: dict | None
     if uses_mla(vllm_config):
         tp_rank, tp_size = 0, 1  # the latent cache is the same on every TP rank
     start, end = _stage_layers(model, pp_rank, pp_size) if pp_size > 1 else (0, int(model.get_total_num_hidden_layers()))
+    revision = str(getattr(model, "revision", None) or "")
     return ModelFingerprint(
         model_id=str(model.model),
-        revision=str(getattr(model, "revision", None) or ""),
+        revision=f"{revision}|config {config_digest(vllm_config)}",
         dtype=dtype if kv_dtype == "auto" else kv_dtype,
         block_size=int(cache.block_size),
         num_layers=end - start,
@@ -89,3 +158,19 @@ def all_rank_fingerprints(vllm_config: Any, extra: dict | None = None) -> list[M
     tp_size = 1 if uses_mla(vllm_config) else int(getattr(parallel, "tensor_parallel_size", 1))
     pp_size = int(getattr(parallel, "pipeline_parallel_size", 1))
     return [fingerprint_from_vllm(vllm_config, tp, extra, pp) for pp in range(pp_size) for tp in range(tp_size)]
+
+
+def group_fingerprints(base: ModelFingerprint, groups: list[CacheGroup]) -> list[ModelFingerprint]:
+    """One fingerprint per KV cache group: its index, kind and window in the layout name. A plain
+    model (one full-attention group) keeps `base`."""
+    if is_plain(groups):
+        return [base]
+    return [replace(base, kv_layout=f"{base.kv_layout}|{g.tag(len(groups))}") for g in groups]
+
+
+def chain_fingerprint(base: ModelFingerprint, weight_version: str) -> ModelFingerprint:
+    """The fingerprint block keys are chained from: the weights' version makes a new chain, so
+    KV computed with other weights is never matched (base weights: the empty version)."""
+    if not weight_version:
+        return base
+    return replace(base, cache_salt=f"{base.cache_salt}#weights {weight_version}")

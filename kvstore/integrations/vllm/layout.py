@@ -1,8 +1,8 @@
 """Where one vLLM block's bytes live in the paged KV cache, for any layout vLLM allocates.
 
-vLLM hands the connector one tensor per layer whose strides follow the KV-cache layout (CPU:
-`[B, H, N, 2C]`, block-major; GPU `LBNHC`: a block's `[H, N, C]` view is permuted; FlashAttention's
-`[2, B, N, H, C]`: K and V of a block are two runs). A block is therefore described as byte runs
+vLLM hands the connector one `[B, H, N, C]` view per layer whose strides follow the resolved
+KV-cache layout (LBHNC: a block's `[H, N, C]` is one run; LBNHC: permuted; BLNHC: every layer of a
+block side by side; kernel-block splitting: B counts kernel blocks). A block is therefore described as byte runs
 in the tensor's storage, in physical order, and copied as opaque bytes: never through `reshape`,
 which silently copies a non-contiguous view. Pure torch, no vLLM import.
 """
@@ -36,24 +36,6 @@ class LayerGeometry:
         return [(base + offset, length) for offset, length in self.runs]
 
 
-def block_dim(tensor: torch.Tensor, num_blocks: int | None) -> tuple[int, int]:
-    """(dimension indexing blocks, kernel blocks per scheduler block).
-
-    The first dimension whose size is `num_blocks` (vLLM's logical shapes put blocks before
-    heads, tokens and channels), else the first that is a whole multiple of it (the attention
-    kernel splits each scheduler block into smaller kernel blocks)."""
-    if num_blocks is None:
-        return 0, 1
-    for dim, size in enumerate(tensor.shape):
-        if size == num_blocks:
-            return dim, 1
-    for dim, size in enumerate(tensor.shape):
-        if size > num_blocks and size % num_blocks == 0:
-            return dim, size // num_blocks
-    raise UnsupportedKVLayout(f"KV cache tensor of shape {tuple(tensor.shape)} has no dimension of "
-                              f"{num_blocks} blocks (or a multiple of it)")
-
-
 def _dense_runs(view: torch.Tensor) -> list[tuple[int, int]]:
     """Byte runs (offset from the storage start, length) covering `view`, in physical order."""
     element = view.element_size()
@@ -72,12 +54,20 @@ def _dense_runs(view: torch.Tensor) -> list[tuple[int, int]]:
     return [(s * element, run * element) for s in sorted(starts)]
 
 
-def layer_geometry(tensor: torch.Tensor, num_blocks: int | None) -> LayerGeometry:
-    """Describe `tensor`'s blocks as byte runs; refuse layouts that cannot be copied safely."""
-    dim, ratio = block_dim(tensor, num_blocks)
+def layer_geometry(tensor: torch.Tensor, num_blocks: int, kernel_ratio: int = 1) -> LayerGeometry:
+    """Describe `tensor`'s blocks as byte runs; refuse layouts that cannot be copied safely.
+
+    vLLM hands every layer's cache as a logical `[kernel blocks, heads, tokens, channels]` view
+    (vllm.v1.worker.utils.allocate_kv_cache): blocks are dimension 0, never guessed from sizes.
+    `kernel_ratio` is how many kernel blocks make one scheduler block, from the attention
+    backend's kernel block size (the connector asks vLLM, see KVStoreConnector._kernel_ratios)."""
+    if kernel_ratio < 1 or tensor.dim() < 2 or tensor.shape[0] != num_blocks * kernel_ratio:
+        raise UnsupportedKVLayout(
+            f"KV cache tensor of shape {tuple(tensor.shape)} does not hold {num_blocks} blocks of {kernel_ratio} "
+            "kernel block(s) along dimension 0, as vLLM lays caches out: refusing to guess where blocks are")
     runs: list[tuple[int, int]] = []
-    for kernel_block in range(ratio):  # one scheduler block = `ratio` kernel blocks
-        runs += _dense_runs(tensor.select(dim, kernel_block))
+    for kernel_block in range(kernel_ratio):  # one scheduler block = `kernel_ratio` kernel blocks
+        runs += _dense_runs(tensor.select(0, kernel_block))
     merged: list[tuple[int, int]] = []
     for offset, length in sorted(runs):
         if merged and merged[-1][0] + merged[-1][1] == offset:
@@ -85,11 +75,11 @@ def layer_geometry(tensor: torch.Tensor, num_blocks: int | None) -> LayerGeometr
         else:
             merged.append((offset, length))
     covered = sum(length for _, length in merged)
-    expected = tensor.numel() // tensor.shape[dim] * ratio * tensor.element_size()
+    expected = tensor.numel() // tensor.shape[0] * kernel_ratio * tensor.element_size()
     if covered != expected:
         raise UnsupportedKVLayout(f"KV cache tensor of shape {tuple(tensor.shape)} overlaps itself "
                                   f"(strides {tensor.stride()})")
-    block_stride = tensor.stride(dim) * ratio * tensor.element_size()
+    block_stride = tensor.stride(0) * kernel_ratio * tensor.element_size()
     return LayerGeometry(tensor.untyped_storage().data_ptr(), block_stride, tuple(merged))
 
 

@@ -28,10 +28,16 @@ _clients: dict[tuple[str, str], Client] = {}
 _lock = threading.Lock()
 
 
+def is_private(config: dict[str, Any]) -> bool:
+    """Whether the store is private to this process (embedded or memory://)."""
+    url = str(config.get("metadata", "embedded"))
+    return url == "embedded" or url.startswith("memory://")
+
+
 def check_deployment(config: dict[str, Any], world_size: int, kv_role: str) -> None:
     """Refuse a process-local store where the parties that must share it live in other processes."""
     url = str(config.get("metadata", "embedded"))
-    if not (url == "embedded" or url.startswith("memory://")):
+    if not is_private(config):
         return
     if world_size > 1:
         raise UnsupportedDeployment(

@@ -12,29 +12,30 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
 log = logging.getLogger(__name__)
 
-PutMany = Callable[[Sequence[tuple[bytes, np.ndarray]]], object]
-
-
 @dataclass
 class SaveBatch:
     blocks: list[tuple[bytes, np.ndarray]]
     handoff: bool  # a decode instance waits for these blocks
+    group: int = 0  # the KV cache group (its fingerprint) the blocks belong to
 
     @property
     def nbytes(self) -> int:
         return sum(buf.nbytes for _, buf in self.blocks)
 
 
+PutBatch = Callable[[SaveBatch], object]  # stores one batch (its blocks under its group's fingerprint)
+
+
 class SaveWriter:
     """One background thread storing staged blocks, at most `max_bytes` queued."""
 
-    def __init__(self, put_many: PutMany, max_bytes: int, on_done: Callable[[SaveBatch, float, Exception | None], None],
+    def __init__(self, put_many: PutBatch, max_bytes: int, on_done: Callable[[SaveBatch, float, Exception | None], None],
                  handoff_wait_s: float = 5.0) -> None:
         self._put_many = put_many
         self._max_bytes = max_bytes
@@ -94,7 +95,7 @@ class SaveWriter:
                 self._busy = True
             started, error = time.perf_counter(), None
             try:
-                self._put_many(batch.blocks)
+                self._put_many(batch)
             except Exception as exc:  # noqa: BLE001 - a failed save is a later miss, never a crash
                 error = exc
                 log.warning("kvstore save of %d blocks failed: %s", len(batch.blocks), exc)
