@@ -258,6 +258,15 @@ def run_serve(args: argparse.Namespace) -> int:
     from .access import load_tenants
     from .errors import InsecureFile
 
+    tenants = None  # checked first: a bad file leaves nothing generated behind
+    if args.tenants:
+        if args.insecure:
+            fail(prog, "--tenants needs a cluster secret: drop --insecure (on an open node anyone is anyone)")
+        try:
+            tenants = load_tenants(args.tenants)
+        except (OSError, ValueError) as exc:
+            fail(prog, f"--tenants: {getattr(exc, 'strerror', None) or exc}"
+                       f"{f' ({exc.filename})' if getattr(exc, 'filename', None) else ''}")
     secret = None
     if not args.insecure:
         try:
@@ -272,15 +281,6 @@ def run_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         fail(prog, f"--admin-token-file: {getattr(exc, 'strerror', None) or exc}"
                    f"{f' ({exc.filename})' if getattr(exc, 'filename', None) else ''}")
-    tenants = None
-    if args.tenants:
-        if args.insecure:
-            fail(prog, "--tenants needs a cluster secret: drop --insecure (on an open node anyone is anyone)")
-        try:
-            tenants = load_tenants(args.tenants)
-        except (OSError, ValueError) as exc:
-            fail(prog, f"--tenants: {getattr(exc, 'strerror', None) or exc}"
-                       f"{f' ({exc.filename})' if getattr(exc, 'filename', None) else ''}")
     config = DaemonConfig(node=args.node, metadata=args.metadata, cluster=args.cluster, listen=args.listen,
                           engine_listen=args.engine_listen, wire_port=None if args.wire_port < 0 else args.wire_port,
                           dram_bytes=parse_size(args.dram), disk_dir=args.disk_dir,
