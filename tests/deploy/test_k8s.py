@@ -838,3 +838,60 @@ def test_gen_secrets_makes_private_files_and_keeps_them(tmp_path):
 
 
 _ = (argparse, os, sys)  # imported for the helpers' type hints and for tests run alone
+
+
+def test_the_rendered_daemon_starts_and_reports_ready(rendered, tmp_path, etcd_server):
+    """cpu-dev's daemon container, run for real: its command, arguments, serve.toml and environment
+    as the kubelet would give them (the pod IP 127.0.0.1, etcd the test's, free ports and folders in
+    place of the pod's), answers the gRPC health check its readiness probe makes with SERVING, serves
+    /metrics, and takes a store client with the engines' environment on its same-host path."""
+    import numpy as np
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    import kvstore
+    from transfer import descriptor
+
+    objects = copy.deepcopy(rendered["cpu-dev"])
+    daemonset, container = store(objects)
+    ports = {}
+    for port in container["ports"]:
+        with contextlib.closing(__import__("socket").socket()) as s:
+            s.bind(("127.0.0.1", 0))
+            ports[port["containerPort"]] = s.getsockname()[1]
+    cluster = "k8s" + os.urandom(4).hex()
+    sockets = Path(__import__("tempfile").mkdtemp(prefix="kvs-k8s-"))
+    named(objects, "ConfigMap", "kvstore-cluster")["data"].update(metadata=etcd_server.url, cluster=cluster)
+    _set_config(objects, "kvstore-store-config", "serve.toml", lambda t: re.sub(
+        r"= (\d{4})\n", lambda m: f"= {ports.get(int(m.group(1)), m.group(1))}\n", t)
+        .replace("/var/lib/kvstore/nvme", str(tmp_path / "nvme")))
+    env = {**env_of(objects, daemonset, container), "POD_IP": "127.0.0.1", "KVSTORE_SOCKET_DIR": str(sockets),
+           "HOME": str(tmp_path)}
+    args = [expand(a, env) for a in container["command"] + container["args"]]
+    args = [re.sub(r":(7\d{3})$", lambda m: f":{ports[int(m.group(1))]}", a) for a in args]
+    args = localize(args, mounted_files(objects, daemonset, container, tmp_path / "mounts"))
+    proc = subprocess.Popen(args, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        hello = proc.stdout.readline()
+        assert hello, proc.stderr.read()[-2000:]
+        probe = container["readinessProbe"]["grpc"]["port"]
+        with grpc.insecure_channel(f"127.0.0.1:{ports[probe]}") as channel:
+            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        with __import__("urllib.request").request.urlopen(f"http://127.0.0.1:{json.loads(hello)['metrics_port']}/metrics",
+                                                          timeout=10) as resp:
+            assert b"kvstore_capacity_bytes" in resp.read()
+        engine_env = env_of(objects, named(objects, "StatefulSet", "vllm-decode"),
+                            engine_container(named(objects, "StatefulSet", "vllm-decode")))
+        with environment({**engine_env, "KVSTORE_SOCKET_DIR": str(sockets)}):
+            descriptor.host_id.cache_clear()
+            fp = kvstore.ModelFingerprint("k8s", "float16", block_size=16, num_layers=1, num_kv_heads=1, head_size=64)
+            hashes = kvstore.chain_hashes(fp, list(range(32)))
+            with kvstore.Client(etcd_server.url, cluster=cluster, fingerprint=fp, timeout=5) as client:
+                client.put_many([(h, np.full(fp.block_bytes, 7, np.uint8)) for h in hashes])
+                assert client.stats["local_puts"] > 0  # through /run/kvstore's stand-in, as an engine on the node
+    finally:
+        descriptor.host_id.cache_clear()
+        proc.terminate()
+        proc.wait(30)
+        shutil.rmtree(sockets, ignore_errors=True)
