@@ -88,7 +88,7 @@ class _Connector:
 
     def save(self, request: Request, start: int, end: int, tail: bool) -> None:
         if self.engine.role != "kv_consumer":
-            self.engine.link.save(request, start, end, tail)
+            self.engine.link.save(request, start, end, tail, self.engine.name)
 
 
 class Engine:
@@ -120,8 +120,10 @@ class Engine:
         self.scheduler = Scheduler(self.profile, self.pool, self.root,
                                    _Connector(self) if self.link is not None else None,
                                    events=self.events_endpoint is not None)
+        cache_config = {"block_size": self.profile.block_size, "num_gpu_blocks": self.profile.num_gpu_blocks,
+                        "enable_prefix_caching": True, "cache_dtype": "auto", "gpu_memory_utilization": 0.9}
         self.metrics = EngineMetrics(self.profile.model, 0, lambda: float(len(self.scheduler.running)),
-                                     lambda: float(self.scheduler.num_waiting()), self.pool.usage)
+                                     lambda: float(self.scheduler.num_waiting()), self.pool.usage, cache_config)
         self.deliveries: dict[Request, Delivery] = {}
         self.wake = asyncio.Event()
         self.publisher = Publisher(self.events_endpoint, self.replay_endpoint) if self.events_endpoint else None

@@ -45,7 +45,7 @@ class FleetConfig:
     faults: dict[int, Faults] = field(default_factory=dict)
     control_port: int | None = None
     seed: int = 0
-    store_threads: int = 4
+    store_threads: int = 2  # loading threads per engine (the connector's)
     overrides: dict[str, Any] = field(default_factory=dict)  # Profile fields
 
     def profile_obj(self) -> Profile:

@@ -63,7 +63,7 @@ class Histogram:
 
 class EngineMetrics:
     def __init__(self, model: str, index: int, running: Callable[[], float], waiting: Callable[[], float],
-                 usage: Callable[[], float]) -> None:
+                 usage: Callable[[], float], cache_config: dict[str, object] | None = None) -> None:
         self.labels = f'engine="{index}",model_name="{model}"'
         self.gauges = {"num_requests_running": running, "num_requests_waiting": waiting, "kv_cache_usage_perc": usage}
         self.success = dict.fromkeys(REASONS, 0)
@@ -72,10 +72,14 @@ class EngineMetrics:
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(LATENCY_BUCKETS)
         self.queue = Histogram(LATENCY_BUCKETS)
+        # vLLM's info gauge of its CacheConfig (a gauge at 1, the settings as labels), engine last
+        info = {k: str(v) for k, v in (cache_config or {}).items()}
+        self.cache_info = ",".join(f'{k}="{v}"' for k, v in sorted(info.items())) + f',engine="{index}"'
 
     def render(self, stats: dict[str, float]) -> bytes:
         lab = self.labels
-        lines: list[str] = []
+        lines: list[str] = ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+                            "# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{self.cache_info}}} 1.0"]
         for name, read in self.gauges.items():
             lines += [f"# HELP vllm:{name} {GAUGES[name]}", f"# TYPE vllm:{name} gauge",
                       f"vllm:{name}{{{lab}}} {_value(read())}"]

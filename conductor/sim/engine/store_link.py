@@ -69,21 +69,33 @@ class LinkStats:
 
 
 class StoreLink:
-    """Shared by every engine of the process (one client, as one connector per process)."""
+    """Shared by every engine of the process (one client); each engine has the connector's threads of
+    its own: two loading (`kvstore-load`), one saving in order (`SaveWriter`), so one engine's saves
+    never queue behind another's, as in separate vLLM processes."""
 
     def __init__(self, client, profile: Profile, bytes_scale: int, *, remote_wait_s: float = 5.0,
-                 threads: int = 4) -> None:
+                 threads: int = 2) -> None:
         self.client, self.profile = client, profile
         self.fingerprint = fingerprint_for(profile, bytes_scale)
         self.nbytes = max(16, profile.block_bytes // bytes_scale)
         self.position = ((np.arange(self.nbytes, dtype=np.uint32) * 131) >> 3).astype(np.uint8)
         self.remote_wait_s = remote_wait_s
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="standin-store")
+        self.load_threads = threads
+        self.loaders: dict[str, ThreadPoolExecutor] = {}
+        self.writers: dict[str, ThreadPoolExecutor] = {}
         self.stats = LinkStats()
         self.saving: set[asyncio.Future] = set()
 
+    def _executor(self, table: dict[str, ThreadPoolExecutor], engine: str, threads: int,
+                  name: str) -> ThreadPoolExecutor:
+        pool = table.get(engine)
+        if pool is None:
+            pool = table[engine] = ThreadPoolExecutor(threads, thread_name_prefix=f"{name}-{engine}")
+        return pool
+
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=False)
+        for pool in [*self.loaders.values(), *self.writers.values()]:
+            pool.shutdown(wait=True, cancel_futures=False)
 
     # ------------------------------------------------------------------ keys
     def keys(self, request: Request) -> list[bytes]:
@@ -145,7 +157,8 @@ class StoreLink:
         wait = self.remote_wait_s if PARAMS_KEY in (request.kv_params or {}) else 0.0
         started = time.perf_counter()
         try:
-            good = await asyncio.get_running_loop().run_in_executor(self.pool, self._read, keys, wait)
+            pool = self._executor(self.loaders, engine, self.load_threads, "standin-load")
+            good = await asyncio.get_running_loop().run_in_executor(pool, self._read, keys, wait)
         except Exception as exc:  # a failed load is a recompute, never a crash
             log.warning("load of %d blocks failed: %s", len(keys), exc)
             good = 0
@@ -192,7 +205,7 @@ class StoreLink:
         return good
 
     # ------------------------------------------------------------------ after a prefill
-    def save(self, request: Request, start: int, end: int, tail: bool) -> None:
+    def save(self, request: Request, start: int, end: int, tail: bool, engine: str = "") -> None:
         keys = self.keys(request)
         full = request._store_full  # type: ignore[attr-defined]
         wanted = keys[start:min(end, full)]
@@ -200,7 +213,8 @@ class StoreLink:
             wanted.append(keys[full])
         if not wanted:
             return
-        future = asyncio.get_running_loop().run_in_executor(self.pool, self._write, wanted)
+        writer = self._executor(self.writers, engine, 1, "standin-save")
+        future = asyncio.get_running_loop().run_in_executor(writer, self._write, wanted)
         self.saving.add(future)
         future.add_done_callback(self.saving.discard)
 
