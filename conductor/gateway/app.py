@@ -233,7 +233,8 @@ class Gateway:
         self.metrics.cached_tokens.inc(route.cached_tokens)
         # A colocated request prefills at its decode engine: that engine's queue until the first token.
         local = 0 if route.prefill else max(0, prompt_tokens - route.cached_tokens)
-        return await self._decode(request, kind, body, route, kv_params, hashes, timing, local)
+        return await self._decode(request, kind, body, route, kv_params, hashes, timing, local,
+                                  prompt_tokens + output_tokens)
 
     async def _prefill(self, kind: str, body: dict, route: Route, hashes: list[bytes], prompt_tokens: int,
                        output_tokens: int, session: str | None, disaggregate: bool,
@@ -266,7 +267,8 @@ class Gateway:
             self.router.store_enabled = False
 
     async def _decode(self, request: web.Request, kind: str, body: dict, route: Route, kv_params: dict | None,
-                      hashes: list[bytes], timing: Timing, local_tokens: int = 0) -> web.StreamResponse:
+                      hashes: list[bytes], timing: Timing, local_tokens: int = 0,
+                      kv_tokens: int = 0) -> web.StreamResponse:
         engine = route.decode
         tried: set[str] = set()
         raw = await request.read()  # read (and kept by aiohttp) in _body: forwarded as is when unchanged
@@ -274,6 +276,7 @@ class Gateway:
             current = engine  # (a retry picks another engine; the counts stay with this one)
             current.inflight += 1
             current.inflight_tokens += local_tokens
+            current.inflight_kv += kv_tokens
             try:
                 try:
                     resp, first = await open_decode(self.session, current, kind, body, kv_params,
@@ -297,6 +300,7 @@ class Gateway:
                 return await self._answer(request, body, resp, first, current, timing)
             finally:
                 current.inflight -= 1
+                current.inflight_kv -= kv_tokens
         raise AssertionError("unreachable")
 
     async def _answer(self, request: web.Request, body: dict, resp: aiohttp.ClientResponse, first: bytes,

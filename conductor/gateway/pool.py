@@ -27,6 +27,8 @@ class Engine:
     models: list[str] = field(default_factory=list)
     inflight: int = 0  # this gateway's requests there now
     inflight_tokens: int = 0  # their uncached prompt tokens (the prefill queue it caused)
+    inflight_kv: int = 0  # the KV tokens they hold or will hold there (prompt + output)
+    kv_capacity: int | None = None  # tokens of KV cache (vllm:cache_config_info), when it says
     failures: int = 0
     checked_at: float = 0.0
 
@@ -48,6 +50,11 @@ def parse_load(text: str) -> dict[str, float]:
     scraped every second."""
     out = {v: 0.0 for v in _GAUGES.values()}
     for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            capacity = _capacity(line)
+            if capacity:
+                out["kv_capacity"] = out.get("kv_capacity", 0.0) + capacity
+            continue
         if not line.startswith("vllm:num_requests_") and not line.startswith("vllm:kv_cache_usage_perc"):
             continue
         name, _, rest = line.partition("{")
@@ -62,6 +69,15 @@ def parse_load(text: str) -> dict[str, float]:
             except (IndexError, ValueError):
                 raise ValueError(f"unreadable sample: {line[:200]!r}") from None
     return out
+
+
+def _capacity(line: str) -> float | None:
+    """Tokens of KV cache from vLLM's `vllm:cache_config_info` labels: num_gpu_blocks x block_size."""
+    labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.rindex("}")].split(",") if "=" in part)
+    try:
+        return float(labels["num_gpu_blocks"].strip('"')) * float(labels["block_size"].strip('"'))
+    except (KeyError, ValueError):
+        return None
 
 
 class Pool:
@@ -99,6 +115,7 @@ class Pool:
                     load = parse_load(await resp.text())
                 engine.running, engine.waiting = int(load["running"]), int(load["waiting"])
                 engine.kv_usage = load["kv_usage"]
+                engine.kv_capacity = int(load["kv_capacity"]) if load.get("kv_capacity") else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as exc:
             ok = False
             why = f"health check failed: {type(exc).__name__}: {exc}"

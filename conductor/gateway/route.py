@@ -23,6 +23,13 @@ class Route:
     predicted_ttft_ms: float
 
 
+KV_HEADROOM = 0.95  # an engine whose KV cache would be fuller than this with the request is avoided
+# Colocated: engines predicted within this much of the best TTFT count as equally fast, and the one
+# with the fewest requests in flight takes it (see Router._spread).
+SPREAD_SLACK_MS = 50.0
+SPREAD_SLACK_SHARE = 0.25
+
+
 class Router:
     def __init__(self, pool: Pool, tracker: PrefixTracker, fingerprint: ModelFingerprint, *, mirror=None,
                  policy: str = "cache_global+sticky", cost: CostModel | None = None, slo: Slo | None = None,
@@ -39,6 +46,37 @@ class Router:
         waiting = max(engine.waiting * self.block_tokens, engine.inflight_tokens)
         return self.cost.prefill_ms(waiting, waiting) + self.cost.decode_step_ms(engine.running, 0) * (engine.running > 0)
 
+    @staticmethod
+    def kv_load(engine: Engine) -> float | None:
+        """KV tokens the engine holds or will hold: what it reported (up to a scrape old) or what this
+        gateway has sent it since (prompt + output of its requests there), the larger; None when
+        its KV capacity is unknown."""
+        if not engine.kv_capacity:
+            return None
+        return max(engine.kv_usage * engine.kv_capacity, float(engine.inflight_kv))
+
+    def fits(self, engine: Engine, tokens: int) -> bool:
+        """Would `tokens` more KV fit without the engine preempting (or queueing for blocks)?"""
+        load = self.kv_load(engine)
+        return load is None or load + tokens <= KV_HEADROOM * engine.kv_capacity
+
+    def _decode_order(self, engine: Engine) -> tuple:
+        load = self.kv_load(engine)
+        return (0.0 if load is None else load / engine.kv_capacity, engine.inflight + engine.running, engine.url)
+
+    def _spread(self, best, request: RouteRequest, views: list[InstanceView], engines: list[Engine]):
+        """A colocated engine's prefill chunks share its steps with its decodes: every request placed
+        there stretches the inter-token gaps of those already decoding. With a store pool any engine
+        can load a prefix (tens of ms), so a local prefix is worth little next to that: among the
+        engines predicted nearly as fast as the best, the least busy one. (In front of 12 stand-ins
+        at load 0.9, picking the best alone put 35-119 requests on each engine and doubled TPOT p50
+        against vllm-router kv_aware, 39 vs 23 ms.)"""
+        slack = max(SPREAD_SLACK_MS, SPREAD_SLACK_SHARE * best.predicted_ttft_ms)
+        busy = {e.url: (e.inflight, e.running) for e in engines}
+        near = [self.policy.estimate(request, v) for v in views]
+        near = [c for c in near if c.predicted_ttft_ms <= best.predicted_ttft_ms + slack]
+        return min(near, key=lambda c: (busy[c.instance], c.predicted_ttft_ms, c.instance), default=best)
+
     def store_prefix_tokens(self, hashes: Sequence[bytes], prompt_tokens: int) -> int:
         if not self.store_enabled or not hashes:
             return 0
@@ -53,14 +91,19 @@ class Router:
         prefills = [e for e in self.pool.role("prefill") if e.url not in exclude]
         store = self.store_prefix_tokens(hashes, prompt_tokens)
         request = RouteRequest(prompt_tokens, output_tokens, store, session)
-        candidates = prefills or decodes  # colocated: the decode engines prefill too
+        # Engines whose KV cache would overflow with this request preempt (recompute) or hold it back:
+        # the others first. Every cache-aware pick piles requests where prefixes are; this is what stops it.
+        roomy = [e for e in decodes if self.fits(e, prompt_tokens + output_tokens)] or decodes
+        candidates = prefills or roomy  # colocated: the decode engines prefill too
         views = [InstanceView(e.url, self.queue_ms(e),
                               min(self.tracker.prefix_blocks(e.url, hashes) * self.block_tokens, prompt_tokens))
                  for e in candidates]
         choice = self.policy.choose(request, views)
+        if not prefills and session is None and len(views) > 1:
+            choice = self._spread(choice, request, views, candidates)
         picked = next(e for e in candidates if e.url == choice.instance)
         if prefills:
-            decode = min(decodes, key=lambda e: (e.inflight + e.running, e.url))
+            decode = min(roomy, key=self._decode_order)
             # What the decode engine would not have to compute: its own cache, or the store's blocks.
             reusable = max(store, min(self.tracker.prefix_blocks(decode.url, hashes) * self.block_tokens, prompt_tokens))
             uncached = prompt_tokens - reusable
