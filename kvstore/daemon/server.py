@@ -27,7 +27,7 @@ from ..access import AccessRules
 from ..admin.service import AdminService
 from ..admin.v1 import admin_pb2, admin_pb2_grpc
 from ..aio import shared_loop
-from ..errors import KVStoreError, MetadataError
+from ..errors import KVStoreError, MetadataError, NoStoreNodes
 from ..index.records import Layout, NodeRecord, check_name
 from ..metadata import open_metadata
 from ..store.v1 import store_pb2, store_pb2_grpc
@@ -362,16 +362,26 @@ class Daemon:
         return client
 
     def _drain_chunk(self, chunk, client, progress) -> None:
-        by_fp: dict[str, list[tuple[bytes, bytes]]] = {}
+        # Blocks grouped by who else holds them: this node's copy moves to a node that lacks the
+        # block, so a drain never lowers a block's replica count by landing on another holder.
+        groups: dict[tuple[str, frozenset[str]], list[tuple[bytes, bytes]]] = {}
         for (fingerprint, block_hash), _ in chunk:
             data = self.store.read_block((fingerprint, block_hash)) if client is not None else None
             if data is not None:
-                by_fp.setdefault(fingerprint, []).append((block_hash, data))
+                others = frozenset(client.mirror.lookup(fingerprint, block_hash)) - {self.config.node}
+                groups.setdefault((fingerprint, others), []).append((block_hash, data))
         copied: set[tuple[str, bytes]] = set()
-        for fingerprint, items in by_fp.items():
+        for (fingerprint, others), items in groups.items():
             try:
-                client.put_many(items, fingerprint=fingerprint, replicas=1)  # a move: this node's copy
+                client.put_many(items, fingerprint=fingerprint, replicas=1,  # a move: this node's copy
+                                exclude=others | {self.config.node})
                 copied.update((fingerprint, h) for h, _ in items)
+            except NoStoreNodes:
+                if others:  # every node without it is gone or draining: the other holders keep it
+                    copied.update((fingerprint, h) for h, _ in items)
+                else:
+                    log.warning("drain: nowhere to move %d blocks", len(items))
+                    progress.failed += len(items)
             except (KVStoreError, TransferError) as exc:
                 log.warning("drain: could not move %d blocks: %s", len(items), exc)
                 progress.failed += len(items)
