@@ -1,17 +1,30 @@
-"""TTFT on real vLLM (CPU): no connector vs vLLM's ExampleConnector vs ours, side by side.
+"""TTFT on real vLLM (CPU): no connector vs vLLM's ExampleConnector vs ours, side by side; with
+`--model hybrid`, the KV capacity vLLM reports for a sliding-window/full hybrid with our connector
+(vLLM's hybrid KV cache manager on) vs the same engine with that manager forced off.
 
-    python -m benchmarks.vllm_ttft [--json PATH] [--prompts N] [--quick]
+    python -m benchmarks.vllm_ttft [--model llama|hybrid] [--json PATH] [--prompts N] [--quick]
 
 A local model big enough that prefill dominates; prompts of 960-1087 tokens sharing nothing. Per
 system, each prompt runs at first sight (nothing cached anywhere: what saving costs a new prompt)
 and then warm (the same prompt again, vLLM's own prefix cache reset so only the connector can
-help). TTFT = the time of a 1-token generation. Each system runs in a process of its own; ours
+help). Before anything is measured, each engine runs every prompt's twin (same length, no shared
+prefix) twice, as the measured prompts run (computed and saved, then loaded), so one-time costs
+(per-shape kernels, first connections) fall on no system's figures. TTFT = the time of a 1-token
+generation. Each system runs in a process of its own; ours
 uses a `kvstore serve` daemon (DRAM) registered in a local etcd. JSON `records`: one per system
 and phase, with `system` (none, example, kvstore), `phase` (first_sight, warm), `ttft_p50_ms`,
 `ttft_p99_ms`, `samples_ms`; `ratios` (the targets, each with `value`, `target`, `met`).
 
 `--quick` (the test suite's run): 2 prompts of ~512 tokens, a 2-layer model with hidden 128, one
 round, every system (`--layerwise` adds kvstore-layerwise).
+
+`--model hybrid`: a Llama whose layers alternate sliding-window (`--window`, 128 tokens) and full
+attention (gpt-oss's 1:1 pattern), `max_model_len` 8,192 (64x the window), prefill chunks of 256
+tokens. Systems: none, kvstore (vLLM keeps its hybrid KV cache manager: sliding-window layers hold
+only their window), kvstore-hma-off (--disable-hybrid-kv-cache-manager: full-size caches). JSON
+`capacity`, per system: `kv_cache_size_tokens` and `max_concurrency` as vLLM reports them (requests
+of `max_model_len` tokens that fit), `hybrid_kv_cache_manager`, the KV cache groups; ratios add
+"kvstore capacity / kvstore-hma-off capacity" (target >= 1.8, concurrency at max_model_len).
 """
 from __future__ import annotations
 
@@ -39,8 +52,21 @@ from vllm.config import KVTransferConfig
 kwargs = {}
 if spec["connector"]:
     kwargs["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
-llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=2048, max_num_seqs=4,
-          max_num_batched_tokens=2048, disable_log_stats=True, **kwargs)
+options = dict(dtype="float32", enforce_eager=True, max_model_len=2048, max_num_seqs=4, max_num_batched_tokens=2048,
+               disable_log_stats=True)
+options.update(spec.get("engine") or {})
+llm = LLM(model=spec["model"], **options, **kwargs)
+config = llm.llm_engine.vllm_config
+capacity = {"hybrid_kv_cache_manager": not config.scheduler_config.disable_hybrid_kv_cache_manager,
+            "kv_cache_size_tokens": config.cache_config.kv_cache_size_tokens,
+            "max_concurrency": config.cache_config.kv_cache_max_concurrency,
+            "max_model_len": config.model_config.max_model_len}
+try:
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+    groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+    capacity["groups"] = [get_kv_cache_spec_kind(g.kv_cache_spec).value for g in groups]
+except AttributeError:
+    pass
 one = SamplingParams(temperature=0, max_tokens=1)
 def ttft(prompt):
     llm.reset_prefix_cache()
@@ -52,15 +78,29 @@ def connector():
         return get_kv_transfer_group()
     except Exception:
         return None
-ttft([5] * 64)  # warm-up: compile paths, first connections
-first_sight = [ttft(p) for p in spec["prompts"]]
 flush = getattr(connector(), "flush_saves", None)
-if flush:
-    flush()  # background saves end before the same prompts come back
-time.sleep(1.0)
+def settle():
+    if flush:
+        flush()  # background saves end before the same prompts come back
+    time.sleep(1.0)
+# Warm-up: each prompt's twin (same length, no shared prefix) twice, as the measured prompts run:
+# every engine has run each length (CPU kernels specialise per shape) and, with a connector,
+# saved and loaded once (first connections) before anything is measured.
+twins = [[(t + 251) % 500 + 3 for t in p] for p in spec["prompts"]]
+ttft([5] * 64)
+for p in twins:
+    ttft(p)
+settle()
+for p in twins:
+    ttft(p)
+totals_before = dict(getattr(connector(), "totals").data) if hasattr(connector(), "totals") else {}
+first_sight = [ttft(p) for p in spec["prompts"]]
+settle()
 warm = [ttft(p) for p in spec["prompts"]]
 totals = dict(getattr(connector(), "totals").data) if hasattr(connector(), "totals") else {}
-print("RESULT " + json.dumps({"first_sight": first_sight, "warm": warm, "totals": totals}), flush=True)
+totals = {k: v - totals_before.get(k, 0) for k, v in totals.items()}  # the measured prompts only
+print("RESULT " + json.dumps({"first_sight": first_sight, "warm": warm, "totals": totals, "capacity": capacity}),
+      flush=True)
 """
 
 
@@ -69,11 +109,12 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
 
 
-def run_system(model: str, connector: dict | None, prompts: list[list[int]], round_: int) -> dict:
+def run_system(model: str, connector: dict | None, prompts: list[list[int]], round_: int,
+               engine: dict | None = None) -> dict:
     # Each round sees new prompts (first token differs): nothing from an earlier round is cached.
     prompts = [[(p[0] + 97 * round_) % 500 + 3] + p[1:] for p in prompts]
     proc = processes.spawn([sys.executable, "-c", RUNNER, json.dumps({"model": model, "connector": connector,
-                                                                      "prompts": prompts})],
+                                                                      "prompts": prompts, "engine": engine})],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         stdout, stderr = proc.communicate(timeout=1800)
@@ -86,9 +127,51 @@ def run_system(model: str, connector: dict | None, prompts: list[list[int]], rou
     return json.loads(line[len("RESULT "):])
 
 
+HYBRID_ENGINE = {"max_model_len": 8192, "max_num_batched_tokens": 256}  # 64x the default window; chunked prefill
+CAPACITY_TARGET = 1.8  # vLLM's KV capacity with the hybrid manager vs forced off, 1:1 sliding/full
+
+
+def systems_for(model_kind: str, etcd_url: str, storage: str, layerwise: bool) -> dict[str, tuple[dict | None, dict]]:
+    """name -> (connector config, extra engine arguments) of each system the benchmark runs."""
+    ours = {"kv_connector": "KVStoreConnector", "kv_role": "kv_both",
+            "kv_connector_module_path": "kvstore.integrations.vllm.connector",
+            "kv_connector_extra_config": {"metadata": etcd_url}, "kv_load_failure_policy": "recompute"}
+    if model_kind == "hybrid":
+        return {"none": (None, HYBRID_ENGINE), "kvstore": (ours, HYBRID_ENGINE),
+                "kvstore-hma-off": (ours, {**HYBRID_ENGINE, "disable_hybrid_kv_cache_manager": True})}
+    systems: dict[str, tuple[dict | None, dict]] = {
+        "none": (None, {}),
+        "example": ({"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                     "kv_connector_extra_config": {"shared_storage_path": storage}}, {}),
+        "kvstore": (ours, {}),
+    }
+    if layerwise:
+        systems["kvstore-layerwise"] = (dict(ours, kv_connector_extra_config={"metadata": etcd_url,
+                                                                             "layerwise_load_blocks": 1}), {})
+    return systems
+
+
+def targets_for(model_kind: str, p50: dict, results: dict) -> list[tuple[str, float, float, str]]:
+    """(label, value, target, direction) of each ratio the run is judged by."""
+    out = [("kvstore first_sight / none first_sight", p50["kvstore", "first_sight"] / p50["none", "first_sight"], 1.10,
+            "<="),
+           ("kvstore warm / kvstore first_sight", p50["kvstore", "warm"] / p50["kvstore", "first_sight"], 0.5, "<=")]
+    if model_kind == "hybrid":
+        on, off = results["kvstore"]["capacity"], results["kvstore-hma-off"]["capacity"]
+        out.append(("kvstore capacity / kvstore-hma-off capacity", on["max_concurrency"] / off["max_concurrency"],
+                    CAPACITY_TARGET, ">="))
+    else:
+        out.append(("kvstore warm / example warm", p50["kvstore", "warm"] / p50["example", "warm"], 0.9, "<="))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.vllm_ttft", description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--model", choices=("llama", "hybrid"), default="llama",
+                        help="hybrid: layers alternate sliding-window and full attention (capacity with vLLM's "
+                             "hybrid KV cache manager on vs forced off)")
+    parser.add_argument("--window", type=int, default=128, help="--model hybrid: the sliding window, in tokens")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=12)
@@ -108,13 +191,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prompt-tokens must be within 128..1920 (the engines' context is 2,048 tokens)")
     if args.hidden < 64 or args.hidden % 64:
         parser.error("--hidden must be a multiple of 64 (heads of 64)")
+    if args.model == "hybrid" and (args.layers < 2 or args.layers % 2 or not 16 <= args.window <= 512):
+        parser.error("--model hybrid needs an even --layers (sliding and full alternate) and --window in 16..512")
 
     from kvstore.integrations.vllm.tiny_model import build_tiny_model
     from kvstore.testing.etcd import EtcdServer
 
-    model = build_tiny_model(os.path.join(os.path.expanduser("~"), ".cache", "kvstore",
-                                          f"bench-llama-{args.layers}x{args.hidden}"),
-                             layers=args.layers, hidden=args.hidden, heads=args.hidden // 64)
+    if args.model == "hybrid":
+        model = build_tiny_model(os.path.join(os.path.expanduser("~"), ".cache", "kvstore",
+                                              f"bench-hybrid-{args.layers}x{args.hidden}-w{args.window}-p{HYBRID_ENGINE['max_model_len']}"),
+                                 layers=args.layers, hidden=args.hidden, heads=args.hidden // 64,
+                                 sliding_window=args.window, max_positions=HYBRID_ENGINE["max_model_len"])
+    else:
+        model = build_tiny_model(os.path.join(os.path.expanduser("~"), ".cache", "kvstore",
+                                              f"bench-llama-{args.layers}x{args.hidden}"),
+                                 layers=args.layers, hidden=args.hidden, heads=args.hidden // 64)
     # Lengths spread over a whole block (about 1k each) so no connector's block alignment is favoured;
     # every prompt differs from its first token on: nothing is shared between them.
     lengths = [args.prompt_tokens - 64 + (k * 131) % 128 for k in range(args.prompts)]
@@ -126,28 +217,19 @@ def main(argv: list[str] | None = None) -> int:
         daemon, _ = processes.start_store_daemon(["--node", "ttft", "--metadata", etcd.url, "--dram", "4GiB",
                                                   "--insecure"])
         try:
-            systems = {
-                "none": None,
-                "example": {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                                     "kv_connector_extra_config": {"shared_storage_path": storage}},
-                "kvstore": {"kv_connector": "KVStoreConnector", "kv_role": "kv_both",
-                            "kv_connector_module_path": "kvstore.integrations.vllm.connector",
-                            "kv_connector_extra_config": {"metadata": etcd.url},
-                            "kv_load_failure_policy": "recompute"},
-            }
-            if args.layerwise:
-                systems["kvstore-layerwise"] = dict(systems["kvstore"], kv_connector_extra_config={
-                    "metadata": etcd.url, "layerwise_load_blocks": 1})
+            systems = systems_for(args.model, etcd.url, storage, args.layerwise)
             for round_ in range(args.rounds):
-                for name, connector in systems.items():
+                for name, (connector, engine) in systems.items():
                     print(f"  round {round_ + 1}/{args.rounds}: {name} ...", flush=True)
                     if connector and name == "example":  # a fresh folder: nothing cached at first sight
                         shutil.rmtree(storage, ignore_errors=True)
-                    # The layer-by-layer variant shares the daemon: it gets prompts no other system saw.
-                    r = run_system(model, connector, prompts, round_ + (50 if name == "kvstore-layerwise" else 0))
+                    # Variants sharing the daemon get prompts no other system saw.
+                    offset = {"kvstore-layerwise": 50, "kvstore-hma-off": 70}.get(name, 0)
+                    r = run_system(model, connector, prompts, round_ + offset, engine)
                     merged = results.setdefault(name, {"first_sight": [], "warm": [], "totals": {}, "rounds": []})
                     merged["first_sight"] += r["first_sight"]
                     merged["warm"] += r["warm"]
+                    merged["capacity"] = r.get("capacity", {})
                     merged["rounds"].append({"first_sight_p50_ms": percentile(r["first_sight"], 0.5),
                                              "warm_p50_ms": percentile(r["warm"], 0.5)})
                     for key, value in r["totals"].items():
@@ -156,10 +238,14 @@ def main(argv: list[str] | None = None) -> int:
             processes.stop(daemon, grace=15)
             shutil.rmtree(storage, ignore_errors=True)
 
-    print(f"\n  model: {args.layers} layers, hidden {args.hidden}; {args.prompts} prompts of ~{args.prompt_tokens} tokens,"
-          f" {args.rounds} round(s), samples pooled")
+    shape = f"{args.layers} layers, hidden {args.hidden}"
+    if args.model == "hybrid":
+        shape += (f", sliding window {args.window} / full alternating, max_model_len "
+                  f"{HYBRID_ENGINE['max_model_len']}")
+    print(f"\n  model: {shape}; {args.prompts} prompts of ~{args.prompt_tokens} tokens, {args.rounds} round(s), "
+          "samples pooled")
     print(f"  {'system':<18}{'first sight p50':>17}{'p99':>9}{'warm p50':>10}{'p99':>9}{'loaded tok':>12}"
-          f"{'dropped':>9}{'load GB/s':>11}{'failed':>10}")
+          f"{'dropped':>9}{'load GB/s':>11}{'failed':>10}{'KV tokens':>11}{'max conc':>10}")
     records, p50 = [], {}
     for name, r in results.items():
         t = r["totals"]
@@ -169,29 +255,38 @@ def main(argv: list[str] | None = None) -> int:
             p50[name, phase] = records[-1]["ttft_p50_ms"]
         gbps = t["load_bytes"] / t["load_seconds"] / 1e9 if t.get("load_seconds") else None
         first, warm = records[-2], records[-1]
+        capacity = r.get("capacity") or {}
         print(f"  {name:<18}{first['ttft_p50_ms']:>17.1f}{first['ttft_p99_ms']:>9.1f}{warm['ttft_p50_ms']:>10.1f}"
               f"{warm['ttft_p99_ms']:>9.1f}{int(t.get('hit_tokens', 0)) if 'hit_tokens' in t else '-':>12}"
               f"{int(t.get('dropped_blocks', 0)) if 'dropped_blocks' in t else '-':>9}{'-' if gbps is None else f'{gbps:.2f}':>11}"
-              f"{int(t.get('load_failures', 0)) if 'load_failures' in t else '-':>10}")
-    targets = [("kvstore first_sight / none first_sight", p50["kvstore", "first_sight"] / p50["none", "first_sight"], 1.10),
-               ("kvstore warm / kvstore first_sight", p50["kvstore", "warm"] / p50["kvstore", "first_sight"], 0.5),
-               ("kvstore warm / example warm", p50["kvstore", "warm"] / p50["example", "warm"], 0.9)]
-    print("\n  targets (p50 ratios in this run; per-round ratios in brackets show the noise)")
-    per_round = [[rk["first_sight_p50_ms"] / rn["first_sight_p50_ms"], rk["warm_p50_ms"] / rk["first_sight_p50_ms"],
-                  rk["warm_p50_ms"] / re["warm_p50_ms"]]
-                 for rk, rn, re in zip(results["kvstore"]["rounds"], results["none"]["rounds"], results["example"]["rounds"])]
-    for i, (label, value, bound) in enumerate(targets):
-        spread = ", ".join(f"{r[i]:.2f}" for r in per_round)
-        print(f"  {label:<42}{value:>8.2f}  <= {bound:<5}{'met' if value <= bound else 'NOT met':<8} [{spread}]")
+              f"{int(t.get('load_failures', 0)) if 'load_failures' in t else '-':>10}"
+              f"{capacity.get('kv_cache_size_tokens') or '-':>11}"
+              f"{'-' if capacity.get('max_concurrency') is None else format(capacity['max_concurrency'], '.2f'):>10}")
+    targets = targets_for(args.model, p50, results)
+    print("\n  targets (ratios in this run; per-round ratios in brackets show the noise)")
+    per_round = [[rk["first_sight_p50_ms"] / rn["first_sight_p50_ms"], rk["warm_p50_ms"] / rk["first_sight_p50_ms"]]
+                 for rk, rn in zip(results["kvstore"]["rounds"], results["none"]["rounds"])]
+    if args.model == "llama":
+        for ratios, rk, re in zip(per_round, results["kvstore"]["rounds"], results["example"]["rounds"]):
+            ratios.append(rk["warm_p50_ms"] / re["warm_p50_ms"])
+    met = [value >= bound if direction == ">=" else value <= bound for _, value, bound, direction in targets]
+    for i, ((label, value, bound, direction), ok) in enumerate(zip(targets, met)):
+        spread = ", ".join(f"{r[i]:.2f}" for r in per_round) if all(len(r) > i for r in per_round) else "capacity"
+        print(f"  {label:<44}{value:>8.2f}  {direction} {bound:<5}{'met' if ok else 'NOT met':<8} [{spread}]")
     if "kvstore-layerwise" in p50:
         print(f"  kvstore-layerwise warm / kvstore warm     {p50['kvstore-layerwise', 'warm'] / p50['kvstore', 'warm']:>8.2f}"
               "  (layer-by-layer in-step loads vs whole loads before the forward)")
     if args.json:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count(),
-                "layers": args.layers, "hidden": args.hidden, "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
-                "rounds": args.rounds, "load_average": os.getloadavg(), "per_round_ratios": per_round}
-        ratios = [{"ratio": label, "value": value, "target": bound, "met": value <= bound} for label, value, bound in targets]
+                "model": args.model, "layers": args.layers, "hidden": args.hidden, "prompts": args.prompts,
+                "prompt_tokens": args.prompt_tokens, "rounds": args.rounds, "load_average": os.getloadavg(),
+                "per_round_ratios": per_round}
+        if args.model == "hybrid":
+            meta.update(window=args.window, **HYBRID_ENGINE)
+        ratios = [{"ratio": label, "value": value, "target": bound, "direction": direction, "met": ok}
+                  for (label, value, bound, direction), ok in zip(targets, met)]
         write_json(args.json, {"meta": meta, "records": records, "ratios": ratios,
+                               "capacity": {name: r.get("capacity") for name, r in results.items()},
                                "totals": {name: r["totals"] for name, r in results.items()}})
     return 0
 

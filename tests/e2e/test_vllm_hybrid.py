@@ -182,3 +182,21 @@ def test_kv_events_carry_the_group_and_its_kind(model):
     keys = keys_of(h, PROMPT)
     assert sorted(e.block_hashes[0] for e in stored if e.group_idx == FULL) == sorted(keys[:6])
     assert np.unique([e.block_size for e in stored]).tolist() == [BLOCK]
+
+
+def test_a_model_of_sliding_window_layers_only_loads_just_its_window(model):
+    """Mistral-7B-v0.1 style: every layer slides, one group. Its fingerprint names the group (a
+    full-size cache of the same model, HMA off, is other bytes), and a load restores only the window."""
+    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32,
+                               sliding_window=WINDOW)
+    h = Harness(model, groups=[(window, layer_names(2))], sync_load_blocks=0)
+    assert "sliding_window" in h.worker.group_fingerprints[0].kv_layout
+    h.add("r1", PROMPT)
+    h.run_until_empty()
+    assert h.worker.totals.data["saved_blocks"] == 7
+    h.scheduler.reset_prefix_cache()
+    request = h.add("r2", PROMPT)
+    wait_running(h, request)
+    assert tables(h, "r2")[0][:4] == [NULL_BLOCK] * 4
+    assert h.worker.totals.data["loaded_blocks"] == 3 and h.worker.totals.data["hit_tokens"] == len(PROMPT) - 1
+    h.run_until_empty()

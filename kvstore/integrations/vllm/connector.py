@@ -37,8 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole, KVConnectorTransferResults,
                                                                SupportsHMA)
 
-from ...errors import FingerprintMismatch, KVStoreError, UnsupportedDeployment, UnsupportedKVLayout
-from ...keys import ModelFingerprint
+from ...errors import FingerprintMismatch, UnsupportedDeployment, UnsupportedKVLayout
 from .events import StoreEvents
 from .fingerprint import (all_rank_fingerprints, chain_fingerprint, check_kv_scales, fingerprint_from_vllm,
                           group_fingerprints, layout_name, required_layout, resolved_layout, uses_mla)
@@ -442,18 +441,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 f"vLLM resolved the {resolved} KV cache layout, but this engine's blocks are keyed as "
                 f"{self.fingerprint.kv_layout}: the scheduler and this worker would disagree on every block's bytes; "
                 f"set VLLM_KV_CACHE_LAYOUT={resolved} on every process of the engine")
+        if not self._num_blocks:
+            raise UnsupportedKVLayout("vLLM gave this worker no KVCacheConfig (its block count and groups): kvstore "
+                                      "needs vLLM 0.32's connector API to know where each block is")
         tables = [[name for name in group.layers if name in kv_caches] for group in self.groups]
-        if len(self.groups) == 1 and not self.groups[0].layers:  # no kv_cache_config (old vLLM): every layer
-            tables = [list(kv_caches)]
-        self._io = KVCacheIO(self.store.engine, kv_caches, self._num_blocks or self._blocks_of(kv_caches), tables,
-                             self._kernel_ratios(kv_caches))
+        self._io = KVCacheIO(self.store.engine, kv_caches, self._num_blocks, tables, self._kernel_ratios(kv_caches))
         self._writer = SaveWriter(lambda batch: self.store.put_many(batch.blocks,
                                                                     fingerprint=self.group_fingerprints[batch.group]),
                                   self._save_queue_bytes, self._saved, handoff_wait_s=self.remote_wait_s)
-
-    @staticmethod
-    def _blocks_of(kv_caches: dict[str, torch.Tensor]) -> int:
-        return int(next(iter(kv_caches.values())).shape[0]) if kv_caches else 0
 
     def _kernel_ratios(self, kv_caches: dict[str, torch.Tensor]) -> dict[str, int]:
         """Kernel blocks per scheduler block of each layer, as vLLM's attention backends decide
@@ -505,7 +500,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         failed = self._read_or_fail(shared, "in-step") if shared else set()
         assert self._io is not None
         timeout = self.layer_load_timeout_s
-        progress = LayerProgress(float(timeout) if timeout is not None else self.store.timeout * (len(self._io.names) + 1))
+        layers = len(self._io.names)
+        progress = LayerProgress(float(timeout) if timeout is not None else self.store.timeout * (layers + 1))
         shared_ids = {block_id for _, block_id, _ in shared}
         block_ids = {block_id for plan in meta.sync_loads.values() for _, block_id, _ in plan}
         future = self._layer_pool.submit(self._load_layers, dict(meta.sync_loads), dict(meta.load_tokens), progress,

@@ -66,7 +66,8 @@ def build_tiny_mla_model(path: str, *, layers: int = 2, hidden: int = 128, seed:
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     build_tokenizer(path)
-    config = DeepseekV2Config(vocab_size=512, hidden_size=hidden, intermediate_size=hidden * 2, moe_intermediate_size=64,
+    config = DeepseekV2Config(vocab_size=512, hidden_size=hidden, intermediate_size=hidden * 2,
+                              moe_intermediate_size=64,
                               num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=512,
                               q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
                               n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,

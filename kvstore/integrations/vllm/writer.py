@@ -35,7 +35,8 @@ PutBatch = Callable[[SaveBatch], object]  # stores one batch (its blocks under i
 class SaveWriter:
     """One background thread storing staged blocks, at most `max_bytes` queued."""
 
-    def __init__(self, put_many: PutBatch, max_bytes: int, on_done: Callable[[SaveBatch, float, Exception | None], None],
+    def __init__(self, put_many: PutBatch, max_bytes: int,
+                 on_done: Callable[[SaveBatch, float, Exception | None], None],
                  handoff_wait_s: float = 5.0) -> None:
         self._put_many = put_many
         self._max_bytes = max_bytes
