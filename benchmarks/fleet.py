@@ -20,7 +20,7 @@ n/a record saying why.
 Workload: the trace's rows in order (default: the built-in Mooncake conversation trace), each
 prompt made of token ids, 512 per hash id (the same ids wherever a hash id repeats; fresh per run,
 so no run reuses another's cache), output of the row's length (`ignore_eos`). Arrivals keep the
-trace's spacing (requests sharing a stamp spread until the next), compressed to `--load` times the
+trace's spacing (requests sharing a stamp spread until the next), compressed to `--load` (0.9) times the
 fleet's capacity by the cost model (every prompt computed in full, decodes batched as the KV cache
 allows: a router that finds prefixes has headroom), for `--minutes` simulated minutes. The
 stand-ins run `--time-scale` wall seconds per simulated second; every time below is simulated
@@ -759,7 +759,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--routers", default=None,
                    help=f"comma-separated; colocated: {', '.join(COLOCATED)}; P/D: {', '.join(PD)} (default: all)")
     p.add_argument("--trace", default="mooncake-conversation", help=f"a Mooncake JSONL trace, or: {', '.join(TRACES)}")
-    p.add_argument("--load", type=float, default=0.6, help="offered load, a fraction of the fleet's capacity")
+    p.add_argument("--load", type=float, default=0.9, help="offered load, a fraction of the fleet's capacity")
     p.add_argument("--minutes", type=float, default=10.0, help="simulated minutes of arrivals per run")
     p.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per simulated second")
     p.add_argument("--profile", default="h100-llama3-8b", help=f"the stand-ins' cost model: {', '.join(PROFILES)}")
