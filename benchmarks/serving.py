@@ -437,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = f"serving-{os.getpid()}"
     secret = os.urandom(16).hex()
     (tmp / "secret").write_text(secret)
+    (tmp / "secret").chmod(0o600)  # the daemon refuses a secret file others can read
     records: list[dict] = []
     rigs: dict[str, Rig] = {}
     engine_env = None if args.engine_multiprocessing else ENGINE_ENV

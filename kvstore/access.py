@@ -177,7 +177,8 @@ class ControlAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
 
     def _details(self, details, request):
         metadata = [(k, v) for k, v in (details.metadata or []) if k != "authorization"]
-        body = request.SerializeToString()
+        # A generic method's request may already be its bytes; a message is bound as it goes on the wire.
+        body = bytes(request) if isinstance(request, (bytes, bytearray, memoryview)) else request.SerializeToString()
         metadata.append(("authorization", control_token(self._secret, self._node, details.method, self._client,
                                                         body=body, tenant=self._tenant)))
         return _ClientCallDetails(details.method, details.timeout, metadata, details.credentials,

@@ -38,6 +38,7 @@ class Deployment:
         self.engines: list[VllmServer] = []
         secret = uuid.uuid4().hex
         (tmp / "secret").write_text(secret)
+        (tmp / "secret").chmod(0o600)  # the daemon refuses a secret file others can read
         self.daemon = self._spawn([sys.executable, "-m", "kvstore.cli", "serve", "--node", "gw-store", "--metadata",
                                    etcd_url, "--cluster", self.cluster, "--dram", "256MiB", "--metrics-port", "0",
                                    "--secret-file", str(tmp / "secret")], "daemon")
