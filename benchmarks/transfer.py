@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from benchmarks import transfer_ucx as ucx_bench
+from benchmarks import ucx_records as ucx_bench
 from benchmarks.records import write_json
 from kvstore.testing import processes
 from transfer import Engine, Read, Write

@@ -16,11 +16,9 @@ import copy
 from typing import Any
 
 from ...errors import UnsupportedDeployment
+from .names import CONNECTOR, CONNECTOR_MODULE, DEFAULT_PREFILL_TIMEOUT_S
 
-CONNECTOR = "KVStoreConnector"
-CONNECTOR_MODULE = "kvstore.integrations.vllm.connector"
 HASH_SEED = "0"  # vLLM's own block hashes are seeded per process unless PYTHONHASHSEED is fixed
-DEFAULT_PREFILL_TIMEOUT_S = 30.0
 PD_KEYS = ("prefill_config", "decode_config", "ingress_cls_config", "ingress_deployment_config")
 # Keys of the `kvstore` mapping that are ours, not the connector's.
 OWN_KEYS = ("prefill_timeout_s",)

@@ -26,7 +26,7 @@ from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import (D
                                                                               PDOrchestratorMixin)
 from ray.serve._private.http_util import session_id_from_headers
 
-from .app import CONNECTOR, DEFAULT_PREFILL_TIMEOUT_S
+from .names import CONNECTOR, DEFAULT_PREFILL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 BACKEND_PATH = "kvstore.integrations.ray.server:KVStoreConnectorBackend"

@@ -1,0 +1,7 @@
+"""Names a Ray Serve app and its kvstore parts agree on: the connector vLLM loads, and the prefill
+wait's default."""
+from __future__ import annotations
+
+CONNECTOR = "KVStoreConnector"
+CONNECTOR_MODULE = "kvstore.integrations.vllm.connector"
+DEFAULT_PREFILL_TIMEOUT_S = 30.0
