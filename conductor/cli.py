@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 import threading
@@ -13,6 +14,17 @@ import threading
 from kvstore.cli_args import Parser, alias, fail, host_port, metadata_url, positive_int
 
 PROG = "conductor serve"
+
+
+def policy_name(value: str) -> str:
+    """A routing policy's name, checked here so that a typo is one line (exit 2), not a traceback."""
+    from .policies import POLICIES
+
+    base, _, sticky = value.partition("+")
+    if base not in POLICIES or sticky not in ("", "sticky"):
+        raise argparse.ArgumentTypeError(f"unknown policy {value!r}: one of {', '.join(sorted(POLICIES))}, "
+                                         "optionally +sticky")
+    return value
 
 
 def build_parser() -> Parser:
@@ -25,11 +37,11 @@ def build_parser() -> Parser:
     serve.add_version()
     serve.add_argument("--metadata", type=metadata_url, metavar="URL",
                        help="etcd://host:port or memory://name (required without engines)")
-    serve.add_argument("--cluster", default=None, metavar="NAME", help="kvstore cluster name (default: default)")
+    serve.add_argument("--cluster", default=None, metavar="NAME", help="kvstore cluster name")
     serve.add_argument("--fingerprint", metavar="JSON", help="model fingerprint JSON (kvstore.ModelFingerprint fields)")
-    serve.add_argument("--policy", default=None, help="cache_global, cache_local, least_loaded, round_robin; "
-                       "+sticky keeps sessions on one engine (default: cache_global for /route, cache_global+sticky "
-                       "for the gateway)")
+    serve.add_argument("--policy", default=None, type=policy_name, metavar="NAME",
+                       help="cache_global, cache_local, least_loaded, round_robin; +sticky keeps sessions on one "
+                            "engine (default: cache_global for /route, cache_global+sticky for the gateway)")
     serve.add_argument("--listen", default="127.0.0.1:0", type=host_port, metavar="HOST:PORT", help="HTTP address")
     serve.add_argument("--block-tokens", type=positive_int, default=None, metavar="N",
                        help="tokens per KV block (default: the fingerprint's block size)")
@@ -42,8 +54,10 @@ def build_parser() -> Parser:
 
     defaults = {f.name: f.default for f in fields(GatewayConfig)}
     for action in serve._actions:  # the gateway's flags default to its config file, else GatewayConfig's
-        if action.default is None and defaults.get(action.dest) not in (None, [], {}) and action.help:
-            action.help += f" (default: {defaults[action.dest]})"
+        default = defaults.get(action.dest)
+        if action.default is None and action.help and "(default" not in action.help \
+                and isinstance(default, (str, int, float)) and default not in ("", None):
+            action.help += f" (default: {default})"
     alias(serve, "--ttft-slo-ms", dest="slo_ttft_ms", type=float)  # the spelling of `python -m conductor.sim` before
     return parser
 
@@ -74,10 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, KVStoreError) as exc:
         fail(PROG, f"--fingerprint: {exc} (a JSON object of kvstore.ModelFingerprint fields: model_id, dtype, "
                    "block_size, num_layers, num_kv_heads, head_size, ...)")
+    mirror_log = logging.getLogger("kvstore.index")
+    level = mirror_log.level
+    mirror_log.setLevel(logging.ERROR)  # its retries while starting: the one line below says it if they fail
     try:
         mirror = IndexMirror(args.metadata, args.cluster or "default").start()
     except KVStoreError as exc:
         fail(PROG, f"cannot reach the metadata service {args.metadata}: {exc}", 5)
+    finally:
+        mirror_log.setLevel(level)
     conductor = Conductor(mirror, fingerprint, policy=args.policy or "cache_global",
                           block_tokens=args.block_tokens or fingerprint.block_size)
     host, _, port = args.listen.rpartition(":")

@@ -214,6 +214,32 @@ def ensure_secret(path: str | None, cluster: str) -> tuple[str, str]:
     return secret, path
 
 
+def secured_nodes(url: str, cluster: str, timeout: float) -> list[str]:
+    """The cluster's live nodes that require a cluster secret ([] for an in-process memory:// index,
+    or when the metadata service cannot be asked now: the daemon's own start says so then)."""
+    if url.startswith("memory:"):
+        return []
+    import asyncio
+
+    from .errors import KVStoreError
+    from .index.records import Layout, NodeRecord
+    from .metadata import open_metadata
+
+    async def read() -> list[str]:
+        metadata = open_metadata(url, timeout=timeout)
+        try:
+            items, _ = await asyncio.wait_for(metadata.range(f"{Layout(cluster).root}nodes/"), timeout)
+        finally:
+            await metadata.close()
+        records = [NodeRecord.decode(item.value) for item in items]
+        return sorted(r.name for r in records if r.secured)
+
+    try:
+        return asyncio.run(read())
+    except (KVStoreError, OSError, ValueError, asyncio.TimeoutError):
+        return []
+
+
 def ensure_admin_token(path: str | None, cluster: str, insecure: bool) -> str | None:
     """The admin bearer token: --admin-token-file (created 0600 with a fresh token if missing, as
     the cluster secret is), else KVSTORE_ADMIN_TOKEN, else ~/.kvstore/<cluster>.admin-token (the
@@ -269,6 +295,13 @@ def run_serve(args: argparse.Namespace) -> int:
                        f"{f' ({exc.filename})' if getattr(exc, 'filename', None) else ''}")
     secret = None
     if not args.insecure:
+        from .access import secret_path
+
+        path = args.secret_file or (None if os.environ.get("KVSTORE_SECRET") else secret_path(args.cluster))
+        if path and not os.path.exists(path) and (holders := secured_nodes(args.metadata, args.cluster, args.timeout)):
+            fail(prog, f"--secret-file: {path} does not exist, and cluster {args.cluster!r} already has nodes with "
+                       f"a secret ({', '.join(holders[:5])}{', ...' if len(holders) > 5 else ''}): give this node "
+                       "their secret file (a fresh secret would split the cluster)")
         try:
             secret, _ = ensure_secret(args.secret_file, args.cluster)
         except InsecureFile as exc:

@@ -87,3 +87,25 @@ def test_a_wrong_secret_is_refused_in_one_line_that_says_where_it_came_from(
         with pytest.raises(AuthenticationFailed, match="refused this client's cluster secret .from KVSTORE_SECRET"):
             client.put(external_hashes([1], FP)[0], np.ones(4096, dtype=np.uint8))
     assert os.environ["KVSTORE_SECRET"]
+
+
+def test_a_node_whose_secret_file_is_missing_does_not_make_a_second_secret_for_a_secured_cluster(
+        etcd_server, spawn_daemon, tmp_path):
+    """A mistyped --secret-file used to generate a fresh secret and join: the cluster split in two
+    halves that refuse each other (a later drain dropped blocks). Kills: generating a secret file
+    without asking whether the cluster's live nodes already hold one."""
+    import subprocess
+    import sys
+
+    cluster = uuid.uuid4().hex[:8]
+    spawn_daemon("first", etcd_server.url, cluster, secret=SECRET)
+    typo = tmp_path / "secrte"
+    done = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--node", "second", "--metadata",
+                           etcd_server.url, "--cluster", cluster, "--dram", "16MiB", "--secret-file", str(typo),
+                           "--admin-token-file", str(tmp_path / "token")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"kvstore serve: error: --secret-file: {typo} does not exist, and cluster {cluster!r} already has nodes "
+        "with a secret (first): give this node their secret file (a fresh secret would split the cluster)"]
+    assert not typo.exists()

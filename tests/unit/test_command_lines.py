@@ -138,6 +138,26 @@ def test_conductor_bad_gateway_setting_is_one_line(capsys):
     assert "http://" in err
 
 
+def test_conductor_unknown_policy_is_one_line(capsys):
+    """Kills: the policy name checked only when the gateway builds its router (a traceback, exit 1)."""
+    from conductor.cli import main
+
+    err = one_line_error(capsys, lambda: main(["serve", "--decode", "http://127.0.0.1:9", "--policy", "cache"]))
+    assert "--policy" in err and "cache_global" in err
+
+
+def test_conductor_help_shows_each_default_once_and_readably(capsys):
+    """Kills: help text given GatewayConfig's defaults blindly ('<dataclasses._MISSING_TYPE object ...>'
+    for required fields, '(default: ...) (default: 128)' where the help already names one)."""
+    from conductor.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "MISSING" not in out
+    assert "block size) (default:" not in out and "(default: default) (default:" not in out
+
+
 # --- admin: global flags before or after the subcommand --------------------------------------------
 
 @pytest.mark.parametrize("argv", [
