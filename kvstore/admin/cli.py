@@ -15,6 +15,7 @@ answer printed is from the others), 1 anything else.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -574,10 +575,11 @@ def cmd_drain(client: AdminClient, args, console) -> int:
     try:
         stream = client.stub(args.name).Drain(admin_pb2.DrainRequest(mode=mode), timeout=max(args.timeout, 600),
                                               metadata=client.metadata)
+        first = next(stream, None)  # a refusal (token, connection) comes here, before a bar is drawn
         with Progress(TextColumn(f"draining {args.name}"), BarColumn(), TextColumn("{task.completed}/{task.total} blocks"),
                       disable=args.json, console=Console(stderr=True)) as progress:
             task = progress.add_task("drain", total=None)
-            for update in stream:
+            for update in itertools.chain([first] if first is not None else [], stream):
                 last = update
                 progress.update(task, total=update.total, completed=update.moved + update.dropped + update.failed)
     except grpc.RpcError as exc:

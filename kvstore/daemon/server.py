@@ -301,6 +301,7 @@ class Daemon:
         once more (a refused put goes to another node), so no put answered as stored is left here."""
         self.drain_in_progress = True
         mover, looked = None, False  # the client that moves blocks (None: nowhere to go), made when first needed
+        kept: set[tuple[str, bytes]] = set()  # blocks that could not be moved: they stay here, counted failed
         progress, ended = admin_pb2.DrainProgress(), "stopped: the caller went away (the node still takes no puts)"
         log.info("drain of %s started (%s): it takes no new puts", self.config.node,
                  "moving its blocks to other nodes" if move else "dropping its blocks")
@@ -310,7 +311,7 @@ class Daemon:
             while True:
                 self.verifier.seal()  # blocks written before now are sealed, so they move too
                 # Every block handled is removed here: what is left landed since (a re-put included).
-                blocks = self.store.keys()
+                blocks = [b for b in self.store.keys() if b[0] not in kept]
                 if not blocks:
                     if quiet:
                         break
@@ -332,7 +333,7 @@ class Daemon:
                 for start in range(0, len(blocks), DRAIN_BATCH):
                     if not is_active():
                         return
-                    self._drain_chunk(blocks[start : start + DRAIN_BATCH], mover, progress)
+                    self._drain_chunk(blocks[start : start + DRAIN_BATCH], mover, progress, kept)
                     yield admin_pb2.DrainProgress(total=progress.total, moved=progress.moved,
                                                   dropped=progress.dropped, failed=progress.failed)
             progress.done = True
@@ -361,9 +362,11 @@ class Daemon:
             return None  # nowhere to move to: drop instead
         return client
 
-    def _drain_chunk(self, chunk, client, progress) -> None:
+    def _drain_chunk(self, chunk, client, progress, kept: set) -> None:
         # Blocks grouped by who else holds them: this node's copy moves to a node that lacks the
-        # block, so a drain never lowers a block's replica count by landing on another holder.
+        # block, so a drain never lowers a block's replica count by landing on another holder. A
+        # block that could not be moved (an error, or no node to take it that another does not
+        # hold) stays here and joins `kept`: failed, never dropped (client None: dropping was asked).
         groups: dict[tuple[str, frozenset[str]], list[tuple[bytes, bytes]]] = {}
         for (fingerprint, block_hash), _ in chunk:
             data = self.store.read_block((fingerprint, block_hash)) if client is not None else None
@@ -380,14 +383,17 @@ class Daemon:
                 if others:  # every node without it is gone or draining: the other holders keep it
                     copied.update((fingerprint, h) for h, _ in items)
                 else:
-                    log.warning("drain: nowhere to move %d blocks", len(items))
-                    progress.failed += len(items)
+                    log.warning("drain: nowhere to move %d blocks: they stay here", len(items))
+                    kept.update((fingerprint, h) for h, _ in items)
             except (KVStoreError, TransferError) as exc:
-                log.warning("drain: could not move %d blocks: %s", len(items), exc)
-                progress.failed += len(items)
+                log.warning("drain: could not move %d blocks (they stay here): %s", len(items), exc)
+                kept.update((fingerprint, h) for h, _ in items)
         if copied:  # readers see the new copy before the old one goes
             client.mirror.wait_until(lambda m: all(len(m.lookup(fp, h)) > 1 for fp, h in copied), 5)
         for (fingerprint, block_hash), _ in chunk:
+            if (fingerprint, block_hash) in kept:
+                progress.failed += 1
+                continue
             _, updates = self.store.remove(fingerprint, [block_hash])
             if updates:
                 self.publish(updates)

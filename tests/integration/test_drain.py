@@ -52,3 +52,32 @@ def test_a_drain_never_lands_a_block_on_a_node_that_already_holds_it(etcd_server
         outs = [np.zeros(BLOCK, dtype=np.uint8) for _ in hashes]
         assert all(client.get_many(hashes, outs))
         assert all(np.array_equal(o, b) for o, b in zip(outs, blocks))
+
+
+def test_blocks_a_drain_cannot_move_stay_on_the_node(etcd_server, spawn_daemon, tmp_path):
+    """node-b was started with another cluster secret (a mistyped secret file, once), so every
+    move from node-a fails. Kills: a drain that removes a block whose move failed (it counted
+    'dropped 2, failed 2 of 2' and the only copies were gone)."""
+    cluster = uuid.uuid4().hex[:8]
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    extra = ["--admin-token-file", str(token_file)]
+    secret = "drain-test-cluster-secret-0123456789"
+    spawn_daemon("node-a", etcd_server.url, cluster, secret=secret, extra=extra)
+    spawn_daemon("node-b", etcd_server.url, cluster, secret=secret[::-1], extra=extra)
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=secret) as client:
+        assert client.mirror.wait_until(lambda m: {"node-a", "node-b"} <= set(m.nodes), 10)
+        hashes = external_hashes(range(2), FP)
+        blocks = [np.full(BLOCK, i + 1, dtype=np.uint8) for i in range(len(hashes))]
+        assert client.put_many(zip(hashes, blocks), exclude={"node-b"}) == 2
+        env = {**os.environ, "KVSTORE_ADMIN_TOKEN": TOKEN, "KVSTORE_SECRET": secret}
+        done = subprocess.run([sys.executable, "-m", "kvstore.cli", "admin", "--metadata", etcd_server.url,
+                               "--cluster", cluster, "--json", "drain", "node-a"],
+                              capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == 1, done.stderr
+        result = json.loads(done.stdout)
+        assert (result["moved"], result["dropped"], result["failed"], result["total"]) == (0, 0, 2, 2), result
+        outs = [np.zeros(BLOCK, dtype=np.uint8) for _ in hashes]
+        assert all(client.get_many(hashes, outs))
+        assert all(np.array_equal(o, b) for o, b in zip(outs, blocks))
