@@ -5,14 +5,17 @@ A decode waits (up to `remote_wait_s`) for blocks still being written only when 
 carry a MAC that this deployment's prefill made: any API client can attach plausible
 `kv_transfer_params` to a request, and unsigned ones would make the decode wait for blocks that
 never come. Unsigned or stale parameters still load what the store already holds, without
-waiting. The key comes from the shared `secret` (or `handoff_secret`) of the store's deployment;
-a process-private store gets a random key per process (its prefill and decode share the process).
+waiting. The key comes from the shared `secret` (or `handoff_secret`) of the store's deployment,
+else from `KVSTORE_SECRET` in the engine's environment (the store client reads it too: a secret
+kept off the command line); a process-private store gets a random key per process (its prefill
+and decode share the process).
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
 import json
+import os
 import secrets
 import time
 from typing import Any
@@ -25,6 +28,8 @@ _PROCESS_KEY = secrets.token_bytes(32)  # process-private stores: prefill and de
 def handoff_key(extra: dict[str, Any], private_store: bool) -> bytes | None:
     """The MAC key of this deployment's hand-offs; None when there is nothing to derive it from."""
     secret = extra.get("handoff_secret") or extra.get("secret")
+    if not secret and not private_store:
+        secret = os.environ.get("KVSTORE_SECRET")
     if secret:
         return hashlib.sha256(b"kvstore hand-off v1\0" + str(secret).encode()).digest()
     return _PROCESS_KEY if private_store else None
