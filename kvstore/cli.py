@@ -328,7 +328,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           admin_token=admin_token, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
     try:
         daemon = Daemon(config).start()
-    except (KVStoreError, TransferError, OSError, ValueError) as exc:
+    except (KVStoreError, TransferError, OSError, ValueError, RuntimeError) as exc:  # RuntimeError: gRPC's bind
         print(f"kvstore serve: cannot start {config.node}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     daemon.enable_reflection()

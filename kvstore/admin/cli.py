@@ -81,7 +81,7 @@ def _global_flags(parser: argparse.ArgumentParser, after: bool) -> None:
     parser.add_argument("--cluster", metavar="NAME", **hidden,
                         help=f"cluster name (default: $KVSTORE_CLUSTER, else default){where}")
     parser.add_argument("--admin-token-file", metavar="PATH", **hidden,
-                        help="admin bearer token for drain, evict and policy (default: $KVSTORE_ADMIN_TOKEN, "
+                        help="admin bearer token for drain, evict, policy, blocks and query (default: $KVSTORE_ADMIN_TOKEN, "
                              f"else ~/.kvstore/<cluster>.admin-token when it exists){where}")
     alias(parser, "--token-file", dest="admin_token_file")
     parser.add_argument("--tls-ca", metavar="PEM", **hidden, help=f"CA bundle: talk TLS to the daemons{where}")

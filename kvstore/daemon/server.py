@@ -156,20 +156,25 @@ class Daemon:
                                   tenants=c.tenants)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
                                   interceptors=[AccessRules(secret, c.admin_token, c.node, c.tenants)],
-                                  options=[("grpc.max_receive_message_length", MAX_INLINE_BYTES + (1 << 20))])
+                                  # no SO_REUSEPORT: a second daemon on a taken port fails, not shares it
+                                  options=[("grpc.max_receive_message_length", MAX_INLINE_BYTES + (1 << 20)),
+                                           ("grpc.so_reuseport", 0)])
         store_pb2_grpc.add_StoreControlServicer_to_server(
             StoreControlService(c.node, self.store, self.publish, self.metrics, lambda: not self.draining), self.server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self, self.config.node, self.config.cluster), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        if c.tls_cert and c.tls_key:
-            with open(c.tls_key, "rb") as key, open(c.tls_cert, "rb") as cert:
-                credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
-            port = self.server.add_secure_port(c.listen, credentials)
-        else:
-            port = self.server.add_insecure_port(c.listen)
+        try:
+            if c.tls_cert and c.tls_key:
+                with open(c.tls_key, "rb") as key, open(c.tls_cert, "rb") as cert:
+                    credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+                port = self.server.add_secure_port(c.listen, credentials)
+            else:
+                port = self.server.add_insecure_port(c.listen)
+        except RuntimeError:  # grpc's "Failed to bind": the address is taken or not this host's
+            port = 0
         if port == 0:
-            raise OSError(f"cannot listen on {c.listen}")
+            raise OSError(f"cannot listen on {c.listen} (--listen): the address is in use or not this host's")
         self.address = f"{c.listen.rpartition(':')[0]}:{port}"
         self._call(self._register())
         return self
