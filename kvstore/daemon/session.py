@@ -7,7 +7,7 @@ import asyncio
 import logging
 from typing import Callable, Iterable, Sequence
 
-from ..errors import LeaseExpired, MetadataUnavailable
+from ..errors import LeaseExpired, MetadataError
 from ..index.records import BlockRecord, Layout, NodeRecord
 from ..metadata import Lease, Metadata, Put
 
@@ -35,17 +35,30 @@ class NodeSession:
         self._keepalive = asyncio.create_task(self._keep_alive())
 
     async def _keep_alive(self) -> None:
+        """Refresh the lease every ttl/3. A refresh that fails (etcd down, its member gone: the handle
+        has already tried the others) is tried again after a short pause, not a whole interval: the
+        TTL runs meanwhile, and a lease kept alive across a failover is one not lost. Each attempt is
+        bounded by ttl/3 as well: a member cut off from its leader holds a refresh until the attempt
+        times out, and one held for the handle's whole timeout (often longer than the TTL) lets the
+        lease expire before the next member is tried."""
+        interval = max(self.ttl / 3, 0.2)
+        delay = interval
         while True:
-            await asyncio.sleep(max(self.ttl / 3, 0.2))
+            await asyncio.sleep(delay)
             try:
-                await self.metadata.lease_keepalive(self.lease)
+                await self.metadata.lease_keepalive(self.lease, timeout=interval)
+                delay = interval
             except LeaseExpired:
                 log.warning("node %s lost its lease: its records are gone", self.node.name)
                 if self.on_lease_lost is not None:
                     self.on_lease_lost()
                 return
-            except MetadataUnavailable as exc:  # etcd down or slow: keep trying until the TTL runs out
+            except MetadataError as exc:  # etcd down or slow: keep trying until the TTL runs out
                 log.info("lease keep-alive for %s failed: %s", self.node.name, exc)
+                delay = min(interval, 0.25)
+            except Exception:  # noqa: BLE001 - the keep-alive must outlive any surprise, or the lease goes
+                log.exception("lease keep-alive for %s failed unexpectedly", self.node.name)
+                delay = min(interval, 0.25)
 
     def _lease_id(self) -> int:
         if self.lease is None:

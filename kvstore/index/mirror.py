@@ -6,8 +6,10 @@ It loads a snapshot at one revision (nodes and segments first, then the block re
 small ranges read in parallel, see index_load), then follows a watch from the next revision. The
 first load is served while it fills: answers say `loading=True` and `stale=True` and only ever
 hold blocks that were in the index at the snapshot's revision. After any disconnect or compaction
-it loads a fresh snapshot beside the old one and swaps it in whole, so it never holds a half-old
-view. While it cannot reach the metadata service for longer than `stale_after` seconds, every
+it resumes its watch from the revision after the last one it applied (every change since arrives
+as events), and only where etcd has compacted that history away (or before the first snapshot was
+complete) loads a fresh snapshot beside the old one and swaps it in whole, so it never holds a
+half-old view. While it cannot reach the metadata service for longer than `stale_after` seconds, every
 answer says `stale=True`.
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from ..aio import shared_loop
-from ..errors import InvalidRecord, KVStoreError, MetadataError, MetadataUnavailable
+from ..errors import InvalidRecord, KVStoreError, MetadataError, MetadataUnavailable, WatchCompacted
 from ..keys import HASH_BYTES, ModelFingerprint
 from ..metadata import Metadata, Page, WatchEvent, check_metadata_url, open_metadata, prefix_end
 from .records import BLOCK_RECORD_BYTES, BLOCK_RECORD_VERSION, TIERS, BlockRecord, Layout, NodeRecord, check_name
@@ -147,7 +149,9 @@ class IndexMirror:
         self._stop = threading.Event()
         self._future = None
         self._stopping: asyncio.Event | None = None
-        self.resyncs = 0
+        self.resyncs = 0  # complete snapshots loaded (the first included)
+        self.resumes = 0  # watches resumed from the last applied revision after a disconnect
+        self._reload = False  # a watch said its history was compacted: the next connection loads a snapshot
         self.malformed = 0
         self._removal_listeners: list[Callable[[str, bytes, str], None]] = []
 
@@ -494,6 +498,8 @@ class IndexMirror:
                 await self._sync_and_watch(metadata)
                 backoff = 0.1
             except (KVStoreError, OSError) as exc:
+                if isinstance(exc, WatchCompacted):
+                    self._reload = True  # the history after our revision is gone: only a snapshot will do
                 log.warning("index mirror lost %s (answers are stale until it reloads): %s", self.url, exc)
             finally:
                 with self._changed:  # a waiter on `stale` wakes now, not at its timeout
@@ -537,27 +543,16 @@ class IndexMirror:
         return snap, revision
 
     async def _sync_and_watch(self, metadata: Metadata) -> None:
-        loading = asyncio.ensure_future(self._load_snapshot(metadata))
-        stopper = asyncio.ensure_future(self._stopping.wait())
-        try:
-            await asyncio.wait({loading, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopper.cancel()
-            if not loading.done():
-                loading.cancel()
-        if not loading.done() or loading.cancelled():
-            return
-        snapshot, revision = loading.result()
-        watch = await metadata.watch(self._root, start_revision=revision + 1)
-        with self._changed:
-            with self._apply_lock:
-                self._snapshot, self._fresh = snapshot, None
-                self._applied = self._base = revision
-            self._revision, self._loading = revision, False
-            self._connected, self._last_ok = True, time.monotonic()
-            self.resyncs += 1
-            self._changed.notify_all()
-        self._synced.set()
+        watch = await self._resume(metadata)
+        if watch is None:
+            watch = await self._sync(metadata)
+            if watch is None:
+                return  # stopped while loading
+        else:
+            with self._changed:
+                self._connected, self._last_ok = True, time.monotonic()
+                self.resumes += 1
+                self._changed.notify_all()
         events = asyncio.create_task(self._consume(watch))
         health = asyncio.create_task(self._ping(metadata))
         stopper = asyncio.create_task(self._stopping.wait())
@@ -569,6 +564,51 @@ class IndexMirror:
         finally:
             await _reap({events, health, stopper})
             await watch.cancel()
+
+    async def _resume(self, metadata: Metadata):
+        """After a disconnect, the watch again from the revision after the last one applied: every
+        change since comes as events, the view stays whole and current, and nothing is read again.
+        None (load a snapshot instead) before the first complete snapshot, or when etcd has
+        compacted that history away."""
+        with self._apply_lock:
+            if self._reload or not self._synced.is_set() or self._loading or self._fresh is not None \
+                    or not self._applied:
+                return None
+            since = self._applied
+        try:
+            watch = await metadata.watch(self._root, start_revision=since + 1)
+        except WatchCompacted as exc:
+            log.info("index mirror cannot resume from revision %d (%s): reloading a snapshot", since + 1, exc)
+            return None
+        log.info("index mirror resumed its watch from revision %d", since + 1)
+        return watch
+
+    async def _sync(self, metadata: Metadata):
+        """A whole snapshot loaded beside the current view and swapped in, and the watch from the
+        revision after it (None: stopped meanwhile)."""
+        loading = asyncio.ensure_future(self._load_snapshot(metadata))
+        stopper = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({loading, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            if not loading.done():
+                loading.cancel()
+        if not loading.done() or loading.cancelled():
+            return None
+        snapshot, revision = loading.result()
+        watch = await metadata.watch(self._root, start_revision=revision + 1)
+        with self._changed:
+            with self._apply_lock:
+                self._snapshot, self._fresh = snapshot, None
+                self._applied = self._base = revision
+            self._revision, self._loading = revision, False
+            self._connected, self._last_ok = True, time.monotonic()
+            self.resyncs += 1
+            self._reload = False
+            self._changed.notify_all()
+        self._synced.set()
+        return watch
 
     async def _consume(self, watch) -> None:
         async for events in watch.batches():
@@ -609,7 +649,9 @@ class IndexMirror:
         while True:
             await asyncio.sleep(self.stale_after / 3)
             try:
-                await asyncio.wait_for(metadata.get(probe), self.stale_after)
+                # Bounded by the handle (2 x timeout, moving between etcd endpoints); answers turn
+                # stale after `stale_after` without an answer meanwhile, as `stale` says.
+                await asyncio.wait_for(metadata.get(probe), 2 * self.timeout + 1)
             except (MetadataError, asyncio.TimeoutError) as exc:
                 raise MetadataUnavailable(f"health check failed: {exc}") from exc
             self._last_ok = time.monotonic()

@@ -171,8 +171,10 @@ class Metadata(abc.ABC):
     async def lease_grant(self, ttl: int) -> Lease: ...
 
     @abc.abstractmethod
-    async def lease_keepalive(self, lease: Lease | int) -> int:
-        """Refresh; returns the remaining TTL or raises LeaseExpired."""
+    async def lease_keepalive(self, lease: Lease | int, timeout: float | None = None) -> int:
+        """Refresh; returns the remaining TTL or raises LeaseExpired. `timeout` bounds each attempt
+        (the handle's own timeout if None): a keep-alive must give up on a hung member well inside
+        the lease's TTL to have time for another."""
 
     @abc.abstractmethod
     async def lease_revoke(self, lease: Lease | int) -> None: ...

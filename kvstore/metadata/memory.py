@@ -202,7 +202,7 @@ class MemoryMetadata(Metadata):
             state.leases[lid] = (ttl, time.monotonic() + ttl, set())
             return Lease(lid, ttl)
 
-    async def lease_keepalive(self, lease: Lease | int) -> int:
+    async def lease_keepalive(self, lease: Lease | int, timeout: float | None = None) -> int:
         state = self._check()
         lid = lease_id(lease)
         with state.lock:

@@ -9,7 +9,7 @@ import pytest
 
 from kvstore.index import mirror as index_module
 from kvstore.daemon.session import NodeSession
-from kvstore.errors import InvalidRecord, MetadataUnavailable
+from kvstore.errors import InvalidRecord, MetadataUnavailable, WatchCompacted
 from kvstore.index import IndexMirror
 from kvstore.index.records import BlockRecord, Layout, NodeRecord
 from kvstore.keys import ModelFingerprint, chain_hashes
@@ -145,8 +145,9 @@ async def test_only_replicas_under_an_open_question_are_tracked(url):
 
 @pytest.mark.parametrize("learned", ["while loading", "after the swap"])
 async def test_an_answer_to_a_question_older_than_a_resync_is_not_learned(url, monkeypatch, learned):
-    """The watch breaks while a put is out, and the block's eviction is folded into the fresh
-    snapshot unseen: the late reply must not list the block again, in the loading snapshot or after."""
+    """The watch breaks while a put is out, its history gone (compacted: a mirror that resumes its
+    watch otherwise must reload), and the block's eviction is folded into the fresh snapshot unseen:
+    the late reply must not list the block again, in the loading snapshot or after."""
     loading, release = threading.Event(), threading.Event()
     real_load = index_module.load_prefix
 
@@ -166,7 +167,7 @@ async def test_an_answer_to_a_question_older_than_a_resync_is_not_learned(url, m
 
         def watch_breaks(event):
             mirror._on_event = real_event
-            raise MetadataUnavailable("watch lost")
+            raise WatchCompacted(1)  # the history is gone: a snapshot, not a resumed watch
 
         with mirror.asking(FP, "a", HASHES[:1]) as since:  # the put is out
             mirror._on_event, armed = watch_breaks, True
