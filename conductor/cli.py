@@ -36,7 +36,7 @@ def build_parser() -> Parser:
                                             "(--decode URL ...), or POST /route answers (--metadata and --fingerprint).")
     serve.add_version()
     serve.add_argument("--metadata", type=metadata_url, metavar="URL",
-                       help="etcd://host:port or memory://name (required without engines)")
+                       help="etcd://host:port[,host:port...] or memory://name (required without engines)")
     serve.add_argument("--cluster", default=None, metavar="NAME", help="kvstore cluster name")
     serve.add_argument("--fingerprint", metavar="JSON", help="model fingerprint JSON (kvstore.ModelFingerprint fields)")
     serve.add_argument("--policy", default=None, type=policy_name, metavar="NAME",

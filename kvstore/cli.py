@@ -24,7 +24,8 @@ def add_serve(commands) -> None:
                        help="TOML (or .json) file of flag values; flags given here override it")
     serve.add_argument("--node", required=True, type=node_name, metavar="NAME", help="node name, unique in the cluster")
     serve.add_argument("--metadata", default="memory://default", type=metadata_url, metavar="URL",
-                       help="etcd://host:port, etcd+tls://host:port?ca=...&cert=...&key=... or memory://name")
+                       help="etcd://host:port[,host:port...] (the members of an etcd cluster: fails over), "
+                       "etcd+tls://host:port[,...]?ca=...&cert=...&key=... or memory://name")
     serve.add_argument("--cluster", default="default", type=cluster_name, metavar="NAME", help="cluster name (key prefix in etcd)")
     serve.add_argument("--listen", default="127.0.0.1:0", type=host_port, metavar="HOST:PORT", help="control (gRPC) address, HOST:PORT")
     serve.add_argument("--engine-listen", default="127.0.0.1:0", type=host_port, metavar="HOST:PORT", help="Transfer Engine address")

@@ -120,7 +120,7 @@ fraction = number(float, 0, 1, low_open=True, what="a fraction in (0, 1]")
 
 
 def metadata_url(text: str) -> str:
-    """etcd://HOST:PORT, etcd+tls://HOST:PORT?... or memory://NAME, checked without connecting."""
+    """etcd://HOST:PORT[,HOST:PORT...], etcd+tls://HOST:PORT?... or memory://NAME, checked without connecting."""
     from .metadata import check_metadata_url
 
     try:

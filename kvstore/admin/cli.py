@@ -77,7 +77,7 @@ def _global_flags(parser: argparse.ArgumentParser, after: bool) -> None:
     hidden = {"default": argparse.SUPPRESS} if after else {}
     where = " (also before the subcommand)" if after else ""
     parser.add_argument("--metadata", metavar="URL", **hidden,
-                        help=f"the cluster's etcd://HOST:PORT (default: $KVSTORE_METADATA){where}")
+                        help=f"the cluster's etcd://HOST:PORT[,HOST:PORT...] (default: $KVSTORE_METADATA){where}")
     parser.add_argument("--cluster", metavar="NAME", **hidden,
                         help=f"cluster name (default: $KVSTORE_CLUSTER, else default){where}")
     parser.add_argument("--admin-token-file", metavar="PATH", **hidden,

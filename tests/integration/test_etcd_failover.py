@@ -7,6 +7,7 @@ error, at once. Each test's docstring names the broken variants it kills."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -130,12 +131,19 @@ def test_client_and_daemon_keep_working_when_their_member_is_killed(etcd_cluster
     stays on its first endpoint (every call refused: the daemon's publishes fail, the writer's
     sync puts time out), a keep-alive that does not move with it (the lease expires: the node
     re-registers under a new lease), and a watch that neither resumes nor lets the mirror resume
-    (the reader never learns the blocks put after the kill, or reloads its snapshot)."""
+    (the reader never learns the blocks put after the kill, or reloads its snapshot); and
+    `kvstore admin` started afterwards with the dead member first in its URL failing to connect."""
     first = etcd_cluster.followers()[0]
     rig = Rig(etcd_cluster, first, spawn_daemon)
     try:
         healthy = next(n for n in etcd_cluster.names if n != first)
         survive(etcd_cluster, rig, lambda: etcd_cluster.kill(first), healthy)
+        # A command started after the loss, the dead member listed first, finds the cluster anyway.
+        done = subprocess.run([sys.executable, "-m", "kvstore.cli", "admin", "nodes", "--json", "--timeout", "3",
+                               "--metadata", rig.url, "--cluster", rig.cluster],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+        assert [(n["name"], n["state"]) for n in json.loads(done.stdout)] == [("a", "serving")]
     finally:
         rig.close()
 
