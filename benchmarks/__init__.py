@@ -13,6 +13,7 @@ BENCHMARKS = {
     "metadata": "index publishing, mirror snapshot load, convergence, match() latency, bytes per block (etcd)",
     "store": "store puts/gets over shm/tcp/NVMe vs Mooncake Store, Redis, dd, and the machine's limits",
     "faults": "wrong bytes, lost blocks, late calls and recovery under injected faults (kill -9, SIGSTOP, etcd)",
+    "soak": "N minutes of mixed puts/gets/removes at ~70% of capacity: RSS, fds, threads and p99 over time",
     "conductor": "routing policies on the Mooncake trace (simulated), textbook sweeps, live route() latency",
     "gateway": "the gateway's own cost in front of instant stand-in engines (tokenizing on threads vs the loop)",
     "vllm_ttft": "TTFT on real vLLM: no connector vs vLLM's ExampleConnector vs ours, first sight and warm",

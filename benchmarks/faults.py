@@ -2,7 +2,7 @@
 
     python -m benchmarks.faults --json PATH            # every fault this machine can inject
     python -m benchmarks.faults --quick --json PATH    # bounded (CI): full NVMe tier, kill -9, SIGSTOP,
-                                                       # etcd restart
+                                                       # etcd leader killed
 
 A cluster of 3 daemons (`kvstore serve`, replicas=2, a cluster secret) on a real etcd; client threads
 put blocks (replicas=2) and read back blocks already stored on both replicas, verifying every byte.
@@ -24,6 +24,16 @@ in the record (`node_counters`: hits, demotions, promotions, NVMe evictions, ref
 and it stops with SIGTERM (a graceful stop). Loss: `iptables -m statistic` (Debian's `iptables`,
 from scripts/install-test-deps.sh) drops 5% of the packets in and out of node-2's namespace.
 `tc netem` is not available in this VM's kernel, so the 50 ms delay is reported as not run.
+
+The metadata service is a 3-member etcd cluster (kvstore.testing.etcd.EtcdCluster); clients and
+daemons are given every member (`etcd://h:p1,h:p2,h:p3`) and fail over. etcd faults: the leader
+SIGKILLed (started again at the heal), the leader cut off from the other members while its clients
+still reach it (peer relays stop moving its bytes), and every member killed and restarted. For them
+`outage_s` is the time from the fault until a put lands on 2 replicas with its records published
+(publish="sync"). The rolling restart stops every daemon gracefully in turn and starts it again,
+without its disk (an empty node: restarting with the NVMe tier's contents is not part of this run),
+waiting for repair to put every stored block back on 2 nodes before the next; its note gives each
+node's time.
 """
 from __future__ import annotations
 
@@ -50,7 +60,7 @@ from benchmarks.records import write_json
 from kvstore import Client
 from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.testing import processes
-from kvstore.testing.etcd import EtcdServer
+from kvstore.testing.etcd import EtcdCluster
 
 FP = ModelFingerprint("faults", "float16", 16, 2, 2, 64, kv_layout="bytes")  # BLOCK-sized blocks, free-form
 BLOCK = 32 * 1024
@@ -79,30 +89,8 @@ class FaultResult:
     errors: dict[str, int] = field(default_factory=dict)
     note: str = ""
     node_counters: dict[str, int] = field(default_factory=dict)  # the faulty node's own (full-tier fault)
-
-
-class Etcd(EtcdServer):
-    """etcd on every interface (a daemon in another network namespace reaches it over the veth)."""
-
-    def start(self, timeout: float = 20.0) -> "Etcd":
-        import urllib.request
-
-        client, peer = f"http://0.0.0.0:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
-        self.proc = processes.spawn(
-            [self.binary, "--name", "faults", "--data-dir", self.data_dir, "--listen-client-urls", client,
-             "--advertise-client-urls", f"http://127.0.0.1:{self.client_port}", "--listen-peer-urls", peer,
-             "--initial-advertise-peer-urls", peer, "--initial-cluster", f"faults={peer}", "--log-level", "error",
-             "--logger", "zap"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.client_port}/health", timeout=1) as reply:
-                    if b'"health":"true"' in reply.read():
-                        return self
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("etcd did not become healthy")
+    outage_s: float | None = None  # etcd and rolling-restart faults: from the fault until a put lands on 2
+    # replicas and its node has published it to etcd (publish="sync"): how long new blocks could not be stored
 
 
 class Netns:
@@ -149,14 +137,20 @@ class Cluster:
             f.write(uuid.uuid4().hex)
         os.chmod(self.secret_file, 0o600)
         self.secret = open(self.secret_file).read()
-        self.etcd = Etcd(os.path.join(workdir, "etcd")).start()
+        # 3 members, clients listened for on every interface (the namespaced daemon reaches them over the veth)
+        self.etcd = EtcdCluster(3, os.path.join(workdir, "etcd"),
+                                client_host="0.0.0.0" if netns is not None else "127.0.0.1").start()
         self.daemons: dict[str, subprocess.Popen] = {}
         self.control: dict[str, str] = {}
         self.leaving: list[subprocess.Popen] = []  # stopped gracefully, reaped at close
 
     @property
     def url(self) -> str:
-        return f"etcd://127.0.0.1:{self.etcd.client_port}"
+        """Every etcd member: clients and daemons fail over between them."""
+        return self.etcd.url
+
+    def url_at(self, host: str) -> str:
+        return "etcd://" + ",".join(f"{host}:{self.etcd.client_port[n]}" for n in self.etcd.names)
 
     def spawn(self, name: str, dram: str = "64MiB", disk: str | None = None) -> None:
         in_ns = self.netns is not None and name == "node-2"
@@ -164,7 +158,7 @@ class Cluster:
         # namespace reaches and the host still does when the link is down: every node reaches
         # every other, the partitioned one aside.
         host = NETNS_PEER if in_ns else (NETNS_HOST if self.netns is not None else "127.0.0.1")
-        metadata = f"etcd://{NETNS_HOST if in_ns else '127.0.0.1'}:{self.etcd.client_port}"
+        metadata = self.url_at(NETNS_HOST) if in_ns else self.url
         cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--node", name, "--metadata", metadata, "--cluster",
                self.cluster, "--dram", dram, "--replicas", "2", "--lease-ttl", str(LEASE_TTL), "--timeout",
                str(TIMEOUT), "--secret-file", self.secret_file, "--listen", f"{host}:0", "--engine-listen", f"{host}:0",
@@ -339,6 +333,48 @@ def verify(cluster: Cluster, hashes: list[bytes], timeout: float) -> tuple[int, 
         return len(missing), None
 
 
+def first_put(client: Client, since: float, timeout: float) -> float | None:
+    """Seconds from `since` until a fresh block lands on 2 replicas with its records in etcd (the
+    client's publish="sync" waits for the nodes' publish); None if none did within `timeout`."""
+    while time.monotonic() - since < timeout:
+        probe = external_hashes([random.randrange(1 << 40)], FP)[0]
+        try:
+            if client.put_many([(probe, content(probe))]) >= 2:
+                return time.monotonic() - since
+        except Exception:  # noqa: BLE001 - the outage: tried again until it ends
+            pass
+        time.sleep(0.05)
+    return None
+
+
+def replicated(cluster: Cluster, hashes: list[bytes], timeout: float) -> float | None:
+    """Seconds until the index lists every block of `hashes` on 2 nodes (repair done); None if not
+    within `timeout`."""
+    from kvstore.index.mirror import IndexMirror
+
+    started = time.monotonic()
+    with IndexMirror(cluster.url, cluster.cluster, timeout=TIMEOUT) as mirror:
+        if mirror.wait_until(lambda m: all(len(m.lookup(FP, h)) >= 2 for h in hashes), timeout):
+            return time.monotonic() - started
+    return None
+
+
+def rolling_restart(cluster: Cluster, load: "Load", timeout: float) -> str:
+    """Every daemon in turn: a graceful stop (it leaves the index), started again on the same name
+    (without its disk: an empty node), then until repair has put every stored block back on 2 nodes
+    before the next one goes. Per node: seconds until the repair was done."""
+    took = []
+    for name in sorted(cluster.daemons):
+        started = time.monotonic()
+        cluster.leave(name)
+        cluster.spawn(name)
+        with load.lock:
+            stored = list(load.stored)
+        repaired = replicated(cluster, stored, timeout)
+        took.append(f"{name} {'not repaired' if repaired is None else f'{time.monotonic() - started:.1f}s'}")
+    return "restarted without disks, one at a time, each once its blocks were back on 2 nodes: " + ", ".join(took)
+
+
 def run(args: argparse.Namespace) -> list[FaultResult]:
     workdir = tempfile.mkdtemp(prefix="kvstore-faults-")
     netns = Netns() if (not args.quick and Netns.available()) else None
@@ -354,22 +390,55 @@ def run(args: argparse.Namespace) -> list[FaultResult]:
         time.sleep(args.warmup)
         hold = args.hold
 
-        def phase(name: str, inject, heal) -> None:
-            load.phase(name)
-            inject()
-            time.sleep(hold)
-            heal()
+        def phase(name: str, inject, heal, *, outage: bool = False, note: str = "") -> None:
+            """`inject`; with `outage`, time until a put lands and is published; the rest of `hold`;
+            `heal`; then until every stored block reads back (recovery_s, from the heal)."""
+            prober = (Client(cluster.url, cluster=cluster.cluster, fingerprint=FP, secret=cluster.secret,
+                             timeout=TIMEOUT, replicas=2, publish="sync") if outage else None)
+            outage_s: list[float | None] = [None]
+            probing = None
+            try:
+                load.phase(name)
+                started = time.monotonic()
+                said = inject()
+                if prober is not None:  # beside the hold and the heal: an outage may last until the heal
+                    probing = threading.Thread(target=lambda: outage_s.__setitem__(
+                        0, first_put(prober, started, hold + args.recovery_timeout)), daemon=True)
+                    probing.start()
+                time.sleep(hold)  # from the fault in place, as before the outage was measured
+                heal()
+            finally:
+                if probing is not None:
+                    probing.join(hold + args.recovery_timeout + 9 * TIMEOUT)
+                if prober is not None:
+                    prober.close()
+            down = outage_s[0]
             with load.lock:
                 snapshot = list(load.stored)
             lost, recovery = verify(cluster, snapshot, args.recovery_timeout)
             result = load.phase("between")
             result.fault, result.lost_blocks, result.recovery_s = name, lost, recovery
+            result.outage_s = down
+            result.note = "; ".join(x for x in (note, said if isinstance(said, str) else "") if x)
             results.append(result)
-            print(f"  {name:<16}{result.ops:>7}{result.wrong_bytes:>8}{result.lost_blocks:>7}"
-                  f"{result.calls_past_timeout:>9}{'-' if recovery is None else f'{recovery:.2f}':>10}  "
-                  f"{dict(result.errors)}", flush=True)
+            print(f"  {name:<24}{result.ops:>7}{result.wrong_bytes:>8}{result.lost_blocks:>7}"
+                  f"{result.calls_past_timeout:>9}{'-' if recovery is None else f'{recovery:.2f}':>10}"
+                  f"{'-' if down is None else f'{down:.2f}':>10}  {dict(result.errors)}", flush=True)
 
-        print(f"  {'fault':<16}{'ops':>7}{'wrong':>8}{'lost':>7}{'late':>9}{'recov s':>10}  typed errors")
+        print(f"  {'fault':<24}{'ops':>7}{'wrong':>8}{'lost':>7}{'late':>9}{'recov s':>10}{'outage s':>10}"
+              "  typed errors")
+        etcd = cluster.etcd
+        victim: list[str] = []  # the etcd member a fault took down, for its heal
+
+        def kill_leader() -> str:
+            victim[:] = [etcd.leader()]
+            etcd.kill(victim[0])
+            return f"killed {victim[0]} (the leader)"
+
+        def partition_leader() -> str:
+            victim[:] = [etcd.leader()]
+            etcd.partition(victim[0])
+            return f"cut {victim[0]} (the leader) off from the other members; its clients still reach it"
         pid = lambda name: cluster.daemons[name].pid  # noqa: E731
         # First, while clients still put new blocks (the working set is capped), and right before
         # kill -9 of its partner: a node whose DRAM and NVMe are full demotes, then evicts, replicas
@@ -401,8 +470,13 @@ def run(args: argparse.Namespace) -> list[FaultResult]:
         phase("kill -9 daemon", lambda: cluster.kill(KILLED), lambda: cluster.spawn(KILLED))
         phase("SIGSTOP daemon", lambda: os.kill(pid("node-0"), signal.SIGSTOP),
               lambda: os.kill(pid("node-0"), signal.SIGCONT))
-        phase("etcd kill+restart", cluster.etcd.kill, cluster.etcd.start)
+        phase("etcd leader killed", kill_leader, lambda: etcd.start_member(victim[0]), outage=True)
         if not args.quick:
+            phase("etcd member partitioned", partition_leader, lambda: etcd.heal(victim[0]), outage=True)
+            phase("etcd kill+restart", etcd.kill_all, etcd.start_all, outage=True, note="every member")
+            saved, hold = hold, 0.0
+            phase("rolling restart", lambda: rolling_restart(cluster, load, args.recovery_timeout), lambda: None)
+            hold = saved
             hold, saved = LEASE_TTL + 3, hold
             phase("lease expiry", lambda: os.kill(pid("node-1"), signal.SIGSTOP),
                   lambda: os.kill(pid("node-1"), signal.SIGCONT))
@@ -433,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the per-fault records here")
     parser.add_argument("--quick", action="store_true",
-                        help="bounded run: full NVMe tier, kill -9, SIGSTOP, etcd restart; short phases")
+                        help="bounded run: full NVMe tier, kill -9, SIGSTOP, etcd leader killed; short phases")
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--warmup", type=float, default=None)
     parser.add_argument("--hold", type=float, default=None, help="seconds each fault lasts")

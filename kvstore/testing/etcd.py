@@ -132,7 +132,7 @@ class EtcdCluster:
     member coming back from a partition does not unseat a working leader."""
 
     def __init__(self, members: int = 3, data_dir: str | None = None, extra_args: Sequence[str] = (),
-                 heartbeat_ms: int = 100, election_ms: int = 1000) -> None:
+                 heartbeat_ms: int = 100, election_ms: int = 1000, client_host: str = "127.0.0.1") -> None:
         if members < 1:
             raise ValueError("an etcd cluster needs at least one member")
         binary = shutil.which("etcd")
@@ -140,6 +140,7 @@ class EtcdCluster:
             raise RuntimeError("etcd not found: install Debian's etcd-server (scripts/install-test-deps.sh)")
         self.binary = binary
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvstore-etcd-cluster-")
+        os.makedirs(self.data_dir, exist_ok=True)
         self.names = [f"etcd-{i}" for i in range(members)]
         self.client_port = {n: free_port() for n in self.names}
         self.peer_port = {n: free_port() for n in self.names}  # advertised: the relay in front of the member
@@ -152,6 +153,7 @@ class EtcdCluster:
         self.member_ids: dict[str, str] = {}  # etcd's member id (decimal, as its JSON gateway writes it)
         self.relay: subprocess.Popen | None = None
         self._relay_lock = threading.Lock()
+        self.client_host = client_host  # where clients are listened for ("0.0.0.0": other namespaces too)
 
     # --- addresses -------------------------------------------------------------------------------
     @property
@@ -187,12 +189,13 @@ class EtcdCluster:
 
     def _spawn(self, name: str) -> None:
         client = f"http://127.0.0.1:{self.client_port[name]}"
+        listen = f"http://{self.client_host}:{self.client_port[name]}"
         initial = ",".join(f"{n}=http://127.0.0.1:{self.peer_port[n]}" for n in self.names)
         log = open(os.path.join(self.data_dir, f"{name}.log"), "ab")
         try:
             self.procs[name] = processes.spawn(
                 [self.binary, "--name", name, "--data-dir", os.path.join(self.data_dir, name),
-                 "--listen-client-urls", client, "--advertise-client-urls", client,
+                 "--listen-client-urls", listen, "--advertise-client-urls", client,
                  "--listen-peer-urls", f"http://127.0.0.1:{self.listen_peer_port[name]}",
                  "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port[name]}",
                  "--initial-cluster", initial, "--initial-cluster-token", self.token,
@@ -297,6 +300,19 @@ class EtcdCluster:
             raise RuntimeError(f"etcd member {name} is running")
         self._spawn(name)
         self.wait_healthy(timeout, members=[name])
+
+    def kill_all(self) -> None:
+        """SIGKILL every member (the whole cluster down; their data stays)."""
+        for name in list(self.procs):
+            self.kill(name)
+
+    def start_all(self, timeout: float = 30.0) -> None:
+        """Start every member that is not running, all at once (each waits for a quorum), and return
+        once the cluster is healthy."""
+        for name in self.names:
+            if name not in self.procs or processes.exited(self.procs[name]):
+                self._spawn(name)
+        self.wait_healthy(timeout)
 
     def pause(self, name: str) -> None:
         """SIGSTOP: the member hangs (its sockets stay open, nothing answers)."""
