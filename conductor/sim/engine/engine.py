@@ -137,6 +137,14 @@ class Engine:
         if self.faults.down_at is not None:
             self._spawn(self._die_at(self.faults.down_at))
 
+    def inject(self, faults: Faults) -> None:
+        """Replace the engine's faults while it runs; a down fault's `down_at` counts from now."""
+        if faults.down_at is not None:
+            faults.down_at += self.clock.now()
+        self.faults = faults
+        if faults.down_at is not None and self.alive:
+            self._spawn(self._die_at(faults.down_at))
+
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)

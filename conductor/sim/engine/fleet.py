@@ -122,6 +122,7 @@ class StandinFleet:
         if c.control_port is not None:
             app = web.Application()
             app.router.add_get("/fleet/stats", self._stats)
+            app.router.add_post("/fleet/fault", self._fault)
             self._control = web.AppRunner(app, access_log=None)
             await self._control.setup()
             site = web.TCPSite(self._control, c.host, c.control_port)
@@ -179,6 +180,24 @@ class StandinFleet:
 
     async def _stats(self, request: web.Request) -> web.Response:
         return web.json_response(self.stats())
+
+    async def _fault(self, request: web.Request) -> web.Response:
+        """POST {"spec": "down:1:30"} (a --fault SPEC): the engine's faults from now on; a down fault's
+        AT counts from now, so a benchmark can time a death from its first arrival."""
+        from .__main__ import parse_fault  # (the command line's parser; __main__ imports this module)
+
+        try:
+            body = await request.json()
+            faults: dict[int, Faults] = {}
+            parse_fault(body["spec"], faults)
+        except (ValueError, KeyError, TypeError) as exc:
+            return web.json_response({"error": f"expected {{\"spec\": \"KIND:ENGINE:...\"}}: {exc}"}, status=400)
+        if any(not 0 <= i < len(self.engines) for i in faults):
+            return web.json_response({"error": f"no engine {sorted(faults)} (engines 0-{len(self.engines) - 1})"},
+                                     status=400)
+        for i, f in faults.items():
+            self.engines[i].inject(f)
+        return web.json_response({"engines": sorted(faults)})
 
     def describe(self) -> dict[str, Any]:
         """What a router needs: engine URLs, roles, event endpoints; the store fingerprint."""
