@@ -7,7 +7,9 @@ same keys under any PYTHONHASHSEED, on any machine.
 """
 from __future__ import annotations
 
+import array
 import json
+import sys
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from typing import Iterable, Sequence
@@ -136,8 +138,19 @@ def fingerprint_tenant(name: str) -> str:
     return tenant if sep else ""
 
 
+# array('I') packs a list of ints at C speed, refusing floats, negatives and ids past 2**32 - 1
+_NATIVE_U32 = array.array("I").itemsize == 4 and sys.byteorder == "little"
+
+
 def token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     """Token ids as a little-endian u32 array; raises InvalidTokens on anything else."""
+    if _NATIVE_U32 and type(tokens) is list and tokens and type(tokens[0]) is int:
+        # A 12k-id list: ~0.1 ms this way, ~0.9 ms through np.asarray's type inference (the
+        # gateway hashes every prompt). Anything array refuses takes the checks below.
+        try:
+            return np.frombuffer(array.array("I", tokens), dtype="<u4")
+        except (TypeError, OverflowError):
+            pass
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise InvalidTokens("token ids must be a flat sequence")

@@ -301,6 +301,7 @@ BAD_FIELDS = [  # (body change, the param named); each row kills the gateway wit
     ({"prompt": 5}, "prompt"), ({"prompt": None}, "prompt"), ({"prompt": {}}, "prompt"), ({"prompt": []}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"), ({"prompt": [-1, 2]}, "prompt"), ({"prompt": [2 ** 40]}, "prompt"),
     ({"prompt": [[1, 2], []]}, "prompt"), ({"prompt": [True]}, "prompt"), ({"prompt": [1.5]}, "prompt"),
+    ({"prompt": [1, True]}, "prompt"), ({"prompt": [5, 2 ** 32]}, "prompt"), ({"prompt": [[1], [2, False]]}, "prompt"),
     ({"stream": "yes"}, "stream"), ({"stream": 1}, "stream"), ({"stream": {}}, "stream"),
     ({"user": [1]}, "user"), ({"user": {"id": 1}}, "user"), ({"cache_salt": 7}, "cache_salt"),
     ({"stream_options": "x"}, "stream_options"), ({"model": 5}, "model"), ({"model": None}, "model"),
