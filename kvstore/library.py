@@ -42,17 +42,21 @@ class EmbeddedStore(Client):
 def open(url: str = "memory://", *, dram: int | str = "1GiB", disk: str | None = None, disk_size: int | str = "4GiB",
          keep_disk: bool = False, fingerprint: ModelFingerprint | None = None, node: str = "local",
          eviction: str = "lru", secret: str | None = None, metrics_port: int | None = None,
-         timeout: float = 5.0) -> EmbeddedStore:
+         timeout: float = 5.0, persist_on_stop: bool = False, disk_codec: str | None = None) -> EmbeddedStore:
     """Start an in-process daemon on `url` ("memory://" = a private in-process index) and connect.
 
     `disk` is a directory for the NVMe tier (its parent must exist), `disk_size` the tier's size;
-    the tier file goes when the store closes (or the process dies) unless `keep_disk`."""
+    the tier file goes when the store closes (or the process dies) unless `keep_disk`: then it is a
+    persistent tier, whose blocks a store opened again on the same `disk` (and `node`, `disk_size`)
+    serves again once each is verified. `persist_on_stop`: close() first moves DRAM blocks to the
+    NVMe tier (up to 10 s). `disk_codec="lz4"` codes NVMe blocks (kvstore.codec)."""
     if url.rstrip("/") == "memory:":
         url = f"memory://embedded-{uuid.uuid4().hex[:8]}"
     if secret is None:  # a private secret: only this process (and whom it tells) can reach the daemon
         secret = secrets.token_urlsafe(32)
     config = DaemonConfig(node=node, metadata=url, dram_bytes=parse_size(dram), disk_dir=disk,
                           disk_bytes=parse_size(disk_size) if disk else 0, keep_disk=keep_disk, eviction=eviction,
+                          persist_on_stop=persist_on_stop, disk_codec=disk_codec,
                           secret=secret,
                           metrics_port=metrics_port, timeout=timeout, engine_listen="127.0.0.1:0")
     daemon = Daemon(config)

@@ -114,8 +114,12 @@ class Client:
     def __init__(self, metadata: str = "memory://default", *, cluster: str = "default",
                  fingerprint: ModelFingerprint | None = None, secret: str | None = None, timeout: float = 5.0,
                  replicas: int | None = None, mirror: IndexMirror | None = None, transport: str = "auto",
-                 tls_ca: str | None = None, publish: str = "async", tenant: str | None = None) -> None:
+                 tls_ca: str | None = None, publish: str = "async", tenant: str | None = None,
+                 repair: bool = False) -> None:
         self.fingerprint, self.timeout = fingerprint, timeout
+        # Puts are repair copies (a daemon's repairer): a node takes them only into room it can make
+        # without evicting a block no other live node holds; one that cannot is skipped for the next.
+        self.repair = repair
         # A tenant client (`tenant=` with that tenant's own `secret=`) may use only its fingerprints.
         self.tenant = tenant or ""
         if self.tenant:
@@ -168,6 +172,10 @@ class Client:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def _repair_field(self) -> dict:
+        return {"repair": True} if self.repair else {}
 
     # --- fingerprints and nodes ------------------------------------------------------------------
     def _fp(self, fingerprint: ModelFingerprint | str | None) -> str:
@@ -438,6 +446,10 @@ class Client:
                     placed += 1
                 except (AuthenticationFailed, AccessDenied):
                     raise  # a configuration error, not a dead node
+                except AllocationFailed as exc:
+                    if not self.repair:
+                        raise
+                    errors.append(f"{record.name}: {exc}")  # full of last copies: the next node, if any
                 except (TransferError, grpc.RpcError, NoStoreNodes, NodeRefused, OSError, ValueError) as exc:
                     if isinstance(exc, WrongSize):
                         raise
@@ -469,7 +481,7 @@ class Client:
             self.stats["control_calls"] += 1
             reply, _ = local.call({"op": "put", "fp": fp, "hashes": [h.hex() for h in hashes],
                                    "sizes": [v.nbytes for v in views], "digests": [d.hex() for d in digests_of()],
-                                   "sync": sync}, views, timeout=answer_within)
+                                   "sync": sync, **self._repair_field}, views, timeout=answer_within)
             self.stats["local_puts"] += 1
             return self._sealed(name, fp, hashes, reply, since)
         wire = self._control(name)
@@ -478,13 +490,13 @@ class Client:
             if wire is not None:
                 reply, _ = wire.call({"op": "put", "fp": fp, "hashes": [h.hex() for h in hashes],
                                       "sizes": [v.nbytes for v in views],
-                                      "digests": [d.hex() for d in digests_of()], "sync": sync},
-                                     views, timeout=answer_within)
+                                      "digests": [d.hex() for d in digests_of()], "sync": sync,
+                                      **self._repair_field}, views, timeout=answer_within)
                 self.stats["wire_puts"] += 1
             else:
                 reply = self._rpc(self._node(name).stub.Put, store_pb2.PutRequest(
                     fingerprint=fp, hashes=hashes, payloads=[bytes(v) for v in views], digests=digests_of(),
-                    client=self.engine.name, sync=sync), answer_within)
+                    client=self.engine.name, sync=sync, repair=self.repair), answer_within)
             return self._sealed(name, fp, hashes, reply, since)
         return self._put_by_engine(name, wire, fp, hashes, regions()[first : first + len(views)],
                                    digests_of, since, sync, answer_within)
@@ -513,12 +525,14 @@ class Client:
         elif wire is not None:
             self.stats["control_calls"] += 1
             reply, _ = wire.call({"op": "reserve", "fp": fp, "hashes": [h.hex() for h in hashes],
-                                   "sizes": [r.size for r in regs], **({"peer": peer} if peer else {})})
+                                   "sizes": [r.size for r in regs], **({"peer": peer} if peer else {}),
+                                   **self._repair_field})
             slots = [(i, s[0], s[1], s[2]) for i, s in enumerate(reply["slots"]) if s is not None]
         else:
             self.stats["control_calls"] += 1
             reply = self._rpc(node.stub.Reserve, store_pb2.ReserveRequest(
-                fingerprint=fp, hashes=hashes, sizes=[r.size for r in regs], client=self.engine.name, peer=peer))
+                fingerprint=fp, hashes=hashes, sizes=[r.size for r in regs], client=self.engine.name, peer=peer,
+                repair=self.repair))
             slots = [(i, s.token, s.region, s.offset) for i, s in enumerate(reply.slots) if not s.exists]
         if leased is None:
             self._placement.seen(name, reply)

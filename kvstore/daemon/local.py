@@ -20,12 +20,14 @@ put, reserve, commit or lookup (else code `denied`), and the slots it reserves o
 granted to its engine under its tenant-scoped identity only.
 
 Requests (one reply frame each):
-  put      {fp, hashes (hex), sizes, digests (hex), sync} + the bytes -> {records, errors, used, capacity}
+  put      {fp, hashes (hex), sizes, digests (hex), sync, repair?} + the bytes -> {records, errors, used, capacity}
            one round trip: reserve, receive straight into the DRAM arena, then (sync) verify, seal and
            publish before answering, or answer and leave verifying and publishing to the verifier
-  reserve  {fp, hashes, sizes, peer?} -> {slots: [[token, region, offset, size] | null], used, capacity}:
+  reserve  {fp, hashes, sizes, peer?, repair?} -> {slots: [[token, region, offset, size] | null], used, capacity}:
            `peer` (the client engine's peer_id) is granted writes into the slots until they are
-           committed, aborted or expire; only that engine's one-sided writes land there
+           committed, aborted or expire; only that engine's one-sided writes land there. `repair`:
+           the blocks are repair copies, which never make room by evicting a block no other live
+           node holds (refused as exhausted instead)
   commit   {fp, tokens, digests (hex), sync, hashes?, lease?: {size, count}, peer?} -> {records, errors, used,
            capacity, lease: [[token, region, offset, size]], lease_ttl}: `hashes` (hex, one per token)
            name the blocks written into leased slots; `lease` asks for slots for the next put (granted
@@ -310,7 +312,8 @@ class LocalControl:
             hashes = _hashes(request.get("hashes"))
             sizes = _ints(request.get("sizes"), "sizes", len(hashes), MAX_BLOCK_BYTES)
             try:
-                slots, updates = self.store.reserve(fingerprint, hashes, sizes, _peer(request, tenant))
+                slots, updates = self.store.reserve(fingerprint, hashes, sizes, _peer(request, tenant),
+                                                    repair=bool(request.get("repair")))
             except (AllocationFailed, InvalidRequest) as exc:
                 return self._error(exc), None
             if updates:
@@ -386,7 +389,7 @@ class LocalControl:
             if not self._accepting():
                 frames.discard(total, deadline)
                 return {"ok": False, "code": "refused", "error": f"{self._node} is draining: it takes no new blocks"}
-            slots, updates = self.store.reserve(fingerprint, hashes, sizes)
+            slots, updates = self.store.reserve(fingerprint, hashes, sizes, repair=bool(request.get("repair")))
         except (AllocationFailed, InvalidRequest) as exc:
             frames.discard(total, deadline)
             return self._error(exc)

@@ -72,6 +72,38 @@ class DaemonMetrics:
             family = CounterMetricFamily(f"kvstore_{name}", help_text)
             family.add_metric([], c.get(name, 0))
             yield family
+        refused = CounterMetricFamily("kvstore_tier_journal_refused",
+                                      "Persistent NVMe tier journals refused at start (the tier started empty)",
+                                      labels=["reason"])
+        for reason in ("format", "cluster", "node", "tier_id", "size", "label"):
+            refused.add_metric([reason], c.get(f"journal_refused_{reason}", 0))
+        yield refused
+        for name, key, help_text in (
+                ("tier_journal_dropped_entries", "journal_dropped_entries",
+                 "Journal entries dropped at start (bad fields, overlaps)"),
+                ("tier_journal_torn_bytes", "journal_torn_bytes", "Journal bytes cut at start at a torn or damaged entry"),
+                ("tier_journal_write_failures", "journal_write_failures",
+                 "Journal appends that failed (no more until the next start)"),
+                ("tier_journal_compactions", "journal_compactions", "Journal rewrites from the tier's blocks"),
+                ("tier_restored_blocks", "restored_blocks", "NVMe blocks served again after a restart, each verified first"),
+                ("tier_restore_corrupt_blocks", "restore_corrupt_blocks",
+                 "NVMe blocks a restart found failing their digest (dropped, never served)"),
+                ("tier_restore_superseded", "restore_superseded", "NVMe blocks a restart dropped as put again meanwhile"),
+                ("persisted_blocks", "persisted_blocks", "DRAM blocks moved to NVMe on a graceful stop (--persist-on-stop)"),
+                ("disk_codec_coded_blocks", "disk_codec_coded_blocks", "NVMe blocks coded (--disk-codec)"),
+                ("disk_codec_raw_blocks", "disk_codec_raw_blocks", "NVMe blocks left raw: coding gained under 5%"),
+                ("disk_codec_saved_bytes", "disk_codec_saved_bytes", "NVMe bytes saved by coding (4 KiB extents)"),
+                ("sole_copies_evicted", "sole_copies_evicted",
+                 "Blocks no other live node held, evicted (nothing else made room)"),
+                ("repair_copies_refused", "repair_copies_refused",
+                 "Repair copies refused: no room without evicting a block no other node holds")):
+            family = CounterMetricFamily(f"kvstore_{name}", help_text)
+            family.add_metric([], c.get(key, 0))
+            yield family
+        pending = GaugeMetricFamily("kvstore_tier_restore_pending",
+                                    "NVMe blocks a restart holds and has not verified yet (not served until then)")
+        pending.add_metric([], c.get("restore_pending", 0))
+        yield pending
         moved = CounterMetricFamily("kvstore_transfer_bytes", "Bytes moved by this node's engine", labels=["transport"])
         stats = self._engine_stats()
         moved.add_metric(["tcp_out"], stats.get("tcp_tx_bytes", 0))

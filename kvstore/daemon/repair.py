@@ -127,6 +127,18 @@ class Repairer:
                      self.node, copied, self.replicas)
         return left
 
+    def held_elsewhere(self, fingerprint: str, block_hash: bytes) -> bool:
+        """Whether a live node other than this one (not draining) lists the block: the store's
+        eviction drops such blocks first and spares the others (BlockStore.replicated). False while
+        the repairer's mirror is not up yet."""
+        client = self._client
+        if client is None:
+            return False
+        mirror = client.mirror
+        nodes = mirror.nodes
+        return any(name != self.node and (rec := nodes.get(name)) is not None and not rec.draining
+                   for name in mirror.lookup(fingerprint, block_hash))
+
     def _replica_removed(self, fingerprint: str, block_hash: bytes, node: str) -> None:
         """The watch removed `node`'s replica of a block (on the watch's thread: only noted)."""
         if node == self.node:

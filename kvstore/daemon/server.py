@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import uuid
 from concurrent import futures
 from dataclasses import dataclass
@@ -38,8 +39,11 @@ from .publisher import Publisher
 from .repair import HAND_OFF_S, Repairer
 from .service import MAX_INLINE_BYTES, StoreControlService
 from .session import NodeSession
+from ..codec import check_codec
 from ..tiers.disk import DiskTierFile
+from ..tiers.journal import TierJournal, remove_stale
 from .store import BlockStore, Update
+from .tierwork import TierWork
 from .verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -59,7 +63,15 @@ class DaemonConfig:
     dram_bytes: int = 1 << 30
     disk_dir: str | None = None
     disk_bytes: int = 0
-    keep_disk: bool = False  # keep the tier file when the daemon ends (else it goes, even after a crash)
+    # A persistent NVMe tier: the tier file and its journal stay when the daemon ends (a stop or a
+    # crash), and the next daemon of this node on the same disk_dir serves their blocks again, each
+    # verified first (kvstore.tiers.journal). Else the file goes with the daemon, even after a crash.
+    keep_disk: bool = False
+    # On a graceful stop, demote DRAM blocks to the NVMe tier (most recently used first) for up to
+    # persist_timeout seconds first, so that a persistent tier keeps them too.
+    persist_on_stop: bool = False
+    persist_timeout: float = 10.0
+    disk_codec: str | None = None  # "lz4": NVMe blocks coded in the background (kvstore.codec)
     secret: str | None = None
     insecure: bool = False  # no secret on purpose: anyone who reaches the node may use its memory
     # Tenant name -> its own secret (`kvstore serve --tenants FILE`): clients that authenticate as a
@@ -112,6 +124,8 @@ class Daemon:
         self.verifier: Verifier | None = None
         self.local: LocalControl | None = None
         self.disk: DiskTierFile | None = None  # the NVMe tier's file
+        self.journal: TierJournal | None = None  # a persistent tier's journal
+        self.tier_work: TierWork | None = None  # restores a persistent tier, codes blocks (--disk-codec)
 
     # --- start -----------------------------------------------------------------------------
     def start(self) -> "Daemon":
@@ -126,6 +140,9 @@ class Daemon:
         # arena and write it directly: they are trusted by uid.
         dram = self.engine.allocate(c.dram_bytes, remote_writes="granted")
         nvme = None
+        counters: dict[str, float] = {}
+        entries = []
+        check_codec(c.disk_codec)  # a typo fails before anything is made
         if c.disk_dir and c.disk_bytes > 0:
             self.disk = DiskTierFile.prepare(c.disk_dir, c.node, c.disk_bytes, keep=c.keep_disk)
             try:
@@ -134,8 +151,16 @@ class Daemon:
                 self.disk.remove()  # a failed allocation leaves no file behind
                 raise
             self.disk.hold()
+            if c.keep_disk:  # persistent: what the last daemon of this node left is served again, once verified
+                self.journal = TierJournal(os.path.dirname(self.disk.path), c.node, c.cluster, self.disk.path,
+                                           c.disk_bytes, counters)
+                entries = self.journal.open(resized=self.disk.resized).entries
+            elif remove_stale(os.path.dirname(self.disk.path), c.node):
+                log.info("removed the journal of an earlier persistent tier in %s: this tier is not kept "
+                         "(--keep-disk), its blocks will not be served again", c.disk_dir)
         self.store = BlockStore(self.engine, dram, nvme, policy=c.eviction, high=c.high_watermark, low=c.low_watermark,
-                                promote=c.promote)
+                                promote=c.promote, counters=counters, journal=self.journal, disk_codec=c.disk_codec)
+        self.store.restore(entries)
         self.metrics = DaemonMetrics(c.node, self.store.counters, lambda: self.store.tiers, self.engine.stats)
         if c.metrics_port is not None:
             self.metrics_port = self.metrics.serve(c.metrics_port, c.metrics_listen)
@@ -193,13 +218,17 @@ class Daemon:
         if self.config.replicas > 1:  # keep blocks at the cluster's replica count when nodes die
             self.repairer = Repairer(self.config.node, self.store, self.store.counters, self._repair_client,
                                      self.config.replicas).start()
+            self.store.replicated = self.repairer.held_elsewhere  # eviction spares the last copies
+        if self.store.nvme is not None:  # a restarted persistent tier's blocks, verified and published
+            self.tier_work = TierWork(self.store, self.publish, self.config.node)
 
     def _repair_client(self):
         from ..client import Client
 
         c = self.config
+        # Its copies go where there is room without dropping a block no other node holds (repair=True).
         return Client(c.metadata, cluster=c.cluster, secret=c.secret or "", timeout=c.timeout, tls_ca=c.tls_ca,
-                      publish="sync")
+                      publish="sync", repair=True)
 
     def node_record(self) -> NodeRecord:
         tiers = {t.name: t.capacity for t in self.store.tiers}
@@ -305,6 +334,8 @@ class Daemon:
         again until a pass finds no block it has not handled, then refuses their commits and looks
         once more (a refused put goes to another node), so no put answered as stored is left here."""
         self.drain_in_progress = True
+        if self.tier_work is not None:  # blocks still being restored are moved (or dropped) with the rest
+            self.tier_work.wait_restored(self.config.timeout * 60)
         mover, looked = None, False  # the client that moves blocks (None: nowhere to go), made when first needed
         kept: set[tuple[str, bytes]] = set()  # blocks that could not be moved: they stay here, counted failed
         progress, ended = admin_pb2.DrainProgress(), "stopped: the caller went away (the node still takes no puts)"
@@ -420,12 +451,16 @@ class Daemon:
             self.health.enter_graceful_shutdown()
             self.server.stop(grace).wait(grace + 1)
         if self.verifier is not None:
-            if self.repairer is not None:
+            if self.repairer is not None or self.config.persist_on_stop:
                 try:
-                    self.verifier.seal()  # blocks written but not verified yet are handed off too
+                    self.verifier.seal()  # blocks written but not verified yet are handed off (or kept) too
                 except Exception:  # noqa: BLE001 - those are dropped, as the verifier drops a failed batch
                     log.exception("verifying written blocks before stopping failed")
             self.verifier.stop()
+        if self.tier_work is not None:
+            self.tier_work.stop()
+        if self.config.persist_on_stop and self.store is not None and self.store.nvme is not None:
+            self._persist()
         if self.repairer is not None:  # no puts land now: its replicas go to other nodes before its lease
             self.repairer.stop(hand_off=HAND_OFF_S)
         if self.publisher is not None:
@@ -442,10 +477,27 @@ class Daemon:
                 self._call(self.session.metadata.close())
             except (MetadataError, TimeoutError):
                 pass
+        if self.journal is not None:
+            self.journal.close()  # synced: a clean stop loses no entry
         if self.engine is not None:
             self.engine.close()
         if self.disk is not None:
             self.disk.close()
+
+    def _persist(self) -> None:
+        """--persist-on-stop: DRAM blocks to the NVMe tier, most recently used first, within
+        persist_timeout (never evicting an NVMe block no other live node holds, where that is known)."""
+        started = time.monotonic()
+        try:
+            moved, left = self.store.persist(self.config.persist_timeout, keep_sole=self.store.replicated is not None)
+        except Exception:  # noqa: BLE001 - stopping anyway: said, the rest is lost as without the flag
+            log.exception("%s: persisting DRAM blocks to NVMe failed", self.config.node)
+            return
+        self.store.counters["persisted_blocks"] = self.store.counters.get("persisted_blocks", 0) + moved
+        (log.warning if left else log.info)(
+            "%s: persisted %d DRAM blocks to its NVMe tier in %.1f s%s", self.config.node, moved,
+            time.monotonic() - started, f"; {left} left in DRAM (out of time or room: lost with this process)"
+            if left else "" if self.journal is not None else " (the tier is not kept: they go with it)")
 
     def wait(self) -> None:
         """Block until SIGTERM/SIGINT, then stop gracefully."""

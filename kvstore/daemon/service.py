@@ -74,7 +74,7 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
 
         def run():
             slots, updates = self.store.reserve(request.fingerprint, list(request.hashes), list(request.sizes),
-                                                self._peer(request, context))
+                                                self._peer(request, context), repair=request.repair)
             if updates:
                 self.publish(updates, False)
             return store_pb2.ReserveResponse(slots=[
@@ -127,7 +127,8 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
         def run():
             errors, records, updates, stored = self.store.put_inline(request.fingerprint, list(request.hashes),
                                                              list(request.payloads), list(request.digests),
-                                                             verify=request.sync)  # else verified after answering
+                                                             verify=request.sync,  # else verified after answering
+                                                             repair=request.repair)
             if updates:
                 self.publish(updates, request.sync)
             return store_pb2.PutResponse(sealed=[not e for e in errors], errors=errors, stored=stored,

@@ -23,16 +23,19 @@ import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from transfer import Engine, Read, Region, TransferError, Write
 
 from ..errors import AllocationFailed, InvalidRequest, NodeRefused, WrongSize
+from ..codec import RAW, Chooser, CodecError, check_codec, decode
 from ..index.records import MAX_BLOCK_BYTES, NAME, NAME_RULE, BlockRecord
 from ..integrity import block_digest, block_digests, check_digests
 from ..tiers import EvictionPolicy, ExtentAllocator, make_policy
 from ..tiers.allocator import align_up
+from ..tiers.journal import LABEL_BYTES, Entry, TierJournal
 
 log = logging.getLogger(__name__)
 Key = tuple[str, bytes]  # (fingerprint, block hash)
@@ -65,21 +68,32 @@ class Slot:
     key: Key
     tier: "Tier"
     offset: int
-    size: int
+    size: int  # the block's bytes
     digest: bytes = b""  # of the block's bytes, as its writer sent it (kvstore.integrity)
     reserved_at: float = field(default_factory=time.monotonic)
     peer: str = ""  # the engine (peer id) granted writes into it while it is pending
+    codec: int = 0  # kvstore.codec id of what is stored at `offset` (NVMe only; 0: the raw bytes)
+    stored: int = 0  # bytes stored at `offset` when coded
+
+    @property
+    def span(self) -> int:
+        """Bytes the slot takes at `offset`: its frame when coded, else the block."""
+        return self.stored if self.codec else self.size
 
     def record(self) -> BlockRecord:
-        return BlockRecord(self.tier.name, self.tier.region.id, self.offset, self.size, self.digest)
+        return BlockRecord(self.tier.name, self.tier.region.id, self.offset, self.size, self.digest, self.codec,
+                           self.stored if self.codec else 0)
 
 
 class Tier:
-    """One tier: an engine region, its allocator, sealed slots and their eviction order."""
+    """One tier: an engine region, its allocator, sealed slots and their eviction order. `head`
+    bytes at its start hold no blocks (a persistent NVMe tier's label)."""
 
-    def __init__(self, name: str, region: Region, policy: str, high: float, low: float) -> None:
+    def __init__(self, name: str, region: Region, policy: str, high: float, low: float, head: int = 0) -> None:
         self.name, self.region = name, region
         self.allocator = ExtentAllocator(region.size)
+        if head:
+            self.allocator.take(0, head)
         self.policy: EvictionPolicy = make_policy(policy)
         self.high, self.low = high, low
         self.sealed: dict[Key, Slot] = {}
@@ -98,15 +112,35 @@ class BlockStore:
 
     def __init__(self, engine: Engine, dram: Region, nvme: Region | None = None, *, policy: str = "lru",
                  high: float = 0.95, low: float = 0.85, reservation_timeout: float = 30.0,
-                 counters: dict[str, float] | None = None, promote: bool = True) -> None:
+                 counters: dict[str, float] | None = None, promote: bool = True, journal: TierJournal | None = None,
+                 disk_codec: str | None = None) -> None:
         if not 0 < low <= high <= 1:
             raise ValueError(f"watermarks need 0 < low <= high <= 1, got low={low} high={high}")
         self.engine = engine
         self.dram = Tier("dram", dram, policy, high, low)
-        self.nvme = Tier("nvme", nvme, policy, high, low) if nvme is not None else None
+        # A journalled (persistent) tier keeps its label in its first 4 KiB.
+        self.nvme = Tier("nvme", nvme, policy, high, low, LABEL_BYTES if journal else 0) if nvme is not None else None
         self.reservation_timeout = reservation_timeout
         self.promote = promote  # move NVMe blocks back to DRAM when clients hit them
         self.counters = counters if counters is not None else {}
+        self.journal = journal  # told every change of the NVMe tier's blocks (a persistent tier)
+        if journal is not None:
+            journal.snapshot = self._journal_snapshot
+        # Whether another live node holds a block (fingerprint, hash), from the repairer's index
+        # mirror (None: not known, as with one replica): eviction drops such blocks first, and a
+        # repair copy may evict only those (kvstore.daemon.repair, `reserve(repair=True)`).
+        self.replicated: Callable[[str, bytes], bool] | None = None
+        # NVMe blocks a restarted tier's journal lists, held but not verified yet (in journal order),
+        # and those being verified now (kvstore.daemon.tierwork): neither is published or evicted.
+        self._restoring: OrderedDict[Key, Slot] = OrderedDict()
+        self._checking: dict[Key, Slot] = {}
+        # --disk-codec: NVMe blocks are coded in the background after their demotion (tierwork),
+        # oldest first; a raw block waits here for its turn.
+        self.disk_codec = check_codec(disk_codec)
+        self._chooser = Chooser() if self.disk_codec else None
+        self._uncoded: OrderedDict[Key, Slot] = OrderedDict()
+        self._wire_chooser = Chooser()  # codes DRAM blocks read over the wire with a codec
+        self.tier_work = threading.Event()  # restore or coding work arrived (tierwork's thread waits on it)
         self._pending: dict[int, Slot] = {}
         self._fenced: list[tuple[str, Slot]] = []  # (peer, slot): revoked while that peer's write still landed
         self._written: dict[Key, Slot] = {}  # committed, to be verified by seal_written (in order)
@@ -161,10 +195,12 @@ class BlockStore:
         return out
 
     # --- writes -------------------------------------------------------------------------------
-    def reserve(self, fingerprint: str, hashes: Sequence[bytes], sizes: Sequence[int], peer: str = ""
-                ) -> tuple[list[tuple[int, Slot | None]], list[Update]]:
+    def reserve(self, fingerprint: str, hashes: Sequence[bytes], sizes: Sequence[int], peer: str = "",
+                repair: bool = False) -> tuple[list[tuple[int, Slot | None]], list[Update]]:
         """A (token, slot) per block to write; token 0 and slot None where it is already sealed here.
-        `peer`: the client engine's peer id, granted writes into the new slots while they are pending."""
+        `peer`: the client engine's peer id, granted writes into the new slots while they are pending.
+        `repair`: the blocks are repair copies (another node's replicas): they take free space, or
+        room made by demoting or by evicting blocks another live node holds, never a sole copy's."""
         if len(hashes) != len(sizes):
             raise WrongSize(f"{len(hashes)} hashes but {len(sizes)} sizes")
         if not isinstance(fingerprint, str) or not NAME.fullmatch(fingerprint):
@@ -199,13 +235,17 @@ class BlockStore:
                     self._touch(key)
                     out.append((0, None))
                     continue
-                offset = self._allocate(self.dram, size, updates)
+                offset = self._allocate(self.dram, size, updates, keep_sole=repair)
                 if offset is None:
                     for token, slot in out:  # all or nothing
                         if slot is not None:
                             self._pending.pop(token, None)
                             self.dram.allocator.release(slot.offset, slot.size)
                     self._count("allocation_failures_dram")
+                    if repair:
+                        self._count("repair_copies_refused")
+                        raise AllocationFailed(f"no room for a {size}-byte repair copy without evicting a block "
+                                               "no other live node holds", updates)
                     raise AllocationFailed(f"no room for a {size}-byte block in {self.dram.capacity} bytes of DRAM",
                                            updates)
                 slot = Slot(key, self.dram, offset, size)
@@ -443,12 +483,14 @@ class BlockStore:
             return updates
 
     def put_inline(self, fingerprint: str, hashes: Sequence[bytes], payloads: Sequence, digests: Sequence[bytes],
-                   verify: bool = True) -> tuple[list[str], list[BlockRecord | None], list[Update], int]:
-        """Reserve, copy in and commit (`verify` as for commit) blocks whose bytes came with the
-        request, in one call. Returns what `commit_reserved` does, with the reserve's updates too."""
+                   verify: bool = True, repair: bool = False
+                   ) -> tuple[list[str], list[BlockRecord | None], list[Update], int]:
+        """Reserve (`repair` as for reserve), copy in and commit (`verify` as for commit) blocks whose
+        bytes came with the request, in one call. Returns what `commit_reserved` does, with the
+        reserve's updates too."""
         if not (len(hashes) == len(payloads) == len(digests)):
             raise WrongSize(f"{len(hashes)} hashes, {len(payloads)} payloads, {len(digests)} digests")
-        slots, updates = self.reserve(fingerprint, hashes, [len(p) for p in payloads])
+        slots, updates = self.reserve(fingerprint, hashes, [len(p) for p in payloads], repair=repair)
         arena = self.dram.region.buffer
         for (_, slot), payload in zip(slots, payloads):
             if slot is not None:
@@ -527,64 +569,121 @@ class BlockStore:
             self.dram.allocator.release(slot.offset, slot.size)
 
     # --- space --------------------------------------------------------------------------------
-    def _allocate(self, tier: Tier, size: int, updates: list[Update]) -> int | None:
-        """Room for `size` bytes in `tier`, evicting down to the low watermark when above the high one."""
+    def _allocate(self, tier: Tier, size: int, updates: list[Update], keep_sole: bool = False,
+                  batch: bool = True) -> int | None:
+        """Room for `size` bytes in `tier`, evicting down to the low watermark when above the high
+        one (`batch`; else one block at a time, only as needed). `keep_sole`: evict (drop) only
+        blocks another live node holds; demoting stays allowed (it loses nothing)."""
         if size > tier.capacity:
             return None  # evicting would lose everything and still not fit
-        if tier.used + size > tier.high * tier.capacity:
-            self._evict(tier, lambda: tier.used + size <= tier.low * tier.capacity, updates)
+        sole: set[Key] = set()  # blocks found to be the last copy, asked about once per allocation
+        if batch and tier.used + size > tier.high * tier.capacity:
+            self._evict(tier, lambda: tier.used + size <= tier.low * tier.capacity, updates, keep_sole=keep_sole,
+                        sole=sole)
         offset = tier.allocator.allocate(size)
-        while offset is None and self._evict(tier, lambda: True, updates, limit=1):
+        while offset is None and self._evict(tier, lambda: True, updates, limit=1, keep_sole=keep_sole, sole=sole):
             offset = tier.allocator.allocate(size)
         return offset
 
-    def _evict(self, tier: Tier, enough, updates: list[Update], limit: int | None = None) -> int:
+    def _replicated(self, key: Key) -> bool:
+        """Whether another live node holds the block (False when not known)."""
+        try:
+            return self.replicated is not None and bool(self.replicated(*key))
+        except Exception:  # noqa: BLE001 - a mirror in trouble knows nothing: treat it as the last copy
+            return False
+
+    def _evict(self, tier: Tier, enough, updates: list[Update], limit: int | None = None,
+               keep_sole: bool = False, sole: set[Key] | None = None) -> int:
+        """Evict `tier`'s blocks in its policy's order until `enough()` (or `limit` blocks). DRAM
+        blocks are demoted to NVMe where it can take them; a block that would be dropped goes first
+        if another live node holds it: only when those do not make enough room are the sole copies
+        dropped, in policy order, and never with `keep_sole`."""
         evicted = 0
-        for key in tier.policy.victims():
-            if enough() or (limit is not None and evicted >= limit):
-                break
-            slot = tier.sealed.get(key)
-            if slot is None:
-                tier.policy.remove(key)
-                continue
-            self._drop(slot)
-            if not (tier is self.dram and self.nvme is not None and self._demote(slot, updates)):
+        sole = set() if sole is None else sole
+        demoting = tier is self.dram and self.nvme is not None
+        rounds = (True,) if keep_sole else (True, False) if self.replicated is not None else (False,)
+        for replicated_only in rounds:
+            for key in tier.policy.victims():
+                if enough() or (limit is not None and evicted >= limit):
+                    return evicted
+                slot = tier.sealed.get(key)
+                if slot is None:
+                    tier.policy.remove(key)
+                    continue
+                if demoting and self._demote(slot, updates, keep_sole):
+                    self._count(f"evictions_{tier.name}")
+                    evicted += 1
+                    continue
+                if replicated_only and (key in sole or not self._replicated(key)):
+                    sole.add(key)
+                    continue  # the last copy in the cluster: only if nothing else makes room
+                self._drop(slot)
                 updates.append((key[0], key[1], None))
-            self._count(f"evictions_{tier.name}")
-            evicted += 1
+                self._count(f"evictions_{tier.name}")
+                if not replicated_only and self.replicated is not None:
+                    self._count("sole_copies_evicted")
+                evicted += 1
+            if enough():
+                break
         return evicted
 
     def _drop(self, slot: Slot) -> None:
         tier = slot.tier
         tier.sealed.pop(slot.key, None)
         tier.policy.remove(slot.key)
-        tier.allocator.release(slot.offset, slot.size)
+        tier.allocator.release(slot.offset, slot.span)
+        if tier is self.nvme:
+            self._uncoded.pop(slot.key, None)
+            if self.journal is not None:
+                self.journal.delete(slot.key[0], slot.key[1], slot.offset)
 
-    def _move(self, slot: Slot, target: Tier, updates: list[Update]) -> Slot | None:
-        """Copy a (just dropped) slot into `target`; the new slot, or None when it cannot go there."""
-        offset = self._allocate(target, slot.size, updates)
+    def _seal_nvme(self, slot: Slot, updates: list[Update]) -> None:
+        """`slot` (its bytes on the NVMe tier, checked) becomes the block's NVMe copy (lock held)."""
+        nvme = self.nvme
+        nvme.sealed[slot.key] = slot
+        nvme.policy.insert(slot.key)
+        if self.journal is not None:
+            self.journal.put(slot.key[0], slot.key[1], slot.offset, slot.size, slot.span, slot.codec, slot.digest)
+        if self._chooser is not None and not slot.codec:
+            self._uncoded[slot.key] = slot
+            self.tier_work.set()
+        updates.append((slot.key[0], slot.key[1], slot.record()))
+
+    def _demote(self, slot: Slot, updates: list[Update], keep_sole: bool = False, batch: bool = True) -> bool:
+        """Copy a sealed DRAM block to NVMe, then drop its DRAM copy; False (nothing changed) when
+        NVMe has no room for it (as `_allocate` makes room) or the copy failed."""
+        nvme = self.nvme
+        offset = self._allocate(nvme, slot.size, updates, keep_sole, batch)
         if offset is None:
-            return None
-        moved = Slot(slot.key, target, offset, slot.size, slot.digest)
+            return False
         try:
-            if target is self.nvme:
-                self.engine.transfer([Write(slot.tier.region, slot.offset, target.region, offset, slot.size)])
-            else:
-                self.engine.transfer([Read(target.region, offset, slot.tier.region, slot.offset, slot.size)])
+            self.engine.transfer([Write(slot.tier.region, slot.offset, nvme.region, offset, slot.size)])
         except TransferError:
-            target.allocator.release(offset, slot.size)
+            nvme.allocator.release(offset, slot.size)
             self._count("io_errors")
-            return None
-        target.sealed[slot.key] = moved
-        target.policy.insert(slot.key)
-        updates.append((slot.key[0], slot.key[1], moved.record()))
-        return moved
+            return False
+        self._drop(slot)
+        self._seal_nvme(Slot(slot.key, nvme, offset, slot.size, slot.digest), updates)
+        self._count("demotions")
+        return True
 
-    def _demote(self, slot: Slot, updates: list[Update]) -> bool:
-        moved = self._move(slot, self.nvme, updates)
-        if moved is not None:
-            self._count("demotions")
-        return moved is not None
+    def _read_nvme(self, offset: int, size: int) -> bytes:
+        """A copy of `size` bytes of the NVMe tier at `offset` (through the engine; no lock needed)."""
+        scratch = self.engine.register(bytearray(size), remote_access=False)
+        try:
+            self.engine.transfer([Read(scratch, 0, self.nvme.region, offset, size)])
+            return bytes(scratch.buffer)
+        finally:
+            self.engine.unregister(scratch)
+
+    def _raw_bytes(self, slot: Slot, stored: bytes) -> bytes | None:
+        """A slot's raw bytes from what it stores (decoded when coded); None when that does not decode."""
+        if not slot.codec:
+            return stored
+        try:
+            return bytes(decode(stored, slot.codec, slot.size))
+        except CodecError:
+            return None
 
     def _promote(self, slot: Slot, updates: list[Update]) -> None:
         """Move an NVMe block that was hit back to DRAM, checking its bytes on the way. Only into
@@ -595,15 +694,21 @@ class BlockStore:
         offset = dram.allocator.allocate(slot.size)
         if offset is None:
             return
+        view = dram.region.buffer[offset : offset + slot.size]
         try:
-            self.engine.transfer([Read(dram.region, offset, slot.tier.region, slot.offset, slot.size)])
+            if slot.codec:
+                raw = self._raw_bytes(slot, self._read_nvme(slot.offset, slot.span))
+                if raw is not None:
+                    view[:] = raw
+            else:
+                raw = b""
+                self.engine.transfer([Read(dram.region, offset, slot.tier.region, slot.offset, slot.size)])
         except TransferError:
             dram.allocator.release(offset, slot.size)
             self._count("io_errors")
             return
         self._drop(slot)
-        view = dram.region.buffer[offset : offset + slot.size]
-        if block_digest(slot.key[1], view) != slot.digest:
+        if raw is None or block_digest(slot.key[1], view) != slot.digest:
             dram.allocator.release(offset, slot.size)
             self._count("corrupt_blocks_nvme")
             updates.append((slot.key[0], slot.key[1], None))
@@ -643,19 +748,16 @@ class BlockStore:
                     updates.append((fingerprint, bytes(block_hash), None))
         return updates
 
-    def _slot_bytes(self, slot: Slot) -> bytes:
-        """A copy of a slot's bytes, wherever it lives (call with the lock held)."""
+    def _slot_bytes(self, slot: Slot) -> bytes | None:
+        """A copy of a slot's bytes (decoded when coded), wherever it lives; None when its frame
+        does not decode (call with the lock held)."""
         if slot.tier is self.dram:
             return bytes(self.dram.region.buffer[slot.offset : slot.offset + slot.size])
-        scratch = self.engine.register(bytearray(slot.size), remote_access=False)
-        try:
-            self.engine.transfer([Read(scratch, 0, slot.tier.region, slot.offset, slot.size)])
-            return bytes(scratch.buffer)
-        finally:
-            self.engine.unregister(scratch)
+        return self._raw_bytes(slot, self._read_nvme(slot.offset, slot.span))
 
     def _verify(self, slot: Slot) -> bool:
-        return block_digest(slot.key[1], self._slot_bytes(slot)) == slot.digest
+        data = self._slot_bytes(slot)
+        return data is not None and block_digest(slot.key[1], data) == slot.digest
 
     def read_block(self, key: Key) -> bytes | None:
         """A copy of a sealed block's bytes, checked against its digest (None if gone or corrupt)."""
@@ -664,7 +766,29 @@ class BlockStore:
             if slot is None:
                 return None
             data = self._slot_bytes(slot)
-            return data if block_digest(key[1], data) == slot.digest else None
+            return data if data is not None and block_digest(key[1], data) == slot.digest else None
+
+    def read_stored(self, key: Key, codec: str | None) -> tuple[BlockRecord, bytes] | None:
+        """A sealed block as a reader over TCP asked for it (the wire's `read`): its record and the
+        bytes to send, coded with `codec` when that gains (an NVMe block coded already goes as it
+        lies). None when not held here. Not checked: the reader verifies the digest after decoding."""
+        with self.lock:
+            slot = self.find(key)
+            if slot is None:
+                return None
+            if slot.tier is self.dram:
+                data = bytes(self.dram.region.buffer[slot.offset : slot.offset + slot.size])
+            else:
+                data = self._read_nvme(slot.offset, slot.span)
+            record = slot.record()
+        if record.codec or codec is None:
+            return record, data
+        chooser = self._chooser or self._wire_chooser
+        coded, frame = chooser.encode(key[0], data)
+        if frame is None:
+            return record, data
+        return BlockRecord(record.tier, record.region, record.offset, record.size, record.digest, coded,
+                           len(frame)), frame
 
     def keys(self, fingerprint: str | None = None) -> list[tuple[Key, Slot]]:
         """Sealed blocks (of one fingerprint), sorted by (fingerprint, hash)."""
@@ -698,9 +822,192 @@ class BlockStore:
                     if slot is not None:
                         self._drop(slot)
                     unwritten = self._unwrite(key)
+                    self._unrestore(key)  # not listed yet, but must not come back after its removal
                     if slot is not None or unwritten:
                         updates.append((fingerprint, bytes(block_hash), None))
         return len(updates), updates
+
+    # --- a persistent NVMe tier: restore, persist, journal -----------------------------------------
+    def restore(self, entries: Sequence[Entry]) -> int:
+        """Hold the extents of the blocks a restarted tier's journal lists (oldest first), to be
+        verified by `verify_restored` before anything lists them; returns how many are held."""
+        nvme = self.nvme
+        held = 0
+        with self.lock:
+            for e in entries:
+                key = (e.fingerprint, e.block_hash)
+                if key in self._restoring or not nvme.allocator.take(e.offset, e.stored):
+                    self._count("journal_dropped_entries")
+                    continue
+                self._restoring[key] = Slot(key, nvme, e.offset, e.size, e.digest, codec=e.codec,
+                                            stored=e.stored if e.codec else 0)
+                held += 1
+            self.counters["restore_pending"] = self.restoring
+        if held:
+            self.tier_work.set()
+        return held
+
+    @property
+    def restoring(self) -> int:
+        """Blocks of a restarted tier not verified yet."""
+        return len(self._restoring) + len(self._checking)
+
+    def _unrestore(self, key: Key) -> None:
+        """Forget a block still to be restored (lock held): its extent back, the journal told."""
+        slot = self._restoring.pop(key, None)
+        if slot is None:
+            slot = self._checking.pop(key, None)  # its verifier finds it gone and frees its extent
+            if slot is not None and self.journal is not None:
+                self.journal.delete(key[0], key[1], slot.offset)
+            return
+        self.nvme.allocator.release(slot.offset, slot.span)
+        self.counters["restore_pending"] = self.restoring
+        if self.journal is not None:
+            self.journal.delete(key[0], key[1], slot.offset)
+
+    def verify_restored(self, max_blocks: int = 64, max_bytes: int = 32 << 20) -> tuple[list[Update], int]:
+        """Verify the next restored blocks (their digest over the bytes on disk, decoded when coded)
+        and seal those that pass, in journal order; drop those that fail (`restore_corrupt_blocks`)
+        or that this node holds again already. Returns (index updates, blocks left to verify)."""
+        with self.lock:
+            batch, size = [], 0
+            while self._restoring and len(batch) < max_blocks and (not batch or size < max_bytes):
+                key, slot = self._restoring.popitem(last=False)
+                self._checking[key] = slot
+                batch.append(slot)
+                size += slot.span
+        if not batch:
+            return [], self.restoring
+        raws: list[bytes | None] = []
+        for slot in batch:
+            try:
+                raws.append(self._raw_bytes(slot, self._read_nvme(slot.offset, slot.span)))
+            except TransferError:
+                self._count("io_errors")
+                raws.append(None)
+        good = [i for i, raw in enumerate(raws) if raw is not None]
+        sums = dict(zip(good, block_digests([batch[i].key[1] for i in good], [raws[i] for i in good])))
+        updates: list[Update] = []
+        with self.lock:
+            for i, slot in enumerate(batch):
+                if self._checking.get(slot.key) is not slot:  # removed meanwhile
+                    self.nvme.allocator.release(slot.offset, slot.span)
+                    continue
+                del self._checking[slot.key]
+                if sums.get(i) != slot.digest:
+                    self._count("restore_corrupt_blocks")
+                    log.debug("restored block %s of %s fails its digest on disk: dropped", slot.key[1].hex(),
+                              slot.key[0])
+                elif self._held(slot.key) is not None:
+                    self._count("restore_superseded")  # put again since the start: that copy stands
+                else:
+                    self._seal_nvme(slot, updates)
+                    self._count("restored_blocks")
+                    continue
+                self.nvme.allocator.release(slot.offset, slot.span)
+                if self.journal is not None:
+                    self.journal.delete(slot.key[0], slot.key[1], slot.offset)
+            self.counters["restore_pending"] = self.restoring
+            return updates, self.restoring
+
+    def persist(self, budget_s: float, keep_sole: bool = False) -> tuple[int, int]:
+        """Demote DRAM blocks to the NVMe tier, most recently used first, for at most `budget_s`
+        seconds (a graceful stop with --persist-on-stop): NVMe makes room by evicting one block at
+        a time, never a block no other live node holds when `keep_sole`. Returns (moved, left)."""
+        if self.nvme is None:
+            return 0, len(self.dram.sealed)
+        deadline = time.monotonic() + budget_s
+        with self.lock:
+            order = list(self.dram.policy.victims())[::-1]
+        moved = 0
+        for start in range(0, len(order), 64):
+            if time.monotonic() > deadline:
+                break
+            updates: list[Update] = []  # not published: the node is leaving (its lease goes with them)
+            with self.lock:
+                for key in order[start : start + 64]:
+                    slot = self.dram.sealed.get(key)
+                    if slot is not None and self._demote(slot, updates, keep_sole, batch=False):
+                        moved += 1
+        with self.lock:
+            return moved, len(self.dram.sealed)
+
+    def _journal_snapshot(self) -> list[Entry]:
+        """Every block the NVMe tier holds, for a journal compaction: those still to be restored
+        first, then the sealed ones in eviction order (a restart restores that order)."""
+        with self.lock:
+            slots = list(self._restoring.values()) + list(self._checking.values())
+            slots += [self.nvme.sealed[k] for k in self.nvme.policy.victims() if k in self.nvme.sealed]
+            return [Entry(s.key[0], s.key[1], s.offset, s.size, s.span, s.codec, s.digest) for s in slots]
+
+    # --- --disk-codec: NVMe blocks coded in the background -----------------------------------------
+    @property
+    def uncoded(self) -> int:
+        """NVMe blocks waiting to be coded."""
+        return len(self._uncoded)
+
+    def code_some(self, max_blocks: int = 32, max_bytes: int = 16 << 20) -> tuple[list[Update], int]:
+        """Code the oldest raw NVMe blocks with the disk codec, each into a new extent taken from free
+        space only, swapped for its raw copy if that is still the block's NVMe copy (the raw extent is
+        then freed). A block its codec gains too little on stays raw. Returns (updates, left)."""
+        with self.lock:
+            batch, size = [], 0
+            while self._uncoded and len(batch) < max_blocks and (not batch or size < max_bytes):
+                _, slot = self._uncoded.popitem(last=False)
+                batch.append(slot)
+                size += slot.size
+        if not batch:
+            return [], 0
+        coded: list[tuple[Slot, int, bytes]] = []
+        for slot in batch:
+            # Read, checked and coded off the lock: a slot still sealed when we come back was never
+            # freed meanwhile (a freed slot never comes back), so these were its bytes.
+            try:
+                data = self._read_nvme(slot.offset, slot.size)
+            except TransferError:
+                self._count("io_errors")
+                continue
+            if block_digest(slot.key[1], data) != slot.digest:
+                continue  # left to a reader's report and the node's re-check (touch)
+            codec, frame = self._chooser.encode(slot.key[0], data)
+            if frame is None:
+                self._count("disk_codec_raw_blocks")
+                continue
+            coded.append((slot, codec, frame))
+        updates: list[Update] = []
+        nvme = self.nvme
+        for slot, codec, frame in coded:
+            with self.lock:
+                if nvme.sealed.get(slot.key) is not slot:
+                    continue
+                offset = nvme.allocator.allocate(len(frame))  # free space only: coding never evicts
+            if offset is None:
+                continue
+            try:
+                scratch = self.engine.register(bytearray(frame), remote_access=False)
+                try:
+                    self.engine.transfer([Write(scratch, 0, nvme.region, offset, len(frame))])
+                finally:
+                    self.engine.unregister(scratch)
+            except TransferError:
+                with self.lock:
+                    nvme.allocator.release(offset, len(frame))
+                self._count("io_errors")
+                continue
+            with self.lock:
+                if nvme.sealed.get(slot.key) is not slot:
+                    nvme.allocator.release(offset, len(frame))
+                    continue
+                new = Slot(slot.key, nvme, offset, slot.size, slot.digest, codec=codec, stored=len(frame))
+                nvme.sealed[slot.key] = new  # its place in the eviction order stays
+                if self.journal is not None:  # the new place first: the old one is superseded by it
+                    self.journal.put(slot.key[0], slot.key[1], offset, slot.size, len(frame), codec, slot.digest)
+                nvme.allocator.release(slot.offset, slot.size)
+                updates.append((slot.key[0], slot.key[1], new.record()))
+                self._count("disk_codec_coded_blocks")
+                self._count("disk_codec_saved_bytes", align_up(slot.size) - align_up(len(frame)))
+        with self.lock:
+            return updates, len(self._uncoded)
 
     def all_records(self) -> list[Update]:
         """Every sealed block as an update (republishing after a lost lease)."""

@@ -2,7 +2,7 @@
 
     /kvstore/<cluster>/nodes/<node>                     NodeRecord (JSON)      on the node's lease
     /kvstore/<cluster>/segments/<node>                  engine descriptor      on the node's lease
-    /kvstore/<cluster>/blocks/<fingerprint>/<hash>/<node>  BlockRecord (50 B)  on the node's lease
+    /kvstore/<cluster>/blocks/<fingerprint>/<hash>/<node>  BlockRecord (50 B; 55 coded)  on the node's lease
 
 A block key ends in the owning node so that each replica lives and dies with its own node's lease,
 and two nodes publishing the same block never overwrite each other.
@@ -26,6 +26,12 @@ _BLOCK = struct.Struct(f"<BBIQI{DIGEST_BYTES}s")  # version, tier, region, offse
 # checksum anyone could forge a match for) are refused, never read as version 2.
 BLOCK_RECORD_VERSION = 2
 BLOCK_RECORD_BYTES = _BLOCK.size
+# 3: a block stored coded (kvstore.codec, an NVMe tier with --disk-codec): version 2's fields, then
+# the codec (u8, never 0) and the bytes stored (u32). `size` stays the block's own (raw) size and the
+# digest is over those raw bytes. A raw block's record is still version 2, byte for byte.
+_CODED = struct.Struct(f"<BBIQI{DIGEST_BYTES}sBI")
+CODED_RECORD_VERSION = 3
+CODED_RECORD_BYTES = _CODED.size
 MAX_BLOCK_BYTES = 64 << 20  # the largest block a node takes (one reservation, one record)
 
 
@@ -72,13 +78,25 @@ class BlockRecord:
     tier: str
     region: int
     offset: int
-    size: int
+    size: int  # the block's bytes (raw, as its writer put it)
     digest: bytes  # of the block's bytes (kvstore.integrity.block_digest)
+    codec: int = 0  # kvstore.codec id of what is stored at `offset` (0: the raw bytes)
+    stored: int = 0  # bytes stored at `offset` when coded (0 when raw: `size`)
+
+    @property
+    def span(self) -> int:
+        """Bytes at `offset` to read: the stored frame when coded, else the block."""
+        return self.stored if self.codec else self.size
 
     def encode(self) -> bytes:
         if not isinstance(self.digest, bytes) or len(self.digest) != DIGEST_BYTES:
             raise InvalidRecord(f"cannot encode {self!r}: the digest is {DIGEST_BYTES} bytes")
         try:
+            if self.codec:
+                if not 0 < self.stored:
+                    raise ValueError("a coded block stores at least one byte")
+                return _CODED.pack(CODED_RECORD_VERSION, TIERS.index(self.tier), self.region, self.offset, self.size,
+                                   self.digest, self.codec, self.stored)
             return _BLOCK.pack(BLOCK_RECORD_VERSION, TIERS.index(self.tier), self.region, self.offset, self.size,
                                self.digest)
         except (ValueError, struct.error) as exc:
@@ -87,15 +105,23 @@ class BlockRecord:
     @classmethod
     def decode(cls, raw: bytes) -> "BlockRecord":
         # The version first: an older node's record is named as such, whatever its length.
-        if raw[:1] and raw[0] != BLOCK_RECORD_VERSION:
-            raise InvalidRecord(f"block record version {raw[0]} not understood (this node reads version "
-                                f"{BLOCK_RECORD_VERSION}: every node of a cluster runs one release)")
-        if len(raw) != _BLOCK.size:
-            raise InvalidRecord(f"block record of {len(raw)} bytes, expected {_BLOCK.size}")
-        version, tier, region, offset, size, digest = _BLOCK.unpack(raw)
+        if raw[:1] and raw[0] not in (BLOCK_RECORD_VERSION, CODED_RECORD_VERSION):
+            raise InvalidRecord(f"block record version {raw[0]} not understood (this node reads versions "
+                                f"{BLOCK_RECORD_VERSION} and {CODED_RECORD_VERSION}: every node of a cluster runs "
+                                "one release)")
+        layout = _CODED if raw[:1] == bytes([CODED_RECORD_VERSION]) else _BLOCK
+        if len(raw) != layout.size:
+            raise InvalidRecord(f"block record of {len(raw)} bytes, expected {layout.size}")
+        if layout is _CODED:
+            _, tier, region, offset, size, digest, codec, stored = _CODED.unpack(raw)
+            if not codec or not stored:
+                raise InvalidRecord("a coded block record without its codec or stored size")
+        else:
+            _, tier, region, offset, size, digest = _BLOCK.unpack(raw)
+            codec = stored = 0
         if tier >= len(TIERS):
             raise InvalidRecord(f"block record tier {tier} not understood")
-        return cls(TIERS[tier], region, offset, size, digest)
+        return cls(TIERS[tier], region, offset, size, digest, codec, stored)
 
 
 @dataclass(frozen=True)

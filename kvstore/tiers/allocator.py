@@ -48,6 +48,31 @@ class ExtentAllocator:
                 return start
         return None
 
+    def take(self, offset: int, size: int) -> bool:
+        """Take the extent [offset, offset + align_up(size)) if it is free, as `allocate` would have
+        given it (a tier restored from its journal puts its blocks back where they are); whether it was."""
+        need = align_up(size)
+        if need <= 0 or offset < 0 or offset % ALIGN or offset + need > self.capacity:
+            return False
+        index = bisect.bisect_right(self._starts, offset) - 1
+        if index < 0:
+            return False
+        start = self._starts[index]
+        extent = self._sizes[start]
+        if start + extent < offset + need:
+            return False
+        del self._sizes[start]
+        del self._starts[index]
+        if offset > start:  # the free part before it
+            self._starts.insert(index, start)
+            self._sizes[start] = offset - start
+            index += 1
+        if start + extent > offset + need:  # and after it
+            self._starts.insert(index, offset + need)
+            self._sizes[offset + need] = start + extent - offset - need
+        self.used += need
+        return True
+
     def release(self, offset: int, size: int) -> None:
         """Give an extent back, merging it with free neighbours."""
         size = align_up(size)

@@ -5,6 +5,11 @@ A tier file the daemon creates lives as long as the daemon unless the user asks 
 unlinked as soon as the engine holds it open, so neither a stop nor a crash leaves a preallocated
 file of the tier's size behind. Same-host clients get a duplicate of a descriptor opened before the
 unlink, never the path.
+
+A kept tier (`keep`, `kvstore serve --keep-disk`) is a persistent one: the file and its journal
+(kvstore.tiers.journal) stay, and the next daemon of that node serves the blocks again. A kept file
+found at another size than asked for is cut or grown to the new size and its journal refused
+(`resized` says so): blocks are never read from a tier that changed under them.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ class DiskTierFile:
     size: int
     created: bool  # the daemon made the file (it did not exist before)
     keep: bool  # the user asked to keep it after the daemon ends
+    resized: str = ""  # a kept file found at another size (in words): its journal is refused
     _fds: dict[bool, int] = field(default_factory=dict)  # O_DIRECT or not -> a descriptor held open
     _removed: bool = False  # unlinked once: never again (the path may be another daemon's file by then)
 
@@ -58,13 +64,20 @@ class DiskTierFile:
                 raise InvalidConfig(f"cannot create disk directory {folder}: {exc.strerror}") from None
         path = os.path.join(folder, f"{node}.tier")
         created = not os.path.exists(path)
+        resized = ""
+        if not created and keep and (found := os.path.getsize(path)) != size:
+            resized = f"the tier file is {found} bytes where --disk-size asks for {size}"
+            try:
+                os.truncate(path, min(found, size))  # grown (and preallocated) by the engine
+            except OSError as exc:
+                raise InvalidConfig(f"cannot resize the disk tier {path}: {exc.strerror}") from None
         needed, free = size - _allocated(path), _free_bytes(folder)
         if needed > free:
             raise InvalidConfig(f"a {size >> 20} MiB disk tier does not fit in {folder}: {free >> 20} MiB free")
         if needed > WARN_FREE_SHARE * free:
             log.warning("the %d MiB disk tier in %s takes %.0f%% of the %d MiB free there", size >> 20, folder,
                         100 * needed / free, free >> 20)
-        return cls(path, size, created, keep)
+        return cls(path, size, created, keep, resized)
 
     def hold(self) -> None:
         """Open the read descriptors same-host clients get (the engine has made the file by now),

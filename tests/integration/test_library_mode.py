@@ -88,7 +88,7 @@ def test_the_tier_file_goes_with_the_store_unless_kept(tmp_path):
     assert os.listdir(folder) == []
     with kvstore.open("memory://", dram="16MiB", disk=str(folder), disk_size="4MiB", keep_disk=True, fingerprint=FP):
         pass
-    assert os.listdir(folder) == ["local.tier"]
+    assert sorted(os.listdir(folder)) == ["local.journal", "local.tier"]  # a persistent tier: its journal stays too
 
 
 def test_a_killed_process_leaves_no_tier_file(tmp_path):
