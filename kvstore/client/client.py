@@ -48,6 +48,7 @@ from ..errors import (
     WrongSize,
 )
 from ..index import IndexMirror
+from ..codec import CodecError, check_codec, decode
 from ..index.records import MAX_BLOCK_BYTES, BlockRecord, NodeRecord
 from ..integrity import block_digests
 from ..keys import HASH_BYTES, ModelFingerprint, fingerprint_tenant
@@ -55,7 +56,7 @@ from ..store.v1 import store_pb2, store_pb2_grpc
 from ..wire import TCP_SCHEME, tcp_endpoint
 from .channel_guard import ChannelGuard
 from .leases import SlotLeases
-from .local_node import LocalNode, TierFile
+from .local_node import LocalNode, TierFile, fill_segments
 from .placement import PutPlacement
 from .reads import TierReads, landed_digests, read_in_stages
 from .reports import HitReports
@@ -66,6 +67,7 @@ LOCAL_INLINE_MAX = 4 << 20  # same host: puts up to this many bytes carry them i
 GRPC_INLINE_MAX = 256 << 10  # other hosts: puts up to this many bytes carry them in one call
 WIRE_CONNECT_S = 2.0  # the first connection to a node's TCP wire; unreachable, gRPC is used instead
 WIRE_RETRY_S = 30.0  # ... for this long
+WIRE_READ_BYTES = 32 << 20  # raw bytes one wire-codec `read` asks for (the node takes up to 64 MiB)
 SYNC_PUBLISH_WAITS = 4  # a sync put answers within this many timeouts (the node waits up to 3 to publish)
 
 
@@ -115,8 +117,12 @@ class Client:
                  fingerprint: ModelFingerprint | None = None, secret: str | None = None, timeout: float = 5.0,
                  replicas: int | None = None, mirror: IndexMirror | None = None, transport: str = "auto",
                  tls_ca: str | None = None, publish: str = "async", tenant: str | None = None,
-                 repair: bool = False) -> None:
+                 repair: bool = False, wire_codec: str | None = None) -> None:
         self.fingerprint, self.timeout = fingerprint, timeout
+        # "lz4": gets from nodes on other hosts (or over forced TCP) go over the framed wire with the
+        # blocks coded by the node where that gains (kvstore.codec), decoded and checked here. For
+        # slow links; on a fast one the node's coding costs more than the bytes it saves.
+        self.wire_codec = check_codec(wire_codec)
         # Puts are repair copies (a daemon's repairer): a node takes them only into room it can make
         # without evicting a block no other live node holds; one that cannot is skipped for the next.
         self.repair = repair
@@ -165,7 +171,8 @@ class Client:
         self._tier_reads = TierReads()
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvs-digest")  # a large put's digests
         self.stats: dict[str, int] = {"control_calls": 0, "local_puts": 0, "wire_puts": 0, "nvme_fd_reads": 0,
-                                      "nvme_fd_bytes": 0, "already_held": 0}
+                                      "nvme_fd_bytes": 0, "already_held": 0, "wire_reads": 0,
+                                      "wire_read_bytes": 0, "wire_read_raw_bytes": 0, "coded_reads": 0}
         self.closed = False
         try:
             self.check_secrets()  # a node expecting another kind of secret fails here, in one line
@@ -687,7 +694,7 @@ class Client:
                         by_node.setdefault(name, []).append((i, record))
                 staged = (stages, on_stage) if on_stage is not None and len(by_node) == 1 else None
                 for name, wanted in by_node.items():
-                    for i in self._read_from(name, hashes, wanted, targets, staged):
+                    for i in self._read_from(name, hashes, wanted, targets, staged, fp=fp):
                         found[i] = True
                         hits.setdefault(name, []).append(bytes(hashes[i]))
                     for i, record in wanted:
@@ -730,7 +737,7 @@ class Client:
             gone = {i for (i, _), now in zip(wanted, fresh) if now is None}
             again = [(i, now) for (i, was), now in zip(wanted, fresh)
                      if now is not None and now != was and now.size == sum(length for _, _, length in targets[i])]
-            read = self._read_from(name, hashes, again, targets) if again else []
+            read = self._read_from(name, hashes, again, targets, fp=fp) if again else []
             for i in read:
                 found[i] = True
             # The next get goes straight to the right place without waiting for the watch (whose
@@ -762,8 +769,13 @@ class Client:
 
     def _read_from(self, name: str, hashes: Sequence[bytes], wanted: list[tuple[int, BlockRecord]],
                    targets: list[list[tuple[Region, int, int]]],
-                   staged: tuple[Sequence[int] | None, Callable[[int], None]] | None = None) -> list[int]:
+                   staged: tuple[Sequence[int] | None, Callable[[int], None]] | None = None, fp: str = ""
+                   ) -> list[int]:
         """Indexes of `wanted` read from `name` whose bytes match their digest."""
+        if self.wire_codec and staged is None and fp and self._local(name) is None:
+            wire = self._wire(name)
+            if wire is not None:
+                return self._read_wire(name, wire, fp, hashes, wanted, targets)
         ops, owners, op_stages = [], [], []
         stage_list = list(staged[0] or ()) if staged is not None else []
         if any(b < a for a, b in zip(stage_list, stage_list[1:])):
@@ -784,14 +796,18 @@ class Client:
                     raise
                 except (OSError, ValueError, KVStoreError) as exc:  # the engine route still works
                     log.debug("no tier fd from %s: %s", name, exc)
-            rest = []
+            rest, coded = [], []
             for i, record in wanted:
                 if tier is not None and record.tier == "nvme" and record.region == tier.region:
                     via_fd.append((i, record))
+                elif record.codec:  # its frame, decoded here: read whole before any stage is told
+                    coded.append((i, record))
                 else:
                     rest.append((i, record))
-            if rest:
+            if rest or coded:
                 node = self._node(name)
+            if coded:
+                failed.update(self._read_coded(node, coded, targets))
             for i, record in rest:
                 remote, done = node.peer.region(record.region), 0
                 for j, (region, offset, length) in enumerate(targets[i]):
@@ -822,6 +838,76 @@ class Client:
         checked.update(landed_digests(
             hashes, [(i, record) for i, record in wanted if i not in failed and i not in checked], targets))
         return [i for i, record in wanted if i not in failed and checked[i] == record.digest]
+
+    def _read_coded(self, node: "_Node", items: list[tuple[int, BlockRecord]],
+                    targets: list[list[tuple[Region, int, int]]]) -> set[int]:
+        """Coded blocks (an NVMe tier with --disk-codec) through the engine: each frame into a
+        scratch region, decoded here into its destination. Returns the indexes that failed."""
+        scratches = [self.engine.register(bytearray(record.stored), remote_access=False) for _, record in items]
+        failed: set[int] = set()
+        try:
+            ops = [Read(scratch, 0, node.peer.region(record.region), record.offset, record.stored)
+                   for scratch, (_, record) in zip(scratches, items)]
+            results = self.engine.submit(ops).wait(self.timeout, raise_on_error=False)
+            for scratch, (i, record), result in zip(scratches, items, results):
+                try:
+                    if not result.ok:
+                        raise CodecError("read failed")
+                    fill_segments(decode(scratch.buffer, record.codec, record.size), targets[i])
+                except CodecError:
+                    failed.add(i)
+        finally:
+            for scratch in scratches:
+                self.engine.unregister(scratch)
+        self.stats["coded_reads"] += len(items) - len(failed)
+        return failed
+
+    def _read_wire(self, name: str, wire: LocalNode, fp: str, hashes: Sequence[bytes],
+                   wanted: list[tuple[int, BlockRecord]], targets: list[list[tuple[Region, int, int]]]) -> list[int]:
+        """Blocks through the node's framed wire with the wire codec (see `wire_codec`): each decoded
+        here and kept only when its digest over the raw bytes is the record's."""
+        good: list[int] = []
+        start = 0
+        while start < len(wanted):
+            chunk, total = [], 0
+            for i, record in wanted[start:]:
+                if chunk and total + record.size > WIRE_READ_BYTES:
+                    break
+                chunk.append((i, record))
+                total += record.size
+            start += len(chunk)
+            try:
+                reply, parts = wire.read({"op": "read", "fp": fp, "hashes": [bytes(hashes[i]).hex() for i, _ in chunk],
+                                          "codec": self.wire_codec}, timeout=self.timeout)
+            except (AuthenticationFailed, AccessDenied):
+                raise
+            except (OSError, ValueError, KVStoreError, TimeoutError) as exc:
+                self._mark_down(name, exc)
+                return good
+            records = reply["records"]
+            if len(records) != len(chunk):
+                self._mark_down(name, ValueError(f"{name} answered {len(records)} records for {len(chunk)}"))
+                return good
+            parts_left = iter(parts)
+            landed = []
+            for (i, wanted_record), raw in zip(chunk, records):
+                if raw is None:
+                    continue
+                data = next(parts_left)
+                try:
+                    sent = BlockRecord.decode(bytes.fromhex(raw))
+                    if sent.size != wanted_record.size:
+                        continue
+                    fill_segments(decode(data, sent.codec, sent.size) if sent.codec else data, targets[i])
+                except (CodecError, ValueError):
+                    continue
+                self.stats["wire_read_bytes"] += len(data)
+                self.stats["wire_read_raw_bytes"] += sent.size
+                landed.append((i, wanted_record))
+            self.stats["wire_reads"] += 1
+            sums = dict(landed_digests(hashes, landed, targets))
+            good += [i for i, record in landed if sums[i] == record.digest]
+        return good
 
     def _read_tier(self, tier: TierFile, items: list[tuple[int, BlockRecord]],
                    targets: list[list[tuple[Region, int, int]]], hashes: Sequence[bytes]) -> dict[int, bytes]:

@@ -14,8 +14,9 @@ from typing import Sequence
 
 from transfer import Region, _native
 
+from ..codec import CodecError, decode
 from ..errors import AccessDenied, AllocationFailed, AuthenticationFailed, NodeRefused, WrongSize
-from ..index.records import BlockRecord
+from ..index.records import MAX_BLOCK_BYTES, BlockRecord
 from ..wire import REPLY_SPIN_S, Frames, connect
 
 LOCAL_CONNECTIONS = 32  # idle same-host connections kept per node (one per concurrent caller)
@@ -90,6 +91,46 @@ class LocalNode:
             raise NodeRefused(f"{self.name}: {error}")
         return reply, fd
 
+    def read(self, message: dict, timeout: float | None = None) -> tuple[dict, list[bytearray]]:
+        """A `read` request: its reply and the bytes sent after it, one buffer per record that is
+        not null (as long as the record's span). Raises as `call` does."""
+        with self._lock:
+            frames = self._idle.pop()[0] if self._idle else None
+        if frames is None:
+            frames = self._connect(None)
+        deadline = time.monotonic() + (timeout or self.timeout)
+        try:
+            frames.send(message)
+            reply = frames.recv(timeout or self.timeout, spin=REPLY_SPIN_S)
+            parts: list[bytearray] = []
+            if reply.get("ok"):
+                records = reply.get("records")
+                if not isinstance(records, list):
+                    raise ValueError(f"{self.name} answered a malformed read")
+                for raw in records:
+                    if raw is None:
+                        continue
+                    span = BlockRecord.decode(bytes.fromhex(raw)).span
+                    if not 0 < span <= MAX_BLOCK_BYTES:
+                        raise ValueError(f"{self.name} announced a block of {span} bytes")
+                    part = bytearray(span)
+                    frames.recv_into(memoryview(part), deadline)
+                    parts.append(part)
+                if parts:
+                    frames.attachments_end(deadline)  # sealed (TCP): bytes altered in flight are refused
+        except BaseException:
+            frames.sock.close()
+            raise
+        self._pool(frames)
+        if not reply.get("ok"):
+            code, error = reply.get("code"), str(reply.get("error", ""))[:500]
+            if code == "denied":
+                raise AccessDenied(f"{self.name}: {error}")
+            if code == "invalid":
+                raise WrongSize(error)
+            raise NodeRefused(f"{self.name}: {error}")
+        return reply, parts
+
     def warm(self, timeout: float) -> None:
         """Open one connection now, within `timeout`, and pool it; raises what connecting raises."""
         self._pool(self._connect(timeout))
@@ -145,6 +186,8 @@ def read_block(tier: TierFile, record: BlockRecord, segments: list[tuple[Region,
     """One block from the tier fd into its destination segments, bounds-checked against the
     record and the tier; O_DIRECT straight into the caller's buffer when it is aligned, else
     through an aligned bounce buffer. False when the record does not fit or the read came short."""
+    if record.codec:
+        return _read_coded(tier, record, segments)
     size, offset = record.size, record.offset
     span = _align_up(size) if tier.direct else size
     if size <= 0 or offset < 0 or offset + span > tier.size or sum(n for _, _, n in segments) != size:
@@ -168,6 +211,36 @@ def read_block(tier: TierFile, record: BlockRecord, segments: list[tuple[Region,
         if region._cuda_tensor is not None:
             region.sync_to_device(off, view.nbytes)
     return True
+
+
+def _read_coded(tier: TierFile, record: BlockRecord, segments: list[tuple[Region, int, int]]) -> bool:
+    """A coded block (kvstore.codec): its frame from the tier fd, decoded here, in the client, into
+    the destination segments. False when the frame does not fit, comes short or does not decode
+    (the caller's digest check then has nothing to pass)."""
+    stored, offset = record.stored, record.offset
+    span = _align_up(stored) if tier.direct else stored
+    if stored <= 0 or offset < 0 or offset + span > tier.size or sum(n for _, _, n in segments) != record.size:
+        return False
+    if tier.direct and offset % DIRECT_ALIGN:
+        return False
+    bounce = _bounce_buffer(span)
+    if os.preadv(tier.fd, [memoryview(bounce)[:span]], offset) < stored:
+        return False
+    try:
+        fill_segments(decode(memoryview(bounce)[:stored], record.codec, record.size), segments)
+    except CodecError:
+        return False
+    return True
+
+
+def fill_segments(data, segments: list[tuple[Region, int, int]]) -> None:
+    """Copy a block's bytes into its destination segments, in order (and on to a GPU region's device)."""
+    done = 0
+    for region, off, n in segments:
+        region.host_view()[off : off + n] = memoryview(data)[done : done + n]
+        if region._cuda_tensor is not None:
+            region.sync_to_device(off, n)
+        done += n
 
 
 _bounce = threading.local()

@@ -34,6 +34,11 @@ Requests (one reply frame each):
            from free space only, maybe fewer or none), which that put writes before its commit names them
   abort    {tokens} -> {}
   lookup   {fp, hashes} -> {records: [hex | null]}: where this node holds the blocks now
+  read     {fp, hashes, codec?} -> {records: [hex | null]} + each held block's bytes: the wire codec
+           (`Client(wire_codec="lz4")`, for readers on other hosts over slow links): a block is sent
+           coded (kvstore.codec) when that gains at least 5 %, its record then naming the codec and
+           the bytes sent; an NVMe block stored coded goes as it lies. At most READ_BYTES a request.
+           The reader decodes and checks each block's digest over the raw bytes
   tier     {} -> {region, size, direct} and, over SCM_RIGHTS, a read-only fd of the NVMe tier file
            (opened O_RDONLY|O_DIRECT here, for this client alone)
 Errors: {ok: false, code: invalid|exhausted|refused|unavailable|denied, error} (denied: a tenant named
@@ -54,6 +59,7 @@ from transfer.descriptor import unix_address, unix_socket_name, unlink_unix
 from transfer.listener import STALE_HANDSHAKE_S, HandshakeBudget, peer_uid, source_of
 
 from ..access import denied
+from ..codec import check_codec
 from ..errors import AllocationFailed, InvalidRequest, KVStoreError, MetadataError
 from ..integrity import DIGEST_BYTES, DIGEST_NAME
 from ..wire import NEXT_REQUEST_SPIN_S, AttachmentsAltered, Frames, MalformedFrame
@@ -70,7 +76,11 @@ HANDSHAKES_PER_SOURCE = 16
 # An idle connection is closed after this long, so clients' pools cannot hold every slot for good
 # (clients drop pooled connections idle for half of it: kvstore.client.local_node.POOLED_IDLE_S).
 IDLE_S = 120.0
-OPS = ("put", "reserve", "commit", "abort", "tier", "lookup")
+OPS = ("put", "reserve", "commit", "abort", "tier", "lookup", "read")
+READ_BYTES = 64 << 20  # raw bytes one `read` may ask for (a client splits larger gets)
+
+
+ATTACHMENTS = "_attachments"  # a reply's key for bytes sent after it (never sent as a field)
 
 
 class _Invalid(Exception):
@@ -270,6 +280,7 @@ class LocalControl:
                 # Counted before the reply goes out: whoever got the answer also sees it in the metrics.
                 self._observe(f"{'wire' if remote else 'local'}_{op}" if op in OPS else "local_other",
                               time.perf_counter() - started)
+                attachments = reply.pop(ATTACHMENTS, ())
                 if fd is not None:
                     try:
                         frames.send(reply)
@@ -277,7 +288,7 @@ class LocalControl:
                     finally:
                         os.close(fd)
                 else:
-                    frames.send(reply)
+                    frames.send(reply, attachments)
                 if not reply.get("ok") and op == "put":
                     break  # its bytes may still be in the stream: the client opens a new connection
         except Exception as exc:  # noqa: BLE001 - a client that leaves or misbehaves ends only its connection
@@ -300,7 +311,7 @@ class LocalControl:
         fingerprint = request.get("fp", "")
         if op == "put":
             return self._put(request, frames, deadline, tenant), None
-        if op in ("reserve", "commit", "lookup"):
+        if op in ("reserve", "commit", "lookup", "read"):
             if not isinstance(fingerprint, str):
                 raise _Invalid("fp: a string")
             refused = denied(tenant, fingerprint)
@@ -332,12 +343,37 @@ class LocalControl:
                                 _peer(request, tenant)), None
         if op == "lookup":
             return {"ok": True, "records": self._records(fingerprint, _hashes(request.get("hashes")))}, None
+        if op == "read":
+            return self._read(fingerprint, request), None
         if op == "abort":
             self.store.abort(_ints(request.get("tokens"), "tokens", len(request.get("tokens") or [])))
             return {"ok": True}, None
         if op == "tier":
             return self._tier()
         raise _Invalid(f"unknown op {op[:40]!r}")
+
+    def _read(self, fingerprint: str, request: dict) -> dict:
+        """The `read` op: records and bytes (coded where that gains) of the blocks held here. The
+        bytes go as attachments after the reply (`_serve` pops them)."""
+        hashes = _hashes(request.get("hashes"))
+        try:
+            codec = check_codec(request.get("codec"))
+        except InvalidRequest as exc:
+            raise _Invalid(str(exc)) from None
+        records, parts, total = [], [], 0
+        for h in hashes:
+            found = self.store.read_stored((fingerprint, h), codec)
+            if found is None or total + found[0].size > READ_BYTES:
+                records.append(None)  # not held (or past the request's budget: a miss the reader re-asks)
+                continue
+            record, data = found
+            total += record.size
+            records.append(record.encode().hex())
+            parts.append(data)
+        self.store._count("wire_read_blocks", len(parts))
+        self.store._count("wire_read_sent_bytes", sum(len(p) for p in parts))
+        self.store._count("wire_read_raw_bytes", total)
+        return {"ok": True, "records": records, ATTACHMENTS: parts}
 
     def _error(self, exc: Exception) -> dict:
         if isinstance(exc, AllocationFailed):
