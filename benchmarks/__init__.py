@@ -12,6 +12,8 @@ BENCHMARKS = {
     "transfer_ucx": "the Transfer Engine over UCX vs raw UCX and ucx_perftest (transfer's UCX records alone)",
     "metadata": "index publishing, mirror snapshot load, convergence, match() latency, bytes per block (etcd)",
     "store": "store puts/gets over shm/tcp/NVMe vs Mooncake Store, Redis, dd, and the machine's limits",
+    "codec": "lz4 block codec: ratio, per-core speed, NVMe tier capacity and reads, a throttled 1 Gbit/s link",
+    "restart": "a rolling restart of daemons with persistent NVMe tiers: hit ratio before/after, wrong/lost blocks",
     "faults": "wrong bytes, lost blocks, late calls and recovery under injected faults (kill -9, SIGSTOP, etcd)",
     "soak": "N minutes of mixed puts/gets/removes at ~70% of capacity: RSS, fds, threads and p99 over time",
     "conductor": "routing policies on the Mooncake trace (simulated), textbook sweeps, live route() latency",

@@ -326,3 +326,42 @@ def test_fleet_quick_a_standin_that_dies_is_counted_and_routed_around(run_benchm
     assert r["gateway_retries"] < r["requests"] / 6, r  # routed around once found dead (health checks: 1 s)
     served = [e["requests"] for e in r["per_engine"]]
     assert served[1] < min(served[:1] + served[2:]), r
+
+
+# --- the block codec and a rolling restart ------------------------------------------------------------
+def test_codec_quick(run_benchmark):
+    """Every source's ratio, per-core speeds, tier capacity and reads (codec off and on), and the
+    throttled link's figures or its reason for n/a; synthetic bf16 compresses (after the shuffle)
+    and holds more blocks, synthetic fp16 stays raw."""
+    run = run_benchmark("codec", "--quick", timeout=180)
+    assert_clean(run)
+    doc = run.records
+    assert set(doc["ratio"]) == set(doc["tier"]) == {"synthetic-bf16", "synthetic-fp16"}
+    bf16, fp16 = doc["ratio"]["synthetic-bf16"], doc["ratio"]["synthetic-fp16"]
+    assert bf16["ratio"] > 1.1 and bf16["codec"] == "lz4+shuffle2" and positive(bf16["decompress_gbps_per_core"])
+    assert fp16["raw_share"] == 1 and fp16["ratio"] == 1
+    for r in doc["ratio"].values():
+        assert positive(r["compress_gbps_per_core"]), r
+    for name, t in doc["tier"].items():
+        assert positive(t["raw_read_gbps"]) and positive(t["lz4_read_gbps"]) and t["raw_coded_blocks"] == 0, (name, t)
+    assert doc["tier"]["synthetic-bf16"]["held_ratio"] > 1 and doc["tier"]["synthetic-bf16"]["lz4_coded_blocks"] > 0
+    wire = doc["wire"]
+    if wire["available"]:
+        row = wire["synthetic-bf16"]
+        assert positive(row["raw_gbps"]) and positive(row["lz4_gbps"]) and row["sent_ratio"] > 1.1, row
+    else:
+        assert wire["reason"], wire
+
+
+@needs_etcd
+def test_restart_quick(run_benchmark):
+    """A restart with a persistent tier serves every block again (no wrong byte, none lost); without
+    it the restarted node's blocks are gone, which is what the figure is measured against."""
+    run = run_benchmark("restart", "--quick", timeout=240)
+    assert_clean(run)
+    records = {r["mode"]: r for r in run.records["records"]}
+    assert set(records) == {"kept", "not-kept"}
+    kept, gone = records["kept"], records["not-kept"]
+    assert kept["hit_ratio_before"] == 1 and kept["after_over_before"] >= 0.9, kept
+    assert kept["wrong"] == 0 and kept["lost_after"] == 0 and kept["steps"][0]["restored_blocks"] > 0, kept
+    assert gone["wrong"] == 0 and gone["lost_after"] > 0, gone
