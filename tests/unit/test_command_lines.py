@@ -352,3 +352,11 @@ def test_license_is_the_apache_license():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     text = open(os.path.join(root, "LICENSE")).read()
     assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+
+
+@pytest.mark.parametrize("flags", [["--keep-disk"], ["--persist-on-stop"], ["--disk-codec", "lz4"]])
+def test_nvme_tier_flags_without_a_tier_are_one_line(capsys, flags):
+    """Kills: a persistent-tier or codec flag silently ignored when there is no NVMe tier."""
+    err = one_line_error(capsys, lambda: kvstore_main(["serve", "--node", "a", "--metadata", "memory://x",
+                                                        "--insecure", *flags]))
+    assert flags[0] in err and "--disk-dir" in err
