@@ -110,6 +110,8 @@ class LocalNode:
                 for raw in records:
                     if raw is None:
                         continue
+                    if not isinstance(raw, str):
+                        raise ValueError(f"{self.name} answered a malformed read")
                     span = BlockRecord.decode(bytes.fromhex(raw)).span
                     if not 0 < span <= MAX_BLOCK_BYTES:
                         raise ValueError(f"{self.name} announced a block of {span} bytes")

@@ -54,6 +54,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from transfer import TransferError
 from transfer.auth import PEER_ID, scoped_peer, server_handshake
 from transfer.descriptor import unix_address, unix_socket_name, unlink_unix
 from transfer.listener import STALE_HANDSHAKE_S, HandshakeBudget, peer_uid, source_of
@@ -362,7 +363,10 @@ class LocalControl:
             raise _Invalid(str(exc)) from None
         records, parts, total = [], [], 0
         for h in hashes:
-            found = self.store.read_stored((fingerprint, h), codec)
+            try:
+                found = self.store.read_stored((fingerprint, h), codec)
+            except TransferError:  # an NVMe read failed: a miss (the reader tries another replica)
+                found = None
             if found is None or total + found[0].size > READ_BYTES:
                 records.append(None)  # not held (or past the request's budget: a miss the reader re-asks)
                 continue

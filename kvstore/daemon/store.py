@@ -776,11 +776,11 @@ class BlockStore:
             slot = self.find(key)
             if slot is None:
                 return None
-            if slot.tier is self.dram:
-                data = bytes(self.dram.region.buffer[slot.offset : slot.offset + slot.size])
-            else:
-                data = self._read_nvme(slot.offset, slot.span)
+            data = bytes(self.dram.region.buffer[slot.offset : slot.offset + slot.size]) \
+                if slot.tier is self.dram else None
             record = slot.record()
+        if data is None:  # off the lock: an extent reused meanwhile gives bytes that fail the reader's digest
+            data = self._read_nvme(record.offset, record.span)
         if record.codec or codec is None:
             return record, data
         chooser = self._chooser or self._wire_chooser
