@@ -67,7 +67,8 @@ LOCAL_INLINE_MAX = 4 << 20  # same host: puts up to this many bytes carry them i
 GRPC_INLINE_MAX = 256 << 10  # other hosts: puts up to this many bytes carry them in one call
 WIRE_CONNECT_S = 2.0  # the first connection to a node's TCP wire; unreachable, gRPC is used instead
 WIRE_RETRY_S = 30.0  # ... for this long
-WIRE_READ_BYTES = 32 << 20  # raw bytes one wire-codec `read` asks for (the node takes up to 64 MiB)
+WIRE_READ_BYTES = 2 << 20  # raw bytes one wire-codec `read` asks for (the node takes up to 64 MiB)
+WIRE_READ_DEPTH = 4  # wire-codec `read`s of one get under way at once
 SYNC_PUBLISH_WAITS = 4  # a sync put answers within this many timeouts (the node waits up to 3 to publish)
 
 
@@ -865,31 +866,27 @@ class Client:
     def _read_wire(self, name: str, wire: LocalNode, fp: str, hashes: Sequence[bytes],
                    wanted: list[tuple[int, BlockRecord]], targets: list[list[tuple[Region, int, int]]]) -> list[int]:
         """Blocks through the node's framed wire with the wire codec (see `wire_codec`): each decoded
-        here and kept only when its digest over the raw bytes is the record's."""
-        good: list[int] = []
-        start = 0
-        while start < len(wanted):
-            chunk, total = [], 0
-            for i, record in wanted[start:]:
-                if chunk and total + record.size > WIRE_READ_BYTES:
-                    break
-                chunk.append((i, record))
-                total += record.size
-            start += len(chunk)
-            try:
-                reply, parts = wire.read({"op": "read", "fp": fp, "hashes": [bytes(hashes[i]).hex() for i, _ in chunk],
-                                          "codec": self.wire_codec}, timeout=self.timeout)
-            except (AuthenticationFailed, AccessDenied):
-                raise
-            except (OSError, ValueError, KVStoreError, TimeoutError) as exc:
-                self._mark_down(name, exc)
-                return good
+        here and kept only when its digest over the raw bytes is the record's. Small requests, up to
+        WIRE_READ_DEPTH at once on pooled connections, so that the node codes one while another is
+        on the link and this client decodes a third (one large request would do each in turn)."""
+        chunks, chunk, total = [], [], 0
+        for i, record in wanted:
+            if chunk and total + record.size > WIRE_READ_BYTES:
+                chunks.append(chunk)
+                chunk, total = [], 0
+            chunk.append((i, record))
+            total += record.size
+        if chunk:
+            chunks.append(chunk)
+
+        def one(chunk: list[tuple[int, BlockRecord]]) -> tuple[list[int], int, int]:
+            """(indexes landed whole and right, bytes sent, raw bytes) of one request."""
+            reply, parts = wire.read({"op": "read", "fp": fp, "hashes": [bytes(hashes[i]).hex() for i, _ in chunk],
+                                      "codec": self.wire_codec}, timeout=self.timeout)
             records = reply["records"]
             if len(records) != len(chunk):
-                self._mark_down(name, ValueError(f"{name} answered {len(records)} records for {len(chunk)}"))
-                return good
-            parts_left = iter(parts)
-            landed = []
+                raise ValueError(f"{name} answered {len(records)} records for {len(chunk)}")
+            parts_left, landed, sent_bytes, raw_bytes = iter(parts), [], 0, 0
             for (i, wanted_record), raw in zip(chunk, records):
                 if raw is None:
                     continue
@@ -901,12 +898,29 @@ class Client:
                     fill_segments(decode(data, sent.codec, sent.size) if sent.codec else data, targets[i])
                 except (CodecError, ValueError):
                     continue
-                self.stats["wire_read_bytes"] += len(data)
-                self.stats["wire_read_raw_bytes"] += sent.size
+                sent_bytes += len(data)
+                raw_bytes += sent.size
                 landed.append((i, wanted_record))
-            self.stats["wire_reads"] += 1
             sums = dict(landed_digests(hashes, landed, targets))
-            good += [i for i, record in landed if sums[i] == record.digest]
+            return [i for i, record in landed if sums[i] == record.digest], sent_bytes, raw_bytes
+
+        good: list[int] = []
+        pool = ThreadPoolExecutor(min(WIRE_READ_DEPTH, len(chunks)), thread_name_prefix="kvs-wire-read") \
+            if len(chunks) > 1 else None
+        try:
+            results = pool.map(one, chunks) if pool is not None else map(one, chunks)
+            for read, sent_bytes, raw_bytes in results:
+                good += read
+                self.stats["wire_reads"] += 1  # counted here, not by the workers: += is not atomic
+                self.stats["wire_read_bytes"] += sent_bytes
+                self.stats["wire_read_raw_bytes"] += raw_bytes
+        except (AuthenticationFailed, AccessDenied):
+            raise
+        except (OSError, ValueError, KVStoreError, TimeoutError) as exc:
+            self._mark_down(name, exc)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
         return good
 
     def _read_tier(self, tier: TierFile, items: list[tuple[int, BlockRecord]],
