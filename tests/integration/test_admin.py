@@ -236,10 +236,10 @@ def test_dashboard_charts_only_metrics_that_exist(admin_cluster):
     dashboard = json.load(open(os.path.join(ROOT, "deploy", "grafana", "kvstore.json")))
     charted = {m for p in dashboard["panels"] for t in p["targets"] for m in re.findall(r"kvstore_[a-z_]+", t["expr"])}
     assert charted and charted <= names, charted - names
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    table = open(os.path.join(ROOT, "docs", "operations.md")).read()  # the metrics table users read
     families = {n.removesuffix("_total").removesuffix("_bucket").removesuffix("_count").removesuffix("_sum")
                 .removesuffix("_created") for n in names if n.startswith("kvstore_")}
-    assert all(f"`{f}" in readme for f in families), [f for f in families if f"`{f}" not in readme]
+    assert all(f"`{f}`" in table for f in families), [f for f in families if f"`{f}`" not in table]
 
 
 def test_tls_is_served_and_verified(etcd_server, spawn_daemon, tmp_path):
