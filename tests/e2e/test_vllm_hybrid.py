@@ -200,3 +200,28 @@ def test_a_model_of_sliding_window_layers_only_loads_just_its_window(model):
     assert tables(h, "r2")[0][:4] == [NULL_BLOCK] * 4
     assert h.worker.totals.data["loaded_blocks"] == 3 and h.worker.totals.data["hit_tokens"] == len(PROMPT) - 1
     h.run_until_empty()
+
+
+def test_a_prefix_vllm_serves_itself_saves_no_block_the_window_dropped(model):
+    """vLLM's own prefix cache serves a prompt's prefix: the sliding-window group then holds null
+    entries (block 0, shared by every request) for the blocks before the window. Blocks the store
+    lacks are saved only from the blocks vLLM holds. Kills: saving a null entry, whatever block 0
+    holds, under the sliding-window group's key of that position (a later load restores it as KV)."""
+    h = hybrid(model)
+    torch.manual_seed(3)
+    for tensor in h.kv_caches.values():
+        tensor.copy_(torch.randn(tensor.shape))
+    h.add("r1", PROMPT)
+    h.run_until_empty()
+    keys, window_fp = keys_of(h, PROMPT), h.worker.group_fingerprints[SW]
+    # The store loses the sliding-window group's blocks (evicted, a node gone); vLLM keeps its own.
+    assert h.store.remove(keys, fingerprint=window_fp) == 7
+    assert h.store.mirror.wait_until(lambda m: not any(m.contains(window_fp, k) for k in keys), 5)
+    saved_before = h.worker.totals.data["saved_blocks"]
+    h.add("r2", PROMPT)
+    h.step()
+    held = tables(h, "r2")[SW]
+    assert held[:4] == [NULL_BLOCK] * 4 and NULL_BLOCK not in held[4:7]  # vLLM's own hit: 96 tokens
+    h.run_until_empty()
+    assert [h.store.mirror.contains(window_fp, k) for k in keys] == [False] * 4 + [True] * 3
+    assert h.worker.totals.data["saved_blocks"] - saved_before == 3
