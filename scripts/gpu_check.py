@@ -74,7 +74,8 @@ def has_header(compiler: str, header: str) -> bool:
 
 def crypto_link_args() -> list[str]:
     """-lcrypto, or the versioned library itself when its development symlink is absent."""
-    for directory in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib", "/usr/lib/aarch64-linux-gnu"):
+    for directory in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+                      "/usr/local/lib"):
         if os.path.exists(os.path.join(directory, "libcrypto.so")):
             return ["-lcrypto"]
     name = ctypes.util.find_library("crypto")
