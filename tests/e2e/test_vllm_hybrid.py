@@ -64,6 +64,8 @@ PROMPT = list(range(5, 5 + 6 * BLOCK + 5))  # 6 full blocks and a 5-token tail: 
 
 
 def test_each_group_saves_its_blocks_and_a_load_restores_only_the_window_vllm_keeps(model):
+    """Kills: loading a sliding-window group's null entries (the blocks before the window), and
+    one key namespace for every group (the groups' blocks stored under each other's keys)."""
     h = hybrid(model, sync_load_blocks=0)
     torch.manual_seed(0)
     for tensor in h.kv_caches.values():  # "the forward pass": every slot distinct
@@ -128,6 +130,8 @@ def test_a_failed_hybrid_load_is_recomputed_per_request(model):
 
 
 def test_prefill_and_decode_hand_every_group_over(model):
+    """Kills: a decode that loads one group's blocks only (the other group's attention would read
+    whatever its blocks held)."""
     prefill = hybrid(model, role="kv_producer", process_local=True)
     torch.manual_seed(1)
     for tensor in prefill.kv_caches.values():
@@ -164,6 +168,8 @@ def test_prefill_and_decode_hand_every_group_over(model):
 
 
 def test_kv_events_carry_the_group_and_its_kind(model):
+    """Kills: events that name group 0 and full attention for every block (a router would count a
+    sliding-window block as a full-attention prefix)."""
     h = hybrid(model)
     connector = h.scheduler.connector
     events: list = []

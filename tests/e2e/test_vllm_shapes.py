@@ -258,7 +258,7 @@ def test_the_block_dimension_comes_from_vllm_not_from_a_coincidental_size(model)
 
 def test_a_cache_whose_backend_vllm_does_not_name_is_refused(model):
     """The kernel block size comes from the layer's attention backend: without one, refuse rather
-    than guess."""
+    than guess. Kills: a worker that starts without the check."""
     config = vllm_config(model)
     kv_config = kv_cache_config(8, groups=[(full_spec(), LAYERS)], config=config)
     caches = allocate(config, kv_config, fake_backend())
@@ -467,6 +467,8 @@ def test_context_parallelism_is_refused_at_start(model, field_name):
 
 
 def test_cache_groups_kvstore_cannot_restore_exactly_are_refused_with_what_to_set(model):
+    """Kills: starting with a Mamba or chunked-local group (its blocks would be saved and loaded as
+    if they were attention KV)."""
     full = full_spec()
     mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8), (2, 16)), dtypes=(torch.float32, torch.float32))
     chunked = ChunkedLocalAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32,
