@@ -24,6 +24,7 @@ from kvstore.integrations.vllm.groups import NULL_BLOCK  # noqa: E402
 from kvstore.integrations.vllm.request_keys import request_keys  # noqa: E402
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
 from vllm_harness import BLOCK, HEAD, HEADS, Harness, full_spec, layer_names  # noqa: E402
+from vllm_harness import close_harness_stores  # noqa: E402,F401 - autouse: each test closes its stores
 
 WINDOW = 2 * BLOCK
 SLIDING_LAYER, FULL_LAYER = layer_names(2)

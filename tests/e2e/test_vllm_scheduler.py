@@ -16,6 +16,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
 from kvstore.integrations.vllm.handoff import make_params  # noqa: E402
 from vllm_harness import BLOCK, Harness  # noqa: E402
+from vllm_harness import close_harness_stores  # noqa: E402,F401 - autouse: each test closes its stores
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,7 @@ from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
 from kvstore.keys import ModelFingerprint  # noqa: E402
 from vllm_harness import (BLOCK, HEAD, HEADS, Harness, allocate, fake_backend, full_spec, kv_cache_config,  # noqa: E402
                           layer_names, physical_bytes, vllm_config)
+from vllm_harness import close_harness_stores  # noqa: E402,F401 - autouse: each test closes its stores
 
 LAYERS = layer_names(2)
 

@@ -8,6 +8,7 @@ import uuid
 from typing import Callable, Sequence
 
 import numpy as np
+import pytest
 import torch
 from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -123,6 +124,21 @@ def physical_bytes(view: torch.Tensor) -> torch.Tensor:
     return storage[byte_offsets]
 
 
+_opened: list[str] = []  # store URLs harnesses opened: closed after each test (close_harness_stores)
+
+
+@pytest.fixture(autouse=True)
+def close_harness_stores():
+    """Each harness opens a store private to this process (an embedded daemon with its own DRAM
+    arena, threads and sockets): closed after its test, or dozens pile up in one pytest process and
+    later tests find no node with room ('no store node took the blocks')."""
+    yield
+    from kvstore.integrations.vllm.store import close_store
+
+    while _opened:
+        close_store(_opened.pop())
+
+
 class Harness:
     """A Scheduler plus a worker-side connector over vLLM-allocated CPU tensors."""
 
@@ -143,6 +159,8 @@ class Harness:
         self.kv = next(iter(self.kv_caches.values()))
         self.worker.register_kv_caches(self.kv_caches)
         self.store = store_for({"metadata": self.url})
+        if self.url.startswith("memory://") and self.url not in _opened:
+            _opened.append(self.url)
         self.fingerprint = self.worker.fingerprint
         self.num_blocks = num_blocks
         self.errors: set[int] = set()

@@ -74,6 +74,15 @@ def store_for(config: dict[str, Any]) -> Client:
         return client
 
 
+def close_store(url: str, cluster: str = "default") -> None:
+    """Close this process's store client for `url` (an embedded store's daemon with it); the next
+    store_for of that URL opens a new one."""
+    with _lock:
+        client = _clients.pop((url, cluster), None)
+    if client is not None:
+        client.close()
+
+
 @atexit.register
 def _close_all() -> None:
     with _lock:
