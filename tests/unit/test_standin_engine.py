@@ -199,6 +199,70 @@ def test_connector_hits_load_async_then_the_rest_is_computed():
     assert s.stats["external_hits"] == 8 and conn.saves == [(0, 2, True)]
 
 
+class HandOff:
+    """A P/D decode's connector: the prefill's KV of all but the last prompt token, loaded async."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[Request, int]] = []
+
+    def matched_tokens(self, request, local_tokens):
+        if request.kv_params is None:  # not a P/D decode
+            return 0
+        return max(0, request.num_prompt - 1 - local_tokens)
+
+    def start_load(self, request, local_tokens, tokens):
+        self.pending.append((request, tokens))
+
+    def save(self, request, start, end, tail):
+        pass
+
+
+def serve_pd_decodes(num_blocks: int, count: int, prompt: int, max_tokens: int, steps: int = 400) -> list[Request]:
+    """`count` P/D decode requests on `num_blocks` blocks of 4; each load lands the step after it starts."""
+    conn = HandOff()
+    s = Scheduler(small(num_gpu_blocks=num_blocks, max_num_batched_tokens=64), BlockPool(num_blocks), ROOT, conn)
+    reqs = [request(f"r{i}", range(100 * i, 100 * i + prompt), max_tokens, kv_params={"kvstore": {}})
+            for i in range(count)]
+    for r in reqs:
+        s.add(r)
+    for _ in range(steps):
+        landed, conn.pending = conn.pending, []
+        for r, tokens in landed:
+            s.loaded(r, tokens)
+        s.complete(s.schedule())
+    return reqs
+
+
+def test_pd_decodes_that_preempt_each_other_never_deadlock():
+    """Kills: one FIFO waiting queue for every waiting request (the stand-in's P/D stall): a preempted
+    decode at its head, holding no blocks, stops admission while the loaded requests behind it hold
+    the blocks it waits for; vLLM drains its block-holding waiting requests first."""
+    reqs = serve_pd_decodes(num_blocks=6, count=4, prompt=7, max_tokens=12)  # one alone fits (5 blocks)
+    assert [r.finished_reason for r in reqs] == ["length"] * 4
+    assert sum(r.preemptions for r in reqs) > 0  # the case this is about: decodes grew and preempted
+
+
+def test_async_loads_leave_room_for_the_prompts_in_flight():
+    """Kills: starting an async load whenever its own blocks are free: three loads take all six
+    blocks, and none can get the block its last prompt token needs (vLLM admits a load only into
+    the free blocks less what the other in-flight prefills still need)."""
+    reqs = serve_pd_decodes(num_blocks=6, count=3, prompt=9, max_tokens=8)
+    assert [r.finished_reason for r in reqs] == ["length"] * 3
+
+
+def test_a_loaded_request_is_admitted_before_a_preempted_one():
+    """Kills: a loaded request queued behind a preempted one (vLLM schedules block holders first)."""
+    conn = HandOff()
+    s = Scheduler(small(num_gpu_blocks=64), BlockPool(64), ROOT, conn)
+    loaded, preempted = request("loaded", range(9), 2, kv_params={}), request("pre", range(50, 57), 2)
+    s.add(loaded)
+    s.schedule()  # its load starts
+    s.waiting.appendleft(preempted)  # as _preempt leaves a victim: at the head, no blocks
+    s.loaded(loaded, 8)
+    step = s.schedule()
+    assert [r.rid for r, _ in step.scheduled] == ["loaded", "pre"]
+
+
 # ------------------------------------------------------------------ the cost model
 def test_roofline_prefill_and_decode():
     """Kills: a cost model where longer prompts or bigger batches cost less, or decode is compute-bound."""

@@ -10,6 +10,13 @@ fit stops admission): each first looks up its prefix-cache hit (whole blocks, at
 tokens), then asks the connector for more; a request whose KV the connector loads
 asynchronously holds its blocks and waits (skipped by later steps) until the load is done.
 
+As in vLLM 0.32, waiting requests that hold blocks (loading, or loaded and not yet running) are
+kept in their own queue, drained before the other: a preempted request (no blocks) at the head of
+the waiting queue would otherwise stop admission while the blocks it waits for are held by the
+requests behind it, forever. And an async load is started only if its blocks fit in the free
+blocks less what the other in-flight prefills still need to finish their prompts, so that the
+block holders can always finish once the running requests are gone.
+
 A request's blocks become full as tokens are computed; full blocks get vLLM's hashes and enter
 the prefix cache (KV events), and full prompt blocks are handed to the connector to save."""
 from __future__ import annotations
@@ -105,6 +112,7 @@ class Scheduler:
         self.events = events  # KV events wanted: stored blocks carry their token ids
         self.block_size = profile.block_size
         self.waiting: deque[Request] = deque()
+        self.holding: deque[Request] = deque()  # waiting requests that hold blocks (vLLM's kv_holding_waiting)
         self.running: list[Request] = []
         # external_hits: every token the connector provided (vLLM's counter); handoff_hits: of those, a
         # P/D decode's hand-off from its prefill (not a cache hit)
@@ -124,6 +132,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.holding:
+            self.holding.remove(request)
         self._release(request, "abort")
 
     def _release(self, request: Request, reason: str) -> None:
@@ -133,10 +143,10 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running) or any(r.status == WAITING for r in self.waiting)
+        return bool(self.running) or any(r.status == WAITING for r in (*self.holding, *self.waiting))
 
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.holding)
 
     # ------------------------------------------------------------------ blocks
     def _blocks_needed(self, request: Request, tokens: int) -> int:
@@ -179,39 +189,52 @@ class Scheduler:
         return self._step(scheduled, preempted, admitted)
 
     def _admit(self, scheduled: list[tuple[Request, int]], budget: int) -> list[Request]:
-        skipped: list[Request] = []
+        skipped: list[Request] = []  # block holders still loading, back at the head of `holding` after
         admitted: list[Request] = []
-        while budget > 0 and self.waiting and len(self.running) < self.profile.max_num_seqs:
-            request = self.waiting[0]
+        while budget > 0 and len(self.running) < self.profile.max_num_seqs:
+            queue = self.holding or self.waiting  # block holders first, as vLLM
+            if not queue:
+                break
+            request = queue[0]
             if request.status == LOADING:  # the connector is still loading its KV: later
-                skipped.append(self.waiting.popleft())
+                skipped.append(queue.popleft())
                 continue
             looked_up = request.num_computed == 0 and not request.block_ids
             if looked_up:
-                self._lookup(request)
+                if not self._lookup(request, skipped):
+                    break  # its load does not fit yet: it stays at the head
                 if request.status == LOADING:
-                    skipped.append(self.waiting.popleft())
+                    skipped.append(queue.popleft())
                     continue
             new = min(request.num_tokens - request.num_computed, budget)
             need = self._blocks_needed(request, request.num_computed + new)
             if not self.pool.can_allocate(need):
                 if looked_up and request.block_ids:  # give the hit back: looked up again next time
-                    self.pool.free_blocks(request.block_ids)
-                    request.block_ids, request.num_computed, request.num_cached_blocks = [], 0, 0
+                    self._give_back(request)
                 break  # FIFO: nothing behind it is admitted either
-            self.waiting.popleft()
+            queue.popleft()
             request.block_ids += self.pool.allocate(need)
             request.status = RUNNING
             self.running.append(request)
             scheduled.append((request, new))
             admitted.append(request)
             budget -= new
-        for request in reversed(skipped):
-            self.waiting.appendleft(request)
+        self.holding.extendleft(reversed(skipped))
         return admitted
 
-    def _lookup(self, request: Request) -> None:
-        """Take the prefix-cache hit; then ask the connector, which may start an async load."""
+    def _give_back(self, request: Request) -> None:
+        self.pool.free_blocks(request.block_ids)
+        request.block_ids, request.num_computed, request.num_cached_blocks = [], 0, 0
+
+    def _reserved_blocks(self, skipped: Sequence[Request] = ()) -> int:
+        """Blocks the in-flight prefills (block holders, this step's new loads among `skipped`, running
+        prompts) still need for their prompts."""
+        prefilling = [r for r in self.running if r.num_computed < max(r.num_prompt, r.num_tokens - 1)]
+        return sum(self._blocks_needed(r, r.num_tokens) for r in (*self.holding, *skipped, *prefilling))
+
+    def _lookup(self, request: Request, skipped: Sequence[Request] = ()) -> bool:
+        """Take the prefix-cache hit; then ask the connector, which may start an async load. False:
+        the load's blocks do not fit beside the in-flight prefills' (the hit is given back)."""
         max_blocks = (request.num_tokens - 1) // self.block_size
         hit = self.pool.longest_hit(request.hashes, max_blocks)
         self.pool.touch(hit)
@@ -227,16 +250,19 @@ class Scheduler:
             if self.connector is not None:
                 self.stats["external_queries"] += request.num_tokens
         if self.connector is None:
-            return
+            return True
         extra = self.connector.matched_tokens(request, request.num_computed)
         if extra <= 0:
-            return
+            return True
         need = self._blocks_needed(request, request.num_computed + extra)
-        if self.pool.can_allocate(need):  # blocks for the loaded tokens are held while they load
-            request.block_ids += self.pool.allocate(need)
-            request.load_tokens = extra
-            request.status = LOADING
-            self.connector.start_load(request, request.num_computed, extra)
+        if not self.pool.can_allocate(need + self._reserved_blocks(skipped)):
+            self._give_back(request)
+            return False
+        request.block_ids += self.pool.allocate(need)  # held while the tokens load
+        request.load_tokens = extra
+        request.status = LOADING
+        self.connector.start_load(request, request.num_computed, extra)
+        return True
 
     def loaded(self, request: Request, tokens: int) -> None:
         """The connector finished loading: `tokens` of the `load_tokens` arrived (the rest is recomputed)."""
