@@ -16,7 +16,7 @@ from ..cost import CostModel
 from ..policies import Slo
 from .config import GatewayConfig
 from .errors import ApiError, UpstreamFailed
-from .fingerprint import gateway_fingerprint
+from .fingerprint import EnginesFingerprint, engines_fingerprint, gateway_fingerprint
 from .flow import PassThrough, Timing, open_decode, run_prefill, sse_error
 from .guard import CLOSE, ConnectionGuard, GuardedHandler, descriptor_room
 from .kv_events import KVEventFollower
@@ -48,7 +48,8 @@ class Gateway:
         self.followers: list[KVEventFollower] = []
         self.metrics = GatewayMetrics(self.pool, lambda: float(sum(f.events for f in self.followers)))
         self.tokens = Tokens(config.model_dir, config.tokenize_threads)
-        self.fingerprint: ModelFingerprint = gateway_fingerprint(config)
+        self.fingerprint: ModelFingerprint | EnginesFingerprint = gateway_fingerprint(config)
+        self._adopted = False  # the engines' fingerprint taken in place of the model dir's
         self.mirror = None
         self.router: Router | None = None
         self.session: aiohttp.ClientSession | None = None
@@ -261,6 +262,17 @@ class Gateway:
 
     def _check_fingerprint(self, params: dict | None) -> None:
         theirs = ((params or {}).get("kvstore") or {}).get("fingerprint")
+        if theirs and theirs != self.fingerprint.digest and self.router.store_enabled and not self.config.fingerprint \
+                and not self._adopted and (adopted := engines_fingerprint(str(theirs), self.fingerprint.block_size)):
+            # Derived from the model dir, ours missed what the engines also key on: take theirs
+            # (once: engines that then disagree among themselves fall to the warning below).
+            log.info("engines key the store under fingerprint %s (the model dir gave %s): routing by theirs",
+                     theirs, self.fingerprint.digest)
+            self._adopted = True
+            self.fingerprint = self.router.fingerprint = adopted
+            for follower in self.followers:
+                follower.fingerprint = adopted
+            return
         if theirs and theirs != self.fingerprint.digest and self.router.store_enabled:
             log.warning("engines key the store under fingerprint %s, the gateway under %s: store hits ignored "
                         "(pass the engines' fingerprint in the gateway config)", theirs, self.fingerprint.digest)

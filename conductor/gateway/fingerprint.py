@@ -5,10 +5,32 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 from kvstore.keys import ModelFingerprint
 
 from .config import GatewayConfig
+
+
+@dataclass(frozen=True)
+class EnginesFingerprint:
+    """The fingerprint the engines reported (their hand-off parameters carry its digest), when the
+    gateway derived another from the model dir: engines also key on what a model dir does not say
+    (the engine's dtype, quantization, overrides). Its digest is its chains' root, so it hashes
+    prompts and looks the pool up exactly as the engines' own fingerprint does."""
+
+    digest: str
+    block_size: int
+
+    def root_hash(self) -> bytes:
+        return bytes.fromhex(self.digest)
+
+
+def engines_fingerprint(digest: str, block_size: int) -> EnginesFingerprint | None:
+    """An untenanted 128-bit digest as an EnginesFingerprint; None for anything else."""
+    if len(digest) != 32 or any(c not in "0123456789abcdef" for c in digest):
+        return None
+    return EnginesFingerprint(digest, block_size)
 
 
 def gateway_fingerprint(config: GatewayConfig) -> ModelFingerprint:
