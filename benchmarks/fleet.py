@@ -816,7 +816,7 @@ def check(args) -> None:
             or args.calibration_reps < 1:
         raise BadInput("--stream-interval, --bytes-scale, --daemons and --calibration-reps must be at least 1, "
                        "--warmup at least 0")
-    from conductor.sim.engine.__main__ import parse_fault
+    from conductor.sim.engine.engine import parse_fault
 
     for spec in args.fault:
         parse_fault(spec, {})

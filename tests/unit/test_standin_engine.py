@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from conductor.sim.engine.__main__ import parse_fault
+from conductor.sim.engine.engine import parse_fault
 from conductor.sim.engine.hashing import external, none_hash, store_keys, vllm_block_hashes
 from conductor.sim.engine.prefix_cache import BlockPool
 from conductor.sim.engine.profile import H100_LLAMA3_8B, Chunk, get_profile

@@ -59,6 +59,37 @@ class Faults:
     down_for: float | None = None  # None: stays down
 
 
+def parse_fault(spec: str, faults: dict[int, Faults]) -> None:
+    """One --fault value into `faults` (raises ValueError naming what is wrong)."""
+    parts = spec.split(":")
+    kind = parts[0]
+    shapes = {"slow": ((3,), "slow:ENGINE:FACTOR"), "error": ((3,), "error:ENGINE:RATE"),
+              "cut": ((3,), "cut:ENGINE:RATE"), "down": ((3, 4), "down:ENGINE:AT[:FOR]")}
+    if kind not in shapes:
+        raise ValueError(f"--fault {spec!r}: the kind must be one of slow, error, cut, down")
+    lengths, usage = shapes[kind]
+    if len(parts) not in lengths:
+        raise ValueError(f"--fault {spec!r}: expected {usage}")
+    try:
+        engine = int(parts[1])
+        values = [float(v) for v in parts[2:]]
+    except ValueError:
+        raise ValueError(f"--fault {spec!r}: ENGINE must be an integer and the values numbers") from None
+    f = faults.setdefault(engine, Faults())
+    if kind == "slow":
+        if values[0] <= 0:
+            raise ValueError(f"--fault {spec!r}: FACTOR must be above 0")
+        f.slow = values[0]
+    elif kind in ("error", "cut"):
+        if not 0 <= values[0] <= 1:
+            raise ValueError(f"--fault {spec!r}: RATE must be between 0 and 1")
+        setattr(f, "error_rate" if kind == "error" else "die_mid_stream", values[0])
+    else:
+        if values[0] < 0 or (len(values) > 1 and values[1] < 0):
+            raise ValueError(f"--fault {spec!r}: AT and FOR must not be negative")
+        f.down_at, f.down_for = values[0], values[1] if len(values) > 1 else None
+
+
 @dataclass(eq=False)
 class Delivery:
     """What the HTTP front reads for one request: ("tokens", n), then ("done", reason, kv_transfer_params,

@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .engine import ROLES, Clock, Engine, Faults
+from .engine import ROLES, Clock, Engine, Faults, parse_fault
 from .http_front import Front
 from .profile import Profile, get_profile
 from .tokenizer import Tokenizer
@@ -184,8 +184,6 @@ class StandinFleet:
     async def _fault(self, request: web.Request) -> web.Response:
         """POST {"spec": "down:1:30"} (a --fault SPEC): the engine's faults from now on; a down fault's
         AT counts from now, so a benchmark can time a death from its first arrival."""
-        from .__main__ import parse_fault  # (the command line's parser; __main__ imports this module)
-
         try:
             body = await request.json()
             faults: dict[int, Faults] = {}
