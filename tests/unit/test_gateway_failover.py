@@ -71,11 +71,23 @@ async def test_decode_dying_mid_stream_ends_with_an_error_event():
     assert "error" in json.loads(events[-1]) and "[DONE]" not in raw
 
 
+async def engine_health(rig, url: str, healthy: bool, timeout: float = 10.0) -> None:
+    """Until the gateway's /health shows `url` as `healthy` (health rounds are timed: on a loaded
+    machine a fixed sleep saw none)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        async with rig.http.get(rig.url + "/health") as resp:
+            engines = {e["url"]: e["healthy"] for e in (await resp.json())["engines"]}
+        if engines.get(url) == healthy or asyncio.get_running_loop().time() > deadline:
+            return
+        await asyncio.sleep(0.05)
+
+
 async def test_dead_engine_leaves_the_rotation_and_comes_back():
     d0, d1 = FakeEngine("d0"), FakeEngine("d1")
     async with Rig([], [d0, d1], policy="round_robin") as rig:
         d0.healthy = False
-        await asyncio.sleep(0.4)  # a few health rounds
+        await engine_health(rig, d0.url, False)
         for _ in range(4):
             assert (await rig.post("/v1/completions", completion("x")))[0] == 200
         assert not d0.requests and len(d1.requests) == 4
@@ -83,7 +95,7 @@ async def test_dead_engine_leaves_the_rotation_and_comes_back():
             engines = {e["url"]: e["healthy"] for e in (await resp.json())["engines"]}
         assert engines == {d0.url: False, d1.url: True}
         d0.healthy = True
-        await asyncio.sleep(0.4)
+        await engine_health(rig, d0.url, True)
         for _ in range(4):
             await rig.post("/v1/completions", completion("x"))
         assert d0.requests  # back in the rotation
