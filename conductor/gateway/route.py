@@ -37,6 +37,9 @@ class Router:
         self.pool, self.tracker, self.fingerprint, self.mirror = pool, tracker, fingerprint, mirror
         self.cost = cost or CostModel()
         self.policy = make_policy(policy, self.cost)
+        # Spreading near-equal picks corrects cache-aware policies, which pile requests on prefixes;
+        # round_robin and least_loaded spread by themselves, and overriding them breaks their order.
+        self.spread = policy.partition("+")[0].startswith("cache")
         self.slo = slo or Slo()
         self.block_tokens, self.local_prefill_tokens = block_tokens, local_prefill_tokens
         self.store_enabled = mirror is not None
@@ -99,7 +102,7 @@ class Router:
                               min(self.tracker.prefix_blocks(e.url, hashes) * self.block_tokens, prompt_tokens))
                  for e in candidates]
         choice = self.policy.choose(request, views)
-        if not prefills and session is None and len(views) > 1:
+        if self.spread and not prefills and session is None and len(views) > 1:
             choice = self._spread(choice, request, views, candidates)
         picked = next(e for e in candidates if e.url == choice.instance)
         if prefills:
