@@ -39,7 +39,10 @@ class Started:
         self.proc = subprocess.Popen(
             [sys.executable, str(REAPER), "--report", str(report), "--timeout", str(timeout), "--",
              sys.executable, "-m", f"benchmarks.{name}", *args],
-            cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            # SIGINT as a terminal gives it, whatever this pytest inherited: an ignored SIGINT passes to
+            # children through exec, and the Ctrl-C test would see the benchmark run on to its end.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
     def benchmark_pid(self, timeout: float = 30.0) -> int:
         """The benchmark's own pid (the reaper's one child at first)."""
