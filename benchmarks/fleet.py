@@ -319,9 +319,14 @@ def start_store(tmp: Path, cluster: str, daemons: int, dram: str, procs: list):
     procs.append(etcd.proc)
 
     def daemon(i: int):
-        return processes.start_store_daemon(
-            ["--node", f"{cluster}-{i}", "--metadata", etcd.url, "--cluster", cluster, "--dram", dram,
-             "--secret-file", str(tmp / "secret"), "--log-level", "warning"], stderr=subprocess.DEVNULL)[0]
+        log_path = tmp / f"daemon-{cluster}-{i}.log"  # warnings only; a failed start says why from it
+        with open(log_path, "w") as log:
+            try:
+                return processes.start_store_daemon(
+                    ["--node", f"{cluster}-{i}", "--metadata", etcd.url, "--cluster", cluster, "--dram", dram,
+                     "--secret-file", str(tmp / "secret"), "--log-level", "warning"], stderr=log)[0]
+            except RuntimeError as exc:
+                raise RuntimeError(f"{exc}: {log_path.read_text().strip()[-600:]}") from None
 
     with ThreadPoolExecutor(daemons) as pool:  # started together: each is seconds of imports
         futures = [pool.submit(daemon, i) for i in range(daemons)]
