@@ -29,7 +29,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class EtcdServer:
+class _Scratch:
+    """`with` for a scratch etcd: start() on entry (cleanup() if it fails), cleanup() on exit."""
+
+    def start(self):
+        raise NotImplementedError
+
+    def cleanup(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            return self.start()
+        except BaseException:
+            self.cleanup()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+class EtcdServer(_Scratch):
     """One etcd member. `start()` waits until it reports healthy; `kill()`/`start()` restart it on
     the same ports and data, like a crashed and recovered server."""
 
@@ -82,15 +102,6 @@ class EtcdServer:
         self.stop()
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
-    def __enter__(self) -> "EtcdServer":
-        try:
-            return self.start()
-        except BaseException:
-            self.cleanup()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.cleanup()
 
 
 def _healthy(client_port: int, timeout: float = 1.0) -> bool:
@@ -115,7 +126,7 @@ def _status(client_port: int, timeout: float = 1.0) -> dict | None:
             "term": int(status.get("raftTerm", 0) or 0)}
 
 
-class EtcdCluster:
+class EtcdCluster(_Scratch):
     """A local etcd cluster of `members` (3 by default), each member its own process with its own data
     directory, client and peer ports on loopback. Peer traffic goes through relays in a process of
     their own (kvstore.testing.etcd_proxy), so a member can be partitioned from the others while its
@@ -347,15 +358,6 @@ class EtcdCluster:
             self.relay = None
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
-    def __enter__(self) -> "EtcdCluster":
-        try:
-            return self.start()
-        except BaseException:
-            self.cleanup()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.cleanup()
 
 
 if __name__ == "__main__":  # a scratch etcd (or cluster: --members 3) for manual runs
