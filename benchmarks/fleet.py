@@ -230,28 +230,6 @@ class Prompts:
 
 
 # ------------------------------------------------------------------ processes
-def free_ports(n: int) -> int:
-    """The first of `n` consecutive free loopback ports."""
-    import random
-    import socket
-
-    for _ in range(200):
-        base = random.randrange(20000, 60000 - n)
-        sockets = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
 def wait_http(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None, what: str = "") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -344,10 +322,11 @@ def start_store(tmp: Path, cluster: str, daemons: int, dram: str, procs: list):
 def start_fleet(args, mode: str, metadata: str | None, cluster: str, tmp: Path, procs: list,
                 profile: str | None = None, engines: int | None = None, time_scale: float | None = None) -> dict:
     engines = engines or (args.engines)
-    events = free_ports(2 * engines)
+    # Port 0: the stand-ins bind free ports themselves and list them (ports chosen here and bound
+    # seconds later were taken by other processes meanwhile on a busy machine).
     cmd = [sys.executable, "-m", "conductor.sim.engine", "--engines", str(engines), "--profile",
            profile or args.profile, "--time-scale", str(time_scale or args.time_scale), "--kv-events-port",
-           str(events), "--stream-interval", str(args.stream_interval), "--enable-scale-out", "--control-port", "0",
+           "0", "--stream-interval", str(args.stream_interval), "--enable-scale-out", "--control-port", "0",
            "--bytes-scale", str(args.bytes_scale), "--seed", str(args.seed)]
     if mode == "pd":
         cmd += ["--prefill", str(args.prefill)]

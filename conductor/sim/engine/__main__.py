@@ -43,7 +43,8 @@ def build_parser() -> Parser:
     p.add_argument("--bytes-scale", type=int, default=16384,
                    help="stored blocks are the profile's block bytes divided by this")
     p.add_argument("--kv-events-port", type=int, default=None,
-                   help="publish vLLM KV events: engine i on tcp://*:PORT+i, its replay socket on PORT+ENGINES+i")
+                   help="publish vLLM KV events: engine i on tcp://*:PORT+i, its replay socket on PORT+ENGINES+i "
+                        "(0: free ports, listed in the fleet's first output line)")
     p.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed chunk (vLLM's --stream-interval)")
     p.add_argument("--model-dir", default=None, help="a model directory whose tokenizer the engines use")
     p.add_argument("--enable-scale-out", action="store_true",

@@ -158,6 +158,8 @@ class Engine:
         self.deliveries: dict[Request, Delivery] = {}
         self.wake = asyncio.Event()
         self.publisher = Publisher(self.events_endpoint, self.replay_endpoint) if self.events_endpoint else None
+        if self.publisher is not None:  # ports picked at the first bind are kept across restarts
+            self.events_endpoint, self.replay_endpoint = self.publisher.endpoint, self.publisher.replay_endpoint
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:

@@ -90,6 +90,19 @@ def is_bind_endpoint(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def _bind(socket, endpoint: str) -> str:
+    """Bind `endpoint`; port 0 takes a free port the system picks (no window for another process
+    to take it between choosing and binding). Returns the endpoint bound, port filled in."""
+    import zmq
+
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        socket.bind(endpoint[:-1] + "*")
+        port = socket.getsockopt(zmq.LAST_ENDPOINT).decode().rpartition(":")[2]
+        return endpoint[:-1] + port
+    socket.bind(endpoint)
+    return endpoint
+
+
 class Publisher:
     """One engine's PUB socket (and replay ROUTER); `publish()` never blocks (ZMQ drops past HWM)."""
 
@@ -106,13 +119,13 @@ class Publisher:
         self.ctx = zmq.asyncio.Context.instance()
         self.pub.set_hwm(hwm)
         if is_bind_endpoint(endpoint):
-            self.pub.bind(endpoint)
+            self.endpoint = _bind(self.pub, endpoint)
         else:
             self.pub.connect(endpoint)
         self.replay = None
         if replay_endpoint:
             self.replay = self.ctx.socket(zmq.ROUTER)
-            self.replay.bind(replay_endpoint)
+            self.replay_endpoint = _bind(self.replay, replay_endpoint)
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = 0
         self.encoder = msgspec.msgpack.Encoder()

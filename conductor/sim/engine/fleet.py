@@ -36,7 +36,7 @@ class FleetConfig:
     cluster: str = "default"
     secret: str | None = None
     bytes_scale: int = 16384
-    kv_events_base_port: int | None = None  # engine i publishes on tcp://*:(port + i); None: no events
+    kv_events_base_port: int | None = None  # engine i publishes on tcp://*:(port + i); 0: free ports; None: no events
     kv_events_host: str = "*"
     replay: bool = True  # a replay ROUTER on kv_events_base_port + engines + i
     stream_interval: int = 1
@@ -106,10 +106,11 @@ class StandinFleet:
         clock = Clock(c.time_scale)
         for i in range(c.engines):
             events = replay = None
-            if c.kv_events_base_port is not None:
-                events = f"tcp://{c.kv_events_host}:{c.kv_events_base_port + i}"
+            if c.kv_events_base_port is not None:  # 0: every socket on a free port the system picks
+                base = c.kv_events_base_port
+                events = f"tcp://{c.kv_events_host}:{base + i if base else 0}"
                 if c.replay:
-                    replay = f"tcp://{c.kv_events_host}:{c.kv_events_base_port + c.engines + i}"
+                    replay = f"tcp://{c.kv_events_host}:{base + c.engines + i if base else 0}"
             engine = Engine(i, self.profile, clock, role=c.roles[i] if c.roles else "kv_both", link=self.link,
                             events_endpoint=events, replay_endpoint=replay, stream_interval=c.stream_interval,
                             faults=c.faults.get(i), seed=c.seed)
