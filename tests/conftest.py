@@ -20,6 +20,27 @@ from peer_process import pattern
 from tests_support import wait_until_stopped
 
 
+# The suite runs on two xdist workers (`pytest -n 2 --dist loadgroup`, the README's test command).
+# Tests that start vLLM engines or Ray take both cores and gigabytes each: they run one after
+# another on one worker (one group), while the other worker takes the rest; two of them at once
+# on a 2-core machine only trade places in the queue for a core.
+ENGINE_HEAVY_FILES = ("tests/e2e/", "tests/docs/", "tests/unit/test_ray_app.py", "tests/benchmarks/test_demo.py",
+                      "tests/benchmarks/test_vllm_ttft_hybrid.py")
+ENGINE_HEAVY_BENCHMARKS = ("serving", "vllm_ttft")  # tests/benchmarks tests that run these start vLLM engines
+
+
+def engine_heavy(nodeid: str) -> bool:
+    path, _, name = nodeid.partition("::")
+    return path.startswith(ENGINE_HEAVY_FILES) or (
+        path.startswith("tests/benchmarks/") and any(b in name for b in ENGINE_HEAVY_BENCHMARKS))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if engine_heavy(item.nodeid):
+            item.add_marker(pytest.mark.xdist_group("engines"))
+
+
 @dataclass
 class PeerProcess:
     """Handle on tests/helpers/peer_process.py running in a child process."""
