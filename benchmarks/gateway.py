@@ -124,14 +124,15 @@ async def run(args: argparse.Namespace) -> list[dict]:
             start_gateway, {"prefill": [prefill.url], "decode": [decode.url], "model_dir": model_dir,
                             "block_tokens": 128, "local_prefill_tokens": 0, "tokenize_threads": threads,
                             "health_interval_s": 5.0}, workdir, k, procs)) for k, (_, threads) in enumerate(plan)]
-        await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
-        if any(t.done() and t.exception() is not None for t in starts):  # one failed: stop the rest now
+        done, _ = await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
+        # The first start to fail says why; the others then fail because they are stopped here.
+        failed = next((t.exception() for t in done if t.exception() is not None), None)
+        if failed is not None:
             for proc in list(procs):
                 await asyncio.to_thread(processes.stop, proc)
-        gateways = await asyncio.gather(*starts, return_exceptions=True)
-        failed = next((g for g in gateways if isinstance(g, BaseException)), None)
-        if failed is not None:
+            await asyncio.gather(*starts, return_exceptions=True)
             raise failed
+        gateways = [t.result() for t in starts]
         for (scenario, threads), (proc, url) in zip(plan, gateways):
             try:
                 result = await measure(url, args.requests, scenario != "alone")

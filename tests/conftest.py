@@ -35,6 +35,7 @@ def engine_heavy(nodeid: str) -> bool:
         path.startswith("tests/benchmarks/") and any(b in name for b in ENGINE_HEAVY_BENCHMARKS))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (it names items by them)
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if engine_heavy(item.nodeid):

