@@ -4,6 +4,7 @@ for tests, benchmarks and trying a cluster on one machine. `EtcdServer` is one m
 hung and partitioned one by one (`python -m kvstore.testing.etcd --members 3` runs one by hand)."""
 from __future__ import annotations
 
+import abc
 import json
 import os
 import select
@@ -29,14 +30,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Scratch:
+class _Scratch(abc.ABC):
     """`with` for a scratch etcd: start() on entry (cleanup() if it fails), cleanup() on exit."""
 
-    def start(self):
-        raise NotImplementedError
+    @abc.abstractmethod
+    def start(self): ...
 
-    def cleanup(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def cleanup(self) -> None: ...
 
     def __enter__(self):
         try:
@@ -101,7 +102,6 @@ class EtcdServer(_Scratch):
     def cleanup(self) -> None:
         self.stop()
         shutil.rmtree(self.data_dir, ignore_errors=True)
-
 
 
 def _healthy(client_port: int, timeout: float = 1.0) -> bool:
@@ -357,7 +357,6 @@ class EtcdCluster(_Scratch):
             processes.stop(self.relay, grace=2)
             self.relay = None
         shutil.rmtree(self.data_dir, ignore_errors=True)
-
 
 
 if __name__ == "__main__":  # a scratch etcd (or cluster: --members 3) for manual runs

@@ -541,7 +541,7 @@ def test_a_stale_nvme_record_never_returns_another_blocks_bytes(nvme_node):
     # Fill the tier again until the victim's extent holds another block.
     fresh = external_hashes(range(4000, 4080), FP)
 
-    def reused(_mirror=None) -> bool:
+    def reused() -> bool:
         return any((r := client.mirror.lookup(FP, f).get("nvme-node")) is not None and r.tier == "nvme"
                    and r.offset == stale.offset for f in fresh)
 
@@ -553,7 +553,7 @@ def test_a_stale_nvme_record_never_returns_another_blocks_bytes(nvme_node):
     else:
         # Demotions are the node's background work: under load their records reach the mirror
         # after the puts that caused them (seen with two test suites sharing 2 vCPUs).
-        if not client.mirror.wait_until(reused, 15):
+        if not client.mirror.wait_until(lambda _: reused(), 15):
             pytest.fail("the victim's extent was never reused")
     out = np.zeros(BLOCK, np.uint8)
     region = client.engine.register(out, remote_access=False)
