@@ -171,12 +171,23 @@ class Cluster:
             # abstract unix socket, which does not cross network namespaces) and refuse every call.
             cmd = ["ip", "netns", "exec", self.netns.name, "unshare", "--uts", "sh", "-c",
                    'hostname "$0" && exec "$@"', f"{self.netns.name}-host", *cmd]
-        proc = processes.spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+        with open(self.log_path(name), "a") as log:  # read back when a fault loses blocks (repair_log)
+            proc = processes.spawn(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
         line = proc.stdout.readline()
         if not line:
             processes.stop(proc)
             raise RuntimeError(f"daemon {name} did not start")
         self.daemons[name], self.control[name] = proc, json.loads(line)["control"]
+
+    def log_path(self, name: str) -> str:
+        return os.path.join(self.workdir, f"{name}.log")
+
+    def repair_log(self, lines: int = 30) -> str:
+        """The daemons' last replica-repair and hand-off lines, every run of every node."""
+        said = []
+        for log in sorted(Path(self.workdir).glob("*.log")):
+            said += [line for line in log.read_text(errors="replace").splitlines() if "repair" in line or "hand" in line]
+        return "\n".join(sorted(said)[-lines:])  # lines start with their time: merged in time order
 
     def counters(self, name: str) -> dict[str, float]:
         """The node's own counters (admin API): evictions, demotions, ..."""
@@ -421,6 +432,8 @@ def run(args: argparse.Namespace) -> list[FaultResult]:
             result.outage_s = down
             result.note = "; ".join(x for x in (note, said if isinstance(said, str) else "") if x)
             results.append(result)
+            if lost:  # what the nodes said about repair, for whoever reads a failed run
+                print(f"{name}: {lost} blocks lost; the daemons' repair lines:\n{cluster.repair_log()}", file=sys.stderr)
             print(f"  {name:<24}{result.ops:>7}{result.wrong_bytes:>8}{result.lost_blocks:>7}"
                   f"{result.calls_past_timeout:>9}{'-' if recovery is None else f'{recovery:.2f}':>10}"
                   f"{'-' if down is None else f'{down:.2f}':>10}  {dict(result.errors)}", flush=True)

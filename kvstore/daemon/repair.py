@@ -5,15 +5,18 @@ with the smallest name copies each under-replicated block to nodes that lack it;
 wait, so a block is never repaired twice. Scans run when the set of nodes changed (a node restarted
 under its name counts: its address changed), while work is left, and every `full_scan_s` as a
 safety net. A replica that leaves the index while its node stays (evicted by a full node, removed,
-or the records of a node's previous run expiring after it came back) is looked at within one
-`interval`: the watch tells the repairer, which checks those blocks alone. `under_replicated`
+or the records of a node's previous run expiring after it came back) is looked at at once: the
+watch wakes the repairer, which checks those blocks alone (until the copy lands, that block has one
+replica fewer: the smaller that window, the fewer blocks a second failure can take). `under_replicated`
 counts the blocks this node is responsible for that still lack replicas (summed over nodes by
 `kvstore admin status`).
 
 A node that stops gracefully hands off first (`hand_off`): it copies every block it holds that would
 be left with fewer live replicas than the cluster's count without it, before its lease (and with it
 its replicas) goes. Survivors would repair those too, but only once they notice it left; a crash of
-the other holder in that window lost blocks acknowledged on every replica.
+the other holder in that window lost blocks acknowledged on every replica. A batch that fails (its
+targets busy past their timeouts, or down) is tried again until the hand-off's time is up: giving
+up on the first failure left the whole group to the survivors, the same window.
 """
 from __future__ import annotations
 
@@ -22,12 +25,15 @@ import threading
 import time
 from typing import Callable
 
+from ..errors import AccessDenied, AuthenticationFailed
 from .oplog import Throttle
 
 log = logging.getLogger(__name__)
 REPAIR_BATCH = 32
 REMOVED_MAX = 1 << 16  # removed replicas noted between two rounds; past it, the next round scans everything
 HAND_OFF_S = 30.0  # a graceful stop copies blocks for at most this long, then leaves anyway
+HAND_OFF_RETRY_S = 0.5  # a hand-off batch that failed (every target busy or down) is tried again after this
+WAKE_BATCH_S = 0.05  # a replica removal wakes the repairer this long later: a burst of evictions is one round
 
 
 class Repairer:
@@ -39,6 +45,7 @@ class Repairer:
         self._make_client, self._client = make_client, None
         self.interval, self.full_scan_s = interval, full_scan_s
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a replica left the index: look now, not at the next interval
         self._thread: threading.Thread | None = None
         self._seen_nodes: frozenset[tuple[str, str]] = frozenset()  # (name, address): a restart changes it
         self._seen_resyncs = 0
@@ -61,6 +68,7 @@ class Repairer:
         """Stop repairing; with `hand_off` (seconds, a graceful stop once the node takes no more
         puts), first copy what would be left short without this node (`hand_off`)."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
         try:
@@ -92,29 +100,36 @@ class Repairer:
         short = sum(len(hashes) for hashes in groups.values())
         if not short:
             return 0
-        copied, failed, nowhere = 0, "", 0
+        copied, failed, nowhere, retried = 0, "", 0, 0
         for (fingerprint, others), hashes in groups.items():
             exclude = {*others, self.node}
             if not [n for n in live if n not in exclude]:
                 nowhere += len(hashes)
                 continue
-            for start in range(0, len(hashes), REPAIR_BATCH):
-                if time.monotonic() > deadline:
-                    failed = f"out of time ({budget:.0f} s)"
-                    break
+            start = 0
+            while start < len(hashes) and time.monotonic() <= deadline:
                 items = [(h, data) for h in hashes[start : start + REPAIR_BATCH]
                          if (data := self.store.read_block((fingerprint, h))) is not None]
-                if not items:
-                    continue
-                try:
-                    self._client.put_many(items, fingerprint=fingerprint, replicas=self.replicas - len(others),
-                                          exclude=exclude)
-                except Exception as exc:  # noqa: BLE001 - typed store errors, a dead node: said below
-                    failed = f"{type(exc).__name__}: {exc}"  # this group's next batch would wait on the same nodes
-                    break
-                copied += len(items)
-                self.counters["replicas_repaired"] += len(items)
+                if items:
+                    try:
+                        self._client.put_many(items, fingerprint=fingerprint, replicas=self.replicas - len(others),
+                                              exclude=exclude)
+                    except (AuthenticationFailed, AccessDenied) as exc:  # configuration: no retry helps
+                        failed = f"{type(exc).__name__}: {exc}"
+                        break
+                    except Exception as exc:  # noqa: BLE001 - typed store errors, busy or dead nodes: again
+                        failed = f"{type(exc).__name__}: {exc}"
+                        if not retried:
+                            log.warning("%s: handing off %d blocks failed (%s); trying again for up to %.0f s",
+                                        self.node, len(items), failed, max(deadline - time.monotonic(), 0))
+                        retried += 1
+                        time.sleep(HAND_OFF_RETRY_S)
+                        continue
+                    copied += len(items)
+                    self.counters["replicas_repaired"] += len(items)
+                start += REPAIR_BATCH
             if time.monotonic() > deadline:
+                failed = f"out of time ({budget:.0f} s)" + (f"; last failure {failed}" if failed else "")
                 break
         if nowhere:
             failed = f"{nowhere} with no other node to copy to" + (f"; {failed}" if failed else "")
@@ -148,6 +163,7 @@ class Repairer:
                 self._removed.add((fingerprint, block_hash))
             else:
                 self._removed_overflow = True
+        self._wake.set()
 
     def _take_removed(self) -> tuple[set[tuple[str, bytes]], bool]:
         with self._removed_lock:
@@ -156,9 +172,18 @@ class Repairer:
         return removed, overflow
 
     def _loop(self) -> None:
-        since_full = 0.0
-        while not self._stop.wait(self.interval):
-            since_full += self.interval
+        last_full = time.monotonic()
+        last_round = last_full - self.interval  # the first round at once
+        while not self._stop.is_set():
+            if self._wake.wait(max(self.interval - (time.monotonic() - last_round), 0.0)):
+                self._stop.wait(WAKE_BATCH_S)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            now = time.monotonic()
+            due = now - last_round >= self.interval  # the interval's round; a wake-up between them looks
+            if due:  # only at the blocks the watch named
+                last_round = now
             try:
                 if self._client is None:
                     self._client = self._make_client()
@@ -166,12 +191,14 @@ class Repairer:
                 mirror = self._client.mirror
                 nodes = frozenset((name, rec.endpoint) for name, rec in mirror.nodes.items())
                 removed, overflow = self._take_removed()
-                if self._pending or overflow or nodes != self._seen_nodes or since_full >= self.full_scan_s \
-                        or mirror.resyncs != self._seen_resyncs:
-                    self._seen_nodes, self._seen_resyncs, since_full = nodes, mirror.resyncs, 0.0
+                if due and (self._pending or overflow or nodes != self._seen_nodes or now - last_full >= self.full_scan_s
+                            or mirror.resyncs != self._seen_resyncs):
+                    self._seen_nodes, self._seen_resyncs, last_full = nodes, mirror.resyncs, now
                     self._pending = self.scan() > 0
-                elif removed:
-                    self._pending = self.scan(removed) > 0
+                elif removed and self.scan(removed) > 0:
+                    self._pending = True
+                elif overflow:
+                    self._pending = True  # too many to name: the next round scans everything
             except Exception as exc:  # noqa: BLE001 - a failed round is retried next interval
                 if self._failure_said():  # retried every interval: said at most every 30 s
                     log.warning("replica repair on %s failed (retrying): %s", self.node, exc)

@@ -130,6 +130,43 @@ def test_a_graceful_stop_hands_off_the_replicas_it_would_leave_short(etcd_server
         assert "handed off" in leaver.log(), leaver.log()[-3000:]  # says so, in one line
 
 
+def test_a_hand_off_tries_again_when_its_targets_are_busy(etcd_server, spawn_daemon):
+    """Kills the variant "a hand-off gives up on its first failed batch": the only node a leaving
+    node can copy to does not answer within the timeout (busy: a loaded machine), the hand-off gave
+    up the whole group and left, and the other holder's crash lost every block they shared (on a
+    loaded machine the fault report's kill -9 phase lost 70 blocks once; this is one way it could).
+    It now tries again until its time (30 s) is up, and says so in one line."""
+    cluster = uuid.uuid4().hex[:8]
+    extra = ["--replicas", "2"]
+    leaver = spawn_daemon("node-a", etcd_server.url, cluster, extra=extra, lease_ttl=2)
+    # Leases that outlast their pauses below: both stay in the index while node-a leaves.
+    partner = spawn_daemon("node-b", etcd_server.url, cluster, extra=extra, lease_ttl=12)
+    target = spawn_daemon("node-c", etcd_server.url, cluster, extra=extra, lease_ttl=12)
+    hashes = external_hashes(list(range(400, 440)), FP)
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, timeout=3.0, replicas=2) as client:
+        mirror = client.mirror
+        assert mirror.wait_until(lambda m: len(m.nodes) == 3, 10)
+        assert client.put_many([(h, content(h)) for h in hashes], exclude={"node-c"}) == 2 * len(hashes)
+        with Client(etcd_server.url, cluster=cluster, fingerprint=FP, timeout=3.0) as observer:  # published
+            wait_for(lambda: all(set(observer.mirror.lookup(FP.digest, h)) == {"node-a", "node-b"} for h in hashes),
+                     10, "both replicas published")
+
+        partner.pause()  # the other holder: no repair from it
+        target.pause()  # the only node to hand off to: silent past every timeout for now
+        leaver.proc.terminate()  # graceful
+        wait_for(lambda: "trying again" in leaver.log() or leaver.proc.poll() is not None, 30,
+                 "the hand-off's first failure")
+        target.resume()
+        assert leaver.proc.wait(40) == 0
+        partner.resume()
+        partner.kill()  # the second failure, right after the graceful stop
+        wait_for(lambda: "node-a" not in mirror.nodes and "node-b" not in mirror.nodes, 30,
+                 "node-a and node-b to leave the index")
+        lost = read_back(client, hashes)
+        assert lost == [], f"{len(lost)} of {len(hashes)} blocks acknowledged on 2 replicas lost\n" + leaver.log()[-2000:]
+        assert "trying again" in leaver.log() and "handed off 40 blocks" in leaver.log(), leaver.log()[-3000:]
+
+
 def test_a_replica_evicted_by_a_full_node_is_repaired_at_once(etcd_server, spawn_daemon):
     """Kills the variant "a full node evicts replicas and their other holder never hears of it":
     an eviction removes one replica's record while every node stays, and repair looked only when

@@ -1,0 +1,75 @@
+"""The repairer looks at a block the moment one of its replicas leaves the index (a full node's
+eviction), not at its next round: until the copy lands, a second failure takes the block."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from kvstore.daemon.repair import Repairer
+
+FP, BLOCK = "fp", b"\x01" * 32
+
+
+@dataclass
+class NodeRecord:
+    endpoint: str
+    draining: bool = False
+
+
+class Mirror:
+    def __init__(self) -> None:
+        self.nodes = {name: NodeRecord(f"{name}:1") for name in ("node-a", "node-b", "node-c")}
+        self.holders = {(FP, BLOCK): {"node-a", "node-b"}}
+        self.resyncs = 0
+        self.removed = None
+        self.looked = threading.Event()  # a scan read the block's holders
+
+    def lookup(self, fingerprint: str, block_hash: bytes) -> list[str]:
+        holders = sorted(self.holders.get((fingerprint, block_hash), ()))
+        self.looked.set()
+        return holders
+
+    def on_replica_removed(self, callback) -> None:
+        self.removed = callback
+
+
+class Client:
+    def __init__(self) -> None:
+        self.mirror, self.puts, self.put = Mirror(), [], threading.Event()
+
+    def put_many(self, items, fingerprint=None, replicas=None, exclude=()):
+        self.puts.append(([h for h, _ in items], replicas, set(exclude)))
+        self.put.set()
+        return len(items)
+
+    def close(self) -> None:
+        pass
+
+
+class Store:
+    def keys(self):
+        return [((FP, BLOCK), None)]
+
+    def records(self, fingerprint, hashes):
+        return [object() if h == BLOCK else None for h in hashes]
+
+    def read_block(self, key):
+        return b"bytes"
+
+
+def test_a_replica_evicted_elsewhere_is_copied_at_once_not_at_the_next_round():
+    """Kills the variant "removals are looked at on the repairer's interval": with a 30 s interval
+    the copy would wait 30 s; the watch's callback wakes the repairer, which copies within a
+    second (node-a holds the block and sorts first: it is the repairer)."""
+    client = Client()
+    repairer = Repairer("node-a", Store(), {}, lambda: client, replicas=2, interval=30.0, full_scan_s=300.0).start()
+    try:
+        assert client.mirror.looked.wait(10)  # the first round, at once: 2 replicas, nothing to do
+        assert client.puts == []
+        client.mirror.holders[(FP, BLOCK)] = {"node-a"}  # node-b evicted its replica
+        client.mirror.removed(FP, BLOCK, "node-b")
+        assert client.put.wait(10), "not copied until the next round"
+        assert client.puts == [([BLOCK], 1, {"node-a"})]
+    finally:
+        repairer.stop()
+
