@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, Coroutine
+from typing import Any, Awaitable, Coroutine, TypeVar
+
+T = TypeVar("T")
 
 _loop: asyncio.AbstractEventLoop | None = None
 _lock = threading.Lock()
@@ -29,3 +31,17 @@ def run(coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
     except TimeoutError:
         future.cancel()
         raise
+
+
+async def bounded(awaitable: Awaitable[T], timeout: float) -> T:
+    """`asyncio.wait_for` whose inner task's failure is always retrieved: when the wait is cancelled
+    or times out while the inner call fails (an etcd call failing as its member goes away), asyncio
+    would otherwise log "Task exception was never retrieved" with a traceback."""
+    task = asyncio.ensure_future(awaitable)
+    task.add_done_callback(_retrieve)
+    return await asyncio.wait_for(task, timeout)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()

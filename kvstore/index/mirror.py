@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..aio import shared_loop
+from ..aio import bounded, shared_loop
 from ..errors import InvalidRecord, KVStoreError, MetadataError, MetadataUnavailable, WatchCompacted
 from ..keys import HASH_BYTES, ModelFingerprint
 from ..metadata import Metadata, Page, WatchEvent, check_metadata_url, open_metadata, prefix_end
@@ -651,7 +651,7 @@ class IndexMirror:
             try:
                 # Bounded by the handle (2 x timeout, moving between etcd endpoints); answers turn
                 # stale after `stale_after` without an answer meanwhile, as `stale` says.
-                await asyncio.wait_for(metadata.get(probe), 2 * self.timeout + 1)
+                await bounded(metadata.get(probe), 2 * self.timeout + 1)
             except (MetadataError, asyncio.TimeoutError) as exc:
                 raise MetadataUnavailable(f"health check failed: {exc}") from exc
             self._last_ok = time.monotonic()

@@ -39,6 +39,7 @@ import grpc
 from aetcd import rpc
 from aetcd.utils import prefix_range_end
 
+from ..aio import bounded
 from ..errors import (InvalidKey, LeaseExpired, MetadataError, MetadataTimeout, MetadataUnavailable, ValueTooLarge,
                       WatchCompacted)
 from .base import (Compare, Delete, KeyValue, Lease, Metadata, Page, Put, TxnResult, Watch, WatchEvent, as_key,
@@ -273,7 +274,7 @@ class EtcdMetadata(Metadata):
             attempt = min(timeout, left)
             try:
                 await conn.connect(attempt)
-                result = await asyncio.wait_for(op(conn, attempt), attempt + 0.5)
+                result = await bounded(op(conn, attempt), attempt + 0.5)
             except (MetadataError, grpc.aio.AioRpcError, aetcd_errors.ClientError, asyncio.TimeoutError) as exc:
                 error = _translate(exc, conn.where)
                 if not _moves_on(exc):

@@ -1,0 +1,45 @@
+"""A bounded async call whose inner call fails as it is cancelled leaves no "never retrieved" log."""
+from __future__ import annotations
+
+import asyncio
+import gc
+
+from kvstore.aio import bounded
+
+
+async def _fails_when_cancelled() -> None:
+    try:
+        await asyncio.sleep(10)
+    except asyncio.CancelledError:
+        raise ConnectionError("etcd member went away") from None  # as a gRPC call failing under a cancel
+
+
+def _unretrieved(waiter) -> list[dict]:
+    seen: list[dict] = []
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(lambda _loop, context: seen.append(context))
+    try:
+        loop.run_until_complete(waiter())
+        gc.collect()  # asyncio says "never retrieved" when the task is collected
+        loop.run_until_complete(asyncio.sleep(0))
+    finally:
+        loop.close()
+    gc.collect()
+    return seen
+
+
+def test_a_cancelled_wait_retrieves_the_inner_failure():
+    """Kills `asyncio.wait_for` around an etcd call (the index mirror's health check): when the
+    mirror's tasks were reaped as etcd went away, the call failed under the cancel and asyncio logged
+    "Task exception was never retrieved" with a traceback on the fault report's output."""
+    async def cancel_while_waiting() -> None:
+        outer = asyncio.ensure_future(bounded(_fails_when_cancelled(), 5))
+        await asyncio.sleep(0.01)
+        outer.cancel()
+        try:
+            await outer
+        except asyncio.CancelledError:
+            pass
+
+    assert _unretrieved(cancel_while_waiting) == []
+
