@@ -105,9 +105,11 @@ class Relay:
                 payload = _exact(client, struct.unpack("<I", head)[0])
                 frame = head + payload + _exact(client, 32)
                 if self.mode == "inject" and not self.done:
+                    # Marked before it is sent: the daemon's close can reach the client (and the
+                    # test read `done`) before this thread runs again after sendall.
+                    self.done = True
                     forged = json.dumps({"op": "lookup", "fp": FP.digest, "hashes": []}).encode()
                     server.sendall(struct.pack("<I", len(forged)) + forged + os.urandom(32))
-                    self.done = True
                 server.sendall(frame)
                 message = json.loads(payload)
                 if message.get("op") == "put" and message.get("hashes"):
@@ -117,8 +119,8 @@ class Relay:
                         self.done = True
                     server.sendall(rest)
                 if self.mode == "replay" and not self.done:
+                    self.done = True  # before it is sent, as for inject
                     server.sendall(frame)
-                    self.done = True
         except (OSError, ValueError):
             pass
         finally:
