@@ -10,8 +10,10 @@ LONG = list(range(64))  # long enough to be disaggregated
 
 
 async def test_failed_prefill_moves_to_another_prefill_engine():
+    """Kills "a failed prefill engine stays in the rotation". Health checks are 60 s apart: the
+    failing engine still answers /health, and a check between two requests would bring it back."""
     bad, good, d = FakeEngine("p-bad", fail_status=500), FakeEngine("p-good"), FakeEngine("d0")
-    async with Rig([bad, good], [d], policy="round_robin") as rig:
+    async with Rig([bad, good], [d], policy="round_robin", health_interval_s=60) as rig:
         for _ in range(4):
             status, body = await rig.post("/v1/completions", completion(LONG))
             assert status == 200 and body["choices"][0]["text"] == "from-d0"
@@ -30,8 +32,12 @@ async def test_all_prefills_failing_falls_back_to_colocated_decode():
 
 
 async def test_prefill_timeout_is_a_failure_too():
+    """Kills "a prefill that timed out is not a failure": the engine would stay in the rotation
+    and round-robin would send it the second request too. Health checks are 60 s apart here: the
+    hung engine still answers /health, and a check between the two requests (0.1 s apart by
+    default, easily reached on a loaded machine) put it back in the rotation before the second."""
     slow, fast, d = FakeEngine("p-slow", hang=True), FakeEngine("p-fast"), FakeEngine("d0")
-    async with Rig([slow, fast], [d], prefill_timeout_s=0.5, policy="round_robin") as rig:
+    async with Rig([slow, fast], [d], prefill_timeout_s=0.5, policy="round_robin", health_interval_s=60) as rig:
         results = [await rig.post("/v1/completions", completion(LONG)) for _ in range(2)]
     assert all(status == 200 for status, _ in results)
     assert len(slow.requests) == 1 and slow.cancelled == 1  # timed out, and its request was dropped
@@ -156,7 +162,10 @@ async def test_colocated_prefills_in_flight_count_as_their_engines_queue():
     engines = [FakeEngine("d0", first_token_delay=0.5), FakeEngine("d1", first_token_delay=0.5)]
     async with Rig([], engines) as rig:
         first = asyncio.create_task(rig.post("/v1/completions", completion(list(range(400)))))
-        await asyncio.sleep(0.1)
+        for _ in range(500):  # until the gateway has routed it (a fixed 0.1 s can be too short under load)
+            if any(e.inflight for e in rig.gateway.pool.engines):
+                break
+            await asyncio.sleep(0.01)
         second = await rig.post("/v1/completions", completion(list(range(1000, 1400))))
         assert second[0] == 200 and (await first)[0] == 200
         assert [len(e.requests) for e in engines] == [1, 1]

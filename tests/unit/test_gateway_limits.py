@@ -103,7 +103,10 @@ async def test_refusal_is_a_503_with_retry_after_and_the_error_object():
     """Kills: refusing with a bare close only, or without Retry-After / the OpenAI error object."""
     async with Rig([], [FakeEngine("d0")], max_connections=1, header_timeout_s=60.0) as rig:
         first = await raw_request(rig.port, b"", "127.0.1.1")
-        await asyncio.sleep(0.1)
+        for _ in range(250):  # until the gateway holds it (a fixed 0.1 s can be too short under load)
+            if rig.gateway.guard.open == 1:
+                break
+            await asyncio.sleep(0.02)
         reader, writer = await raw_request(rig.port, b"", "127.0.2.1")
         try:
             status, headers, body = await read_answer(reader, timeout=2)
@@ -237,7 +240,10 @@ async def test_idle_keep_alive_connections_make_room_at_a_cap_but_busy_ones_do_n
             assert await closed(one[0], 2) and not await closed(two[0], 0.2)
             three[1].write(HALF)  # busy now
             two[1].write(HALF)
-            await asyncio.sleep(0.1)
+            for _ in range(250):  # until the gateway has read both (a fixed 0.1 s can be too short under load)
+                if not rig.gateway.guard.idle:
+                    break
+                await asyncio.sleep(0.02)
             four = await raw_request(rig.port, b"", "127.0.4.1")
             assert await fate(four[0]) == 503  # nobody idle: refused
             four[1].close()
