@@ -37,9 +37,15 @@ async def bounded(awaitable: Awaitable[T], timeout: float) -> T:
     """`asyncio.wait_for` whose inner task's failure is always retrieved: when the wait is cancelled
     or times out while the inner call fails (an etcd call failing as its member goes away), asyncio
     would otherwise log "Task exception was never retrieved" with a traceback."""
-    task = asyncio.ensure_future(awaitable)
+    return await asyncio.wait_for(quiet(asyncio.ensure_future(awaitable)), timeout)
+
+
+def quiet(task: asyncio.Future) -> asyncio.Future:
+    """`task`, whose failure counts as seen once it ends: for background tasks a caller may stop
+    waiting on (cancelled, shut down) while they fail, which asyncio would otherwise log as "Task
+    exception was never retrieved" with a traceback. Whoever awaits it still gets the exception."""
     task.add_done_callback(_retrieve)
-    return await asyncio.wait_for(task, timeout)
+    return task
 
 
 def _retrieve(task: asyncio.Future) -> None:

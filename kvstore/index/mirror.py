@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..aio import bounded, shared_loop
+from ..aio import bounded, quiet, shared_loop
 from ..errors import InvalidRecord, KVStoreError, MetadataError, MetadataUnavailable, WatchCompacted
 from ..keys import HASH_BYTES, ModelFingerprint
 from ..metadata import Metadata, Page, WatchEvent, check_metadata_url, open_metadata, prefix_end
@@ -553,9 +553,9 @@ class IndexMirror:
                 self._connected, self._last_ok = True, time.monotonic()
                 self.resumes += 1
                 self._changed.notify_all()
-        events = asyncio.create_task(self._consume(watch))
-        health = asyncio.create_task(self._ping(metadata))
-        stopper = asyncio.create_task(self._stopping.wait())
+        events = quiet(asyncio.create_task(self._consume(watch)))
+        health = quiet(asyncio.create_task(self._ping(metadata)))
+        stopper = quiet(asyncio.create_task(self._stopping.wait()))
         try:
             done, _ = await asyncio.wait({events, health, stopper}, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -586,8 +586,8 @@ class IndexMirror:
     async def _sync(self, metadata: Metadata):
         """A whole snapshot loaded beside the current view and swapped in, and the watch from the
         revision after it (None: stopped meanwhile)."""
-        loading = asyncio.ensure_future(self._load_snapshot(metadata))
-        stopper = asyncio.ensure_future(self._stopping.wait())
+        loading = quiet(asyncio.ensure_future(self._load_snapshot(metadata)))
+        stopper = quiet(asyncio.ensure_future(self._stopping.wait()))
         try:
             await asyncio.wait({loading, stopper}, return_when=asyncio.FIRST_COMPLETED)
         finally:

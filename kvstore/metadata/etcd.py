@@ -39,7 +39,7 @@ import grpc
 from aetcd import rpc
 from aetcd.utils import prefix_range_end
 
-from ..aio import bounded
+from ..aio import bounded, quiet
 from ..errors import (InvalidKey, LeaseExpired, MetadataError, MetadataTimeout, MetadataUnavailable, ValueTooLarge,
                       WatchCompacted)
 from .base import (Compare, Delete, KeyValue, Lease, Metadata, Page, Put, TxnResult, Watch, WatchEvent, as_key,
@@ -454,7 +454,7 @@ class _EtcdWatch(Watch):
         create = rpc.WatchCreateRequest(key=self._prefix, range_end=prefix_range_end(self._prefix),
                                         start_revision=self._next)
         queue: asyncio.Queue = asyncio.Queue()
-        reader = asyncio.ensure_future(self._read(stream, queue))
+        reader = quiet(asyncio.ensure_future(self._read(stream, queue)))
         try:
             await asyncio.wait_for(stream.write(rpc.WatchRequest(create_request=create)), timeout)
             created = await asyncio.wait_for(queue.get(), timeout)

@@ -1,10 +1,10 @@
-"""A bounded async call whose inner call fails as it is cancelled leaves no "never retrieved" log."""
+"""Background tasks that fail while nobody waits on them any more leave no "never retrieved" log."""
 from __future__ import annotations
 
 import asyncio
 import gc
 
-from kvstore.aio import bounded
+from kvstore.aio import bounded, quiet
 
 
 async def _fails_when_cancelled() -> None:
@@ -43,3 +43,14 @@ def test_a_cancelled_wait_retrieves_the_inner_failure():
 
     assert _unretrieved(cancel_while_waiting) == []
 
+
+
+def test_a_quiet_background_task_that_fails_unawaited_is_not_logged():
+    """Kills the index mirror's watch task left unretrieved: its watch ended ("watch ended") as the
+    mirror was being stopped, after the reaping had looked, and asyncio logged the failure with a
+    traceback on the fault report's output."""
+    async def abandon() -> None:
+        quiet(asyncio.ensure_future(_fails_when_cancelled())).cancel()  # fails as it is cancelled
+        await asyncio.sleep(0.05)
+
+    assert _unretrieved(abandon) == []
