@@ -186,7 +186,8 @@ class Cluster:
         """The daemons' last replica-repair and hand-off lines, every run of every node."""
         said = []
         for log in sorted(Path(self.workdir).glob("*.log")):
-            said += [line for line in log.read_text(errors="replace").splitlines() if "repair" in line or "hand" in line]
+            said += [line for line in log.read_text(errors="replace").splitlines()
+                     if "repair" in line or "handed off" in line or "handing off" in line]
         return "\n".join(sorted(said)[-lines:])  # lines start with their time: merged in time order
 
     def counters(self, name: str) -> dict[str, float]:

@@ -100,7 +100,7 @@ class Repairer:
         short = sum(len(hashes) for hashes in groups.values())
         if not short:
             return 0
-        copied, failed, nowhere, retried = 0, "", 0, 0
+        copied, failed, nowhere, said_retry = 0, "", 0, False
         for (fingerprint, others), hashes in groups.items():
             exclude = {*others, self.node}
             if not [n for n in live if n not in exclude]:
@@ -119,10 +119,10 @@ class Repairer:
                         break
                     except Exception as exc:  # noqa: BLE001 - typed store errors, busy or dead nodes: again
                         failed = f"{type(exc).__name__}: {exc}"
-                        if not retried:
+                        if not said_retry:
                             log.warning("%s: handing off %d blocks failed (%s); trying again for up to %.0f s",
                                         self.node, len(items), failed, max(deadline - time.monotonic(), 0))
-                        retried += 1
+                            said_retry = True
                         time.sleep(HAND_OFF_RETRY_S)
                         continue
                     copied += len(items)
@@ -195,10 +195,9 @@ class Repairer:
                             or mirror.resyncs != self._seen_resyncs):
                     self._seen_nodes, self._seen_resyncs, last_full = nodes, mirror.resyncs, now
                     self._pending = self.scan() > 0
-                elif removed and self.scan(removed) > 0:
-                    self._pending = True
-                elif overflow:
-                    self._pending = True  # too many to name: the next round scans everything
+                elif removed or overflow:  # between rounds: the blocks the watch named; too many to
+                    short = self.scan(removed) if removed else 0  # name (overflow): the next round scans all
+                    self._pending = self._pending or overflow or short > 0
             except Exception as exc:  # noqa: BLE001 - a failed round is retried next interval
                 if self._failure_said():  # retried every interval: said at most every 30 s
                     log.warning("replica repair on %s failed (retrying): %s", self.node, exc)

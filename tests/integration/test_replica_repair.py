@@ -63,6 +63,16 @@ def holders(client: Client, nodes: list[str], hashes: list[bytes]) -> list[int]:
     return counts
 
 
+def store_on_a_and_b(client: Client, metadata: str, cluster: str, hashes: list[bytes]) -> None:
+    """Once node-a, node-b and node-c are up: every block on node-a and node-b only (as a full
+    node's puts are pinned to it and one partner), both replicas published for everyone."""
+    assert client.mirror.wait_until(lambda m: len(m.nodes) == 3, 10)
+    assert client.put_many([(h, content(h)) for h in hashes], exclude={"node-c"}) == 2 * len(hashes)
+    with Client(metadata, cluster=cluster, fingerprint=FP, timeout=3.0) as observer:
+        wait_for(lambda: all(set(observer.mirror.lookup(FP.digest, h)) == {"node-a", "node-b"} for h in hashes),
+                 10, "both replicas published")
+
+
 def test_survivors_re_replicate_after_a_node_dies(etcd_server, spawn_daemon):
     cluster = uuid.uuid4().hex[:8]
     extra = ["--replicas", "2"]
@@ -113,12 +123,7 @@ def test_a_graceful_stop_hands_off_the_replicas_it_would_leave_short(etcd_server
     hashes = external_hashes(list(range(100, 140)), FP)
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, timeout=3.0, replicas=2) as client:
         mirror = client.mirror
-        assert mirror.wait_until(lambda m: len(m.nodes) == 3, 10)
-        # Every block on node-a and node-b only (as a full node's puts are pinned to it and one partner).
-        assert client.put_many([(h, content(h)) for h in hashes], exclude={"node-c"}) == 2 * len(hashes)
-        with Client(etcd_server.url, cluster=cluster, fingerprint=FP, timeout=3.0) as observer:  # published
-            wait_for(lambda: all(set(observer.mirror.lookup(FP.digest, h)) == {"node-a", "node-b"} for h in hashes),
-                     10, "both replicas published")
+        store_on_a_and_b(client, etcd_server.url, cluster, hashes)
 
         partner.pause()  # the other holder: no repair from it
         assert leaver.terminate() == 0  # graceful
@@ -145,11 +150,7 @@ def test_a_hand_off_tries_again_when_its_targets_are_busy(etcd_server, spawn_dae
     hashes = external_hashes(list(range(400, 440)), FP)
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, timeout=3.0, replicas=2) as client:
         mirror = client.mirror
-        assert mirror.wait_until(lambda m: len(m.nodes) == 3, 10)
-        assert client.put_many([(h, content(h)) for h in hashes], exclude={"node-c"}) == 2 * len(hashes)
-        with Client(etcd_server.url, cluster=cluster, fingerprint=FP, timeout=3.0) as observer:  # published
-            wait_for(lambda: all(set(observer.mirror.lookup(FP.digest, h)) == {"node-a", "node-b"} for h in hashes),
-                     10, "both replicas published")
+        store_on_a_and_b(client, etcd_server.url, cluster, hashes)
 
         partner.pause()  # the other holder: no repair from it
         target.pause()  # the only node to hand off to: silent past every timeout for now

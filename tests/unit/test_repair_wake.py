@@ -3,11 +3,12 @@ eviction), not at its next round: until the copy lands, a second failure takes t
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 from kvstore.daemon.repair import Repairer
 
-FP, BLOCK = "fp", b"\x01" * 32
+FP, BLOCK, OTHER = "fp", b"\x01" * 32, b"\x02" * 32
 
 
 @dataclass
@@ -17,9 +18,9 @@ class NodeRecord:
 
 
 class Mirror:
-    def __init__(self) -> None:
+    def __init__(self, holders: dict[bytes, set[str]]) -> None:
         self.nodes = {name: NodeRecord(f"{name}:1") for name in ("node-a", "node-b", "node-c")}
-        self.holders = {(FP, BLOCK): {"node-a", "node-b"}}
+        self.holders = {(FP, h): set(nodes) for h, nodes in holders.items()}
         self.resyncs = 0
         self.removed = None
         self.looked = threading.Event()  # a scan read the block's holders
@@ -34,8 +35,8 @@ class Mirror:
 
 
 class Client:
-    def __init__(self) -> None:
-        self.mirror, self.puts, self.put = Mirror(), [], threading.Event()
+    def __init__(self, holders: dict[bytes, set[str]]) -> None:
+        self.mirror, self.puts, self.put = Mirror(holders), [], threading.Event()
 
     def put_many(self, items, fingerprint=None, replicas=None, exclude=()):
         self.puts.append(([h for h, _ in items], replicas, set(exclude)))
@@ -47,11 +48,14 @@ class Client:
 
 
 class Store:
+    def __init__(self, blocks: list[bytes]) -> None:
+        self.blocks = blocks  # held here (node-a)
+
     def keys(self):
-        return [((FP, BLOCK), None)]
+        return [((FP, h), None) for h in self.blocks]
 
     def records(self, fingerprint, hashes):
-        return [object() if h == BLOCK else None for h in hashes]
+        return [object() if h in self.blocks else None for h in hashes]
 
     def read_block(self, key):
         return b"bytes"
@@ -61,8 +65,9 @@ def test_a_replica_evicted_elsewhere_is_copied_at_once_not_at_the_next_round():
     """Kills the variant "removals are looked at on the repairer's interval": with a 30 s interval
     the copy would wait 30 s; the watch's callback wakes the repairer, which copies within a
     second (node-a holds the block and sorts first: it is the repairer)."""
-    client = Client()
-    repairer = Repairer("node-a", Store(), {}, lambda: client, replicas=2, interval=30.0, full_scan_s=300.0).start()
+    client = Client({BLOCK: {"node-a", "node-b"}})
+    repairer = Repairer("node-a", Store([BLOCK]), {}, lambda: client, replicas=2, interval=30.0,
+                        full_scan_s=300.0).start()
     try:
         assert client.mirror.looked.wait(10)  # the first round, at once: 2 replicas, nothing to do
         assert client.puts == []
@@ -73,3 +78,26 @@ def test_a_replica_evicted_elsewhere_is_copied_at_once_not_at_the_next_round():
     finally:
         repairer.stop()
 
+
+
+def test_removals_past_what_is_noted_make_the_next_round_scan_everything(monkeypatch):
+    """Kills "an overflow of removals between rounds is forgotten when the named blocks need
+    nothing": only REMOVED_MAX removals are named; past it, the others' blocks waited for the
+    safety-net scan (300 s here) instead of the next round (1 s)."""
+    monkeypatch.setattr("kvstore.daemon.repair.REMOVED_MAX", 1)
+    client = Client({BLOCK: {"node-a", "node-b", "node-c"}, OTHER: {"node-a", "node-b"}})
+    repairer = Repairer("node-a", Store([BLOCK, OTHER]), {}, lambda: client, replicas=2, interval=1.0,
+                        full_scan_s=300.0).start()
+    try:
+        assert client.mirror.looked.wait(10)
+        time.sleep(0.2)  # the first round is over: both blocks have their replicas
+        assert client.puts == []
+        mirror = client.mirror
+        mirror.holders[(FP, BLOCK)] = {"node-a", "node-c"}  # still 2: nothing to do for this one
+        mirror.holders[(FP, OTHER)] = {"node-a"}  # short, and past what is noted
+        mirror.removed(FP, BLOCK, "node-b")
+        mirror.removed(FP, OTHER, "node-b")
+        assert client.put.wait(10), "the overflowed removal waited for the safety-net scan"
+        assert client.puts == [([OTHER], 1, {"node-a"})]
+    finally:
+        repairer.stop()
