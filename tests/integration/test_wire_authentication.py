@@ -104,10 +104,11 @@ class Relay:
                 head = _exact(client, 4)
                 payload = _exact(client, struct.unpack("<I", head)[0])
                 frame = head + payload + _exact(client, 32)
-                if self.mode == "inject" and not self.done:
-                    # Marked before it is sent: the daemon's close can reach the client (and the
-                    # test read `done`) before this thread runs again after sendall.
-                    self.done = True
+                # `done` is marked before anything is sent: the daemon's answer or close can reach
+                # the client (and the test read `done`) before this thread runs again after sendall.
+                tamper = self.mode in ("inject", "replay") and not self.done
+                self.done = self.done or tamper
+                if tamper and self.mode == "inject":
                     forged = json.dumps({"op": "lookup", "fp": FP.digest, "hashes": []}).encode()
                     server.sendall(struct.pack("<I", len(forged)) + forged + os.urandom(32))
                 server.sendall(frame)
@@ -118,8 +119,7 @@ class Relay:
                         rest[0] ^= 0x01
                         self.done = True
                     server.sendall(rest)
-                if self.mode == "replay" and not self.done:
-                    self.done = True  # before it is sent, as for inject
+                if tamper and self.mode == "replay":
                     server.sendall(frame)
         except (OSError, ValueError):
             pass
