@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from typing import Callable
 
 SENTENCES = [
@@ -35,6 +36,23 @@ def build_tokenizer(path: str, vocab: int = 512) -> str:
     return path
 
 
+SCRATCH_PREFIX = ".building-"
+ABANDONED_AFTER_S = 3600.0  # no tiny model takes this long to write: a scratch dir this old lost its builder
+
+
+def _sweep_abandoned_scratch(parent: str, older_than_s: float = ABANDONED_AFTER_S) -> None:
+    """Remove scratch directories a killed builder left in `parent` (its `finally` never ran); one
+    touched in the last `older_than_s` may be another builder's, still writing, and is left."""
+    now = time.time()
+    for name in os.listdir(parent):
+        scratch = os.path.join(parent, name)
+        try:
+            if name.startswith(SCRATCH_PREFIX) and now - os.stat(scratch).st_mtime > older_than_s:
+                shutil.rmtree(scratch, ignore_errors=True)
+        except OSError:
+            pass  # another builder renamed or removed it first
+
+
 def _build_once(path: str, write: Callable[[str], None]) -> str:
     """Run `write(dir)` into a scratch directory beside `path`, then rename it to `path`: a reader (or
     a second builder, as two benchmarks on a fresh machine) sees no model or a whole one, never a
@@ -43,7 +61,8 @@ def _build_once(path: str, write: Callable[[str], None]) -> str:
         return path
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    scratch = tempfile.mkdtemp(prefix=".building-", dir=parent)
+    _sweep_abandoned_scratch(parent)
+    scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=parent)
     try:
         write(scratch)
         try:
