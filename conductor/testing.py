@@ -181,3 +181,12 @@ async def closed(reader: asyncio.StreamReader, timeout: float) -> bool:
 
 def completion(prompt, **kw) -> dict:
     return {"model": MODEL, "prompt": prompt, "max_tokens": 8, **kw}
+
+
+async def until(condition, timeout: float = 10.0, every: float = 0.02) -> None:
+    """Wait until `condition()` holds, checking every `every` s, for up to `timeout` s (then return:
+    the caller's assert says what did not happen). A loaded machine can take seconds for what
+    takes milliseconds alone, so tests wait for the state rather than sleep a fixed time."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(every)

@@ -87,7 +87,7 @@ async def test_session_sticks_by_header_and_user():
 
 async def test_load_aware_routes_away_from_a_busy_engine():
     engines = [FakeEngine(f"p{i}", hang=True) for i in range(2)]
-    async with Rig(engines, [FakeEngine("d0")]) as rig:
+    async with Rig(engines, [FakeEngine("d0")], prefill_timeout_s=30) as rig:  # the first stays stuck, not timed out
         first = asyncio.create_task(rig.post("/v1/completions", completion([1] * 64)))
         while not any(e.requests for e in engines):
             await asyncio.sleep(0.01)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from conductor.testing import FakeEngine, Rig, completion
+from conductor.testing import FakeEngine, Rig, completion, until
 
 LONG = list(range(64))  # long enough to be disaggregated
 
@@ -118,13 +118,10 @@ async def test_no_healthy_engine_is_a_503_not_a_hang():
 
 async def test_client_disconnect_cancels_upstream_requests():
     p, d = FakeEngine("p0"), FakeEngine("d0", stream_delay=5.0)
-    async with Rig([p], [d]) as rig:
+    async with Rig([p], [d], prefill_timeout_s=30) as rig:  # the hung prefill below is cancelled, not timed out
         async with rig.http.post(rig.url + "/v1/completions", json=completion(LONG, stream=True)) as resp:
             await resp.content.readany()  # the first token arrived; now the client walks away
-        for _ in range(100):
-            if d.cancelled:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: d.cancelled)
         assert d.cancelled == 1
         # And while the prefill is still running:
         p.hang = True
@@ -132,10 +129,7 @@ async def test_client_disconnect_cancels_upstream_requests():
         while len(p.requests) < 2:
             await asyncio.sleep(0.01)
         task.cancel()
-        for _ in range(100):
-            if p.cancelled:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: p.cancelled)
         assert p.cancelled == 1 and len(d.requests) == 1
         assert rig.gateway.pool.get(p.url).inflight == 0  # bookkeeping undone
 
@@ -159,13 +153,12 @@ async def test_timeouts_bound_every_engine_call():
 
 async def test_colocated_prefills_in_flight_count_as_their_engines_queue():
     """Two new prompts at once: the second goes to the idle engine, not behind the first one."""
-    engines = [FakeEngine("d0", first_token_delay=0.5), FakeEngine("d1", first_token_delay=0.5)]
-    async with Rig([], engines) as rig:
+    # The first answer takes 5 s: under load the second request may reach the gateway a while after
+    # the first was routed, and the first must still be in flight then (0.5 s was sometimes not).
+    engines = [FakeEngine("d0", first_token_delay=5.0), FakeEngine("d1", first_token_delay=5.0)]
+    async with Rig([], engines, prefill_timeout_s=30) as rig:
         first = asyncio.create_task(rig.post("/v1/completions", completion(list(range(400)))))
-        for _ in range(500):  # until the gateway has routed it (a fixed 0.1 s can be too short under load)
-            if any(e.inflight for e in rig.gateway.pool.engines):
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: any(e.inflight for e in rig.gateway.pool.engines))  # the gateway routed it
         second = await rig.post("/v1/completions", completion(list(range(1000, 1400))))
         assert second[0] == 200 and (await first)[0] == 200
         assert [len(e.requests) for e in engines] == [1, 1]

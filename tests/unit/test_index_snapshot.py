@@ -119,9 +119,12 @@ async def test_a_loading_mirror_serves_partial_answers_flagged_loading(url, monk
     monkeypatch.setattr(MemoryMetadata, "range_page", slow)
     mirror = IndexMirror(url, "c", timeout=2.0)
     try:
-        mirror.start(wait=0.5)  # returns although the snapshot is not complete
+        mirror.start(wait=3)  # returns although the snapshot is not complete
         assert mirror.loading and mirror.stale and not mirror.wait_loaded(0.1)
         assert set(mirror.nodes) == {"a"}  # nodes come first: puts can pick targets
+        deadline = time.monotonic() + 10  # the first pages, applied on the shared loop's thread
+        while mirror.block_count == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         partial = mirror.match(FP, hashes)
         assert partial.loading and partial.stale and partial.length < len(hashes)
         assert 0 < mirror.block_count < len(hashes)

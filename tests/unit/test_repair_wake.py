@@ -24,11 +24,19 @@ class Mirror:
         self.resyncs = 0
         self.removed = None
         self.looked = threading.Event()  # a scan read the block's holders
+        self.lookups = 0
 
     def lookup(self, fingerprint: str, block_hash: bytes) -> list[str]:
         holders = sorted(self.holders.get((fingerprint, block_hash), ()))
+        self.lookups += 1
         self.looked.set()
         return holders
+
+    def wait_lookups(self, count: int, timeout: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.lookups < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.lookups >= count
 
     def on_replica_removed(self, callback) -> None:
         self.removed = callback
@@ -89,8 +97,7 @@ def test_removals_past_what_is_noted_make_the_next_round_scan_everything(monkeyp
     repairer = Repairer("node-a", Store([BLOCK, OTHER]), {}, lambda: client, replicas=2, interval=1.0,
                         full_scan_s=300.0).start()
     try:
-        assert client.mirror.looked.wait(10)
-        time.sleep(0.2)  # the first round is over: both blocks have their replicas
+        assert client.mirror.wait_lookups(2)  # the first round saw both blocks with their replicas
         assert client.puts == []
         mirror = client.mirror
         mirror.holders[(FP, BLOCK)] = {"node-a", "node-c"}  # still 2: nothing to do for this one

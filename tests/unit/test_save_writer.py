@@ -23,8 +23,8 @@ def test_full_queue_drops_offload_saves_and_keeps_handoffs():
         assert writer.submit(SaveBatch(blocks(2), handoff=False))  # queued: 4 KiB staged in all, the limit
         assert not writer.submit(SaveBatch(blocks(1), handoff=False))  # no room: dropped, nothing stalls
         assert writer.dropped_blocks == 1
+        started = time.monotonic()  # before the timer starts: the gate opens 0.3 s after this at the earliest
         threading.Timer(0.3, gate.set).start()
-        started = time.monotonic()
         assert writer.submit(SaveBatch(blocks(1), handoff=True))  # a decode waits for it: wait for room
         assert time.monotonic() - started >= 0.2
         assert writer.flush(10)
