@@ -270,7 +270,7 @@ def link_down() -> None:
 def bench_wire(sources: dict[str, list[bytes]], rate: str, rounds: int) -> dict:
     """Raw GB/s a client reads from a daemon across the throttled link, with and without the wire codec."""
     from kvstore import Client
-    from kvstore.testing.etcd import free_port
+    from kvstore.testing.ports import free_port
 
     missing = link_missing()
     if missing:

@@ -76,7 +76,7 @@ from conductor.sim.data import TRACES, resolve
 from conductor.sim.engine.profile import PROFILES, Profile, get_profile
 from kvstore.cli_args import fail
 from kvstore.testing import processes
-from kvstore.testing.etcd import free_port
+from kvstore.testing.ports import free_port
 
 PROG = "python -m benchmarks.fleet"
 TRACE_BLOCK = 512  # tokens per trace hash id (the Mooncake traces' unit)

@@ -36,7 +36,7 @@ from benchmarks.records import write_json
 from conductor.testing import MODEL, FakeEngine, start_fakes
 from kvstore.integrations.vllm.tiny_model import SENTENCES, build_tokenizer
 from kvstore.testing import processes
-from kvstore.testing.etcd import free_port
+from kvstore.testing.ports import free_port
 
 SHORT_WORDS = 400  # about 2,400 characters (500 tokens): short prompts stay under the thread cut-off
 LONG_REPEAT = 400  # SENTENCES x 400: about 109k characters, 22k tokens

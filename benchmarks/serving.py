@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 from benchmarks.records import write_json
 from conductor.sim.data import TRACES
 from kvstore.testing import processes
-from kvstore.testing.etcd import free_port
+from kvstore.testing.ports import free_port
 from kvstore.testing.vllm_server import connector_config as connector
 from kvstore.testing.vllm_server import scrape_metrics as scrape
 

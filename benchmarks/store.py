@@ -46,7 +46,8 @@ from kvstore import Client  # noqa: E402
 from benchmarks.records import write_json  # noqa: E402
 from kvstore.keys import ModelFingerprint, external_hashes  # noqa: E402
 from kvstore.testing import processes  # noqa: E402
-from kvstore.testing.etcd import EtcdServer, free_port  # noqa: E402
+from kvstore.testing.etcd import EtcdServer  # noqa: E402
+from kvstore.testing.ports import free_port  # noqa: E402
 from transfer.engine import DEFAULT_LOCAL_WORKERS, DEFAULT_STREAMS  # noqa: E402
 
 KIB, MIB = 1024, 1 << 20

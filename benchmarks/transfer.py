@@ -33,6 +33,7 @@ import numpy as np
 from benchmarks import ucx_records as ucx_bench
 from benchmarks.records import write_json
 from kvstore.testing import processes
+from kvstore.testing.ports import free_port
 from transfer import Engine, Read, Write
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # else Mooncake uses the external address
@@ -283,12 +284,6 @@ def python_socket(block: int, reverse: bool, args: argparse.Namespace) -> float:
     if failures:
         raise RuntimeError(f"loopback socket sample failed: {failures[0]!r}")
     return total * args.streams / seconds / 1e9
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- report -------------------------------------------------------------------------------

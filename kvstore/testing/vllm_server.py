@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from kvstore.testing import processes
-from kvstore.testing.etcd import free_port  # noqa: F401 - importable from here too
+from kvstore.testing.ports import free_port  # noqa: F401 - importable from here too
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 # Small settings that fit this CPU machine: fp32 (CPU), no graph capture, 1 GiB of KV cache.

@@ -28,7 +28,8 @@ pytest.importorskip("vllm", reason="the vllm extra is part of the test install (
 openai = pytest.importorskip("openai")
 
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
-from kvstore.testing.vllm_server import CPU_BLOCK_SIZE, VllmServer, free_port
+from kvstore.testing.ports import free_port
+from kvstore.testing.vllm_server import CPU_BLOCK_SIZE, VllmServer
 from kvstore.testing.vllm_server import connector_config as connector
 from kvstore.testing.vllm_server import scrape_metrics as scrape
 

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,18 +32,13 @@ ray = pytest.importorskip("ray", reason="the ray extra is part of the test insta
 pytest.importorskip("ray.serve.llm", reason="ray.serve.llm needs the ray extra (pyarrow, jsonref)")
 
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
+from kvstore.testing.ports import free_port  # noqa: E402
 from kvstore.testing.vllm_server import CPU_BLOCK_SIZE  # noqa: E402
 
 SECRET = "ray-serve-e2e-secret-0123456789"
 PROMPT = [(7 * i) % 480 + 11 for i in range(2 * CPU_BLOCK_SIZE + 20)]  # 2 full blocks and a tail
 PREFILL_TIMEOUT_S = 20.0  # a prefill silent this long is given up on (a tiny prompt takes well under a second
 # alone; with two test suites sharing 2 vCPUs, load average 17, the first one passed 8 s)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, body: dict, timeout: float = 120.0) -> dict:

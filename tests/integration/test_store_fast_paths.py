@@ -627,7 +627,7 @@ def test_the_wire_port_can_be_chosen_or_turned_off(etcd_server, spawn_daemon):
     and clients elsewhere make the same calls over gRPC."""
     import json
 
-    from kvstore.testing.etcd import free_port
+    from kvstore.testing.ports import free_port
 
     cluster = uuid.uuid4().hex[:8]
     port = free_port()
