@@ -193,13 +193,17 @@ def test_secret_is_required(etcd_server, spawn_daemon):
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_sigterm_unpublishes_at_once(cluster):
-    _, daemons, client = cluster
-    hashes = external_hashes(range(30), FP)
-    client.put_many([(h, content(h)) for h in hashes], replicas=3)
-    assert client.mirror.wait_until(lambda m: m.block_count == 30, 10)
-    started = time.monotonic()
-    assert daemons[0].terminate() == 0
-    assert client.mirror.wait_until(lambda m: daemons[0].name not in m.nodes
-                                    and all(daemons[0].name not in client.mirror.lookup(FP, h) for h in hashes), 10)
-    assert time.monotonic() - started < 2.5  # well before the 3 s lease would have expired
+def test_sigterm_unpublishes_at_once(etcd_server, spawn_daemon):
+    """Kills a daemon that stops without revoking its lease: its records would stay in the index
+    until the lease ran out (30 s here, so a loaded machine's slow exit cannot pass for a revoke)."""
+    name = uuid.uuid4().hex[:8]
+    daemons = [spawn_daemon(f"node{i}", etcd_server.url, name, lease_ttl=30) for i in range(3)]
+    with Client(etcd_server.url, cluster=name, fingerprint=FP, timeout=2.0) as client:
+        assert client.mirror.wait_until(lambda m: len(m.nodes) == 3, 10)
+        hashes = external_hashes(range(30), FP)
+        client.put_many([(h, content(h)) for h in hashes], replicas=3)
+        assert client.mirror.wait_until(lambda m: m.block_count == 30, 10)
+        daemons[0].proc.terminate()
+        assert client.mirror.wait_until(lambda m: daemons[0].name not in m.nodes  # within 20 s, so not
+                                        and all(daemons[0].name not in m.lookup(FP, h) for h in hashes), 20)  # expiry
+        assert daemons[0].proc.wait(15) == 0

@@ -24,11 +24,12 @@ from kvstore import Client
 from kvstore.daemon.store import STILL_LANDING, BlockStore
 from kvstore.integrity import block_digest
 from kvstore.keys import ModelFingerprint, external_hashes
-from kvstore.wire import connect, tcp_endpoint
+from kvstore.wire import connect
 from transfer import Engine, Read, ReadOnlyRegion, Write, WriteNotGranted
 from transfer.auth import client_handshake
 from transfer.ucx import UNSAFE_ENV
 from transfer.ucx_routes import unavailable as ucx_unavailable
+from tests_support import sha, until
 
 SECRET = "grant-secret-0123456789"
 FP = ModelFingerprint("write-grants", "float16", 16, 2, 2, 64, kv_layout="bytes")
@@ -188,7 +189,7 @@ def test_a_revoke_does_not_report_quiet_while_a_granted_write_is_still_landing(s
     sock = raw_data_stream(owner.descriptor, peer)
     try:
         sock.sendall(REQ.pack(MAGIC, WRITE, owner.regions["granted"], 0, 8192) + b"\xee" * 4096)
-        time.sleep(0.3)  # the header was checked, half the payload is in
+        assert until(lambda: owner.sha("granted", 0, 4096) == sha(b"\xee" * 4096))  # the header was checked, half the payload is in
         assert owner.call(cmd="revoke", peer=peer, region="granted", offset=0, length=8192) == {"quiet": False}
         assert owner.call(cmd="landing", peer=peer, region="granted", offset=4096, length=10) == {"landing": True}
         sock.sendall(b"\xee" * 4096)
@@ -450,7 +451,8 @@ def test_a_commit_while_its_bytes_still_land_fails_and_the_slot_is_not_reused_un
     sock = raw_data_stream(owner.export().to_json(), writer.peer_id)
     try:
         sock.sendall(REQ.pack(MAGIC, WRITE, region.id, slot.offset, 65536) + b"\xee" * 1000)
-        time.sleep(0.3)
+        memory = store.dram.region.host_view()
+        assert until(lambda: bytes(memory[slot.offset:slot.offset + 1000]) == b"\xee" * 1000)  # landing now
         errors, _ = store.commit(FP.digest, [token], [block_digest(h, b"\xee" * 65536)])
         assert errors == [STILL_LANDING]
         used = store.dram.used
