@@ -108,7 +108,7 @@ def test_a_put_whose_attachment_was_swapped_for_a_second_preimage_is_refused(etc
     assert client.put(h, content(h, size)) == 1  # the honest block still goes in, and reads back
     with reader(etcd_server, name) as fresh:
         out = np.zeros(size, np.uint8)
-        assert fresh.mirror.wait_until(lambda m: m.contains(FP, h), 5)
+        assert fresh.mirror.wait_until(lambda m: m.contains(FP, h), 15)
         assert fresh.get(h, out) and np.array_equal(out, content(h, size))
 
 
@@ -184,7 +184,7 @@ def test_a_block_rewritten_in_dram_through_the_engine_is_a_miss(etcd_server, clu
             assert victim.get(h, out) and np.array_equal(out, content(h))
             pytest.skip("the engine refused the rewrite: the NVMe-tier test still brings a forgery to a get")
     with reader(etcd_server, name, transport) as fresh:
-        assert fresh.mirror.wait_until(lambda m: m.contains(FP, h), 5)
+        assert fresh.mirror.wait_until(lambda m: m.contains(FP, h), 15)
         assert misses(fresh, h)
     assert wait_for(lambda: counters(daemon).get("corrupt_blocks_dram", 0) == 1)
 
@@ -215,7 +215,7 @@ def test_a_block_rewritten_in_the_nvme_tier_is_a_miss(etcd_server, spawn_daemon,
         finally:
             os.close(fd)
         with reader(etcd_server, name, transport) as fresh:
-            assert fresh.mirror.wait_until(lambda m: m.contains(FP, target) and m.contains(FP, other), 5)
+            assert fresh.mirror.wait_until(lambda m: m.contains(FP, target) and m.contains(FP, other), 15)
             assert misses(fresh, target)
             if transport == "auto":
                 assert fresh.stats["nvme_fd_reads"] == 1  # read through the fd, refused by its digest

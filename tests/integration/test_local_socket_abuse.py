@@ -114,7 +114,7 @@ def test_a_fingerprint_that_cannot_name_an_index_key_is_refused_and_publishing_g
                 publish="sync") as syncing:
         items = [(h2, np.full(4096, 3, np.uint8)) for h2 in external_hashes([401, 402], FP)]
         syncing.put_many(items)  # published before it returns: the node's publisher is not stuck
-        assert client.mirror.wait_until(lambda m: all(m.contains(FP, h2) for h2, _ in items), 5)
+        assert client.mirror.wait_until(lambda m: all(m.contains(FP, h2) for h2, _ in items), 15)
 
 
 def test_a_reserve_that_could_never_fit_evicts_nothing(node):

@@ -35,9 +35,24 @@ async def sub_socket(endpoint: str):
 
     sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
-    sock.connect(endpoint)
-    await asyncio.sleep(0.3)  # the slow joiner: let the subscription reach the publisher
+    await subscribed(sock, lambda: sock.connect(endpoint))
     return sock
+
+
+async def subscribed(sock, connect) -> None:
+    """Run `connect()` (a connect, or whatever makes the publisher come back) and wait until the SUB
+    socket has (re)connected and its subscription has had time to reach the publisher: the slow
+    joiner, an event published before that is lost."""
+    import zmq
+
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        connect()
+        await asyncio.wait_for(monitor.recv_multipart(), 10)  # connected; the subscription goes next
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+    await asyncio.sleep(0.3)  # for the publisher to take the subscription in
 
 
 @needs_vllm
@@ -163,10 +178,9 @@ async def test_a_restart_empties_the_cache_and_restarts_event_numbers():
     """Kills: a restarted engine that keeps its cache or its event sequence (vllm-router's kv_aware
     detects a restart by sequence numbers starting again at 0), or one that publishes on another port
     after it (the events port was picked free at the first start: a router keeps the first one)."""
-    faults = {0: Faults(down_at=1.0, down_for=0.5)}
-    config = FleetConfig(engines=1, kv_events_base_port=0, time_scale=1.0, faults=faults, replay=False)
+    config = FleetConfig(engines=1, kv_events_base_port=0, time_scale=1.0, replay=False)
     async with StandinFleet(config) as fleet:
-        url = fleet.urls[0]
+        url, engine = fleet.urls[0], fleet.engines[0]
         sock = await sub_socket(fleet.describe()["engines"][0]["kv_events"])
         async with aiohttp.ClientSession() as http:
             assert (await complete(http, url, list(range(3, 300))))["status"] == 200
@@ -175,7 +189,10 @@ async def test_a_restart_empties_the_cache_and_restarts_event_numbers():
             # A pending receive, as a router's subscriber always has: ZMQ attaches the reconnected
             # pipe (and resends the subscription) only when the socket is used.
             after = asyncio.ensure_future(sock.recv_multipart())
-            await asyncio.sleep(2.5)  # down at 1 s, back 0.5 s later
+            # Down 0.2 s from now (however long the above took), back 0.5 s later; the socket then
+            # reconnects to the restarted engine's same port.
+            await subscribed(sock, lambda: engine.inject(Faults(down_at=0.2, down_for=0.5)))
+            assert engine.restarts == 1 and engine.alive
             again = await complete(http, url, list(range(3, 300)))
             assert again["status"] == 200 and again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             _, seq, _ = await asyncio.wait_for(after, 10)

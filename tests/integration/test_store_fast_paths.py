@@ -18,6 +18,7 @@ import pytest
 
 from kvstore import Client
 from kvstore.client.local_node import read_block
+from kvstore.client.placement import DOWN_S
 from kvstore.errors import NoStoreNodes, PutFailed
 from kvstore.index.records import BlockRecord
 from kvstore.keys import ModelFingerprint, external_hashes
@@ -70,7 +71,7 @@ def test_a_put_is_one_control_round_trip_and_the_putter_reads_its_write(etcd_ser
             out = np.zeros(size, np.uint8)
             assert client.get(h, out) and np.array_equal(out, data)
             # Others see it once the node's background publish lands (well within a second here).
-            assert other.mirror.wait_until(lambda m: m.contains(FP, h), 5)
+            assert other.mirror.wait_until(lambda m: m.contains(FP, h), 15)
             out[:] = 0
             assert other.get(h, out) and np.array_equal(out, data)
         # Putting a block the node already holds: still one call, nothing newly stored.
@@ -98,8 +99,8 @@ def put_two_and_settle(client: Client, observer: Client, node: str, ids: list[in
     stale record set before they land would be overwritten); returns both hashes and records."""
     first, second = external_hashes(ids, FP)
     client.put_many([(first, content(first, 8192)), (second, content(second, 8192))])
-    assert observer.mirror.wait_until(lambda m: m.contains(FP, first) and m.contains(FP, second), 5)
-    assert client.mirror.wait_for_revision(observer.mirror.revision, 5)
+    assert observer.mirror.wait_until(lambda m: m.contains(FP, first) and m.contains(FP, second), 15)
+    assert client.mirror.wait_for_revision(observer.mirror.revision, 15)
     return first, second, client.mirror.lookup(FP, first)[node], client.mirror.lookup(FP, second)[node]
 
 
@@ -131,7 +132,7 @@ def test_a_block_that_moved_since_the_mirror_heard_is_read_from_where_the_node_h
         assert client.get(moved, out) and control_ops(daemon).get(op, 0) == lookups + 1
         # A block the node no longer holds stays a plain miss, and is not reported as corrupt.
         client.remove([other])
-        assert client.mirror.wait_until(lambda m: not m.contains(FP, other), 5)  # its delete event has passed
+        assert client.mirror.wait_until(lambda m: not m.contains(FP, other), 15)  # its delete event has passed
         gone = at_offset_of(elsewhere, real)
         client.mirror.remember_many(FP, "moved", [(other, gone)])
         lookups = control_ops(daemon).get(op, 0)
@@ -158,10 +159,10 @@ def test_a_put_reply_learned_after_the_blocks_delete_event_does_not_bring_it_bac
         learn = client.mirror.remember_many
 
         def late(fp, node, blocks, since=None):
-            assert other.mirror.wait_until(lambda m: m.contains(FP, h), 5)
+            assert other.mirror.wait_until(lambda m: m.contains(FP, h), 15)
             assert other.remove([h]) == 1
-            assert other.mirror.wait_until(lambda m: not m.contains(FP, h), 5)
-            assert client.mirror.wait_for_revision(other.mirror.revision, 5)  # the delete event has passed
+            assert other.mirror.wait_until(lambda m: not m.contains(FP, h), 15)
+            assert client.mirror.wait_for_revision(other.mirror.revision, 15)  # the delete event has passed
             learn(fp, node, blocks, since)
 
         client.mirror.remember_many = late
@@ -170,7 +171,7 @@ def test_a_put_reply_learned_after_the_blocks_delete_event_does_not_bring_it_bac
         assert not client.contains(h) and client.match_prefix([h]) == 0
         out = np.zeros(8192, np.uint8)
         assert not client.get(h, out)
-        assert client.mirror.wait_until(lambda m: m.contains(FP, kept), 5)  # the other block is listed
+        assert client.mirror.wait_until(lambda m: m.contains(FP, kept), 15)  # the other block is listed
         assert client.get(kept, out) and np.array_equal(out, content(kept, 8192))
 
 
@@ -203,7 +204,7 @@ def test_a_lookup_answer_older_than_a_re_put_does_not_hide_the_block(etcd_server
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
         h, filler, real, elsewhere = put_two_and_settle(client, other, "reput", [800, 801])
         assert client.remove([h]) == 1
-        assert client.mirror.wait_until(lambda m: not m.contains(FP, h), 5)
+        assert client.mirror.wait_until(lambda m: not m.contains(FP, h), 15)
         stale = at_offset_of(real, elsewhere)
         client.mirror.remember_many(FP, "reput", [(h, stale)])  # as if the remove had not reached us
         ask = client._lookup
@@ -212,7 +213,7 @@ def test_a_lookup_answer_older_than_a_re_put_does_not_hide_the_block(etcd_server
             answer = ask(name, fp, hashes)
             assert answer == [None]  # the node does not hold it ...
             other.put(h, content(h, 8192))  # ... until another client puts it there again
-            assert client.mirror.wait_until(lambda m: m.lookup(FP, h).get("reput") not in (None, stale), 5)
+            assert client.mirror.wait_until(lambda m: m.lookup(FP, h).get("reput") not in (None, stale), 15)
             return answer
 
         client._lookup = answer_then_re_put
@@ -308,7 +309,7 @@ def test_a_put_answered_before_its_check_publishes_only_bytes_that_verified(etcd
             assert client.put(h, content(h, size)) == 1  # written: the answer does not wait for the check
         with pytest.raises(PutFailed, match="digest mismatch"):
             client.put(small, content(small, 64 << 10))
-        assert other.mirror.wait_until(lambda m: all(m.contains(FP, h) for h in good), 5)
+        assert other.mirror.wait_until(lambda m: all(m.contains(FP, h) for h in good), 15)
         assert wait_for(lambda: stats(daemon).counters.get("corrupt_writes", 0) == 3)
         time.sleep(0.3)  # past a publish batch: what was dropped must not show up late either
         assert not any(other.contains(h) for h in bad)
@@ -345,7 +346,7 @@ def test_a_put_like_the_last_writes_into_slots_its_commit_leased(etcd_server, sp
         for calls in (2, 1, 1):  # reserve + commit, then the commit alone
             put_round(client, calls)
         assert stats(daemon).counters.get("leased_slots", 0) == 3 * count
-        assert other.mirror.wait_until(lambda m: all(m.contains(FP, h) for h in everything), 5)
+        assert other.mirror.wait_until(lambda m: all(m.contains(FP, h) for h in everything), 15)
         outs = [np.zeros(block, np.uint8) for _ in everything]
         assert all(other.get_many(everything, outs))
         assert all(np.array_equal(out, content(h, block)) for out, h in zip(outs, everything))
@@ -369,7 +370,7 @@ def test_a_lease_from_before_a_node_restart_is_never_written_into(etcd_server, s
     block, count = 1 << 20, 8
     mine = external_hashes(range(count), FP)
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport=transport,
-                timeout=1.0) as client:
+                timeout=3.0) as client:
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
         assert client.put_many([(h, content(h, block)) for h in mine]) == count  # leases 8 slots
         old_segment = client.mirror.segments.get(daemon.name)
@@ -382,13 +383,13 @@ def test_a_lease_from_before_a_node_restart_is_never_written_into(etcd_server, s
             assert other.mirror.wait_until(lambda m: daemon.name in m.nodes, 10)
             assert other.put_many([(h, content(h, block)) for h in theirs]) == 2 * count
             again = external_hashes(range(200, 200 + count), FP)
-            stored = 0
-            for attempt in range(3):  # the first may meet the old connection and fail over
+            stored, deadline = 0, time.monotonic() + 20
+            while time.monotonic() < deadline:  # the first may meet the old connection and fail over
                 try:
                     stored = client.put_many([(h, content(h, block)) for h in again])
                     break
                 except NoStoreNodes:
-                    time.sleep(0.5)
+                    time.sleep(DOWN_S + 0.1)  # the failed node is skipped this long: try after it
             assert stored == count
             outs = [np.zeros(block, np.uint8) for _ in theirs]
             assert all(other.get_many(theirs, outs))
@@ -547,7 +548,7 @@ def test_a_stale_nvme_record_never_returns_another_blocks_bytes(nvme_node):
 
     for h in fresh:
         client.put(h, content(h, BLOCK))
-        assert client.mirror.wait_until(lambda m: m.contains(FP, h), 5)
+        assert client.mirror.wait_until(lambda m: m.contains(FP, h), 15)
         if reused():
             break
     else:

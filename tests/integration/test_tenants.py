@@ -84,7 +84,7 @@ def test_a_tenant_can_neither_squat_nor_overwrite_another_tenants_keys(etcd_serv
             eve.put(overwritten, block(4, size), fingerprint=ACME.digest)
         with Client(etcd_server.url, cluster=cluster_name, fingerprint=ACME, secret=SECRETS["acme"],
                     tenant="acme") as reader:
-            assert reader.mirror.wait_until(lambda m: m.contains(ACME, squatted) and m.contains(ACME, overwritten), 5)
+            assert reader.mirror.wait_until(lambda m: m.contains(ACME, squatted) and m.contains(ACME, overwritten), 15)
             for h, seed in ((squatted, 2), (overwritten, 3)):
                 out = np.zeros(size, np.uint8)
                 assert reader.get(h, out) and np.array_equal(out, block(seed, size))
@@ -164,7 +164,7 @@ def test_a_tenants_engine_is_granted_only_its_own_tenants_slots(etcd_server, clu
         finally:
             frames.sock.close()
         out = np.zeros(4096, np.uint8)
-        assert acme.mirror.wait_until(lambda m: m.contains(ACME, h), 5)
+        assert acme.mirror.wait_until(lambda m: m.contains(ACME, h), 15)
         assert acme.get(h, out) and np.array_equal(out, honest)
 
 
@@ -182,6 +182,9 @@ def test_a_duplicate_put_says_the_key_was_held(etcd_server, cluster):
             assert (done, done.already_held) == (1, 0)
             again = second.put(h, block(seed + 100, size), fingerprint=fp)
             assert (again, again.already_held) == (0, 1) and isinstance(again, int)
+            # A slot reserve's "held already" carries no record: the second client learns where
+            # the block is from the index watch (the inline put's answer teaches it at once).
+            assert second.mirror.wait_until(lambda m: m.contains(fp.digest, h), 15)
             out = np.zeros(size, np.uint8)
             assert second.get(h, out, fingerprint=fp) and np.array_equal(out, block(seed, size))  # the first stands
         assert second.stats["already_held"] == 2

@@ -364,7 +364,7 @@ def test_a_reserved_slot_takes_writes_from_the_engine_it_was_reserved_for_until_
             for writer, route in ((alice.engine, mine), (engine, peer)):  # sealed: nobody's to write now
                 with pytest.raises(WriteNotGranted):
                     writer.transfer([Write(writer.register(garbage(BLOCK)), 0, route.region(region), offset, BLOCK)])
-        alice.mirror.wait_until(lambda m: m.lookup(FP.digest, h), 5)
+        alice.mirror.wait_until(lambda m: m.lookup(FP.digest, h), 15)
         assert reads_back(alice, [h])
 
 
