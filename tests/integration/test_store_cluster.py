@@ -103,7 +103,7 @@ def test_get_from_a_stalled_only_holder_misses_within_timeout(cluster, etcd_serv
     try:
         started = time.monotonic()
         assert client.get(h, np.zeros(BLOCK, np.uint8)) is False
-        assert time.monotonic() - started < 2.0 * 2 + 2  # stall timeout (2 s) plus slack
+        assert time.monotonic() - started < 2.0 * 2 + 4  # stall timeout (2 s), twice, plus slack
         other = external_hashes([43], FP)[0]
         client.put(other, content(other))  # puts go around the stalled node
         assert client.mirror.wait_until(lambda m: m.block_count >= 1 and client.contains(other), 10)

@@ -49,7 +49,7 @@ def still_serves(engine: Engine, target) -> None:
 
 
 def drain(sock: socket.socket) -> None:
-    sock.settimeout(2)
+    sock.settimeout(10)  # until the server closes it (a second's stall timeout; more on a loaded machine)
     try:
         while sock.recv(65536):
             pass
