@@ -68,6 +68,16 @@ def connector_stats() -> dict:
         return {}
 
 
+def flush_saves() -> None:
+    """Wait for the connector's background saves (single-process engines; nothing without one)."""
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        get_kv_transfer_group().flush_saves()
+    except Exception:  # noqa: BLE001 - no connector in this engine
+        pass
+
+
 def run(spec: dict) -> dict:
     from vllm import SamplingParams
 
@@ -87,6 +97,7 @@ def run(spec: dict) -> dict:
                         "kv_transfer_params": out.kv_transfer_params})
         if spec.get("reset_prefix_cache", True):
             llm.reset_prefix_cache()  # the next prompt must not hit vLLM's own cache
+        flush_saves()  # and finds what this one saved, however late the background writer ran
     return {"results": results, "stats": connector_stats(), "engine": engine_info(llm)}
 
 
