@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass, field
+from typing import Callable
 
 import aiohttp
 from aiohttp import web
@@ -183,10 +184,13 @@ def completion(prompt, **kw) -> dict:
     return {"model": MODEL, "prompt": prompt, "max_tokens": 8, **kw}
 
 
-async def until(condition, timeout: float = 10.0, every: float = 0.02) -> None:
-    """Wait until `condition()` holds, checking every `every` s, for up to `timeout` s (then return:
-    the caller's assert says what did not happen). A loaded machine can take seconds for what
-    takes milliseconds alone, so tests wait for the state rather than sleep a fixed time."""
+async def until(condition: Callable[[], object], timeout: float = 10.0, every: float = 0.02) -> bool:
+    """Wait until `condition()` holds, checking every `every` s, for up to `timeout` s; whether it
+    held. A loaded machine can take seconds for what takes milliseconds alone, so tests wait for
+    the state rather than sleep a fixed time."""
     deadline = asyncio.get_running_loop().time() + timeout
-    while not condition() and asyncio.get_running_loop().time() < deadline:
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
         await asyncio.sleep(every)
+    return True

@@ -850,15 +850,14 @@ def test_the_rendered_daemon_starts_and_reports_ready(rendered, tmp_path, etcd_s
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     import kvstore
+    from kvstore.testing.ports import free_port
     from transfer import descriptor
 
     objects = copy.deepcopy(rendered["cpu-dev"])
     daemonset, container = store(objects)
     ports = {}
     for port in container["ports"]:
-        with contextlib.closing(__import__("socket").socket()) as s:
-            s.bind(("127.0.0.1", 0))
-            ports[port["containerPort"]] = s.getsockname()[1]
+        ports[port["containerPort"]] = free_port()
     cluster = "k8s" + os.urandom(4).hex()
     sockets = Path(__import__("tempfile").mkdtemp(prefix="kvs-k8s-"))
     named(objects, "ConfigMap", "kvstore-cluster")["data"].update(metadata=etcd_server.url, cluster=cluster)

@@ -156,7 +156,7 @@ def test_a_stalled_handshake_gives_its_slot_to_a_newcomer_of_any_source():
         time.sleep(0.4)
         # full: later ones were refused, or took a stalled one's slot (waited for: until the listener
         # has taken each from its backlog, it counts as open)
-        assert until(lambda: len(still_open(held)) == 16)
+        assert until(lambda: len(still_open(held)) == 16, timeout=3)  # well inside the 5 s handshake timeout
         newcomer = flood(lst.host, lst.port, ["127.0.99.2"], 1)[0]
         handshake(newcomer)  # a stalled one makes room
         newcomer.close()
@@ -216,7 +216,9 @@ def test_one_prefix_holds_at_most_its_share_of_the_store_wire_and_a_newcomer_sti
     /24 held a slot each, past the prefix's share), and no eviction there (a new client's calls
     left to gRPC for as long as the flood holds)."""
     cluster = uuid.uuid4().hex[:8]
-    daemon = spawn_daemon("wire-flooded", etcd_server.url, cluster, secret=SECRET)
+    # A 30 s handshake timeout (the daemon's --timeout): the flood's connections must be refused or
+    # evicted, not merely timed out by the time the counts are read.
+    daemon = spawn_daemon("wire-flooded", etcd_server.url, cluster, secret=SECRET, extra=["--timeout", "30"])
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport="tcp") as probe:
         assert probe.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
         host, port = tcp_endpoint("tcp://" + json.loads(probe.mirror.segments[daemon.name])["kvstore_wire"])

@@ -195,9 +195,9 @@ def test_secret_is_required(etcd_server, spawn_daemon):
 
 def test_sigterm_unpublishes_at_once(etcd_server, spawn_daemon):
     """Kills a daemon that stops without revoking its lease: its records would stay in the index
-    until the lease ran out (30 s here, so a loaded machine's slow exit cannot pass for a revoke)."""
+    until the lease ran out (60 s here, so a loaded machine's slow exit cannot pass for a revoke)."""
     name = uuid.uuid4().hex[:8]
-    daemons = [spawn_daemon(f"node{i}", etcd_server.url, name, lease_ttl=30) for i in range(3)]
+    daemons = [spawn_daemon(f"node{i}", etcd_server.url, name, lease_ttl=60) for i in range(3)]
     with Client(etcd_server.url, cluster=name, fingerprint=FP, timeout=2.0) as client:
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 3, 10)
         hashes = external_hashes(range(30), FP)

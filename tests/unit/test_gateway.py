@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 
 import pytest
@@ -13,6 +12,7 @@ from conductor.gateway.pool import parse_load
 from conductor.gateway.prefix import PrefixTracker
 from conductor.testing import BLOCK, MODEL, FakeEngine, Rig, completion
 from kvstore.keys import ModelFingerprint, chain_hashes
+from kvstore.testing.ports import free_port
 
 
 async def test_pd_handoff_passes_kv_transfer_params():
@@ -218,10 +218,7 @@ async def test_kv_events_over_zmq_feed_routing(engine_binds):
         port = pub.bind_to_random_port("tcp://127.0.0.1")
         endpoint = f"tcp://*:{port}"
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        endpoint = f"tcp://127.0.0.1:{port}"
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
     tracker = PrefixTracker()
     follower = KVEventFollower("http://127.0.0.1:8000", endpoint, tracker, fp)
     task = asyncio.create_task(follower.run())

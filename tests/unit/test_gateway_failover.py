@@ -121,7 +121,7 @@ async def test_client_disconnect_cancels_upstream_requests():
     async with Rig([p], [d], prefill_timeout_s=30) as rig:  # the hung prefill below is cancelled, not timed out
         async with rig.http.post(rig.url + "/v1/completions", json=completion(LONG, stream=True)) as resp:
             await resp.content.readany()  # the first token arrived; now the client walks away
-        await until(lambda: d.cancelled)
+        assert await until(lambda: d.cancelled)
         assert d.cancelled == 1
         # And while the prefill is still running:
         p.hang = True
@@ -129,7 +129,7 @@ async def test_client_disconnect_cancels_upstream_requests():
         while len(p.requests) < 2:
             await asyncio.sleep(0.01)
         task.cancel()
-        await until(lambda: p.cancelled)
+        assert await until(lambda: p.cancelled)
         assert p.cancelled == 1 and len(d.requests) == 1
         assert rig.gateway.pool.get(p.url).inflight == 0  # bookkeeping undone
 
@@ -158,7 +158,7 @@ async def test_colocated_prefills_in_flight_count_as_their_engines_queue():
     engines = [FakeEngine("d0", first_token_delay=5.0), FakeEngine("d1", first_token_delay=5.0)]
     async with Rig([], engines, prefill_timeout_s=30) as rig:
         first = asyncio.create_task(rig.post("/v1/completions", completion(list(range(400)))))
-        await until(lambda: any(e.inflight for e in rig.gateway.pool.engines))  # the gateway routed it
+        assert await until(lambda: any(e.inflight for e in rig.gateway.pool.engines))  # the gateway routed it
         second = await rig.post("/v1/completions", completion(list(range(1000, 1400))))
         assert second[0] == 200 and (await first)[0] == 200
         assert [len(e.requests) for e in engines] == [1, 1]

@@ -92,7 +92,7 @@ async def test_connections_over_the_total_cap_get_503_retry_after_and_admitted_o
         finally:
             for _, writer in conns:
                 writer.close()
-        await until(lambda: rig.gateway.guard.open == 0)  # closed connections give their slots back
+        assert await until(lambda: rig.gateway.guard.open == 0)  # closed connections give their slots back
         assert rig.gateway.guard.open == 0 and rig.gateway.guard.by_source == {}
 
 

@@ -78,11 +78,11 @@ def test_a_scratch_directory_a_killed_builder_left_is_swept_and_a_live_one_is_no
     """Kills a builder that never removes the scratch a killed build left (kill -9 skips its
     cleanup), and one that sweeps every scratch directory, another builder's still being written
     included."""
-    abandoned, live = tmp_path / ".building-abandoned", tmp_path / ".building-live"
+    abandoned, live = tmp_path / ".kvstore-building-abandoned", tmp_path / ".kvstore-building-live"
     for scratch in (abandoned, live):
         scratch.mkdir()
         (scratch / "config.json").write_text("{}")
     hours_ago = time.time() - 2 * 3600
     os.utime(abandoned, (hours_ago, hours_ago))
     _build_once(str(tmp_path / "model"), _writer(threading.Event(), _set()))
-    assert sorted(os.listdir(tmp_path)) == [".building-live", "model"]
+    assert sorted(os.listdir(tmp_path)) == [".kvstore-building-live", "model"]

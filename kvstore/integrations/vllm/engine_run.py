@@ -73,9 +73,12 @@ def flush_saves() -> None:
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        get_kv_transfer_group().flush_saves()
-    except Exception:  # noqa: BLE001 - no connector in this engine
-        pass
+        connector = get_kv_transfer_group()
+    except Exception:  # noqa: BLE001 - no connector in this engine, or it lives in another process
+        return
+    flush = getattr(connector, "flush_saves", None)  # another connector than ours: nothing to wait for
+    if flush is not None and not flush():
+        raise RuntimeError("the kvstore connector's background saves were still running after 30 s")
 
 
 def run(spec: dict) -> dict:

@@ -36,7 +36,7 @@ def build_tokenizer(path: str, vocab: int = 512) -> str:
     return path
 
 
-SCRATCH_PREFIX = ".building-"
+SCRATCH_PREFIX = ".kvstore-building-"  # ours alone: the sweep below must not touch other tools' scratch
 ABANDONED_AFTER_S = 3600.0  # no tiny model takes this long to write: a scratch dir this old lost its builder
 
 
