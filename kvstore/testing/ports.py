@@ -71,9 +71,9 @@ def _binds(port: int) -> bool:
                     s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 s.bind((address, port))
         except OSError as exc:
-            if family == socket.AF_INET6 and exc.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):  # no IPv6 on this host: IPv4 decides
-                continue
-            return False
+            no_ipv6_here = family == socket.AF_INET6 and exc.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL)
+            if not no_ipv6_here:  # (without IPv6, IPv4's answer decides)
+                return False
     return True
 
 

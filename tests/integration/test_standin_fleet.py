@@ -8,6 +8,7 @@ import asyncio
 import importlib.util
 import json
 import shutil
+from typing import TYPE_CHECKING, Callable
 
 import aiohttp
 import pytest
@@ -16,6 +17,9 @@ from conductor.gateway.pool import parse_load
 from conductor.sim.engine.engine import Faults
 from conductor.sim.engine.fleet import FleetConfig, StandinFleet
 from conductor.sim.engine.hashing import external
+
+if TYPE_CHECKING:
+    import zmq.asyncio
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the vllm extra")
 needs_zmq = pytest.mark.skipif(importlib.util.find_spec("zmq") is None, reason="needs pyzmq (the gateway extra)")
@@ -39,7 +43,7 @@ async def sub_socket(endpoint: str):
     return sock
 
 
-async def subscribed(sock, connect) -> None:
+async def subscribed(sock: zmq.asyncio.Socket, connect: Callable[[], object]) -> None:
     """Run `connect()` (a connect, or whatever makes the publisher come back) and wait until the SUB
     socket has (re)connected and its subscription has had time to reach the publisher: the slow
     joiner, an event published before that is lost."""

@@ -189,7 +189,8 @@ def test_a_revoke_does_not_report_quiet_while_a_granted_write_is_still_landing(s
     sock = raw_data_stream(owner.descriptor, peer)
     try:
         sock.sendall(REQ.pack(MAGIC, WRITE, owner.regions["granted"], 0, 8192) + b"\xee" * 4096)
-        assert until(lambda: owner.sha("granted", 0, 4096) == sha(b"\xee" * 4096))  # the header was checked, half the payload is in
+        # the header was checked, half the payload is in
+        assert until(lambda: owner.sha("granted", 0, 4096) == sha(b"\xee" * 4096))
         assert owner.call(cmd="revoke", peer=peer, region="granted", offset=0, length=8192) == {"quiet": False}
         assert owner.call(cmd="landing", peer=peer, region="granted", offset=4096, length=10) == {"landing": True}
         sock.sendall(b"\xee" * 4096)

@@ -18,6 +18,7 @@ from kvstore.index import IndexMirror
 from kvstore.index.records import BlockRecord, Layout, NodeRecord
 from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.metadata import Delete, MemoryMetadata, Put, open_metadata, prefix_end
+from tests_support import until
 
 FP = ModelFingerprint("m", "float16", 4, 2, 2, 64)
 OTHER = ModelFingerprint("other", "float16", 4, 2, 2, 64)
@@ -122,9 +123,7 @@ async def test_a_loading_mirror_serves_partial_answers_flagged_loading(url, monk
         mirror.start(wait=3)  # returns although the snapshot is not complete
         assert mirror.loading and mirror.stale and not mirror.wait_loaded(0.1)
         assert set(mirror.nodes) == {"a"}  # nodes come first: puts can pick targets
-        deadline = time.monotonic() + 10  # the first pages, applied on the shared loop's thread
-        while mirror.block_count == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert until(lambda: mirror.block_count > 0)  # the first pages, applied on the shared loop's thread
         partial = mirror.match(FP, hashes)
         assert partial.loading and partial.stale and partial.length < len(hashes)
         assert 0 < mirror.block_count < len(hashes)

@@ -3,10 +3,10 @@ eviction), not at its next round: until the copy lands, a second failure takes t
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 
 from kvstore.daemon.repair import Repairer
+from tests_support import until
 
 FP, BLOCK, OTHER = "fp", b"\x01" * 32, b"\x02" * 32
 
@@ -31,12 +31,6 @@ class Mirror:
         self.lookups += 1
         self.looked.set()
         return holders
-
-    def wait_lookups(self, count: int, timeout: float = 10.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while self.lookups < count and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return self.lookups >= count
 
     def on_replica_removed(self, callback) -> None:
         self.removed = callback
@@ -97,7 +91,7 @@ def test_removals_past_what_is_noted_make_the_next_round_scan_everything(monkeyp
     repairer = Repairer("node-a", Store([BLOCK, OTHER]), {}, lambda: client, replicas=2, interval=1.0,
                         full_scan_s=300.0).start()
     try:
-        assert client.mirror.wait_lookups(2)  # the first round saw both blocks with their replicas
+        assert until(lambda: client.mirror.lookups >= 2)  # the first round saw both blocks with their replicas
         assert client.puts == []
         mirror = client.mirror
         mirror.holders[(FP, BLOCK)] = {"node-a", "node-c"}  # still 2: nothing to do for this one

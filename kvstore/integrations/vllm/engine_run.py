@@ -56,29 +56,29 @@ def engine_info(llm) -> dict:
     return info
 
 
-def connector_stats() -> dict:
-    """What the worker-side connector of this process moved (single-process engines only)."""
+def _connector():
+    """The worker-side connector of this process (single-process engines), or None: no connector in
+    this engine, or it lives in another process."""
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        connector = get_kv_transfer_group()
-        connector.flush_saves()  # saves run in the background: count them once they are stored
-        return dict(connector.totals.data)
-    except Exception:  # noqa: BLE001 - no connector in this engine
-        return {}
+        return get_kv_transfer_group()
+    except Exception:  # noqa: BLE001 - vLLM asserts when no transfer group was set up
+        return None
 
 
 def flush_saves() -> None:
-    """Wait for the connector's background saves (single-process engines; nothing without one)."""
-    try:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        connector = get_kv_transfer_group()
-    except Exception:  # noqa: BLE001 - no connector in this engine, or it lives in another process
-        return
-    flush = getattr(connector, "flush_saves", None)  # another connector than ours: nothing to wait for
+    """Wait for the connector's background saves; nothing to wait for without ours."""
+    flush = getattr(_connector(), "flush_saves", None)
     if flush is not None and not flush():
         raise RuntimeError("the kvstore connector's background saves were still running after 30 s")
+
+
+def connector_stats() -> dict:
+    """What the worker-side connector of this process moved, once its saves are stored."""
+    flush_saves()
+    totals = getattr(_connector(), "totals", None)
+    return dict(totals.data) if totals is not None else {}
 
 
 def run(spec: dict) -> dict:
