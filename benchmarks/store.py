@@ -1,7 +1,8 @@
 """Store benchmark: our daemon and client in separate processes, side by side in one run with
 Mooncake Store and Redis on loopback, and our NVMe tier against a direct O_DIRECT read.
 
-    python -m benchmarks.store [--json PATH] [--quick] [--rounds N]
+    python -m benchmarks.store [--json PATH] [--quick] [--rounds N] [--check BASELINE]
+    python -m benchmarks.store --check BASELINE --results PATH   (compare a saved run, measure nothing)
 
 Records: system, path (shm|tcp|nvme|nvme-tcp), op (put|get), block_bytes, batch, gbps, p50_us, p99_us.
 System `limit` is this machine's ceiling for a batch, timed per call in each round: `memcpy` of the
@@ -14,6 +15,18 @@ page-aligned buffers), `nvme-tcp` the same gets forced over TCP (the daemon read
 Also: `visibility` (put return -> another client's mirror lists the block) and `burst` (256
 concurrent 64 KiB puts over 3 daemons: blocks per node).
 
+Gets verify every block's digest, once: a same-host client does not hash again a DRAM slot it has
+verified while the slot's seal number holds (kvstore.client.reads.VerifiedSlots), so the `shm` get
+rows, which read the same blocks call after call, are re-reads. Two more same-host 32 x 1 MiB get
+rows say what that is worth: `shm-first`, each call a first read (the client's memory of verified
+slots emptied before it: every block hashed, on the digest pool, wave by wave as the copy lands),
+and `shm-unhashed`, the same get with no digest taken at all (the limit of the skip).
+
+`--check BASELINE` (a saved `--json` document) compares this run's target ratios with the
+baseline's and exits 1 when one moved the wrong way by more than the noise: its tolerance is the
+larger of the spread of its per-round values (in the baseline and in this run) and CHECK_FLOOR of its
+median. Ratios only, ours against a peer or a limit measured in the same run: never absolute times.
+
 The systems run in `--rounds` paired rounds (ours and the peers back to back, who goes first
 alternating), and each target ratio is the median of its per-round ratios: on a shared machine a
 burst of noise then skews one round's pairing, not the whole comparison. NVMe, visibility and
@@ -23,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import mmap
 import os
 import platform
@@ -43,6 +57,7 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 from benchmarks.limits import LoopbackBatch, memcpy_batch  # noqa: E402
 from kvstore import Client  # noqa: E402
+from kvstore.client.reads import VerifiedSlots  # noqa: E402
 from benchmarks.records import write_json  # noqa: E402
 from kvstore.keys import ModelFingerprint, external_hashes  # noqa: E402
 from kvstore.testing import processes  # noqa: E402
@@ -75,6 +90,9 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
 
 
+# A ratio that moved against its target by more than this share of its median, or by more than the
+# spread of its per-round values where that is larger, fails `--check`.
+CHECK_FLOOR = 0.15
 WARMUP_S = 2.0  # every system's client first runs small puts this long (connections, caches, interpreter)
 NVME_PASSES = 5  # paired passes of dd and our NVMe gets
 SETTLE_S = 0.3  # after a cleanup, for the node's publish window and etcd to go idle
@@ -165,9 +183,31 @@ def bench_ours(etcd: EtcdServer, args: argparse.Namespace, out: list[Record]) ->
 
                         record(out, "kvstore", path, "get", block, batch, timed(get, reps))
                         assert all(np.array_equal(outs[i], data[i]) for i in range(batch))
+                        if path == "shm" and block == MIB and batch == BATCH:
+                            bench_verification(client, get, block, reps, out)
+                            assert all(np.array_equal(outs[i], data[i]) for i in range(batch))
                         removed_and_settled(client, [h for hashes in written for h in hashes])
     finally:
         processes.stop(daemon, grace=15)
+
+
+def bench_verification(client: Client, get: Callable[[int], None], block: int, reps: int,
+                       out: list[Record]) -> None:
+    """The same-host batch get again, as a first read each call (every block hashed) and with no
+    digest taken at all; the two calls alternate, so that noise falls on both alike."""
+    first, unhashed = [], []
+    trusting = VerifiedSlots()
+    trusting.trusted = lambda view, record, number: True  # type: ignore[method-assign]  # no digest at all
+    for rep in range(-1, reps):
+        for samples, verified in ((first, VerifiedSlots()), (unhashed, trusting)):
+            client._verified = verified  # a fresh memory: nothing verified before
+            started = time.perf_counter()
+            get(rep)
+            if rep >= 0:
+                samples.append(time.perf_counter() - started)
+    client._verified = VerifiedSlots()
+    record(out, "kvstore", "shm-first", "get", block, BATCH, first)
+    record(out, "kvstore", "shm-unhashed", "get", block, BATCH, unhashed)
 
 
 def dd_direct_read(path: str, nbytes: int, skip: int = 0) -> float:
@@ -529,12 +569,20 @@ def ratios(records: list[Record], nvme: dict) -> list[tuple[str, float | None]]:
                                                              get("mooncake", "tcp", "get", MIB, BATCH))),
         ("shm batch put / mooncake batch put 1M (>=3)", ratio(get("kvstore", "shm", "put", MIB, BATCH),
                                                              get("mooncake", "tcp", "put", MIB, BATCH))),
+        ("shm batch get verified / unhashed 1M (>=0.8)", ratio(get("kvstore", "shm", "get", MIB, BATCH),
+                                                              get("kvstore", "shm-unhashed", "get", MIB, BATCH))),
+        ("shm batch get first read / unhashed 1M", ratio(get("kvstore", "shm-first", "get", MIB, BATCH),
+                                                         get("kvstore", "shm-unhashed", "get", MIB, BATCH))),
+        ("shm batch get first read / mooncake batch get 1M", ratio(get("kvstore", "shm-first", "get", MIB, BATCH),
+                                                                   get("mooncake", "tcp", "get", MIB, BATCH))),
     ]
     # How close each batch call comes to this machine's limit: no target, the context for the ratios.
     memcpy, loopback = get("limit", "memcpy", "copy", MIB, BATCH), get("limit", "loopback", "copy", MIB, BATCH)
     rows += [
         ("shm batch put / memcpy 1M (limit)", ratio(get("kvstore", "shm", "put", MIB, BATCH), memcpy)),
         ("shm batch get / memcpy 1M (limit)", ratio(get("kvstore", "shm", "get", MIB, BATCH), memcpy)),
+        ("shm batch get first read / memcpy 1M (limit)", ratio(get("kvstore", "shm-first", "get", MIB, BATCH),
+                                                               memcpy)),
         ("tcp batch put / loopback TCP 1M (limit)", ratio(get("kvstore", "tcp", "put", MIB, BATCH), loopback)),
         ("tcp batch get / loopback TCP 1M (limit)", ratio(get("kvstore", "tcp", "get", MIB, BATCH), loopback)),
         ("mooncake batch put / loopback TCP 1M (limit)", ratio(get("mooncake", "tcp", "put", MIB, BATCH), loopback)),
@@ -546,6 +594,65 @@ def ratios(records: list[Record], nvme: dict) -> list[tuple[str, float | None]]:
     return rows
 
 
+def checked_ratios(doc: dict) -> dict[str, tuple[float, float]]:
+    """{label: (median, spread of its per-round values)} of a run's ratios that `--check` compares:
+    not absolute figures (a time in us), and not the NVMe tier's (the disk's own speed drifts 2x
+    within seconds here, whatever the store does)."""
+    out = {}
+    for label, value in (doc.get("ratios") or {}).items():
+        if value is None or " us " in f"{label} " or label.startswith("nvme"):
+            continue
+        rounds = [r.get(label) for r in doc.get("per_round_ratios") or []]
+        rounds = [v for v in rounds if v is not None] or [value]
+        out[label] = (value, max(rounds) - min(rounds))
+    return out
+
+
+def check(current: dict, baseline: dict) -> list[str]:
+    """A line for each ratio of `baseline` that `current` moved against its target (up where the
+    target is a ceiling, '<=', down otherwise) by more than its tolerance: the larger of the two
+    runs' per-round spreads and CHECK_FLOOR of the baseline's median. Empty when none did."""
+    now, then = checked_ratios(current), checked_ratios(baseline)
+    failures = []
+    for label, (base, base_spread) in then.items():
+        if label not in now:
+            print(f"  check: {label}: not measured in this run (baseline {base:.2f})")
+            continue
+        value, spread = now[label]
+        tolerance = max(base_spread, spread, CHECK_FLOOR * abs(base))
+        worse = value - base if "(<=" in label else base - value
+        verdict = "FAIL" if worse > tolerance else "ok"
+        print(f"  check: {verdict:<4} {label:<56}{value:9.2f}  baseline {base:.2f} +- {tolerance:.2f}")
+        if worse > tolerance:
+            failures.append(f"{label}: {value:.2f} against {base:.2f} (tolerance {tolerance:.2f})")
+    return failures
+
+
+def load_document(path: str, what: str) -> dict:
+    """A saved `--json` document, or one line and exit status 2."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as exc:
+        print(f"python -m benchmarks.store: {what} {path}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("ratios"), dict):
+        print(f"python -m benchmarks.store: {what} {path} is not a store benchmark's --json document", file=sys.stderr)
+        raise SystemExit(2)
+    return doc
+
+
+def report_check(current: dict, baseline_path: str) -> int:
+    failures = check(current, load_document(baseline_path, "--check"))
+    if failures:
+        print(f"\n  check against {baseline_path}: {len(failures)} ratio(s) moved beyond their noise:")
+        for line in failures:
+            print(f"    {line}")
+        return 1
+    print(f"\n  check against {baseline_path}: every ratio within its noise")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.store", description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the records here")
@@ -554,7 +661,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disk-dir", default=None, help="where the NVMe tier lives (default: the temp dir)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="paired rounds of ours and the peers (default 3; 1 with --quick)")
+    parser.add_argument("--check", metavar="BASELINE",
+                        help="a saved --json run: exit 1 when a ratio moved against its target beyond its noise")
+    parser.add_argument("--results", metavar="PATH",
+                        help="with --check: compare this saved --json run instead of measuring one")
     args = parser.parse_args(argv)
+    if args.results:
+        if not args.check:
+            parser.error("--results needs --check BASELINE")
+        return report_check(load_document(args.results, "--results"), args.check)
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
     if args.rounds < 1:
@@ -596,12 +711,13 @@ def main(argv: list[str] | None = None) -> int:
         rounds = "" if len(spread) < 2 else \
             "   (" + ", ".join("n/a" if v[i][1] is None else f"{v[i][1]:.2f}" for v in per_round_ratios) + ")"
         print(f"  {label:<56}{'n/a' if value is None else f'{value:.2f}':>9}{rounds}")
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count(),
+            "load_average": os.getloadavg()}
+    document = {"meta": meta, "records": [asdict(r) for r in records], "nvme_baseline": nvme,
+                "ratios": dict(summary), "per_round_ratios": [dict(r) for r in per_round_ratios], **extra}
     if args.json:
-        meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count()}
-        write_json(args.json, {"meta": meta, "records": [asdict(r) for r in records], "nvme_baseline": nvme,
-                               "ratios": dict(summary), "per_round_ratios": [dict(r) for r in per_round_ratios],
-                               **extra})
-    return 0
+        write_json(args.json, document)
+    return report_check(document, args.check) if args.check else 0
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ never verify as another (a slot reused mid-read holds another block's bytes: a m
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from threading import Lock
 from typing import Any, Sequence
 
@@ -32,12 +32,13 @@ DIGEST_NAME = "blake3-256, keyed by 'kvstore block v2' || block hash"
 _DOMAIN = b"kvstore block v2"  # with a 16-byte block hash: BLAKE3's 32-byte key
 assert len(_DOMAIN) + HASH_BYTES == 32
 # A batch is hashed on several threads once it is this large and its blocks are large enough that
-# handing one over costs less than hashing it (64 KiB blocks: slower handed over). At most half the
-# CPUs this process may use hash (the others copy, serve and run the caller): on 2 vCPUs that is one,
-# where two threads hashed 32 x 1 MiB 15-20 % slower than one (paired, on a shared host).
+# handing one over costs less than hashing it (64 KiB blocks: slower handed over). The pool has a
+# thread for every CPU this process may use: BLAKE3 releases the GIL, and a reader's copy runs on
+# the engine's own threads, so a read verifies as fast as the CPUs left to it allow (hashing a batch
+# on one thread capped a same-host get at one core's BLAKE3 rate, a sixth of memcpy).
 PARALLEL_MIN_BYTES = 4 << 20
 PARALLEL_BLOCK_MIN = 512 << 10
-_WORKERS = min(8, len(os.sched_getaffinity(0)) // 2)
+_WORKERS = max(1, min(8, len(os.sched_getaffinity(0))))
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = Lock()
 
@@ -82,16 +83,59 @@ def _parallel() -> ThreadPoolExecutor:
         return _pool
 
 
+def _nbytes(data: Any) -> int:
+    return sum(_bytes_of(p).nbytes for p in data) if isinstance(data, (list, tuple)) else _bytes_of(data).nbytes
+
+
 def block_digests(block_hashes: Sequence[bytes], datas: Sequence) -> list[bytes]:
     """`block_digest` of each (hash, data) pair; a large batch of large blocks on several threads."""
     if len(block_hashes) != len(datas):
         raise ValueError(f"{len(block_hashes)} block hashes for {len(datas)} blocks")
     if _WORKERS > 1 and len(datas) > 1:
-        sizes = [sum(_bytes_of(p).nbytes for p in d) if isinstance(d, (list, tuple)) else _bytes_of(d).nbytes
-                 for d in datas]
+        sizes = [_nbytes(d) for d in datas]
         if sum(sizes) >= PARALLEL_MIN_BYTES and min(sizes) >= PARALLEL_BLOCK_MIN:
             return list(_parallel().map(block_digest, block_hashes, datas))
     return [block_digest(h, d) for h, d in zip(block_hashes, datas)]
+
+
+class Digesting:
+    """Digests taken while more bytes are still arriving: `add` hands blocks whose bytes have landed
+    to the digest pool (or, small, takes them at once), `results` waits for every one. A reader adds
+    the blocks of each wave of its copy as the wave lands, so hashing one wave overlaps copying the
+    next instead of following the whole copy."""
+
+    def __init__(self) -> None:
+        self._done: dict[Any, bytes] = {}
+        self._pending: list[Future] = []
+
+    def add(self, items: Sequence[tuple[Any, bytes, Any]]) -> None:
+        """(key, block hash, data) of blocks whose bytes are all there."""
+        if _WORKERS < 2 or sum(_nbytes(d) for _, _, d in items) < PARALLEL_BLOCK_MIN:
+            self._done.update((key, block_digest(h, d)) for key, h, d in items)
+            return
+        # Small blocks go in groups of PARALLEL_BLOCK_MIN bytes: one task each would cost more to
+        # hand over than to hash.
+        group: list[tuple[Any, bytes, Any]] = []
+        size = 0
+        for item in items:
+            group.append(item)
+            size += _nbytes(item[2])
+            if size >= PARALLEL_BLOCK_MIN:
+                self._pending.append(_parallel().submit(_group_digests, group))
+                group, size = [], 0
+        if group:
+            self._pending.append(_parallel().submit(_group_digests, group))
+
+    def results(self) -> dict[Any, bytes]:
+        """{key: digest} of every block added (waits for those still being hashed)."""
+        for future in self._pending:
+            self._done.update(future.result())
+        self._pending = []
+        return self._done
+
+
+def _group_digests(items: Sequence[tuple[Any, bytes, Any]]) -> list[tuple[Any, bytes]]:
+    return [(key, block_digest(h, d)) for key, h, d in items]
 
 
 def check_digests(values: Sequence[Any]) -> list[bytes]:

@@ -58,7 +58,7 @@ from .channel_guard import ChannelGuard
 from .leases import SlotLeases
 from .local_node import LocalNode, TierFile, fill_segments
 from .placement import PutPlacement
-from .reads import TierReads, landed_digests, read_in_stages
+from .reads import TierReads, VerifiedSlots, landed_digests, read_in_stages, read_in_waves
 from .reports import HitReports
 
 log = logging.getLogger(__name__)
@@ -170,10 +170,12 @@ class Client:
         self._placement = PutPlacement(self._here)
         self._leases = SlotLeases(timeout)
         self._tier_reads = TierReads()
+        self._verified = VerifiedSlots()  # same-host DRAM slots this client verified (re-reads skip the hash)
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvs-digest")  # a large put's digests
         self.stats: dict[str, int] = {"control_calls": 0, "local_puts": 0, "wire_puts": 0, "nvme_fd_reads": 0,
                                       "nvme_fd_bytes": 0, "already_held": 0, "wire_reads": 0,
-                                      "wire_read_bytes": 0, "wire_read_raw_bytes": 0, "coded_reads": 0}
+                                      "wire_read_bytes": 0, "wire_read_raw_bytes": 0, "coded_reads": 0,
+                                      "reads_unhashed": 0}
         self.closed = False
         try:
             self.check_secrets()  # a node expecting another kind of secret fails here, in one line
@@ -785,6 +787,7 @@ class Client:
         # Digests taken as bytes land: staged reads' before the consumer may change them, tier reads'
         # in the worker that read them.
         checked: dict[int, bytes] = {}
+        records = dict(wanted)
         via_fd: list[tuple[int, BlockRecord]] = []
         failed: set[int] = set()
         try:
@@ -820,25 +823,68 @@ class Client:
                     if staged is not None:
                         op_stages.append(stage_list[j] if j < len(stage_list) else last_stage)
                     done += take
-            batch = self.engine.submit(ops) if ops and staged is None else None
-            if via_fd:  # same-host NVMe: straight from the tier file, no daemon, no network
+            # Same-host DRAM slots read from the mapped arena: their seal numbers before the copy; a
+            # slot this client verified under the same number is not hashed again if the number still
+            # holds after the copy (reads.VerifiedSlots says why that is safe).
+            view, before = (self._seal_view(name, rest) if rest and node.peer.transport == "shm" else None), {}
+            if view is not None:
+                before = {i: view.number(record.offset) for i, record in rest
+                          if record.tier == "dram" and record.region == view.region}
+            trusted = {i for i, number in before.items() if self._verified.trusted(view, records[i], number)}
+
+            def tier_reads() -> None:  # same-host NVMe: straight from the tier file, no daemon, no network
                 read = self._read_tier(tier, via_fd, targets, hashes)
                 failed.update(i for i, _ in via_fd if i not in read)
                 checked.update(read)
+
             if staged is not None:
+                if via_fd:
+                    tier_reads()
                 results, owners = read_in_stages(self.engine, self.timeout, ops, owners, op_stages, staged[1],
-                                                 hashes, checked)
+                                                 hashes, checked, trusted)
+            elif ops:
+                results, owners, sums = read_in_waves(self.engine, time.monotonic() + self.timeout, ops, owners,
+                                                      records, hashes, targets, trusted,
+                                                      tier_reads if via_fd else None)
+                checked.update(sums)
             else:
-                results = batch.wait(self.timeout, raise_on_error=False) if batch is not None else []
+                results = []
+                if via_fd:
+                    tier_reads()
         except AuthenticationFailed:
             raise
         except (TransferError, NoStoreNodes, NodeRefused, OSError, ValueError) as exc:
             self._mark_down(name, exc)
             return []
         failed.update(owner for owner, result in zip(owners, results) if not result.ok)
+        after = {i: view.number(records[i].offset) for i in before} if view is not None else {}
+        for i in trusted:
+            if i not in failed and after[i] == before[i]:
+                checked[i] = records[i].digest
+                self.stats["reads_unhashed"] += 1
+        # Everything not checked yet (a trusted slot whose number moved during the copy included).
         checked.update(landed_digests(
             hashes, [(i, record) for i, record in wanted if i not in failed and i not in checked], targets))
-        return [i for i, record in wanted if i not in failed and checked[i] == record.digest]
+        good = [i for i, record in wanted if i not in failed and checked[i] == record.digest]
+        for i in good:
+            if i in before and i not in trusted and before[i] == after[i]:
+                self._verified.remember(view, records[i], before[i])
+        return good
+
+    def _seal_view(self, name: str, items: list[tuple[int, BlockRecord]]):
+        """The seal table of `name` when it is on this host and `items` has DRAM blocks, else None."""
+        if not any(record.tier == "dram" for _, record in items):
+            return None
+        local = self._local(name)
+        if local is None:
+            return None
+        try:
+            return local.seals()
+        except AuthenticationFailed:
+            raise
+        except (OSError, ValueError, KVStoreError) as exc:  # hashed as ever
+            log.debug("no seal table from %s: %s", name, exc)
+            return None
 
     def _read_coded(self, node: "_Node", items: list[tuple[int, BlockRecord]],
                     targets: list[list[tuple[Region, int, int]]]) -> set[int]:

@@ -1,7 +1,7 @@
 """A store daemon's framed control wire, as its clients reach it: pooled authenticated connections
 (`kvstore.wire`; its unix socket on this host, TCP from elsewhere) for control requests and
 inline puts, and, on this host, the NVMe tier file's read-only fd, read with O_DIRECT straight
-into the caller's buffer."""
+into the caller's buffer, and the DRAM arena's seal table (kvstore.seals), mapped read-only."""
 from __future__ import annotations
 
 import mmap
@@ -17,6 +17,7 @@ from transfer import Region, _native
 from ..codec import CodecError, decode
 from ..errors import AccessDenied, AllocationFailed, AuthenticationFailed, NodeRefused, WrongSize
 from ..index.records import MAX_BLOCK_BYTES, BlockRecord
+from ..seals import SealView
 from ..wire import REPLY_SPIN_S, Frames, connect
 
 LOCAL_CONNECTIONS = 32  # idle same-host connections kept per node (one per concurrent caller)
@@ -47,6 +48,8 @@ class LocalNode:
         self._lock = threading.Lock()
         self._tier: TierFile | None = None
         self._tier_checked = float("-inf")  # monotonic time starts at boot: 0.0 is 'just now' for a minute
+        self._seals: SealView | None = None
+        self._seals_checked = float("-inf")
         self.closed = False
         self.reached = False  # a connection to it was made at least once
 
@@ -173,11 +176,35 @@ class LocalNode:
                 self._tier = tier
         return self._tier
 
+    def seals(self) -> SealView | None:
+        """The node's seal table, mapped read-only (asked for once; again a minute after a refusal:
+        an older node has none)."""
+        if self._seals is not None or time.monotonic() - self._seals_checked < 60:
+            return self._seals
+        self._seals_checked = time.monotonic()
+        try:
+            reply, fd = self.call({"op": "seals"}, want_fd=True)
+        except (NodeRefused, WrongSize):
+            return None
+        try:
+            view = SealView(fd, int(reply["region"]), int(reply["size"]))
+        except (ValueError, OSError, KeyError):
+            return None
+        finally:
+            os.close(fd)
+        with self._lock:
+            if self.closed or self._seals is not None:
+                view.close()
+            else:
+                self._seals = view
+        return self._seals
+
     def close(self) -> None:
         with self._lock:
             self.closed = True
             idle, self._idle = self._idle, []
             tier, self._tier = self._tier, None
+            self._seals = None  # unmapped once no read still holds it
         for frames, _ in idle:
             frames.sock.close()
         if tier is not None:

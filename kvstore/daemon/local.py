@@ -41,6 +41,8 @@ Requests (one reply frame each):
            The reader decodes and checks each block's digest over the raw bytes
   tier     {} -> {region, size, direct} and, over SCM_RIGHTS, a read-only fd of the NVMe tier file
            (opened O_RDONLY|O_DIRECT here, for this client alone)
+  seals    {} -> {region, size} and, over SCM_RIGHTS, a read-only fd of the DRAM arena's seal table
+           (kvstore.seals): same host only
 Errors: {ok: false, code: invalid|exhausted|refused|unavailable|denied, error} (denied: a tenant named
 a fingerprint not its own).
 """
@@ -48,9 +50,12 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import selectors
 import socket
+import struct
 import threading
+import weakref
 import time
 from typing import Any, Callable
 
@@ -77,7 +82,7 @@ HANDSHAKES_PER_SOURCE = 16
 # An idle connection is closed after this long, so clients' pools cannot hold every slot for good
 # (clients drop pooled connections idle for half of it: kvstore.client.local_node.POOLED_IDLE_S).
 IDLE_S = 120.0
-OPS = ("put", "reserve", "commit", "abort", "tier", "lookup", "read")
+OPS = ("put", "reserve", "commit", "abort", "tier", "seals", "lookup", "read")
 READ_BYTES = 64 << 20  # raw bytes one `read` may ask for (a client splits larger gets)
 
 
@@ -86,6 +91,31 @@ ATTACHMENTS = "_attachments"  # a reply's key for bytes sent after it (never sen
 
 class _Invalid(Exception):
     pass
+
+
+class SameHostWriter:
+    """The process at the other end of a unix connection, which maps the arena and may write the
+    slots reserved or leased to it at any time, until it exits (BlockStore quarantines the extents
+    of its expired slots until `gone()`). Held through a pidfd: a pid reused by another process
+    never passes for it."""
+
+    def __init__(self, pidfd: int) -> None:
+        self._pidfd = pidfd
+        weakref.finalize(self, os.close, pidfd)
+
+    @classmethod
+    def of(cls, conn: socket.socket) -> "SameHostWriter | None":
+        """The peer process of `conn`, or None where it cannot be held (no pidfd here)."""
+        try:
+            pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                            struct.calcsize("3i")))
+            return cls(os.pidfd_open(pid))
+        except (OSError, AttributeError):
+            return None
+
+    def gone(self) -> bool:
+        """Whether the process has exited (its pidfd reads as ready then)."""
+        return bool(select.select([self._pidfd], [], [], 0)[0])
 
 
 def _hashes(values: Any) -> list[bytes]:
@@ -259,6 +289,7 @@ class LocalControl:
                     self._refused("too many open")
                     return
             frames = Frames(conn, session.tx, session.rx, self._timeout, sealed=remote)  # TCP: attachments tagged
+            writer = None if remote else SameHostWriter.of(conn)  # whose late writes its expired slots wait out
             while not self._closed.is_set():
                 try:
                     request = frames.recv(self._timeout, idle=IDLE_S, spin=NEXT_REQUEST_SPIN_S)
@@ -269,9 +300,9 @@ class LocalControl:
                 started = time.perf_counter()
                 op = str(request.get("op"))
                 try:
-                    if remote and op == "tier":
-                        raise _Invalid("the NVMe tier's fd is only handed out on the same host")
-                    reply, fd = self._handle(op, request, frames, deadline, session.tenant)
+                    if remote and op in ("tier", "seals"):
+                        raise _Invalid(f"the {op} fd is only handed out on the same host")
+                    reply, fd = self._handle(op, request, frames, deadline, session.tenant, writer)
                 except _Invalid as exc:
                     reply, fd = {"ok": False, "code": "invalid", "error": str(exc)}, None
                 except _Denied as exc:
@@ -307,8 +338,8 @@ class LocalControl:
     def _records(self, fingerprint: str, hashes: list[bytes]) -> list[str | None]:
         return [None if r is None else r.encode().hex() for r in self.store.records(fingerprint, hashes)]
 
-    def _handle(self, op: str, request: dict, frames: Frames, deadline: float, tenant: str = ""
-                ) -> tuple[dict, int | None]:
+    def _handle(self, op: str, request: dict, frames: Frames, deadline: float, tenant: str = "",
+                writer: SameHostWriter | None = None) -> tuple[dict, int | None]:
         fingerprint = request.get("fp", "")
         if op == "put":
             return self._put(request, frames, deadline, tenant), None
@@ -325,7 +356,7 @@ class LocalControl:
             sizes = _ints(request.get("sizes"), "sizes", len(hashes), MAX_BLOCK_BYTES)
             try:
                 slots, updates = self.store.reserve(fingerprint, hashes, sizes, _peer(request, tenant),
-                                                    repair=bool(request.get("repair")))
+                                                    repair=bool(request.get("repair")), writer=writer)
             except (AllocationFailed, InvalidRequest) as exc:
                 return self._error(exc), None
             if updates:
@@ -341,7 +372,7 @@ class LocalControl:
                 raise _Invalid("lease: {size, count}")
             size, count = _ints([lease.get("size", 1), lease.get("count", 0)], "lease size and count", 2, MAX_BLOCK_BYTES)
             return self._commit(fingerprint, tokens, digests, bool(request.get("sync")), hashes, size, count,
-                                _peer(request, tenant)), None
+                                _peer(request, tenant), writer), None
         if op == "lookup":
             return {"ok": True, "records": self._records(fingerprint, _hashes(request.get("hashes")))}, None
         if op == "read":
@@ -351,6 +382,10 @@ class LocalControl:
             return {"ok": True}, None
         if op == "tier":
             return self._tier()
+        if op == "seals":
+            seals = self.store.seals
+            return {"ok": True, "region": self.store.dram.region.id, "size": self.store.dram.region.size,
+                    "incarnation": seals.incarnation}, seals.reader_fd()
         raise _Invalid(f"unknown op {op[:40]!r}")
 
     def _read(self, fingerprint: str, request: dict) -> dict:
@@ -391,14 +426,15 @@ class LocalControl:
         return {"ok": False, "code": "refused", "error": str(exc)}
 
     def _commit(self, fingerprint: str, tokens: list[int], digests: list[bytes], sync: bool,
-                hashes: list[bytes] | None, lease_size: int, lease_count: int, peer: str = "") -> dict:
+                hashes: list[bytes] | None, lease_size: int, lease_count: int, peer: str = "",
+                writer: SameHostWriter | None = None) -> dict:
         records: list = []
         fresh: list = []
         try:
             # Verified now only when the client waits for publication; else by the verifier, after the answer.
             errors, updates, leased = self.store.commit_and_lease(
                 fingerprint, tokens, digests, lease_size=lease_size, records=records, fresh=fresh, verify=sync,
-                hashes=hashes, lease_count=lease_count if self._accepting() else 0, peer=peer)
+                hashes=hashes, lease_count=lease_count if self._accepting() else 0, peer=peer, writer=writer)
         except InvalidRequest as exc:
             return self._error(exc)
         if updates:

@@ -25,7 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from transfer import Engine, Read, Region, TransferError, Write
 
@@ -33,6 +33,7 @@ from ..errors import AllocationFailed, InvalidRequest, NodeRefused, WrongSize
 from ..codec import RAW, Chooser, CodecError, check_codec, decode
 from ..index.records import MAX_BLOCK_BYTES, NAME, NAME_RULE, BlockRecord
 from ..integrity import block_digest, block_digests, check_digests
+from ..seals import ALIGN, SealTable
 from ..tiers import EvictionPolicy, ExtentAllocator, make_policy
 from ..tiers.allocator import align_up
 from ..tiers.journal import LABEL_BYTES, Entry, TierJournal
@@ -74,6 +75,9 @@ class Slot:
     peer: str = ""  # the engine (peer id) granted writes into it while it is pending
     codec: int = 0  # kvstore.codec id of what is stored at `offset` (NVMe only; 0: the raw bytes)
     stored: int = 0  # bytes stored at `offset` when coded
+    # A process on this host that maps the arena and may write this pending slot (`gone()` once it
+    # has exited), for a reservation or lease asked for over the unix socket; None otherwise.
+    writer: Any = None
 
     @property
     def span(self) -> int:
@@ -143,6 +147,13 @@ class BlockStore:
         self.tier_work = threading.Event()  # restore or coding work arrived (tierwork's thread waits on it)
         self._pending: dict[int, Slot] = {}
         self._fenced: list[tuple[str, Slot]] = []  # (peer, slot): revoked while that peer's write still landed
+        # The seal table (kvstore.seals): which verified sealing each DRAM slot holds, for same-host
+        # readers. Pending slots a same-host writer may still write after they expired are held back
+        # until that writer's process is gone (quarantined); where the writer is not known, their
+        # units are tainted for good: no slot sealed over them is numbered, so readers always hash it.
+        self.seals = SealTable(dram.size)
+        self._quarantined: list[Slot] = []
+        self._tainted = bytearray(self.seals.units)
         self._written: dict[Key, Slot] = {}  # committed, to be verified by seal_written (in order)
         self._verifying: dict[Key, Slot] = {}  # taken by seal_written, being verified now
         self.lock = threading.RLock()
@@ -179,7 +190,8 @@ class BlockStore:
         return self.dram.capacity - sum(align_up(slot.size) for slots in (self._pending, self._written,
                                                                         self._verifying)
                                         for slot in slots.values()) \
-            - sum(align_up(slot.size) for _, slot in self._fenced)
+            - sum(align_up(slot.size) for _, slot in self._fenced) \
+            - sum(align_up(slot.size) for slot in self._quarantined)
 
     def _held(self, key: Key) -> Slot | None:
         """The block's slot, sealed or written (awaiting or under verification)."""
@@ -196,7 +208,7 @@ class BlockStore:
 
     # --- writes -------------------------------------------------------------------------------
     def reserve(self, fingerprint: str, hashes: Sequence[bytes], sizes: Sequence[int], peer: str = "",
-                repair: bool = False) -> tuple[list[tuple[int, Slot | None]], list[Update]]:
+                repair: bool = False, writer: Any = None) -> tuple[list[tuple[int, Slot | None]], list[Update]]:
         """A (token, slot) per block to write; token 0 and slot None where it is already sealed here.
         `peer`: the client engine's peer id, granted writes into the new slots while they are pending.
         `repair`: the blocks are repair copies (another node's replicas): they take free space, or
@@ -248,7 +260,7 @@ class BlockStore:
                                                "no other live node holds", updates)
                     raise AllocationFailed(f"no room for a {size}-byte block in {self.dram.capacity} bytes of DRAM",
                                            updates)
-                slot = Slot(key, self.dram, offset, size)
+                slot = Slot(key, self.dram, offset, size, writer=None if peer else writer)
                 token = _new_token(self._pending)
                 self._pending[token] = slot
                 out.append((token, slot))
@@ -265,7 +277,8 @@ class BlockStore:
         if count and not 0 < size <= MAX_BLOCK_BYTES:
             raise WrongSize(f"block size {size} outside 1..{MAX_BLOCK_BYTES}")
 
-    def lease(self, fingerprint: str, size: int, count: int, peer: str = "") -> list[tuple[int, Slot]]:
+    def lease(self, fingerprint: str, size: int, count: int, peer: str = "", writer: Any = None
+              ) -> list[tuple[int, Slot]]:
         """Up to `count` slots of `size` bytes for blocks not named yet (a client's next put:
         written before their commit names them, saving that put its reserve), as (token, slot).
         Taken from free space below the high watermark only, so a lease never evicts, and within
@@ -291,7 +304,8 @@ class BlockStore:
                 if offset is None:
                     break
                 token = _new_token(self._pending)
-                self._pending[token] = Slot((fingerprint, UNNAMED), tier, offset, size)
+                self._pending[token] = Slot((fingerprint, UNNAMED), tier, offset, size,
+                                            writer=None if peer else writer)
                 self._grant(self._pending[token], peer)
                 out.append((token, self._pending[token]))
             self._count("leased_slots", len(out))
@@ -299,13 +313,13 @@ class BlockStore:
 
     def commit_and_lease(self, fingerprint: str, tokens: Sequence[int], digests: Sequence[bytes], *,
                          lease_size: int, lease_count: int, records: list, fresh: list, verify: bool,
-                         hashes: Sequence[bytes] | None, peer: str = ""
+                         hashes: Sequence[bytes] | None, peer: str = "", writer: Any = None
                          ) -> tuple[list[str], list[Update], list[tuple[int, Slot]]]:
         """`commit`, then `lease` slots for the put after it (a commit's lease request is checked
         before anything is committed, so a bad one takes nothing): (errors, updates, leased)."""
         self._check_lease(lease_size, lease_count)
         errors, updates = self.commit(fingerprint, tokens, digests, records, verify, hashes, fresh)
-        return errors, updates, self.lease(fingerprint, lease_size, lease_count, peer)
+        return errors, updates, self.lease(fingerprint, lease_size, lease_count, peer, writer)
 
     def commit(self, fingerprint: str, tokens: Sequence[int], digests: Sequence[bytes],
                records: list | None = None, verify: bool = True,
@@ -428,6 +442,7 @@ class BlockStore:
                 continue
             slot.digest = digest
             self.dram.sealed[slot.key] = slot
+            self._number(slot)  # verified just now (`landed`)
             self.dram.policy.insert(slot.key)
             self._unwrite(slot.key)  # a verified copy wins over an unverified one: one copy per key
             updates.append((slot.key[0], slot.key[1], slot.record()))
@@ -528,7 +543,15 @@ class BlockStore:
     def _expire_reservations(self) -> None:
         cutoff = time.monotonic() - self.reservation_timeout
         for token in [t for t, s in self._pending.items() if s.reserved_at < cutoff]:
-            self._free_unsealed(self._pending.pop(token))
+            self._expired(self._pending.pop(token))
+        if self._quarantined:  # held back for a same-host writer: back once its process is gone
+            held = []
+            for slot in self._quarantined:
+                if slot.writer.gone():
+                    self.dram.allocator.release(slot.offset, slot.size)
+                else:
+                    held.append(slot)
+            self._quarantined = held
         if self._fenced:  # space held back for writes that were still landing: back once they stopped
             still = []
             for peer, slot in self._fenced:
@@ -562,6 +585,22 @@ class BlockStore:
         self._count("fenced_slots")
         self._fenced.append((peer, slot))
         return False
+
+    def _expired(self, slot: Slot) -> None:
+        """A pending slot whose reservation or lease ran out (lock held). A same-host writer maps the
+        arena and writes without a grant: its write may still land, after this extent went to another
+        block that was verified and sealed, where no seal number would show it (kvstore.seals). So
+        such an extent waits for its writer's process to exit, or, writer unknown, is tainted."""
+        if slot.peer or slot.tier is not self.dram:
+            self._free_unsealed(slot)  # granted: the engine's revoke fences a write still landing
+        elif slot.writer is not None:
+            self._count("quarantined_slots")
+            self._quarantined.append(slot)
+        else:
+            first, last = slot.offset // ALIGN, (slot.offset + slot.size - 1) // ALIGN
+            self._tainted[first : last + 1] = b"\1" * (last + 1 - first)
+            self._count("tainted_units", last + 1 - first)
+            self._free_unsealed(slot)
 
     def _free_unsealed(self, slot: Slot) -> None:
         """A pending slot given up (aborted, expired): its space back, once no granted write lands in it."""
@@ -627,8 +666,19 @@ class BlockStore:
                 break
         return evicted
 
+    def _number(self, slot: Slot) -> None:
+        """A DRAM slot whose bytes were verified just now is sealed: give it a seal number, unless
+        it lies on tainted units (lock held)."""
+        first, last = slot.offset // ALIGN, (slot.offset + max(slot.size, 1) - 1) // ALIGN
+        if self._tainted.find(1, first, last + 1) >= 0:
+            self.seals.cleared(slot.offset)
+        else:
+            self.seals.sealed(slot.offset)
+
     def _drop(self, slot: Slot) -> None:
         tier = slot.tier
+        if tier is self.dram:  # before the extent can be handed out again (kvstore.seals)
+            self.seals.cleared(slot.offset)
         tier.sealed.pop(slot.key, None)
         tier.policy.remove(slot.key)
         tier.allocator.release(slot.offset, slot.span)
@@ -715,6 +765,7 @@ class BlockStore:
             return
         moved = Slot(slot.key, dram, offset, slot.size, slot.digest)
         dram.sealed[slot.key] = moved
+        self._number(moved)  # its bytes were checked on the way up
         dram.policy.insert(slot.key)
         updates.append((slot.key[0], slot.key[1], moved.record()))
         self._count("promotions")

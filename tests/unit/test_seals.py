@@ -1,0 +1,126 @@
+"""The seal table (kvstore.seals) as the daemon's BlockStore keeps it: a verified DRAM slot gets a
+number never given before, the number is gone before the slot's extent can be handed out again,
+and an extent a same-host writer may still write after its reservation expired is never sealed with
+a number (held back until the writer has gone, or tainted when the writer is not known)."""
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+import pytest
+
+from kvstore.daemon.store import BlockStore
+from kvstore.integrity import block_digest
+from kvstore.keys import ModelFingerprint, external_hashes
+from kvstore.seals import SealView
+from transfer import Engine
+
+FP = ModelFingerprint("seals", "float16", 16, 2, 2, 64, kv_layout="bytes")
+BLOCK = 64 * 1024
+
+
+def content(block_hash: bytes) -> np.ndarray:
+    return np.random.default_rng(int.from_bytes(block_hash[:8], "little")).integers(0, 256, BLOCK, dtype=np.uint8)
+
+
+@pytest.fixture
+def engine():
+    with Engine("seals-unit", listen=None) as e:
+        yield e
+
+
+class Writer:
+    """A same-host writer whose process is alive until `exit()`."""
+
+    def __init__(self) -> None:
+        self.exited = False
+
+    def gone(self) -> bool:
+        return self.exited
+
+
+def put(store: BlockStore, block_hash: bytes, writer=None) -> int:
+    """Reserve, write and commit one block; its slot's offset."""
+    (token, slot), = store.reserve(FP.digest, [block_hash], [BLOCK], writer=writer)[0]
+    store.dram.region.buffer[slot.offset : slot.offset + BLOCK] = content(block_hash).tobytes()
+    assert store.commit(FP.digest, [token], [block_digest(block_hash, content(block_hash))])[0] == [""]
+    return slot.offset
+
+
+def expire(store: BlockStore) -> None:
+    """Every pending reservation runs out now."""
+    with store.lock:
+        for slot in store._pending.values():
+            slot.reserved_at = float("-inf")
+        store._expire_reservations()
+
+
+def view(store: BlockStore) -> SealView:
+    fd = store.seals.reader_fd()
+    try:
+        return SealView(fd, store.dram.region.id, store.dram.region.size)
+    finally:
+        os.close(fd)
+
+
+def test_a_slot_freed_loses_its_number_and_a_new_sealing_gets_a_new_one(engine):
+    """Kills: a number left in place when the slot is removed, evicted or demoted (a reader would
+    trust the next block sealed there), and numbers given twice."""
+    store = BlockStore(engine, engine.allocate(4 * BLOCK), engine.allocate(16 * BLOCK), high=1.0, low=0.5)
+    seen = view(store)
+    a, b = external_hashes([1, 2], FP)
+    at = put(store, a)
+    first = seen.number(at)
+    assert first
+    store.remove(FP.digest, [a])
+    assert seen.number(at) == 0
+    assert put(store, b) == at and seen.number(at) not in (0, first)  # the same extent, a new sealing
+    store.remove(FP.digest, [b])
+    assert put(store, a) == at and seen.number(at) not in (0, first)  # the same block again: new as well
+    others = external_hashes(range(10, 14), FP)
+    for h in others:  # DRAM holds four: the oldest is demoted to NVMe
+        put(store, h)
+    assert store.find((FP.digest, a)).tier.name == "nvme" and seen.number(at) != 0  # another block's slot now
+    assert store.dram.sealed[(FP.digest, others[-1])].offset == at
+
+
+def test_a_client_cannot_write_the_table(engine):
+    """Kills: a table handed out writable (a client could forge the number of a slot it rewrote)."""
+    store = BlockStore(engine, engine.allocate(4 * BLOCK))
+    fd = store.seals.reader_fd()
+    again = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # the same file opened for writing: sealed
+    try:
+        with pytest.raises(OSError):
+            os.pwrite(fd, b"\1" * 8, 16)
+        with pytest.raises(OSError):
+            os.pwrite(again, b"\1" * 8, 16)
+        with pytest.raises(OSError):
+            mmap.mmap(again, os.fstat(again).st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+        os.close(again)
+
+
+def test_an_expired_same_host_slot_waits_for_its_writer_and_is_never_numbered_without_one(engine):
+    """Kills: an expired reservation of a same-host writer (which maps the arena and may still be
+    copying into it) whose extent goes to another block at once, sealed with a number a re-reader
+    would trust while the late bytes land."""
+    store = BlockStore(engine, engine.allocate(4 * BLOCK))
+    seen = view(store)
+    a, b, c = external_hashes([1, 2, 3], FP)
+    writer = Writer()
+    (_, slot), = store.reserve(FP.digest, [a], [BLOCK], writer=writer)[0]
+    held = slot.offset
+    expire(store)
+    assert put(store, b) != held  # quarantined: its extent is not handed out while the writer lives
+    writer.exited = True
+    expire(store)
+    assert store.counters["quarantined_slots"] == 1 and store.dram.used == BLOCK  # back
+    (_, slot), = store.reserve(FP.digest, [c], [BLOCK])[0]  # no writer known (a gRPC reserve, say)
+    unknown = slot.offset
+    expire(store)
+    assert store.counters["tainted_units"] == BLOCK // 4096
+    d = external_hashes([4], FP)[0]
+    at = put(store, d)
+    assert at == unknown and seen.number(at) == 0  # sealed, verified, and never trusted by a re-read
