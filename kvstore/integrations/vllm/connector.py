@@ -164,6 +164,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._layer_load: LayerLoad | None = None  # this step's layer-by-layer load
         self._cancelled_staging: deque[np.ndarray] = deque(maxlen=CANCELLED_STAGING_KEPT)
         self._writer: SaveWriter | None = None
+        # The batched copy path (kv_batch.py; None: block by block) and this step's saves through it.
+        self._batch: "BatchedKV | None" = None
+        self._save_step: "SaveStep | None" = None
+        self._save_step_meta: KVStoreMetadata | None = None
+        self._save_overflow: set[tuple[int, bytes]] = set()  # this step's saves that go block by block
         self._save_queue_bytes = int(float(extra.get("save_queue_mib", 256)) * (1 << 20))
         self._stats = KVStoreConnectorStats()  # since the last get_kv_connector_stats()
         self.totals = KVStoreConnectorStats()  # since start (the demo and tests read it)
@@ -446,6 +451,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                       "needs vLLM 0.32's connector API to know where each block is")
         tables = [[name for name in group.layers if name in kv_caches] for group in self.groups]
         self._io = KVCacheIO(self.store.engine, kv_caches, self._num_blocks, tables, self._kernel_ratios(kv_caches))
+        if self._extra.get("batched_copy", True):
+            from .kv_batch import open_batched, staging_blocks
+
+            capacity = staging_blocks(self._vllm_config, self.block_size, self._num_blocks, self._extra)
+            self._batch = open_batched(self._io, self.store.engine, capacity, resolved or self.fingerprint.kv_layout,
+                                       save=self.save_enabled and self._saves_here, load=self.load_enabled,
+                                       layer_loads=bool(self.layerwise_load_blocks))
+            if self._batch is None:
+                self._count(staging_fallbacks=1)
         self._writer = SaveWriter(lambda batch: self.store.put_many(batch.blocks,
                                                                     fingerprint=self.group_fingerprints[batch.group]),
                                   self._save_queue_bytes, self._saved, handoff_wait_s=self.remote_wait_s)
@@ -526,7 +540,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if io.on_host:  # read straight into the KV cache
                 found = self.store.get_many(hashes, [io.targets(group, block_id) for block_id, _ in chosen],
                                             fingerprint=fingerprint)
-            else:  # device KV cache: through host staging
+            elif self._batch is not None and self._batch.load_pool is not None:
+                # device KV cache: into registered staging, then one copy and one scatter per layer
+                found = self._batch.load(
+                    group, [block_id for block_id, _ in chosen],
+                    lambda start, end, targets, hashes=hashes, fingerprint=fingerprint: self.store.get_many(
+                        hashes[start:end], targets, fingerprint=fingerprint), self.store.timeout)
+            else:  # device KV cache, block by block: through host staging
                 buffers = [np.empty(io.block_bytes[group], np.uint8) for _ in chosen]
                 found = self.store.get_many(hashes, buffers, fingerprint=fingerprint)
                 for (block_id, _), ok, buf in zip(chosen, found, buffers):
@@ -596,6 +616,23 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         failed: set[int] = set()
         for group in sorted({g for g, _, _ in blocks}):
             chosen = [(block_id, h) for g, block_id, h in blocks if g == group]
+            lease = self._batch.layer_load(group, [block_id for block_id, _ in chosen]) if self._batch else None
+            if lease is not None:  # registered staging, layer-major: one scatter per layer as it lands
+
+                def scatter(layer: int, lease=lease) -> None:
+                    progress.write(lambda: lease.scatter_layer(layer))
+                    progress.landed(layer)
+
+                try:
+                    found = self.store.get_many([h for _, h in chosen], lease.targets,
+                                                fingerprint=self.group_fingerprints[group], stages=lease.layers,
+                                                on_stage=scatter)
+                finally:
+                    if progress.cancelled:  # a transfer given up on may still land: into staging kept alive
+                        self._cancelled_staging.append(lease.slot.host)
+                    lease.close(cancelled=progress.cancelled)
+                failed |= {block_id for (block_id, _), ok in zip(chosen, found) if not ok}
+                continue
             size = io.block_bytes[group]
             staging = np.empty(len(chosen) * size, np.uint8)
             region = self.store.engine.register(staging, remote_access=False)
@@ -694,11 +731,30 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         layer = io.layer_index.get(layer_name)
         if layer is None:
             return
+        batch = self._batch
+        if batch is not None:
+            if self._save_step_meta is not meta:  # the step's first layer: place its saves in a slot
+                if self._save_step is not None:  # (a step whose wait_for_save never came)
+                    self._save_step.abandon()
+                planned: dict[tuple[int, bytes], tuple[int, int, bytes, bool]] = {}
+                for req_id, blocks in meta.saves.items():
+                    handoff = req_id in meta.handoffs
+                    for g, block_id, block_hash in blocks:
+                        known = planned.get((g, block_hash))
+                        planned[g, block_hash] = known[:3] + (known[3] or handoff,) if known else \
+                            (g, block_id, block_hash, handoff)
+                self._save_step, overflow = batch.begin_save(list(planned.values()))
+                self._save_step_meta = meta
+                self._save_overflow = {(g, h) for g, _, h, _ in overflow}
+            if self._save_step is not None:  # every block of the step, this layer: one gather
+                self._save_step.gather_layer(layer)
+            if not self._save_overflow:
+                return
         group = io.group_of[layer]
         for req_id, blocks in meta.saves.items():
             handoff = req_id in meta.handoffs
             for g, block_id, block_hash in blocks:
-                if g != group:
+                if g != group or (batch is not None and (g, block_hash) not in self._save_overflow):
                     continue
                 staged = self._staged.get((g, block_hash))
                 if staged is None:
@@ -708,6 +764,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         self._end_layer_load()  # the forward is over: this step's load errors must be known now
+        step, self._save_step, self._save_step_meta, self._save_overflow = self._save_step, None, None, set()
+        if step is not None and self._writer is not None:
+            for save in step.finish():  # views of the step's slot; its device copy still running
+                if not self._writer.submit(save):
+                    self._count(dropped_blocks=len(save.blocks))
         if not self._staged or self._io is None or self._writer is None:
             return
         batches: dict[tuple[int, bool], list[tuple[bytes, np.ndarray]]] = {}

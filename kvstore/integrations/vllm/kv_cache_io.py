@@ -33,6 +33,8 @@ class KVCacheIO:
         self.geometry: list[LayerGeometry] = [layer_geometry(t, num_blocks, ratios.get(name, 1))
                                               for name, t in zip(self.names, tensors)]
         self.on_host = all(t.device.type == "cpu" for t in tensors) and not staged
+        self.num_blocks = num_blocks
+        self.device = tensors[0].device if tensors else torch.device("cpu")
         self._engine = engine
         self._storage: dict[int, torch.Tensor] = {}
         for tensor, geometry in zip(tensors, self.geometry):
@@ -56,6 +58,10 @@ class KVCacheIO:
         # The layer of each segment of a group's block target list (the same for every block).
         self.segment_layers = [[layer for layer in layers for _ in self.geometry[layer].runs]
                                for layers in self.group_layers]
+
+    def storage(self, layer: int) -> torch.Tensor:
+        """The flat uint8 view of the storage holding `layer` (on the cache's device)."""
+        return self._storage[self.geometry[layer].storage_key]
 
     def targets(self, group: int, block_id: int) -> list[tuple[Region, int, int]]:
         """Where a block's bytes go, layer after layer: (region, offset, length) segments."""

@@ -5,10 +5,16 @@ KV-cache layout (LBHNC: a block's `[H, N, C]` is one run; LBNHC: permuted; BLNHC
 block side by side; kernel-block splitting: B counts kernel blocks). A block is therefore described as byte runs
 in the tensor's storage, in physical order, and copied as opaque bytes: never through `reshape`,
 which silently copies a non-contiguous view. Pure torch, no vLLM import.
+
+For the batched copy path a layer's runs are also expressed as a strided grid (`BlockGrid`): every
+vLLM layout and kernel split puts a block's runs at equal spacings of equal length, so one
+`[blocks, *grid, run]` view of the storage lets one tensor operation gather or scatter all of a
+step's blocks of a layer. A layout whose runs do not form such a grid is refused by name.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 
 import torch
 
@@ -87,3 +93,63 @@ def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 tensor over `tensor`'s whole storage (same device, no copy)."""
     flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
     return flat.set_(tensor.untyped_storage())
+
+
+@dataclass(frozen=True)
+class BlockGrid:
+    """One layer's block as a grid of equal runs, in physical order: block `b` starts at
+    `offset + b * block_stride` bytes into the storage and holds `prod(shape)` runs of `run` bytes,
+    run `(i, j, ...)` at `i * strides[0] + j * strides[1] + ...` (outermost first)."""
+
+    offset: int
+    block_stride: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    run: int
+
+    @property
+    def block_bytes(self) -> int:
+        return prod(self.shape) * self.run
+
+    def runs(self, block_id: int = 0) -> list[tuple[int, int]]:
+        """(storage offset, length) of `block_id`'s runs, enumerated from the grid (physical order)."""
+        starts = [self.offset + block_id * self.block_stride]
+        for size, stride in zip(self.shape, self.strides):
+            starts = [s + i * stride for s in starts for i in range(size)]
+        return [(s, self.run) for s in starts]
+
+    @property
+    def element(self) -> int:
+        """The widest element (8, 4, 2 or 1 bytes) every offset, stride and run is a multiple of:
+        a typed view copies in wider words than bytes."""
+        values = (self.offset, self.block_stride, self.run, *self.strides)
+        return next(e for e in (8, 4, 2, 1) if all(v % e == 0 for v in values))
+
+
+def block_grid(geometry: LayerGeometry, layout: str) -> BlockGrid:
+    """`geometry`'s runs as a grid one tensor operation can gather (see BlockGrid); refuses, naming
+    `layout`, runs that are not equally long or not equally spaced at every level."""
+    lengths = {length for _, length in geometry.runs}
+    offsets = [offset for offset, _ in geometry.runs]
+    if len(lengths) != 1:
+        raise UnsupportedKVLayout(
+            f"the {layout} KV cache layout splits a block into runs of different lengths ({sorted(lengths)} bytes): "
+            "the batched copy cannot gather it; use a vLLM layout (VLLM_KV_CACHE_LAYOUT=BLNHC on GPUs)")
+    shape: list[int] = []
+    strides: list[int] = []
+    level = offsets
+    while len(level) > 1:  # peel the innermost level: a run of equal steps, repeated at equal steps
+        step, size = level[1] - level[0], 1
+        while size < len(level) and level[size] - level[0] == size * step:
+            size += 1
+        if len(level) % size:
+            break
+        shape.insert(0, size)
+        strides.insert(0, step)
+        level = level[::size]
+    grid = BlockGrid(offsets[0], geometry.block_stride, tuple(shape), tuple(strides), lengths.pop())
+    if grid.runs() != list(geometry.runs):
+        raise UnsupportedKVLayout(
+            f"the {layout} KV cache layout places a block's {len(offsets)} runs at uneven strides: the batched copy "
+            "cannot gather it with one operation; use a vLLM layout (VLLM_KV_CACHE_LAYOUT=BLNHC on GPUs)")
+    return grid

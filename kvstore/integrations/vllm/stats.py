@@ -7,7 +7,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 FIELDS = ("hit_tokens", "loaded_blocks", "load_bytes", "load_seconds", "load_failures", "layer_wait_seconds",
-          "saved_blocks", "save_bytes", "save_seconds", "save_failures", "dropped_blocks")
+          "saved_blocks", "save_bytes", "save_seconds", "save_failures", "dropped_blocks", "staging_fallbacks")
 
 # Counters exported as vllm:kvstore_<field>_total by vLLM's /metrics (the seconds as sums).
 PROM_HELP = {
@@ -22,6 +22,7 @@ PROM_HELP = {
     "save_seconds": "Seconds the background writer spent saving",
     "save_failures": "Blocks whose save failed",
     "dropped_blocks": "Blocks not saved because the save queue was full (back-pressure)",
+    "staging_fallbacks": "Workers that copy KV block by block because their registered staging could not be allocated",
 }
 
 

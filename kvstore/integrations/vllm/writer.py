@@ -18,11 +18,14 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class SaveBatch:
     blocks: list[tuple[bytes, np.ndarray]]
     handoff: bool  # a decode instance waits for these blocks
     group: int = 0  # the KV cache group (its fingerprint) the blocks belong to
+    ready: Callable[[], None] | None = None  # waits until the blocks' bytes are in their buffers (a device copy)
+    release: Callable[[], None] | None = None  # the buffers may be reused: called once, stored, failed or dropped
 
     @property
     def nbytes(self) -> int:
@@ -56,12 +59,14 @@ class SaveWriter:
         size = batch.nbytes
         with self._cond:
             if self._closed:
+                _release(batch)
                 return False
             deadline = time.monotonic() + (self._handoff_wait_s if batch.handoff else 0.0)
             while self._queued_bytes and self._queued_bytes + size > self._max_bytes:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.dropped_blocks += len(batch.blocks)
+                    _release(batch)
                     return False
                 self._cond.wait(left)
             self._queue.append(batch)
@@ -96,6 +101,8 @@ class SaveWriter:
                 self._busy = True
             started, error = time.perf_counter(), None
             try:
+                if batch.ready is not None:
+                    batch.ready()
                 self._put_many(batch)
             except Exception as exc:  # noqa: BLE001 - a failed save is a later miss, never a crash
                 error = exc
@@ -103,7 +110,14 @@ class SaveWriter:
             try:
                 self._on_done(batch, time.perf_counter() - started, error)
             finally:
+                _release(batch)
                 with self._cond:
                     self._queued_bytes -= batch.nbytes
                     self._busy = False
                     self._cond.notify_all()
+
+
+def _release(batch: SaveBatch) -> None:
+    release, batch.release = batch.release, None
+    if release is not None:
+        release()
