@@ -341,6 +341,11 @@ class IndexMirror:
         with self._changed:
             return self._changed.wait_for(lambda: self._revision >= revision, timeout)
 
+    def wake(self) -> None:
+        """Wake every wait_until, whose predicate may hold for a reason outside the index."""
+        with self._changed:
+            self._changed.notify_all()
+
     def wait_until(self, predicate: Callable[["IndexMirror"], bool], timeout: float = 5.0) -> bool:
         """Block until `predicate(self)` holds after some update, or the timeout passes. The
         predicate sees whole watch batches (it runs under the apply lock: it must not call what

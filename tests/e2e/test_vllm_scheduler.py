@@ -14,8 +14,12 @@ import torch  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
 from kvstore.integrations.vllm.handoff import make_params  # noqa: E402
-from vllm_harness import BLOCK, Harness  # noqa: E402
+from kvstore.integrations.vllm.request_keys import request_hashes  # noqa: E402
+from vllm_harness import BLOCK, Harness, plain_request  # noqa: E402
 from vllm_harness import close_harness_stores  # noqa: E402,F401 - autouse: each test closes its stores
 
 
@@ -91,33 +95,67 @@ def test_preemption_resumes_and_drains(model):
     assert sum(r.num_preemptions for r in requests) >= 1
 
 
+def signed_params(h: Harness, prompt: list[int], blocks: int, **kwargs) -> dict:
+    """Hand-off parameters as this deployment's prefill signs them for `prompt` (process-local
+    store: this process's key)."""
+    keys = request_hashes(h.chain, plain_request(prompt))
+    return make_params(h.worker._handoff_key, h.chain.digest, prompt, blocks, blocks * BLOCK, keys[blocks - 1],
+                       **kwargs)
+
+
+def decode_request(h: Harness, req_id: str, prompt: list[int], params: dict, **kwargs) -> Request:
+    return Request(req_id, prompt, SamplingParams(temperature=0, max_tokens=2, extra_args={"kv_transfer_params": params}),
+                   None, block_hasher=h.block_hasher, **kwargs)
+
+
+def wait_status(h: Harness, request: Request, status: RequestStatus, seconds: float = 15.0) -> None:
+    deadline = time.monotonic() + seconds
+    while request.status != status and time.monotonic() < deadline and not request.is_finished():
+        h.step()
+        time.sleep(0.005)
+
+
 def test_decode_waits_on_the_index_for_blocks_still_being_written(model):
     h = Harness(model, role="kv_consumer", process_local=True, remote_wait_s=10)
     prompt = list(range(21, 21 + 3 * BLOCK + 4))
-    # As this deployment's prefill signs them (process-local store: this process's key).
-    params = make_params(h.worker._handoff_key, h.scheduler.connector._chain.digest, prompt, 3, 3 * BLOCK)
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-    request = Request("d1", prompt, SamplingParams(temperature=0, max_tokens=2, extra_args={"kv_transfer_params": params}),
-                      None, block_hasher=h.block_hasher)
+    request = decode_request(h, "d1", prompt, signed_params(h, prompt, 3))
     h.scheduler.add_request(request)
     h.step()  # the scheduler asks once and parks the request; nothing is stored yet
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     writer = threading.Timer(0.5, h.seed_store, args=(prompt, 3))  # the prefill's saves land later
     writer.start()
-    deadline = time.monotonic() + 15
-    while request.status != RequestStatus.RUNNING and time.monotonic() < deadline and not request.is_finished():
-        h.step()
-        time.sleep(0.005)
+    wait_status(h, request, RequestStatus.RUNNING)
     writer.join()
     assert h.worker.totals.data["loaded_blocks"] == 3 and not h.errors
     h.run_until_empty()
 
 
+def test_waiting_handoffs_never_hold_up_other_loads(model):
+    """Hand-offs wait for their blocks off the load pool: three decodes whose prefill never
+    delivers must not delay an ordinary load behind them. Kills: waiting on a load-pool thread
+    (two threads: the ordinary load would start only when a hand-off's budget ran out)."""
+    h = Harness(model, role="kv_both", process_local=True, remote_wait_s=30, sync_load_blocks=0)
+    waiting = []
+    for i in range(3):
+        prompt = list(range(100 + 40 * i, 100 + 40 * i + 2 * BLOCK + 3))
+        waiting.append(decode_request(h, f"d{i}", prompt, signed_params(h, prompt, 2)))
+        h.scheduler.add_request(waiting[-1])
+    h.step()
+    assert h.worker._handoffs.waiting == 3
+    ordinary = list(range(300, 300 + 2 * BLOCK + 5))
+    h.seed_store(ordinary, 2)
+    request = h.add("plain", ordinary)
+    wait_status(h, request, RequestStatus.RUNNING)
+    assert request.status == RequestStatus.RUNNING and h.worker._handoffs.waiting == 3
+    assert h.worker.totals.data["loaded_blocks"] == 2
+    for r in waiting:  # their prefill never delivers: abort them (they end at once, nothing loading)
+        h.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_ABORTED)
+    h.run_until_empty()
+    assert h.worker._handoffs.waiting == 0
+
+
 def test_producer_promises_blocks_only_to_remote_decode_prefills(model):
     h = Harness(model, role="kv_producer", process_local=True)
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
     prompt = list(range(31, 31 + 2 * BLOCK + 4))
     asked = Request("p1", prompt, SamplingParams(temperature=0, max_tokens=1,
                                                  extra_args={"kv_transfer_params": {"do_remote_decode": True}}),
@@ -132,27 +170,40 @@ def test_producer_promises_blocks_only_to_remote_decode_prefills(model):
     assert params["p2"] is None
 
 
-def test_unsigned_handoff_params_cannot_make_a_decode_wait(model):
+def test_handoff_params_not_signed_for_their_request_cannot_make_a_decode_wait(model):
     """Any API client can attach plausible kv_transfer_params (the fingerprint digest is no secret):
-    without this deployment's MAC they load only what the store holds, and never wait. Kills:
-    waiting remote_wait_s on whatever parameters a request carries."""
+    without this deployment's MAC, fresh, for this very request (its last promised block's key),
+    used once, they load only what the store holds and never wait. Each case has its own prompt, so
+    vLLM's own prefix cache never answers for the connector. Kills: waiting on whatever parameters a
+    request carries; no age check (the stale case); a MAC that does not bind the request's key
+    (the foreign case: parameters signed for the same prompt under another salt); no one-time id (the replayed case)."""
     h = Harness(model, role="kv_consumer", process_local=True, remote_wait_s=30)
-    prompt = list(range(51, 51 + 3 * BLOCK + 4))
-    chain = h.scheduler.connector._chain.digest
-    forged = make_params(None, chain, prompt, 3, 3 * BLOCK)  # unsigned
-    tampered = make_params(h.worker._handoff_key, chain, prompt, 3, 3 * BLOCK)
+    connector = h.scheduler.connector
+    prompts = [list(range(51 + 7 * i, 51 + 7 * i + 3 * BLOCK + 4)) for i in range(6)]  # prompts[4]: unused
+    forged = make_params(None, h.chain.digest, prompts[0], 3, 3 * BLOCK)  # unsigned
+    tampered = signed_params(h, prompts[1], 3)
     tampered["kvstore"]["num_tokens"] = 4 * BLOCK  # a signed body, changed
-    stale = make_params(h.worker._handoff_key, chain, prompt, 3, 3 * BLOCK, now=time.time() - 3600)
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-    for i, params in enumerate((forged, tampered, stale)):
-        request = Request(f"d{i}", prompt, SamplingParams(temperature=0, max_tokens=2,
-                                                          extra_args={"kv_transfer_params": params}),
-                          None, block_hasher=h.block_hasher)
-        started = time.monotonic()
+    stale = signed_params(h, prompts[2], 3, now=time.time() - 3600)
+    foreign = signed_params(h, prompts[3], 3)  # signed for this prompt without a salt: the request has one
+    replayed = signed_params(h, prompts[5], 3)
+    first = decode_request(h, "first-use", prompts[5], replayed)
+    h.scheduler.add_request(first)
+    h.step()
+    assert first.status == RequestStatus.WAITING_FOR_REMOTE_KVS and h.worker._handoffs.waiting == 1
+    h.scheduler.finish_requests(["first-use"], RequestStatus.FINISHED_ABORTED)
+    h.run_until_empty(seconds=10)
+    h.scheduler.reset_prefix_cache()
+    for i, params in enumerate((forged, tampered, stale, foreign, replayed)):
+        prompt = prompts[5] if params is replayed else prompts[i]
+        salt = {"cache_salt": "another-tenant"} if params is foreign else {}
+        request = decode_request(h, f"d{i}", prompt, params, **salt)
+        refused = connector.refused_handoffs
         h.scheduler.add_request(request)
+        h.step()
+        assert connector.refused_handoffs == refused + 1, i
+        assert h.worker._handoffs.waiting == 0 and request.status != RequestStatus.WAITING_FOR_REMOTE_KVS, i
         h.run_until_empty(seconds=10)
-        assert time.monotonic() - started < 5 and request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert h.worker.totals.data.get("loaded_blocks", 0) == 0
 
 

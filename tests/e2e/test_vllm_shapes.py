@@ -22,7 +22,6 @@ import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
-from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
 from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
@@ -36,7 +35,7 @@ from kvstore.integrations.vllm.request_keys import request_hashes, request_keys 
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
 from kvstore.keys import ModelFingerprint  # noqa: E402
 from vllm_harness import (BLOCK, HEAD, HEADS, Harness, allocate, fake_backend, full_spec, kv_cache_config,  # noqa: E402
-                          layer_names, physical_bytes, vllm_config)
+                          image_feature, layer_names, physical_bytes, plain_request, vllm_config, write_adapter)
 from vllm_harness import close_harness_stores  # noqa: E402,F401 - autouse: each test closes its stores
 
 LAYERS = layer_names(2)
@@ -58,11 +57,6 @@ def wait_running(h: Harness, request, seconds: float = 10.0) -> None:
 def layer_bytes(h: Harness, name: str, block_id: int) -> torch.Tensor:
     """One layer's bytes of one scheduler block, in storage order (independent of the connector)."""
     return physical_bytes(h.block(name, block_id))
-
-
-def plain_request(prompt: list[int], **kwargs) -> SimpleNamespace:
-    return SimpleNamespace(prompt_token_ids=prompt, cache_salt=None, lora_request=None, mm_features=None,
-                           prompt_embeds=None, **kwargs)
 
 
 # vLLM's layouts: the CPU's LBHNC, GPU ones (LBNHC: a block's [H, N, C] permuted, not contiguous;
@@ -284,24 +278,25 @@ def test_a_worker_layout_other_than_the_one_its_blocks_are_keyed_by_is_refused(m
     worker.shutdown()
 
 
-def test_lora_multimodal_prompt_embeds_and_salt_are_part_of_the_key(model):
+def test_lora_multimodal_prompt_embeds_and_salt_are_part_of_the_key(model, tmp_path):
     """Kills: dropping prompt embeddings (or any of vLLM's extra keys) from the block keys."""
     h = Harness(model)
     connector = h.scheduler.connector
     prompt = list(range(7, 7 + 2 * BLOCK + 1))
-    image = lambda ident: [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,  # noqa: E731
-                                                 mm_position=PlaceholderRange(offset=4, length=8))]
+    image = lambda ident, seed: [image_feature(ident, seed, offset=4)]  # noqa: E731
     embeds = lambda seed: torch.randn(len(prompt), 128, generator=torch.Generator().manual_seed(seed))  # noqa: E731
-    variants = {"plain": {}, "lora-a": {"lora_request": LoRARequest("a", 1, "/adapters/a")},
-                "lora-b": {"lora_request": LoRARequest("b", 2, "/adapters/b")},
-                "image-1": {"mm_features": image("img-1")}, "image-2": {"mm_features": image("img-2")},
+    adapter = lambda name, seed: write_adapter(str(tmp_path / name), seed)  # noqa: E731
+    variants = {"plain": {}, "lora-a": {"lora_request": LoRARequest("a", 1, adapter("a", 1))},
+                "lora-b": {"lora_request": LoRARequest("b", 2, adapter("b", 2))},
+                "image-1": {"mm_features": image("img-1", 1)}, "image-2": {"mm_features": image("img-2", 2)},
                 "salt": {"cache_salt": "tenant-7"}, "embeds-1": {"prompt_embeds": embeds(1)},
                 "embeds-2": {"prompt_embeds": embeds(2)}}
     requests = {name: Request(name, prompt, SamplingParams(max_tokens=1), None, **kw) for name, kw in variants.items()}
-    keys = {name: request_hashes(h.fingerprint, r) for name, r in requests.items()}
+    keys = {name: request_hashes(h.chain, r) for name, r in requests.items()}
+    assert all(len(k) == 2 for k in keys.values())
     assert len({tuple(k) for k in keys.values()}) == len(variants)  # every variant its own chain
     same = Request("embeds-1-again", prompt, SamplingParams(max_tokens=1), None, prompt_embeds=embeds(1))
-    assert request_hashes(h.fingerprint, same) == keys["embeds-1"]  # the same embeddings: the same KV
+    assert request_hashes(h.chain, same) == keys["embeds-1"]  # the same embeddings: the same KV
     h.seed_store(prompt, 2, hashes=keys["lora-a"])  # KV computed under adapter a
     assert connector.get_num_new_matched_tokens(requests["lora-a"], 0)[0] == 2 * BLOCK
     for other in ("plain", "lora-b", "image-1", "salt", "embeds-1"):
@@ -314,8 +309,8 @@ def test_the_partial_block_key_depends_on_its_whole_prefix(model):
     h = Harness(model)
     tail = [9, 8, 7, 6, 5]
     a, b = list(range(10, 10 + BLOCK)) + tail, list(range(30, 30 + BLOCK)) + tail
-    full_a, tail_a = request_keys(h.fingerprint, plain_request(a))
-    full_b, tail_b = request_keys(h.fingerprint, plain_request(b))
+    full_a, tail_a = request_keys(h.chain, plain_request(a))
+    full_b, tail_b = request_keys(h.chain, plain_request(b))
     assert full_a != full_b and tail_a != tail_b
     # Stored for prompt a (its full block and its tail): prompt b finds neither.
     h.store.put_many([(k, np.zeros(h.block_bytes(), np.uint8)) for k in full_a + [tail_a]], fingerprint=h.fingerprint)
@@ -331,10 +326,10 @@ def test_saves_carry_the_cache_salt_even_with_loading_off(model):
     prompt = list(range(9, 9 + 2 * BLOCK + 1))
     h.add("r1", prompt, cache_salt="tenant-9")
     h.run_until_empty()
-    salted = request_hashes(h.fingerprint, SimpleNamespace(prompt_token_ids=prompt, cache_salt="tenant-9",
+    salted = request_hashes(h.chain, SimpleNamespace(prompt_token_ids=prompt, cache_salt="tenant-9",
                                                            lora_request=None, mm_features=None, prompt_embeds=None))
     assert all(h.store.mirror.contains(h.fingerprint, k) for k in salted[:2])
-    assert h.store.mirror.match(h.fingerprint, request_hashes(h.fingerprint, plain_request(prompt))).length == 0
+    assert h.store.mirror.match(h.fingerprint, request_hashes(h.chain, plain_request(prompt))).length == 0
 
 
 def _parallel_config(tp: int, pp: int, mla: bool = False) -> SimpleNamespace:
@@ -389,7 +384,7 @@ def test_scheduler_counts_only_blocks_every_rank_holds(model):
     h.seed_store(prompt, 3)  # rank 0 holds 3 blocks, rank 1 holds none
     assert connector.get_num_new_matched_tokens(Request("x", prompt, SamplingParams(), None), 0) == (0, False)
     h.store.put_many([(k, np.zeros(h.block_bytes(), np.uint8)) for k in request_hashes(
-        h.fingerprint, plain_request(prompt))[:2]], fingerprint=other_rank)
+        h.chain, plain_request(prompt))[:2]], fingerprint=other_rank)
     assert h.store.mirror.wait_until(lambda m: m.match(other_rank, connector._requests["x"].hashes).length == 2, 5)
     connector._requests.clear()
     assert connector.get_num_new_matched_tokens(Request("y", prompt, SamplingParams(), None), 0)[0] == 2 * BLOCK
@@ -573,7 +568,7 @@ def test_saved_blocks_are_announced_as_kv_events_and_prometheus_series(model):
         connector.take_events()
         stored = [e for e in events if type(e).__name__ == "BlockStored"]
         time.sleep(0.01)
-    keys = request_hashes(h.fingerprint, plain_request(prompt))
+    keys = request_hashes(h.chain, plain_request(prompt))
     assert [e.block_hashes[0] for e in stored] == keys[:2]
     assert stored[1].parent_block_hash == keys[0] and stored[0].token_ids == prompt[:BLOCK]
     assert {(e.group_idx, e.kv_cache_spec_kind) for e in stored} == {(0, "full_attention")}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from types import SimpleNamespace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -17,6 +18,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.utils.hashing import sha256
 from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -71,7 +73,8 @@ class FakeAttention(AttentionLayerBase):
         return None
 
 
-def vllm_config(model: str, role: str = "kv_both", layout: str | None = CPU_LAYOUT, **extra) -> VllmConfig:
+def vllm_config(model: str, role: str = "kv_both", layout: str | None = CPU_LAYOUT, batch_tokens: int = 1024,
+                **extra) -> VllmConfig:
     url = extra.pop("metadata", f"memory://sched-{uuid.uuid4().hex[:8]}")
     kv = KVTransferConfig(kv_connector="KVStoreConnector", kv_role=role,
                           kv_connector_module_path="kvstore.integrations.vllm.connector",
@@ -79,7 +82,7 @@ def vllm_config(model: str, role: str = "kv_both", layout: str | None = CPU_LAYO
                           kv_load_failure_policy="recompute")
     config = VllmConfig(model_config=ModelConfig(model=model, dtype="float32", max_model_len=1024, seed=0),
                         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-                        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=1024,
+                        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=batch_tokens,
                                                          max_model_len=1024, is_encoder_decoder=False),
                         device_config=DeviceConfig("cpu"), kv_transfer_config=kv)
     config.cache_config.kv_cache_layout = layout  # what the engine core resolves before allocating
@@ -124,6 +127,51 @@ def physical_bytes(view: torch.Tensor) -> torch.Tensor:
     return storage[byte_offsets]
 
 
+def plain_request(prompt: list[int], **kwargs) -> SimpleNamespace:
+    """A request as request_keys reads it: tokens, and none of the extras unless given."""
+    fields = dict(cache_salt=None, lora_request=None, mm_features=None, prompt_embeds=None)
+    fields.update(kwargs)
+    return SimpleNamespace(prompt_token_ids=prompt, **fields)
+
+
+def write_adapter(path: str, seed: int, rank: int = 4, hidden: int = 128) -> str:
+    """A LoRA adapter directory as PEFT writes one (config + safetensors weights of a Llama's
+    q/v projections), its weights drawn from `seed`; rewritten in place when it exists."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj", "v_proj"],
+                   "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": None}, f)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(2):
+        for proj in ("q_proj", "v_proj"):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=g) * 0.05
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(hidden, rank, generator=g) * 0.05
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    return path
+
+
+def image_feature(identifier: str, seed: int | None, offset: int, length: int = 8):
+    """One image of a request as vLLM's scheduler holds it: its identifier (a content hash, or a
+    client's multi_modal_uuids entry), its placeholder tokens and, unless `seed` is None (vLLM's
+    caches can leave them out), its processed inputs."""
+    from vllm.multimodal.inputs import (MultiModalFeatureSpec, MultiModalFieldElem, MultiModalKwargsItem,
+                                        MultiModalSharedField, PlaceholderRange)
+
+    data = None
+    if seed is not None:
+        pixels = torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(seed))
+        data = MultiModalKwargsItem({"pixel_values": MultiModalFieldElem(pixels, MultiModalSharedField(batch_size=1))})
+    return MultiModalFeatureSpec(data=data, modality="image", identifier=identifier,
+                                 mm_position=PlaceholderRange(offset=offset, length=length))
+
+
 _opened: list[str] = []  # store URLs harnesses opened: closed after each test (close_harness_stores)
 
 
@@ -144,8 +192,8 @@ class Harness:
 
     def __init__(self, model: str, num_blocks: int = 64, role: str = "kv_both", layout: str = CPU_LAYOUT,
                  groups: list[tuple[KVCacheSpec, list[str]]] | None = None, layers: int = 1,
-                 backend: type | None = None, **extra) -> None:
-        config = vllm_config(model, role, layout, **extra)
+                 backend: type | None = None, batch_tokens: int = 1024, **extra) -> None:
+        config = vllm_config(model, role, layout, batch_tokens, **extra)
         self.config = config
         self.url = config.kv_transfer_config.kv_connector_extra_config["metadata"]
         config.cache_config.num_gpu_blocks = num_blocks
@@ -162,6 +210,7 @@ class Harness:
         if self.url.startswith("memory://") and self.url not in _opened:
             _opened.append(self.url)
         self.fingerprint = self.worker.fingerprint
+        self.chain = self.scheduler.connector.chain  # what block keys chain from (the weights' identity in it)
         self.num_blocks = num_blocks
         self.errors: set[int] = set()
         self.failed_requests: set[str] = set()
@@ -180,7 +229,7 @@ class Harness:
 
     def seed_store(self, prompt: list[int], blocks: int, hashes: list[bytes] | None = None,
                    group: int = 0) -> list[np.ndarray]:
-        hashes = (hashes or prompt_hashes(self.fingerprint, prompt))[:blocks]
+        hashes = (hashes or prompt_hashes(self.chain, prompt))[:blocks]
         data = [np.full(self.block_bytes(group) // 4, float(i + 1), np.float32) for i in range(blocks)]
         fingerprint = self.worker.group_fingerprints[group]
         self.store.put_many(list(zip(hashes, data)), fingerprint=fingerprint)
@@ -193,10 +242,14 @@ class Harness:
         self.scheduler.add_request(request)
         return request
 
-    def step(self, before_layer: Callable[[str, torch.Tensor], None] | None = None) -> None:
+    def step(self, before_layer: Callable[[str, torch.Tensor], None] | None = None,
+             forward: Callable[[SchedulerOutput], None] | None = None) -> None:
         """One engine step; `before_layer(name, tensor)` plays vLLM writing the layer's new-token KV
-        (it does so before the layer waits for its load)."""
+        (it does so before the layer waits for its load); `forward(scheduler_output)` plays the
+        whole forward pass writing the KV of what it computes (before any layer saves)."""
         out = self.scheduler.schedule()
+        if forward is not None:
+            forward(out)
         self.worker.bind_connector_metadata(out.kv_connector_metadata)
         self.worker.start_load_kv(None)
         for name, tensor in self.kv_caches.items():  # the forward pass, layer after layer
@@ -211,13 +264,19 @@ class Harness:
         self.failed_requests |= results.failed_recving
         self.worker.clear_connector_metadata()
         ids = list(out.num_scheduled_tokens)
+        # A chunk that leaves part of the prompt to compute samples nothing (vLLM's runner drops it).
+        sampled = [[7] if self._prompt_done(r) else [] for r in ids]
         output = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                   sampled_token_ids=[[7] for _ in ids],
+                                   sampled_token_ids=sampled,
                                    kv_connector_output=KVConnectorOutput(
                                        finished_sending=results.finished_sending or None,
                                        finished_recving=results.finished_recving or None,
                                        failed_recving=results.failed_recving, invalid_block_ids=errors))
         self.outputs.append(self.scheduler.update_from_output(out, output))
+
+    def _prompt_done(self, req_id: str) -> bool:
+        request = self.scheduler.requests.get(req_id)
+        return request is None or request.num_computed_tokens >= request.num_prompt_tokens
 
     def run_until_empty(self, seconds: float = 30.0) -> None:
         deadline = time.monotonic() + seconds

@@ -42,12 +42,14 @@ from .events import StoreEvents
 from .fingerprint import (all_rank_fingerprints, chain_fingerprint, check_kv_scales, fingerprint_from_vllm,
                           group_fingerprints, layout_name, required_layout, resolved_layout, uses_mla)
 from .groups import FULL, NULL_BLOCK, SLIDING, SUPPORTED, CacheGroup, check_groups
-from .handoff import PARAMS_KEY, handoff_key, make_params, wait_budget
+from .handoff import PARAMS_KEY, SeenIds, handoff_key, make_params, wait_budget
+from .handoff_wait import HandoffWaiter, PendingHandoff
 from .kv_cache_io import KVCacheIO
 from .layer_progress import LayerProgress
 from .parallel import check_context_parallel, check_hybrid_pipeline, world, worker_ranks
 from .plan import GroupBlock, RequestState, common_prefix, loadable_blocks, loadable_tokens, longest_servable
-from .request_keys import request_keys
+from .identity import AdapterIdentities, weights_identity
+from .request_keys import KeySources, request_keys
 from .stats import KVStoreConnectorStats, KVStorePromMetrics
 from .store import check_deployment, is_private, store_for
 from .writer import SaveBatch, SaveWriter
@@ -58,6 +60,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+    from ...keys import ModelFingerprint
 
 log = logging.getLogger(__name__)
 CANCELLED_STAGING_KEPT = 8  # staging of timed-out loads kept alive: a late transfer lands there, never freed memory
@@ -131,13 +135,19 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # The prompt's trailing partial block is saved too, so the same prompt again (a retry, a P/D
         # decode) recomputes one token instead of up to block_size - 1.
         self.partial_blocks = bool(extra.get("partial_blocks", True))
-        # Keys chain from the weights' version: reset_cache (weights updated in place) starts a new one.
-        self.weight_version = str(extra.get("weight_version", ""))
-        self._chain = chain_fingerprint(self.fingerprint, self.weight_version)
+        # Keys chain from the identity of the weights this engine runs (their digest and the named
+        # version): reset_cache (weights updated in place) starts a new chain. Adapters and
+        # multimodal items are keyed by their content (request_keys.KeySources).
+        self._sources = KeySources(AdapterIdentities(str(extra.get("weights_digest", "sampled"))),
+                                   trust_mm_identifiers=bool(extra.get("trust_multimodal_identifiers", False)))
+        self.weights = weights_identity(vllm_config, extra) if role != KVConnectorRole.WORKER else "worker"
+        self._chain = chain_fingerprint(self.fingerprint, self.weights)
         if self.kv_role in ("kv_both", "kv_producer") and self._handoff_key is None and role != KVConnectorRole.WORKER:
             log.warning("kvstore: no secret in kv_connector_extra_config: P/D hand-off parameters are unsigned, so "
                         "decode engines load only blocks already stored and never wait for ones still being written")
         self._handoffs_withheld_logged = False
+        self._seen_handoffs = SeenIds()  # one-time ids of hand-off parameters already waited for
+        self.refused_handoffs = 0  # parameters not signed for their request (or replayed): no wait
         # scheduler side
         self._requests: dict[str, RequestState] = {}
         self._matched: dict[str, tuple[int, int, int, bool]] = {}  # computed tokens, blocks, tokens, async
@@ -160,6 +170,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._sent: set[str] = set()
         self._load_errors: set[int] = set()
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvstore-load")
+        self._handoffs = HandoffWaiter(self.store.mirror, self.group_fingerprints, self._release_handoff)
         self._layer_pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-layer-load")
         self._layer_load: LayerLoad | None = None  # this step's layer-by-layer load
         self._cancelled_staging: deque[np.ndarray] = deque(maxlen=CANCELLED_STAGING_KEPT)
@@ -172,6 +183,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._save_queue_bytes = int(float(extra.get("save_queue_mib", 256)) * (1 << 20))
         self._stats = KVStoreConnectorStats()  # since the last get_kv_connector_stats()
         self.totals = KVStoreConnectorStats()  # since start (the demo and tests read it)
+
+    @property
+    def chain(self) -> "ModelFingerprint":
+        """The fingerprint this engine's block keys chain from (its weights' identity in it)."""
+        return self._chain
 
     def _count(self, **values: float) -> None:
         with self._lock:
@@ -230,7 +246,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if remote is not None and remote.get("prompt_token_ids") is not None:
                 # Hash exactly what the prefill hashed, as far as it agrees with this prompt.
                 tokens = common_prefix(prompt, list(remote["prompt_token_ids"]))
-            full, tail = request_keys(self._chain, request, tokens)
+            full, tail = request_keys(self._chain, request, tokens, self._sources)
             # A partial block is only worth a key when it gives a token beyond the full blocks, and
             # in P/D only when this prompt is exactly the one the prefill saved.
             if not self.partial_blocks or tokens != prompt or len(prompt) % self.block_size < 2:
@@ -288,11 +304,18 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                                     f"{remote.get('fingerprint')}, this engine is {self._chain.digest}:"
                                                     " recomputing instead"))
                 return 0, False
-            # Only parameters this deployment's prefill signed may make the worker wait for blocks.
-            wait = wait_budget(remote, self._handoff_key, self.remote_wait_s)
+            # Only parameters this deployment's prefill signed, for this very request, once, may make
+            # the worker wait for blocks.
+            promised = int(remote.get("num_tokens", int(remote.get("num_blocks", 0)) * self.block_size))
+            count = -(-promised // self.block_size)
+            last_key = state.keys[count - 1] if 0 < count <= len(state.keys) else None
+            wait = wait_budget(remote, self._handoff_key, self.remote_wait_s, last_key, self._seen_handoffs)
+            if wait <= 0:
+                self.refused_handoffs += 1
+                log.debug("kvstore: request %s carries hand-off parameters this deployment did not sign for it "
+                          "(or already used): loading only what is stored", request.request_id)
         if wait > 0:
             # The producer promised these tokens; the worker waits on the index for blocks still in flight.
-            promised = int(remote.get("num_tokens", int(remote.get("num_blocks", 0)) * self.block_size))
             matched = min(-(-promised // self.block_size), usable)
             matched_tokens = min(promised, matched * self.block_size)
             self._remote_waits[request.request_id] = wait
@@ -412,9 +435,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                             "when the decode engine shares this process)", self._extra.get("metadata", "embedded"))
             return None
         # num_blocks: full blocks (what earlier decoders read); num_tokens: the partial block's too.
+        num_tokens = min(loadable_tokens(state.prompt_tokens), len(state.keys) * self.block_size)
+        count = -(-num_tokens // self.block_size)
         return make_params(self._handoff_key, self._chain.digest, state.tokens,
                            min(loadable_blocks(state.prompt_tokens, self.block_size), len(state.hashes)),
-                           min(loadable_tokens(state.prompt_tokens), len(state.keys) * self.block_size))
+                           num_tokens, state.keys[count - 1] if count else None)
 
     @staticmethod
     def _prefill_succeeded(request: "Request") -> bool:
@@ -428,12 +453,21 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self._events.take(lambda group, h: mirror.contains(fingerprints[group], h))
 
     def reset_cache(self, weight_version: str | None = None) -> bool:
-        """After an in-place weight update the stored KV is stale: keys chain from the new weights'
-        version (given, else a random one: no two processes ever share a chain they did not name)."""
+        """After an in-place weight update the stored KV is stale. vLLM calls this with no argument
+        (`reset_prefix_cache(reset_connector=True)`): the new weights' identity is read now, from
+        the weight files and the configured version (`weight_version_file`, KVSTORE_WEIGHT_VERSION,
+        `weight_version`). Where neither changed, the weights may have changed in memory only: the
+        new chain is random, shared with no other process."""
         import secrets
 
-        self.weight_version = str(weight_version) if weight_version else f"nonce {secrets.token_hex(16)}"
-        self._chain = chain_fingerprint(self.fingerprint, self.weight_version)
+        # A version the caller names overrides every configured source.
+        weights = weights_identity(self._vllm_config, self._extra, version=weight_version or None)
+        if not weight_version and weights == self.weights:
+            log.warning("kvstore: the connector's cache was reset with no new weight version (weight_version_file, "
+                        "KVSTORE_WEIGHT_VERSION) and the same weight files: KV from now on is keyed to this process")
+            weights = f"nonce {secrets.token_hex(16)}"
+        self.weights = weights
+        self._chain = chain_fingerprint(self.fingerprint, self.weights)
         self._requests.clear()
         return True
 
@@ -492,8 +526,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         for req_id, blocks in meta.loads.items():
             with self._lock:
                 self._in_flight.add(req_id)
-            self._pool.submit(self._load, req_id, blocks, meta.load_tokens.get(req_id), True,
-                              meta.remote_waits.get(req_id, 0.0))
+            wait = meta.remote_waits.get(req_id, 0.0)
+            if wait > 0:  # a P/D hand-off whose blocks may still be on their way: waits off the pool
+                self._handoffs.add(req_id, blocks, wait, meta.load_tokens.get(req_id))
+            else:
+                self._pool.submit(self._load, req_id, blocks, meta.load_tokens.get(req_id), True)
         self._end_layer_load()  # never two in flight
         in_step = sum(len(blocks) for blocks in meta.sync_loads.values())
         io = self._io
@@ -522,10 +559,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                          shared_ids, failed)
         self._layer_load = LayerLoad(future, progress, block_ids)
 
-    def _wait_for_blocks(self, blocks: list[GroupBlock], seconds: float) -> None:
-        """P/D: block on the index mirror's watch until the producer's blocks are published."""
-        mirror, fingerprints = self.store.mirror, self.group_fingerprints
-        mirror.wait_until(lambda m: all(m.contains(fingerprints[g], h) for g, _, h in blocks), seconds)
+    def _release_handoff(self, pending: PendingHandoff) -> None:
+        """A hand-off's blocks are published (or its wait is over): load what is there."""
+        self._pool.submit(self._load, pending.req_id, pending.blocks, pending.tokens, True)
 
     def _read(self, blocks: list[GroupBlock]) -> set[int]:
         """Read blocks from the store into the KV cache; the block ids that could not be loaded."""
@@ -555,23 +591,20 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             failed |= {block_id for (block_id, _), ok in zip(chosen, found) if not ok}
         return failed
 
-    def _read_or_fail(self, blocks: list[GroupBlock], what: str, wait_s: float = 0.0) -> set[int]:
-        """`_read` (after waiting up to `wait_s` for P/D blocks still being published), with any
-        error failing every block: a failed load is a recompute, never a crash or a hang."""
+    def _read_or_fail(self, blocks: list[GroupBlock], what: str) -> set[int]:
+        """`_read`, with any error failing every block: a failed load is a recompute, never a crash
+        or a hang."""
         try:
-            if wait_s > 0:
-                self._wait_for_blocks(blocks, wait_s)
             return self._read(blocks)
         except Exception as exc:  # noqa: BLE001 - whatever went wrong, the blocks did not load
             log.warning("kvstore load (%s) of %d blocks failed: %s: %s", what, len(blocks), type(exc).__name__, exc)
             return {block_id for _, block_id, _ in blocks}
 
-    def _load(self, req_id: str, blocks: list[GroupBlock], tokens: int | None = None, report: bool = True,
-              wait_s: float = 0.0) -> None:
+    def _load(self, req_id: str, blocks: list[GroupBlock], tokens: int | None = None, report: bool = True) -> None:
         """Load one request's blocks; an asynchronous load reports its end however it ends."""
         started = time.perf_counter()
         try:
-            failed = self._read_or_fail(blocks, req_id, wait_s=wait_s)
+            failed = self._read_or_fail(blocks, req_id)
             self._account({req_id: blocks}, {req_id: tokens} if tokens is not None else {}, failed,
                           time.perf_counter() - started)
         except Exception as exc:  # noqa: BLE001 - bookkeeping failed: take nothing as loaded
@@ -787,6 +820,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._count(saved_blocks=len(batch.blocks), save_bytes=batch.nbytes, save_seconds=seconds)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # A hand-off still waiting for its blocks has not started loading: it ends now.
+        for req_id in finished_req_ids:
+            if self._handoffs.cancel(req_id):
+                with self._lock:
+                    self._in_flight.discard(req_id)
+                    self._sent.add(req_id)
         with self._lock:
             for req_id in finished_req_ids:
                 if req_id in self._in_flight:
@@ -829,6 +868,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._writer is not None:
             self._writer.close()
         self._end_layer_load()
+        self._handoffs.close()
         self._pool.shutdown(wait=True)
         self._layer_pool.shutdown(wait=True)
         if self._io is not None:

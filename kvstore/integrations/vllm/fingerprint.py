@@ -70,20 +70,65 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
+# Rope types whose values depend only on the checkpoint's config, never on the `max_position` vLLM
+# passes (that only sizes the cos/sin cache). Any other type (longrope/su picks its long or short
+# factors from max_model_len; dynamic NTK and YaRN derive their base or correction range from the
+# max_position some models set to max_model_len) keys max_model_len too.
+MAX_LEN_FREE_ROPE = (None, "default", "linear", "llama3")
+# Architectures whose vLLM code reads max_model_len for what decides K and V: Llama 4's attention
+# temperature tuning (on above 32k), MiniMax-M2's and PLaMo 3's rope length, Cohere's Compass
+# rope length, DeepSeek-V3.2's sparse indexer (which tokens each layer attends to).
+MAX_LEN_ARCHITECTURES = ("Llama4", "MiniMaxM2", "Plamo3", "CohereCompass", "DeepseekV32")
+
+
+def rope_types(hf_dict: dict[str, Any]) -> set[str | None]:
+    """Every rope type the model's config names (several where layer types have their own)."""
+    found: set[str | None] = set()
+
+    def visit(value: Any) -> None:
+        if isinstance(value, dict):
+            if "rope_type" in value or "type" in value:
+                found.add(str(value.get("rope_type") or value.get("type")))
+            for inner in value.values():
+                if isinstance(inner, dict):
+                    visit(inner)
+
+    for name in ("rope_scaling", "rope_parameters"):
+        visit(hf_dict.get(name))
+    return found
+
+
+def keys_max_model_len(vllm_config: Any, hf_dict: dict[str, Any]) -> bool:
+    """Whether vLLM's model code reads max_model_len to compute this model's K and V."""
+    architectures = [str(a) for a in (hf_dict.get("architectures") or [])]
+    if any(a.startswith(MAX_LEN_ARCHITECTURES) for a in architectures):
+        return True
+    return any(t not in MAX_LEN_FREE_ROPE for t in rope_types(hf_dict))
+
+
 def config_facts(vllm_config: Any) -> dict[str, Any]:
     """What besides the model path decides the KV bytes: quantization, overrides, the model's
-    config as loaded (rope settings, windows, the checkpoint's KV-scale scheme), skipped layers."""
+    config as loaded (rope settings, windows, sinks, the checkpoint's KV-scale scheme), skipped
+    layers, multimodal processing options, and max_model_len where the model's code reads it."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     hf = getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
     hf_dict = hf.to_dict() if hf is not None and callable(getattr(hf, "to_dict", None)) else {}
     hf_dict = {k: v for k, v in hf_dict.items() if k not in IGNORED_CONFIG_KEYS}
-    return {
+    full = getattr(model, "hf_config", None)
+    full_dict = full.to_dict() if full is not None and callable(getattr(full, "to_dict", None)) else {}
+    facts = {
         "quantization": getattr(model, "quantization", None),
         "hf_overrides": getattr(model, "hf_overrides", None),
         "hf_config": hf_dict,
         "kv_cache_dtype_skip_layers": sorted(getattr(cache, "kv_cache_dtype_skip_layers", None) or []),
     }
+    mm_config = getattr(model, "multimodal_config", None)
+    if mm_config is not None and getattr(mm_config, "mm_processor_kwargs", None):
+        facts["mm_processor_kwargs"] = mm_config.mm_processor_kwargs
+    if keys_max_model_len(vllm_config, {**full_dict, **hf_dict}):
+        facts["max_model_len"] = int(getattr(model, "max_model_len", 0) or 0)
+    return facts
 
 
 def config_digest(vllm_config: Any) -> str:
@@ -168,9 +213,9 @@ def group_fingerprints(base: ModelFingerprint, groups: list[CacheGroup]) -> list
     return [replace(base, kv_layout=f"{base.kv_layout}|{g.tag(len(groups))}") for g in groups]
 
 
-def chain_fingerprint(base: ModelFingerprint, weight_version: str) -> ModelFingerprint:
-    """The fingerprint block keys are chained from: the weights' version makes a new chain, so
-    KV computed with other weights is never matched (base weights: the empty version)."""
-    if not weight_version:
-        return base
-    return replace(base, cache_salt=f"{base.cache_salt}#weights {weight_version}")
+def chain_fingerprint(base: ModelFingerprint, weights: str) -> ModelFingerprint:
+    """The fingerprint block keys are chained from: the identity of the weights the engine runs
+    (identity.weights_identity), so KV computed with other weights is never matched."""
+    if not weights:
+        raise ValueError("a key chain needs the identity of the weights it was computed with")
+    return replace(base, cache_salt=f"{base.cache_salt}#weights {weights}")

@@ -4,7 +4,10 @@ decode engine may wait for the blocks they promise.
 A decode waits (up to `remote_wait_s`) for blocks still being written only when the parameters
 carry a MAC that this deployment's prefill made: any API client can attach plausible
 `kv_transfer_params` to a request, and unsigned ones would make the decode wait for blocks that
-never come. Unsigned or stale parameters still load what the store already holds, without
+never come. The MAC covers the key of the last promised block (which chains the prompt's tokens,
+its adapter, images, embeddings and salt behind the weights' identity) and a one-time id: signed
+parameters copied onto another request (other extras) or sent twice are no reason to wait.
+Unsigned, stale, foreign or replayed parameters still load what the store already holds, without
 waiting. The key comes from the shared `secret` (or `handoff_secret`) of the store's deployment,
 else from `KVSTORE_SECRET` in the engine's environment (the store client reads it too: a secret
 kept off the command line); a process-private store gets a random key per process (its prefill
@@ -14,9 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import json
 import os
 import secrets
+import threading
 import time
 from typing import Any
 
@@ -41,10 +46,12 @@ def _mac(key: bytes, body: dict[str, Any]) -> str:
 
 
 def make_params(key: bytes | None, chain_digest: str, tokens: list[int], num_blocks: int, num_tokens: int,
-                now: float | None = None) -> dict[str, Any]:
-    """The `kv_transfer_params` a prefill returns (under PARAMS_KEY), signed when it has a key."""
+                last_key: bytes | None = None, now: float | None = None) -> dict[str, Any]:
+    """The `kv_transfer_params` a prefill returns (under PARAMS_KEY), signed when it has a key.
+    `last_key`: the store key of the last promised block (None: no block promised)."""
     body: dict[str, Any] = {"fingerprint": chain_digest, "prompt_token_ids": list(tokens), "num_blocks": num_blocks,
-                            "num_tokens": num_tokens, "issued": round(time.time() if now is None else now, 3)}
+                            "num_tokens": num_tokens, "last_key": last_key.hex() if last_key else None,
+                            "id": secrets.token_hex(16), "issued": round(time.time() if now is None else now, 3)}
     if key is not None:
         body["mac"] = _mac(key, body)
     return {PARAMS_KEY: body}
@@ -62,7 +69,38 @@ def verified(params: dict[str, Any], key: bytes | None, now: float | None = None
     return age is not None and -MAX_AGE_S <= age <= MAX_AGE_S
 
 
-def wait_budget(params: dict[str, Any], key: bytes | None, remote_wait_s: float, now: float | None = None) -> float:
-    """Seconds a decode may wait for promised blocks: the configured budget for verified
-    parameters, none for what any client could have written."""
-    return remote_wait_s if verified(params, key, now) else 0.0
+class SeenIds:
+    """One-time ids of hand-off parameters this engine waited for, kept for as long as parameters
+    stay fresh (MAX_AGE_S): inside that window an id is never forgotten. At `capacity` new ids
+    are refused (their parameters load what is stored, without waiting) rather than forgetting
+    one that could then be replayed."""
+
+    def __init__(self, capacity: int = 1_000_000) -> None:
+        self._capacity = capacity
+        self._ids: dict[str, float] = {}  # id -> when it expires (insertion order = expiry order)
+        self._lock = threading.Lock()
+
+    def first_use(self, ident: str, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            for old in [i for i, expires in itertools.takewhile(lambda kv: kv[1] <= now, self._ids.items())]:
+                del self._ids[old]
+            if ident in self._ids or len(self._ids) >= self._capacity:
+                return False
+            self._ids[ident] = now + 2 * MAX_AGE_S  # issued up to MAX_AGE_S ago or ahead (clock skew)
+            return True
+
+
+def wait_budget(params: dict[str, Any], key: bytes | None, remote_wait_s: float, last_key: bytes | None,
+                seen: SeenIds, now: float | None = None) -> float:
+    """Seconds a decode may wait for promised blocks: the configured budget for parameters this
+    deployment's prefill signed, recently, for this very request (`last_key`: this request's key
+    of the last promised block), the first time they are used; none for anything else."""
+    if not verified(params, key, now):
+        return 0.0
+    if last_key is None or params.get("last_key") != last_key.hex():
+        return 0.0  # signed for another prompt, adapter, image or salt
+    ident = params.get("id")
+    if not isinstance(ident, str) or not seen.first_use(ident):
+        return 0.0  # replayed (or no id)
+    return remote_wait_s
