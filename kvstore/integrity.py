@@ -109,22 +109,26 @@ class Digesting:
         self._pending: list[Future] = []
 
     def add(self, items: Sequence[tuple[Any, bytes, Any]]) -> None:
-        """(key, block hash, data) of blocks whose bytes are all there."""
+        """(key, block hash, data) of blocks whose bytes are all there. The calling thread hashes a
+        share of them itself (rather than wait idle for the pool, or spin for the next wave of its
+        copy), the pool the rest."""
         if _WORKERS < 2 or sum(_nbytes(d) for _, _, d in items) < PARALLEL_BLOCK_MIN:
             self._done.update((key, block_digest(h, d)) for key, h, d in items)
             return
-        # Small blocks go in groups of PARALLEL_BLOCK_MIN bytes: one task each would cost more to
-        # hand over than to hash.
-        group: list[tuple[Any, bytes, Any]] = []
+        # Blocks go in groups of PARALLEL_BLOCK_MIN bytes at least (one task per small block would
+        # cost more to hand over than to hash), at most one group per thread.
+        total = sum(_nbytes(d) for _, _, d in items)
+        share = max(PARALLEL_BLOCK_MIN, -(-total // _WORKERS))
+        groups: list[list[tuple[Any, bytes, Any]]] = [[]]
         size = 0
         for item in items:
-            group.append(item)
+            if size >= share:
+                groups.append([])
+                size = 0
+            groups[-1].append(item)
             size += _nbytes(item[2])
-            if size >= PARALLEL_BLOCK_MIN:
-                self._pending.append(_parallel().submit(_group_digests, group))
-                group, size = [], 0
-        if group:
-            self._pending.append(_parallel().submit(_group_digests, group))
+        self._pending += [_parallel().submit(_group_digests, group) for group in groups[1:]]
+        self._done.update(_group_digests(groups[0]))
 
     def results(self) -> dict[Any, bytes]:
         """{key: digest} of every block added (waits for those still being hashed)."""

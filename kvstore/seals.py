@@ -1,6 +1,7 @@
 """The seal table: which sealing of a block each slot of a daemon's DRAM arena holds, shared
 read-only with the clients on the daemon's host, so that a reader can tell that a slot still holds
-the very bytes it verified before (and skip hashing them again: kvstore.client.reads.VerifiedSlots).
+the very bytes it verified before (and, with KVSTORE_VERIFY=once, skip hashing them again:
+kvstore.client.reads.VerifiedSlots).
 
 One 64-bit number per 4 KiB unit of the arena (slots start on unit boundaries): the sealing number of
 the slot that starts there, 0 where none does or where its bytes are not to be trusted. The daemon
@@ -17,8 +18,9 @@ maps the arena to write its puts, and a write into a slot reserved for it could 
 reservation expired and the extent went to another block: such extents are held back until that
 client's process has exited (BlockStore quarantine), or, when the writer is not known, marked so that
 no slot sealed over them is ever numbered (BlockStore taint). A process of the daemon's user that
-writes a sealed slot in place (the uid may: it can map the arena), or memory that flips a bit, is
-caught by a reader's first read of that sealing (always verified), not by a later re-read.
+writes a sealed slot in place (the uid may: it maps the arena, or opens its file through /proc), or
+memory that flips a bit, changes bytes without changing a number: only a hash sees that, which is
+why clients hash every read unless told they may trust the host (KVSTORE_VERIFY=once).
 
 The memfd is sealed against growing, shrinking and (where the kernel has F_SEAL_FUTURE_WRITE) any new
 writable mapping, and clients get a read-only descriptor: no client can forge a number.
@@ -30,6 +32,7 @@ import mmap
 import os
 import secrets
 import struct
+import weakref
 
 ALIGN = 4096  # as kvstore.tiers.allocator.ALIGN: every slot starts on a unit
 MAGIC = b"KVSEALS1"
@@ -58,6 +61,7 @@ class SealTable:
         except BaseException:
             os.close(self._fd)
             raise
+        self._closed = weakref.finalize(self, os.close, self._fd)  # a store dropped without close()
         self._last = 0
 
     def sealed(self, offset: int) -> None:
@@ -79,7 +83,7 @@ class SealTable:
     def close(self) -> None:
         self._numbers.release()
         self._map.close()
-        os.close(self._fd)
+        self._closed()
 
 
 class SealView:

@@ -120,6 +120,9 @@ class Client:
                  tls_ca: str | None = None, publish: str = "async", tenant: str | None = None,
                  repair: bool = False, wire_codec: str | None = None) -> None:
         self.fingerprint, self.timeout = fingerprint, timeout
+        # Same-host DRAM slots this client verified (KVSTORE_VERIFY=once: re-reads skip the hash);
+        # first, so that a bad setting fails before anything is started.
+        self._verified = VerifiedSlots()
         # "lz4": gets from nodes on other hosts (or over forced TCP) go over the framed wire with the
         # blocks coded by the node where that gains (kvstore.codec), decoded and checked here. For
         # slow links; on a fast one the node's coding costs more than the bytes it saves.
@@ -170,7 +173,6 @@ class Client:
         self._placement = PutPlacement(self._here)
         self._leases = SlotLeases(timeout)
         self._tier_reads = TierReads()
-        self._verified = VerifiedSlots()  # same-host DRAM slots this client verified (re-reads skip the hash)
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvs-digest")  # a large put's digests
         self.stats: dict[str, int] = {"control_calls": 0, "local_puts": 0, "wire_puts": 0, "nvme_fd_reads": 0,
                                       "nvme_fd_bytes": 0, "already_held": 0, "wire_reads": 0,

@@ -2,7 +2,8 @@
 caller's segments (taken wave by wave as a large read lands, on the digest pool), reads in stages (a
 consumer may use a stage as soon as it lands), same-host NVMe reads straight from a node's tier file,
 each block's digest taken by the worker that read it, and the same-host DRAM slots this client
-verified already, whose bytes a re-read need not hash again (VerifiedSlots)."""
+verified already, whose bytes a re-read need not hash again where the operator trusts the host's
+memory and processes (VerifiedSlots, KVSTORE_VERIFY=once)."""
 from __future__ import annotations
 
 import logging
@@ -15,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 from transfer import Engine, Read, Region, UnsupportedBuffer
 
+from ..errors import InvalidConfig
 from ..index.records import BlockRecord
 from ..integrity import Digesting, block_digests, digest_state
 from ..seals import SealView
@@ -28,8 +30,10 @@ TIER_READ_DEPTH = 8  # NVMe blocks of one get read at once from a tier file
 WAVE_BYTES = 4 << 20
 MAX_WAVES = 8
 VERIFIED_SLOTS = 1 << 16  # same-host DRAM slots a client remembers having verified
-# Set to 1 (or any non-empty value but 0) to hash every block of every read, re-reads included.
-EVERY_READ_ENV = "KVSTORE_VERIFY_EVERY_READ"
+# "every-read" (the default): every block of every read is hashed. "once": a same-host re-read of a
+# DRAM slot this client verified, whose seal number still holds, is not (VerifiedSlots).
+VERIFY_ENV = "KVSTORE_VERIFY"
+VERIFY_MODES = ("every-read", "once")
 
 Segments = list[tuple[Region, int, int]]  # a block's destination: (region, offset, length) in order
 
@@ -55,7 +59,8 @@ def landed_digests(hashes: Sequence[bytes], items: list[tuple[int, BlockRecord]]
 
 class VerifiedSlots:
     """Same-host DRAM slots whose bytes this client verified, with the seal number (kvstore.seals)
-    each held then. A re-read that finds the same number before and after its copy skips the hash.
+    each held then. With KVSTORE_VERIFY=once, a re-read that finds the same number before and after
+    its copy skips the hash.
 
     Why that is safe: numbers are never reused and a slot's number is cleared before its extent can
     be handed out again, so an unchanged number means the slot was never freed between this
@@ -66,12 +71,18 @@ class VerifiedSlots:
     another block's bytes are a miss as before. A number is remembered only when it was the same
     before and after the verified copy (a reseal during the copy is never trusted later).
 
-    What it does not see (kvstore.seals): a slot written in place by a process of the daemon's user,
-    or a flipped bit, after this client's first read; set KVSTORE_VERIFY_EVERY_READ=1 to hash every
-    read where that must be caught."""
+    What it cannot see (kvstore.seals), and why it is not the default: bytes changed in place after
+    this client's first read, by a process of the daemon's user (which maps the arena to put, and
+    may write any slot of it, or the arena's file through /proc) or by a flipped bit. Only a hash
+    sees those, and the store promises that a get never returns bytes other than the block's. Where
+    the host's memory and its processes are trusted, "once" makes re-reads cost a copy."""
 
-    def __init__(self, limit: int = VERIFIED_SLOTS) -> None:
-        self.enabled = os.environ.get(EVERY_READ_ENV, "0") in ("", "0")
+    def __init__(self, limit: int = VERIFIED_SLOTS, mode: str | None = None) -> None:
+        if mode is None:
+            mode = os.environ.get(VERIFY_ENV) or VERIFY_MODES[0]
+        if mode not in VERIFY_MODES:
+            raise InvalidConfig(f"{VERIFY_ENV}={mode[:40]!r}: one of {', '.join(VERIFY_MODES)}")
+        self.enabled = mode == "once"
         self._limit = limit
         self._slots: OrderedDict[tuple[int, int, int], tuple[int, int, bytes]] = OrderedDict()
         self._lock = threading.Lock()
@@ -106,6 +117,11 @@ def read_in_waves(engine: Engine, deadline: float, ops: list[Read], owners: list
     in `skip`) on the digest pool while later waves are copied. `on_submitted` runs once every wave
     is under way (other reads overlap them there). Returns (results, their owners, {index: digest})."""
     total = sum(op.length for op in ops)
+    if all(i in skip for i in owners):  # nothing to hash: one batch (each wave's wait would poll)
+        batch = engine.submit(ops)
+        if on_submitted is not None:
+            on_submitted()
+        return batch.wait(max(0.0, deadline - time.monotonic()), raise_on_error=False), list(owners), {}
     wave_bytes = max(WAVE_BYTES, total // MAX_WAVES + 1)
     waves: list[list[int]] = [[]]
     size = 0

@@ -124,3 +124,17 @@ def test_an_expired_same_host_slot_waits_for_its_writer_and_is_never_numbered_wi
     d = external_hashes([4], FP)[0]
     at = put(store, d)
     assert at == unknown and seen.number(at) == 0  # sealed, verified, and never trusted by a re-read
+
+
+def test_clients_hash_every_read_unless_told_to_trust_the_host(monkeypatch):
+    """Kills: re-reads trusted by default, and a setting misspelt into the default silently."""
+    from kvstore.client.reads import VerifiedSlots
+    from kvstore.errors import InvalidConfig
+
+    monkeypatch.delenv("KVSTORE_VERIFY", raising=False)
+    assert not VerifiedSlots().enabled
+    monkeypatch.setenv("KVSTORE_VERIFY", "once")
+    assert VerifiedSlots().enabled
+    monkeypatch.setenv("KVSTORE_VERIFY", "onse")
+    with pytest.raises(InvalidConfig, match="KVSTORE_VERIFY='onse': one of every-read, once"):
+        VerifiedSlots()
