@@ -329,6 +329,25 @@ def test_fleet_quick_a_standin_that_dies_is_counted_and_routed_around(run_benchm
     assert served[1] < min(served[:1] + served[2:]), r
 
 
+# --- the connector's batched copy path ----------------------------------------------------------------
+def test_kv_copy_quick(run_benchmark):
+    """Every layout and kernel split, both block sizes, save (digests off and on) and load, each
+    beside its plain copy, on this machine's device (CPU here)."""
+    run = run_benchmark("kv_copy", "--quick", timeout=180)
+    assert_clean(run)
+    records = run.records["records"]
+    layouts = {"LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "LBHNC/2", "LBNHC/2"}
+    have = {(r["direction"], r["block_tokens"], r["layout"], r["digests"]): r for r in records}
+    want = {(d, b, layout, g) for b in (16, 64) for layout in layouts
+            for d, g in (("save", "off"), ("save", "on"), ("load", "off"))}
+    assert set(have) == want
+    for r in records:
+        assert r["device"] in ("cpu", "cuda") and r["step_bytes"] > 0, r
+        assert positive(r["gbps"]) and positive(r["limit_gbps"]) and positive(r["ratio"]), r
+        assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"], r
+        assert (r["memcpy_gbps"] is None) == (r["device"] == "cuda"), r
+
+
 # --- the block codec and a rolling restart ------------------------------------------------------------
 def test_codec_quick(run_benchmark):
     """Every source's ratio, per-core speeds, tier capacity and reads (codec off and on), and the
