@@ -12,18 +12,20 @@ from .ops import Op, OpResult
 class Batch:
     """Handle on a batch of ops moving in the background."""
 
-    __slots__ = ("_native", "_ops", "_on_done", "_default_timeout", "_on_failure")
+    __slots__ = ("_native", "_ops", "_on_done", "_default_timeout", "_on_failure", "_direct")
 
     def __init__(self, native: _native.Batch, ops: Sequence[Op], on_done: Callable[[], None] | None = None,
-                 default_timeout: float = 30.0, on_failure: Callable[[_native.Batch], None] | None = None) -> None:
+                 default_timeout: float = 30.0, on_failure: Callable[[_native.Batch], None] | None = None,
+                 direct: Sequence[int] = ()) -> None:
         self._native = native
         self._ops = ops
         self._on_done = on_done
         self._on_failure = on_failure  # runs before a failed batch's results are handed out
         self._default_timeout = default_timeout
+        self._direct = frozenset(direct)  # indexes of ops done before submission (cuda_direct), not in `native`
 
     def __len__(self) -> int:
-        return len(self._native)
+        return len(self._ops)
 
     def done(self) -> bool:
         if not self._native.done():
@@ -37,8 +39,11 @@ class Batch:
         statuses, counts = self._native.statuses(), self._native.byte_counts()
         if self._on_failure is not None and any(s not in (0, 1) for s in statuses):
             self._failed()
-        return [OpResult(s == 0, n, None if s in (0, 1) else STATUS_NAMES.get(s, f"status {s}"), s)
-                for s, n in zip(statuses, counts)]
+        native = iter([OpResult(s == 0, n, None if s in (0, 1) else STATUS_NAMES.get(s, f"status {s}"), s)
+                       for s, n in zip(statuses, counts)])
+        if not self._direct:
+            return list(native)
+        return [OpResult(True, op.length) if i in self._direct else next(native) for i, op in enumerate(self._ops)]
 
     def _failed(self) -> None:
         """Once, whoever sees a failure first: the engine retires what failed (ucx endpoints)."""

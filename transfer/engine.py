@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping, Sequence
 from . import _native
 from .auth import TENANT_NAME, TENANT_RULE, WIRE_MODES
 from .batch import Batch
+from .cuda_direct import copy_direct, unpin
 from .descriptor import EngineDescriptor, host_id, unix_socket_name
 from .errors import (
     EngineClosed,
@@ -235,6 +236,7 @@ class Engine:
             if region._shm_fd is not None:
                 os.close(region._shm_fd)
                 region._shm_fd = None
+        unpin(region)  # (its tensor holds an export of the memoryview released next)
         if isinstance(region._keepalive, memoryview):
             try:
                 region._keepalive.release()
@@ -326,46 +328,54 @@ class Engine:
     # --- transfers ---------------------------------------------------------------------------
     def submit(self, ops: Sequence[Op]) -> Batch:
         """Start moving every op; returns at once (tiny local batches finish before it returns)."""
-        flat, cuda_reads, ucx = self._prepare(ops)
-        return self._batch(self._native.submit(flat), ops, cuda_reads, ucx)
+        flat, cuda_reads, ucx, direct = self._prepare(ops)
+        return self._batch(self._native.submit(flat), ops, cuda_reads, ucx, direct)
 
     def transfer(self, ops: Sequence[Op], timeout: float | None = None) -> list[OpResult]:
         """submit + wait: raises the first failed op's typed error."""
-        flat, cuda_reads, ucx = self._prepare(ops)
-        if cuda_reads:
-            return self._batch(self._native.submit(flat), ops, cuda_reads, ucx).wait(timeout)
+        flat, cuda_reads, ucx, direct = self._prepare(ops)
+        if cuda_reads or direct:
+            return self._batch(self._native.submit(flat), ops, cuda_reads, ucx, direct).wait(timeout)
         # One native call for the whole round (small transfers are dominated by call overheads);
         # the batch object is made only when something failed or timed out.
         timeout = self._timeout if timeout is None else timeout
         failures, native = self._native.run(flat, timeout)
         if not failures:
             return [OpResult(True, op.length) for op in ops]
-        batch = self._batch(native, ops, cuda_reads, ucx)
+        batch = self._batch(native, ops, cuda_reads, ucx, direct)
         if failures < 0:
             raise batch.timed_out(timeout)
         return batch.wait(0)
 
-    def _batch(self, native: _native.Batch, ops: Sequence[Op], cuda_reads: list[Read], ucx: bool) -> Batch:
+    def _batch(self, native: _native.Batch, ops: Sequence[Op], cuda_reads: list[Read], ucx: bool,
+               direct: Sequence[int] = ()) -> Batch:
         return Batch(native, ops, _stage_in(cuda_reads) if cuda_reads else None, default_timeout=self._timeout,
-                     on_failure=self._retire_broken_ucx if ucx else None)
+                     on_failure=self._retire_broken_ucx if ucx else None, direct=direct)
 
-    def _prepare(self, ops: Sequence[Op]) -> tuple[array, list[Read], bool]:
-        """The ops as the native engine takes them, the CUDA reads to stage in afterwards, and
-        whether any op takes the ucx route; CUDA sources are staged out here."""
+    def _prepare(self, ops: Sequence[Op]) -> tuple[array, list[Read], bool, list[int]]:
+        """The ops as the native engine takes them, the CUDA reads to stage in afterwards, whether
+        any op takes the ucx route, and the indexes of ops done here already: a CUDA region's op
+        with host memory of this process on the other side is one device<->host copy into or out
+        of that memory (cuda_direct.py); other CUDA sources are staged out here."""
         if self._closed:
             raise EngineClosed(f"engine {self.name} is closed")
         if self._graveyard:
             self._sweep_graveyard()
         flat = array("Q")
         cuda_reads: list[Read] = []
+        direct: list[int] = []
         unwatched: set[Peer] = set()
         ucx = False
         try:
             encode = self._encode
-            for op in ops:  # the per-op path of every small transfer: kept to plain lookups
+            for index, op in enumerate(ops):  # the per-op path of every small transfer: kept to plain lookups
                 encoded = encode(op)
-                flat.extend(encoded)
                 route, local = encoded[1], op.local
+                if local._cuda_tensor is not None and route == 0 and \
+                        copy_direct(op, local, self._regions.get(encoded[4])):
+                    direct.append(index)  # (a mapped peer region's owner cannot go away under a local copy)
+                    continue
+                flat.extend(encoded)
                 if route & UCX_ROUTE:
                     ucx = True
                 elif route == 0 and isinstance(op.remote, RemoteRegion):
@@ -380,7 +390,7 @@ class Engine:
         for peer in unwatched:  # copies into a dead peer's memory would "succeed" unseen
             if not peer.alive:
                 raise PeerUnreachable(f"{peer.name} is gone")
-        return flat, cuda_reads, ucx
+        return flat, cuda_reads, ucx, direct
 
     def _retire_broken_ucx(self, batch: _native.Batch) -> None:
         """After a failed batch: peers whose UCX ops failed or stalled stop using UCX (force-closed,

@@ -72,6 +72,8 @@ class Region:
     _cuda_tensor: Any = field(default=None, repr=False)
     _shm_fd: int | None = field(default=None, repr=False)
     _ucx: Any = field(default=None, repr=False)  # UcxMemory when mapped with UCX (transfer/ucx.py)
+    _host_tensor: Any = field(default=None, repr=False)  # its memory as a torch tensor, for device copies
+    _pinned: bool = field(default=False, repr=False)  # page-locked for device copies (cuda_direct.py)
 
     def host_view(self) -> memoryview:
         """The region's host bytes (the staging copy for CUDA regions); file regions have none."""
