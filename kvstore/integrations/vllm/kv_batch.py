@@ -229,7 +229,7 @@ class LayerLoadLease:
         io = owner.io
         self.layers = io.group_layers[group]
         n = len(block_ids)
-        self._ids = owner.ids(block_ids)
+        self._ids = owner.ids(block_ids, owner._load_stream)
         self._base: dict[int, int] = {}
         done = 0
         for layer in self.layers:
@@ -279,24 +279,37 @@ class BatchedKV:
             done += -(-self.capacity * size // ALIGN) * ALIGN
         self.slot_bytes = max(done, ALIGN)
         make = lambda: Slot(engine, self.slot_bytes, pinned=self.cuda)  # noqa: E731
-        self.save_pool = SlotPool(make, SLOTS) if save else None
-        self.load_pool = SlotPool(make, SLOTS) if (load and (not io.on_host or layer_loads)) else None
+        self.save_pool: SlotPool | None = None
+        self.load_pool: SlotPool | None = None
         self._save_device = self._load_device = None
         self._save_stream = self._load_stream = None
         self._load_lock = threading.Lock()  # one chunk's host-to-device copy and scatters enqueued together
-        if self.cuda:
-            try:
-                self._save_device = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) if save else None
-                self._load_device = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) if load else None
-            except RuntimeError as exc:
-                raise StagingUnavailable(f"{self.slot_bytes} bytes of device staging: {exc}") from exc
-            self._save_stream = torch.cuda.Stream(self.device)
-            self._load_stream = torch.cuda.Stream(self.device)
+        try:
+            self.save_pool = SlotPool(make, SLOTS) if save else None
+            self.load_pool = SlotPool(make, SLOTS) if (load and (not io.on_host or layer_loads)) else None
+            if self.cuda:
+                try:
+                    self._save_device = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) \
+                        if save else None
+                    self._load_device = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) \
+                        if load else None
+                except RuntimeError as exc:
+                    raise StagingUnavailable(f"{self.slot_bytes} bytes of device staging: {exc}") from exc
+                self._save_stream = torch.cuda.Stream(self.device)
+                self._load_stream = torch.cuda.Stream(self.device)
+        except StagingUnavailable:
+            self.close(engine)  # the slots made so far
+            raise
 
     # --- helpers -----------------------------------------------------------------------------
-    def ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def ids(self, block_ids: Sequence[int], stream: object | None = None) -> torch.Tensor:
+        """Block ids as a tensor on the cache's device; CUDA: copied (and allocated) on `stream`,
+        the stream that uses them, so they are there before it does."""
         ids = torch.tensor(list(block_ids), dtype=torch.int64)
-        return ids.to(self.device, non_blocking=True) if self.cuda else ids
+        if not self.cuda:
+            return ids
+        with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
+            return ids.to(self.device, non_blocking=True)
 
     def save_buffer(self, slot: Slot) -> torch.Tensor:
         return self._save_device if self.cuda else slot.tensor
@@ -373,9 +386,8 @@ class BatchedKV:
             else:
                 overflow.append((group, block_id, block_hash, handoff))
         groups = {}
-        with self.on_save_stream():
-            for group, (ids, entries) in chosen.items():
-                groups[group] = _GroupRows(self.ids(ids), entries)
+        for group, (ids, entries) in chosen.items():
+            groups[group] = _GroupRows(self.ids(ids, self._save_stream), entries)
         return SaveStep(self, slot, groups), overflow
 
     # --- loads -------------------------------------------------------------------------------
@@ -406,8 +418,8 @@ class BatchedKV:
                 ok = [j for j, hit in enumerate(found) if hit]
                 if ok:
                     every = len(ok) == len(chunk)
-                    ids = self.ids([chunk[j] for j in ok])
-                    rows = None if every else self.ids(ok)
+                    ids = self.ids([chunk[j] for j in ok], self._load_stream)
+                    rows = None if every else self.ids(ok, self._load_stream)
                     self.copy_in(slot, [(base, len(chunk) * size)], layers, ids, rows, wait=False)
                 if len(pending) > 1:
                     self._drain(pending[:1])
