@@ -18,6 +18,7 @@ from ..codec import CodecError, decode
 from ..errors import AccessDenied, AllocationFailed, AuthenticationFailed, NodeRefused, WrongSize
 from ..index.records import MAX_BLOCK_BYTES, BlockRecord
 from ..seals import SealView
+from ..spin import spin_for
 from ..wire import REPLY_SPIN_S, Frames, connect
 
 LOCAL_CONNECTIONS = 32  # idle same-host connections kept per node (one per concurrent caller)
@@ -71,7 +72,7 @@ class LocalNode:
         fd = None
         try:
             frames.send(message, attachments)  # each send bounded by the socket's timeout
-            reply = frames.recv(timeout or self.timeout, exact=want_fd, spin=REPLY_SPIN_S)
+            reply = frames.recv(timeout or self.timeout, exact=want_fd, spin=spin_for(REPLY_SPIN_S))
             if want_fd and reply.get("ok"):
                 _, fds, _, _ = socket.recv_fds(frames.sock, 1, 1)
                 if len(fds) != 1:
@@ -104,7 +105,7 @@ class LocalNode:
         deadline = time.monotonic() + (timeout or self.timeout)
         try:
             frames.send(message)
-            reply = frames.recv(timeout or self.timeout, spin=REPLY_SPIN_S)
+            reply = frames.recv(timeout or self.timeout, spin=spin_for(REPLY_SPIN_S))
             parts: list[bytearray] = []
             if reply.get("ok"):
                 records = reply.get("records")

@@ -68,6 +68,7 @@ from ..access import denied
 from ..codec import check_codec
 from ..errors import AllocationFailed, InvalidRequest, KVStoreError, MetadataError
 from ..integrity import DIGEST_BYTES, DIGEST_NAME
+from ..spin import spin_for
 from ..wire import NEXT_REQUEST_SPIN_S, AttachmentsAltered, Frames, MalformedFrame
 from .store import MAX_BLOCK_BYTES, BlockStore, Update
 
@@ -292,7 +293,7 @@ class LocalControl:
             writer = None if remote else SameHostWriter.of(conn)  # whose late writes its expired slots wait out
             while not self._closed.is_set():
                 try:
-                    request = frames.recv(self._timeout, idle=IDLE_S, spin=NEXT_REQUEST_SPIN_S)
+                    request = frames.recv(self._timeout, idle=IDLE_S, spin=spin_for(NEXT_REQUEST_SPIN_S))
                 except MalformedFrame as exc:
                     frames.send({"ok": False, "code": "invalid", "error": str(exc)})
                     continue
