@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The GPU check, for the first machine with a CUDA GPU: builds the Transfer Engine's native module,
-# runs the CUDA checks (device regions through the Transfer Engine; the vLLM connector's device copy
-# path on CUDA tensors in every KV cache layout, without vLLM), measures device<->host bandwidth
-# against torch copies, and writes one JSON. Needs only Python with PyTorch, a C++ compiler and
-# libcrypto: no network, no pip, no pytest (see scripts/gpu_check.py). Bounded to 8 minutes.
+# The GPU check, for a machine with a CUDA GPU: builds the Transfer Engine's native module, runs the
+# CUDA checks (device regions; the connector's per-block and batched copy paths in every KV cache
+# layout, byte for byte), measures a step of Llama-3-8B-shaped KV through the batched path and the
+# Transfer Engine's CUDA regions against pinned torch copies, a step and a 1 GiB hand-off through an
+# embedded kvstore, and a Llama-3-8B-shaped layer stack (the h200-llama3-8b-measured profile), and
+# writes one JSON. Needs Python with PyTorch, a C++ compiler and libcrypto; no network (kvstore's own
+# dependencies as wheels: GPU_CHECK_WHEELS, scripts/gpu-check-wheels.sh). Bounded to 8 minutes.
 #
 #   scripts/gpu-check.sh [OUT.json] [--cpu-only]      (default OUT: ./gpu-check.json)
 #
-# Without a CUDA device (or with --cpu-only, as CI runs it) it still builds and runs the CPU checks,
-# and records each CUDA check as skipped with the reason. Exit code: 0 all ran or were skipped,
-# 1 a check failed, 124 the 8-minute bound was hit.
+# Without CUDA (or with --cpu-only, as CI runs it) the CPU parts run small and each CUDA part is
+# recorded as skipped with the reason. Exit code: 0 all ran or were skipped, 1 a check failed, 124
+# the 8-minute bound was hit (the JSON then holds what ran before).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="gpu-check.json"
@@ -17,7 +19,7 @@ ARGS=()
 for arg in "$@"; do
   case "$arg" in
     --cpu-only) ARGS+=("--cpu-only") ;;
-    -h|--help) sed -n '2,13p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) OUT="$arg" ;;
   esac
 done

@@ -1,7 +1,9 @@
 """scripts/gpu-check.sh in CPU-only mode, as CI runs it: it builds the native module the way a bare
 CUDA machine would (PyTorch's pybind11 headers, the EVP declarations it carries), runs the CPU
-checks (host regions through the Transfer Engine; the connector's staged copy path in every KV
-cache layout) and records each CUDA part as skipped with its reason, in one JSON."""
+checks (host regions through the Transfer Engine; the connector's per-block and batched copy paths
+in every KV cache layout and kernel split; small steps of benchmarks.kv_copy; steps saved and
+loaded through an embedded kvstore, byte for byte) and records each CUDA part as skipped with its
+reason, in one JSON."""
 from __future__ import annotations
 
 import json
@@ -26,11 +28,24 @@ def test_gpu_check_runs_in_cpu_only_mode(tmp_path):
     assert doc["build"]["openssl"].startswith("declarations from") and "torch" in doc["build"]["pybind11"]
     status = {c["name"]: c for c in doc["checks"]}
     for name in ("build native module", "transfer engine: host regions",
-                 "connector copy path: CPU tensors, every layout"):
+                 "connector copy path: CPU tensors, every layout", "connector batched path: CPU tensors, every layout",
+                 "kv_copy: a step through the connector's batched path beside a plain copy",
+                 "store: a step saved and loaded through the batched path, byte for byte (cpu)"):
         assert status[name]["status"] == "passed", status[name]
     assert len(status["connector copy path: CPU tensors, every layout"]["detail"]["layouts"]) == 7
+    assert len(status["connector batched path: CPU tensors, every layout"]["detail"]["layouts"]) == 14
     skipped = [c for c in doc["checks"] if c["status"] == "skipped"]
-    assert {c["name"] for c in skipped} == {"transfer engine: CUDA regions", "bandwidth device<->host",
-                                            "connector copy path: CUDA tensors, every layout"}
+    assert {c["name"] for c in skipped} == {
+        "transfer engine: CUDA regions", "bandwidth device<->host", "connector copy path: CUDA tensors, every layout",
+        "connector batched path: CUDA tensors, every layout", "transfer engine: CUDA regions beside a pinned copy (1 GiB)",
+        "hand-off: KV device -> store -> other device tensors", "profile: a Llama-3-8B-shaped layer stack (random weights)"}
     assert all("CUDA" in c["reason"] for c in skipped)
+    layouts = {"LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "LBHNC/2", "LBNHC/2"}
+    copies = {(r["direction"], r["block_tokens"], r["layout"], r["digests"]) for r in doc["records"]
+              if r["kind"] == "kv_copy" and r["device"] == "cpu" and r["gbps"] > 0 and r["limit_gbps"] > 0}
+    assert copies == {(d, b, layout, g) for b in (16, 64) for layout in layouts
+                      for d, g in (("save", "off"), ("save", "on"), ("load", "off"))}
+    stored = [r for r in doc["records"] if r["kind"] == "store"]
+    assert {(r["layout"], r["block_tokens"]) for r in stored} == {(layout, b) for layout in layouts for b in (16, 64)}
+    assert all(r["wrong_bytes"] == 0 and r["save_gbps"] > 0 and r["load_gbps"] > 0 for r in stored)
     assert not (tmp_path / "build").exists() and not list(tmp_path.glob("*.so"))  # nothing left behind
