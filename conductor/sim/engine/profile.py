@@ -32,11 +32,23 @@ Profiles:
   `kvstore.testing.vllm_server.DEFAULT_ARGS` (--max-num-batched-tokens 1024, --max-num-seqs 4):
   efficiencies and overhead fitted to TTFTs measured on that VM (`python -m benchmarks.fleet`
   prints the real engine against the stand-in per case).
+
+Measured profiles come from JSON files with a `profiles` list of these fields (what
+scripts/gpu-check.sh writes: `h200-llama3-8b-measured`, its efficiencies and overhead fitted to a
+Llama-3-8B-shaped layer stack timed on the device): the repository's committed
+benchmarks/results/gpu-check.json when there is one, and every file named in
+KVSTORE_PROFILE_FILES (separated by os.pathsep). They join PROFILES under their own names; a
+name already defined here is never replaced.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import json
+import logging
+import os
+from dataclasses import dataclass, fields, replace
 from typing import Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -158,6 +170,37 @@ VLLM_CPU_TINY = Profile(
     memory_efficiency=0.5, step_overhead_ms=9.5, link_bytes_per_s=2e9, transfer_fixed_ms=1.0)
 
 PROFILES = {p.name: p for p in (H100_LLAMA3_8B, VLLM_CPU_TINY)}
+COMMITTED_MEASUREMENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))), "benchmarks", "results", "gpu-check.json")
+
+
+def measured_profiles(paths: Sequence[str]) -> dict[str, Profile]:
+    """Profiles from each JSON file's `profiles` list (see the module docstring); files that are
+    missing are skipped, entries that do not make a Profile are skipped with a warning."""
+    names = {f.name for f in fields(Profile)}
+    out: dict[str, Profile] = {}
+    for path in paths:
+        if not path or not os.path.exists(path):
+            continue
+        try:
+            with open(path) as f:
+                entries = json.load(f).get("profiles") or []
+        except (OSError, ValueError, AttributeError) as exc:
+            log.warning("profiles in %s not read: %s", path, exc)
+            continue
+        for entry in entries:
+            try:
+                profile = Profile(**{k: v for k, v in entry.items() if k in names})
+            except TypeError as exc:
+                log.warning("a profile in %s is incomplete: %s", path, exc)
+                continue
+            out[profile.name] = profile
+    return out
+
+
+for _name, _profile in measured_profiles(
+        [COMMITTED_MEASUREMENTS, *os.environ.get("KVSTORE_PROFILE_FILES", "").split(os.pathsep)]).items():
+    PROFILES.setdefault(_name, _profile)  # the cited profiles above are never replaced
 
 
 def get_profile(name: str) -> Profile:
