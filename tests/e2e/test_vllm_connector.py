@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -14,6 +15,7 @@ pytest.importorskip("vllm", reason="the vllm extra is part of the test install (
 
 from kvstore import Client  # noqa: E402
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
+from vllm_harness import write_adapter  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BLOCK = 128  # vLLM's CPU block size
@@ -96,3 +98,46 @@ def test_prefill_decode_handoff(model, store_cluster):
                           "prompts": [prompt], "max_tokens": 12, "kv_transfer_params": [foreign]})
     assert refused["stats"].get("loaded_blocks", 0) == 0
     assert refused["results"][0]["tokens"] == baseline["tokens"]
+
+
+def test_new_weights_at_the_same_path_never_load_the_old_kv(tmp_path, store_cluster):
+    """A fine-tune redeployed in place (new weights, the same model path and config): the engine
+    restarted on it loads none of the old weights' KV and gives what recomputing gives. Kills:
+    keys that chain from the model path and config alone (the old weights' blocks load and the
+    output changes: the default configuration's silent wrong output)."""
+    model = build_tiny_model(str(tmp_path / "model"))  # a copy of its own: its weights are rewritten
+    prompt = SHARED + [7, 8, 9]
+    connector = {"role": "kv_both", "extra": store_cluster}
+    first = run_engine({"model": model, "connector": connector, "prompts": [prompt]})
+    assert first["stats"]["saved_blocks"] == 3
+    other = build_tiny_model(str(tmp_path / "fine-tune"), seed=1)
+    for name in os.listdir(other):  # the fine-tune, deployed in place
+        if name.endswith(".safetensors"):
+            shutil.copy(os.path.join(other, name), os.path.join(model, name))
+    recomputed = run_engine({"model": model, "connector": None, "prompts": [prompt]})["results"][0]
+    redeployed = run_engine({"model": model, "connector": connector, "prompts": [prompt]})
+    assert redeployed["stats"].get("loaded_blocks", 0) == 0
+    assert redeployed["results"][0]["tokens"] == recomputed["tokens"]
+    assert redeployed["results"][0]["logprob"] == pytest.approx(recomputed["logprob"], abs=1e-4)
+
+
+def test_an_adapter_retrained_in_place_never_loads_the_old_adapters_kv(model, tmp_path, store_cluster):
+    """A LoRA adapter retrained in place (same name and path): the engine restarted on it loads
+    none of the old adapter's KV and gives what recomputing gives, while the base model's blocks
+    still load. Kills: an adapter keyed by name and path only."""
+    adapter = write_adapter(str(tmp_path / "adapter"), seed=1)
+    lora = {"name": "support-bot", "id": 1, "path": adapter}
+    engine = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+    prompt = SHARED + [5, 6]
+    connector = {"role": "kv_both", "extra": store_cluster}
+    first = run_engine({"model": model, "connector": connector, "prompts": [prompt, prompt], "loras": [None, lora],
+                        "engine": engine})
+    assert first["stats"]["saved_blocks"] == 6  # 3 blocks under the base weights, 3 under the adapter
+    write_adapter(adapter, seed=2)  # retrained in place
+    recomputed = run_engine({"model": model, "connector": None, "prompts": [prompt], "loras": [lora],
+                             "engine": engine})["results"][0]
+    restarted = run_engine({"model": model, "connector": connector, "prompts": [prompt, prompt],
+                            "loras": [None, lora], "engine": engine})
+    assert restarted["stats"]["loaded_blocks"] == 3  # the base's blocks only: the adapter's are stale
+    assert restarted["results"][1]["tokens"] == recomputed["tokens"]
+    assert restarted["results"][1]["logprob"] == pytest.approx(recomputed["logprob"], abs=1e-4)

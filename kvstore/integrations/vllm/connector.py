@@ -561,6 +561,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _release_handoff(self, pending: PendingHandoff) -> None:
         """A hand-off's blocks are published (or its wait is over): load what is there."""
+        self._count(handoff_wait_seconds=time.monotonic() - pending.started)
         self._pool.submit(self._load, pending.req_id, pending.blocks, pending.tokens, True)
 
     def _read(self, blocks: list[GroupBlock]) -> set[int]:

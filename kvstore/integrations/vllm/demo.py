@@ -38,7 +38,7 @@ class Row:
     identical: bool | None
     baseline_ms: float | None = None  # the same prompt's TTFT on the engine without the connector
     saved_blocks: int = 0  # blocks this step saved to the store
-    handoff_ms: float | None = None  # P/D: the decode engine's load of the prefill's KV
+    handoff_ms: float | None = None  # P/D: the decode engine's wait for and load of the prefill's KV
 
     def includes(self) -> str:
         """What this TTFT paid for, in words."""
@@ -201,7 +201,7 @@ def _serve(llm, steps: list[Step], max_tokens: int, transfers: dict[tuple[str, i
         else:
             tokens = list(_generate(llm, step.prompt, max_tokens, transfer)[0].outputs[0].token_ids)
         results[step.key] = {"ttft_ms": ttft, "tokens": tokens, "loaded": int(moved.get("hit_tokens", 0)),
-                             "saved": int(moved.get("saved_blocks", 0)), "load_ms": moved.get("load_seconds", 0.0) * 1e3}
+                             "saved": int(moved.get("saved_blocks", 0)), "load_ms": (moved.get("load_seconds", 0.0) + moved.get("handoff_wait_seconds", 0.0)) * 1e3}
     return results, handed
 
 

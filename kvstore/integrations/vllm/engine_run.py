@@ -3,6 +3,7 @@ the tests and the TTFT benchmark to put engines in processes of their own.
 
     python -m kvstore.integrations.vllm.engine_run '{"model": PATH, "connector": {...} | null,
         "prompts": [[ids...], ...], "max_tokens": 8, "kv_transfer_params": [...] | null,
+        "loras": [{"name": "a", "id": 1, "path": DIR} | null, ...] | null,
         "engine": {"max_model_len": 4096, "disable_hybrid_kv_cache_manager": false, ...}}'
 
 The result's "engine" says what vLLM made of the model: whether its hybrid KV cache manager is on,
@@ -81,17 +82,27 @@ def connector_stats() -> dict:
     return dict(totals.data) if totals is not None else {}
 
 
+def _lora_request(lora: dict | None):
+    if not lora:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora["name"], int(lora["id"]), lora["path"])
+
+
 def run(spec: dict) -> dict:
     from vllm import SamplingParams
 
     llm = engine(spec["model"], spec.get("connector"), **spec.get("engine", {}))
     params = spec.get("kv_transfer_params") or [None] * len(spec["prompts"])
+    loras = spec.get("loras") or [None] * len(spec["prompts"])
     results = []
-    for prompt, transfer in zip(spec["prompts"], params):
+    for prompt, transfer, lora in zip(spec["prompts"], params, loras):
         sampling = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8), logprobs=0,
                                   extra_args={"kv_transfer_params": transfer} if transfer else None)
         started = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False)[0]
+        out = llm.generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False,
+                           lora_request=_lora_request(lora))[0]
         seconds = time.perf_counter() - started
         metrics = getattr(out, "metrics", None)
         ttft = getattr(metrics, "first_token_latency", None) if metrics else None

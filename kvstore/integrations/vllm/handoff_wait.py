@@ -22,6 +22,7 @@ class PendingHandoff:
     blocks: list[GroupBlock]
     deadline: float  # time.monotonic() after which the load starts with what is published
     tokens: int | None = None  # prompt tokens the load provides (the connector's accounting)
+    started: float = 0.0  # time.monotonic() when it began waiting
 
 
 class HandoffWaiter:
@@ -39,7 +40,8 @@ class HandoffWaiter:
 
     def add(self, req_id: str, blocks: list[GroupBlock], wait_s: float, tokens: int | None = None) -> None:
         with self._lock:
-            self._pending[req_id] = PendingHandoff(req_id, blocks, time.monotonic() + wait_s, tokens)
+            now = time.monotonic()
+            self._pending[req_id] = PendingHandoff(req_id, blocks, now + wait_s, tokens, now)
             self._edits += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kvstore-handoff-wait", daemon=True)

@@ -7,7 +7,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 FIELDS = ("hit_tokens", "loaded_blocks", "load_bytes", "load_seconds", "load_failures", "layer_wait_seconds",
-          "saved_blocks", "save_bytes", "save_seconds", "save_failures", "dropped_blocks", "staging_fallbacks")
+          "handoff_wait_seconds", "saved_blocks", "save_bytes", "save_seconds", "save_failures", "dropped_blocks",
+          "staging_fallbacks")
 
 # Counters exported as vllm:kvstore_<field>_total by vLLM's /metrics (the seconds as sums).
 PROM_HELP = {
@@ -17,6 +18,7 @@ PROM_HELP = {
     "load_seconds": "Seconds spent loading from kvstore",
     "load_failures": "Blocks that failed to load (recomputed instead)",
     "layer_wait_seconds": "Seconds the forward pass waited for layer-by-layer loads (the rest overlapped)",
+    "handoff_wait_seconds": "Seconds P/D hand-offs waited for their prefill's blocks to be published",
     "saved_blocks": "Blocks saved to kvstore",
     "save_bytes": "Bytes saved to kvstore",
     "save_seconds": "Seconds the background writer spent saving",
