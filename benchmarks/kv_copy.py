@@ -25,8 +25,9 @@ and step:
 
 Records: `device`, `direction` (save/load), `block_tokens`, `layout`, `digests` (on/off),
 `step_tokens`, `step_bytes`, `gbps`, `limit_gbps`, `ratio` (gbps / limit_gbps: the median of the
-per-repetition ratios, each path timed right beside its limit), `ratio_min`, `ratio_max`, and on
-CPU `memcpy_gbps` and `memcpy_ratio` (against glibc's memcpy, see `Setup.limits`).
+per-repetition ratios, each path timed right beside its limit), `ratio_min`, `ratio_max`, on CPU
+`memcpy_gbps` and `memcpy_ratio` (against glibc's memcpy, see `Setup.limits`), and `path`
+("batched"; with `--per-block` also "per-block": the connector's fallback, in the same run).
 `--quick` (the test suite's run): 4 layers, 512-token steps, 3 repetitions.
 """
 from __future__ import annotations
@@ -74,6 +75,7 @@ class Record:
     ratio_max: float
     memcpy_gbps: float | None  # CPU: glibc's memcpy of the same bytes (streaming stores), beside the path
     memcpy_ratio: float | None
+    path: str = "batched"  # or "per-block" (--per-block: the connector's fallback, for comparison)
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,20 @@ class Setup:
         found = self.batch.load(0, self.ids, lambda start, end, targets: [True] * (end - start), timeout=30)
         assert all(found)
 
+    # --- the per-block fallback, for comparison --------------------------------------------------
+    def save_per_block(self) -> None:
+        """What the connector does without staging: each block's layers into a fresh buffer."""
+        for block_id in self.ids:
+            out = np.empty(self.io.block_bytes[0], np.uint8)
+            for layer in range(len(self.io.names)):
+                self.io.stage_layer(layer, block_id, out)
+
+    def load_per_block(self) -> None:
+        rows = self.batch.load_pool.slots()[0].host
+        size = self.io.block_bytes[0]
+        for j, block_id in enumerate(self.ids):
+            self.io.write_block(0, block_id, rows[j * size:(j + 1) * size])
+
     # --- the limit: a plain copy of the same bytes --------------------------------------------
     def limits(self, direction: str) -> Callable[[], tuple[float, float | None]]:
         """What times the plain copies beside each repetition: (the limit's seconds, memcpy's
@@ -224,7 +240,7 @@ def paired(path: Callable[[], Any], limits: Callable[[], tuple[float, float | No
 
 
 def measure(engine: Engine, model: Model, shape: str, block_tokens: int, step_tokens: int, device: str, reps: int,
-            digests: bool, out: list[Record], report: Callable[[Record], None]) -> None:
+            digests: bool, out: list[Record], report: Callable[[Record], None], per_block: bool = False) -> None:
     kind = "cuda" if device.startswith("cuda") else "cpu"
     for direction in ("save", "load"):
         setup = Setup(engine, model, shape, block_tokens, step_tokens, device, save=direction == "save",
@@ -232,6 +248,8 @@ def measure(engine: Engine, model: Model, shape: str, block_tokens: int, step_to
         try:
             limits = setup.limits(direction)
             runs = [("off", setup.save if direction == "save" else setup.load, 1)]
+            if per_block:
+                runs.append(("per-block", setup.save_per_block if direction == "save" else setup.load_per_block, 1))
             pool = None
             if direction == "save" and digests:
                 pool = ThreadPoolExecutor(1, thread_name_prefix="kv-copy-digest")
@@ -242,12 +260,13 @@ def measure(engine: Engine, model: Model, shape: str, block_tokens: int, step_to
                 gbps = setup.step_bytes * steps / statistics.median(ours) / 1e9
                 ratios = [p * steps / o for o, p in zip(ours, plain)]
                 memcpy_gbps = setup.step_bytes / statistics.median(memcpy) / 1e9 if memcpy else None
-                record = Record(kind, direction, block_tokens, shape, label, step_tokens, setup.step_bytes,
+                record = Record(kind, direction, block_tokens, shape, "off" if label == "per-block" else label,
+                                step_tokens, setup.step_bytes,
                                 round(gbps, 3), round(setup.step_bytes / statistics.median(plain) / 1e9, 3),
                                 round(statistics.median(ratios), 3), round(min(ratios), 3), round(max(ratios), 3),
                                 round(memcpy_gbps, 3) if memcpy_gbps else None,
                                 round(statistics.median([m * steps / o for o, m in zip(ours, memcpy)]), 3)
-                                if memcpy else None)
+                                if memcpy else None, "per-block" if label == "per-block" else "batched")
                 out.append(record)
                 report(record)
             if pool is not None:
@@ -266,12 +285,13 @@ def run(args: argparse.Namespace, report: Callable[[Record], None] = lambda r: N
                     if SHAPES[shape][1] > 1 and block_tokens % SHAPES[shape][1]:
                         continue
                     measure(engine, model, shape, block_tokens, step_tokens, args.device, args.reps,
-                            args.digests, records, report)
+                            args.digests, records, report, args.per_block)
     return records
 
 
 def print_record(r: Record) -> None:
-    print(f"  {r.device:<5}{r.direction:<6}{r.block_tokens:>6} {r.layout:<9}{r.digests:<5}{r.step_tokens:>7}"
+    print(f"  {r.device:<5}{r.direction:<6}{r.block_tokens:>6} {r.layout:<9}"
+          f"{r.digests if r.path == 'batched' else 'pblk':<5}{r.step_tokens:>7}"
           f"{r.step_bytes / 2**20:>9.0f}{r.gbps:>9.2f}{r.limit_gbps:>9.2f}{r.ratio:>7.2f}  {r.ratio_min:.2f}-{r.ratio_max:.2f}"
           + (f"{r.memcpy_gbps:>9.2f}{r.memcpy_ratio:>7.2f}" if r.memcpy_gbps else ""), flush=True)
 
@@ -290,6 +310,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--reps", type=int, default=7, help="repetitions, each beside its plain copy (median ratio)")
     p.add_argument("--no-digests", dest="digests", action="store_false", help="skip the saves with digests")
+    p.add_argument("--per-block", action="store_true", help="also the per-block fallback (records with path per-block)")
     return p
 
 
