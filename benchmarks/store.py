@@ -26,14 +26,17 @@ baseline's and exits 1 when one moved the wrong way by more than the noise: its 
 larger of the spread of its per-round values (in the baseline and in this run) and CHECK_FLOOR of its
 median. Ratios only, ours against a peer or a limit measured in the same run: never absolute times.
 
-The systems run in `--rounds` paired rounds (ours and the peers back to back, who goes first
-alternating), and each target ratio is the median of its per-round ratios: on a shared machine a
-burst of noise then skews one round's pairing, not the whole comparison. NVMe, visibility and
-burst run once, after the rounds.
+Side by side means turn by turn: in each of `--rounds` rounds every system is set up at once (our
+node and Mooncake's segment owner with 2 GiB each), and for each block size, batch and op the
+systems (and, at the 32 x 1 MiB get, the limits) take turns of 5 timed calls, each turn after one
+untimed call, who goes first rotating (`interleaved`). A burst of load elsewhere on the machine
+then falls on every system alike instead of on whichever ran during it. Each target ratio is the
+median of its per-round ratios. NVMe, visibility and burst run once, after the rounds.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import mmap
@@ -48,7 +51,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -57,6 +60,7 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 from benchmarks.limits import LoopbackBatch, memcpy_batch  # noqa: E402
 from kvstore import Client  # noqa: E402
 from kvstore.client.reads import VerifiedSlots  # noqa: E402
+from kvstore.index import IndexMirror  # noqa: E402
 from benchmarks.records import write_json  # noqa: E402
 from kvstore.keys import ModelFingerprint, external_hashes  # noqa: E402
 from kvstore.testing import processes  # noqa: E402
@@ -119,6 +123,34 @@ def timed(fn: Callable[[int], None], reps: int) -> list[float]:
     return samples
 
 
+Key = tuple[str, str, str]  # (system, path, op) of a record
+Calls = dict[Key, Callable[[int], None]]  # one call of each system at a step, by its record's key
+Step = tuple[str, int, int, Calls]  # (op, block_bytes, batch, calls)
+
+
+def interleaved(calls: Calls, reps: int, run: int = 5) -> dict[Key, list[float]]:
+    """Seconds per call of each of `calls`, the systems taking turns, `run` timed calls each, who
+    goes first rotating: a burst of load elsewhere on the machine falls on every system alike, not
+    on whichever ran during it. Each turn starts with a call that is not timed (rep -1): it takes
+    what the system before left running (our node verifies a large put after answering it), and
+    the system's own timed calls run back to back, as a user's would."""
+    keys = list(calls)
+    samples: dict[Key, list[float]] = {key: [] for key in keys}
+    turn = 0
+    while any(len(samples[key]) < reps for key in keys):
+        for key in keys[turn:] + keys[:turn]:
+            todo = min(run, reps - len(samples[key]))
+            if todo <= 0:
+                continue
+            calls[key](-1)
+            for _ in range(todo):
+                started = time.perf_counter()
+                calls[key](len(samples[key]))
+                samples[key].append(time.perf_counter() - started)
+        turn = (turn + 1) % len(keys)
+    return samples
+
+
 def record(out: list[Record], system: str, path: str, op: str, block: int, batch: int, samples: list[float]) -> None:
     r = Record(system, path, op, block, batch, batch * block / statistics.median(samples) / 1e9,
                percentile(samples, 0.5) * 1e6, percentile(samples, 0.99) * 1e6)
@@ -145,74 +177,73 @@ def start_daemon(etcd: EtcdServer, name: str, dram: str, disk_dir: str | None, d
     return proc
 
 
-def bench_ours(etcd: EtcdServer, args: argparse.Namespace, out: list[Record]) -> None:
-    daemon = start_daemon(etcd, "bench-dram", "1536MiB", None, "0")
+def ours_steps(etcd: EtcdServer, args: argparse.Namespace) -> Iterator[Step]:
+    """Our side of each step (see `side_by_side`): a daemon, a same-host client (`shm`) and one
+    forced over TCP (`tcp`); at the 32 x 1 MiB get step also `shm-once` and `shm-unhashed` (the
+    same-host get with KVSTORE_VERIFY=once, its blocks read before, and with no digest at all)."""
+    daemon = start_daemon(etcd, "bench-dram", "2GiB", None, "0")  # as Mooncake's segment owner
     counter = itertools.count()
+    clients: dict[str, Client] = {}
+    mirror = IndexMirror(etcd.url, "bench").start()  # one for both clients, as one process would have
     try:
         for path in ("shm", "tcp"):
-            with Client(etcd.url, cluster="bench", fingerprint=FP, transport="auto" if path == "shm" else "tcp") as client:
-                client.mirror.wait_until(lambda m: "bench-dram" in m.nodes, 10)
-                warm = np.zeros(64 * KIB, np.uint8)
-                warm_hashes = []
-                until = time.monotonic() + WARMUP_S
-                while time.monotonic() < until:
-                    warm_hashes.append(external_hashes([10**9 + len(warm_hashes)], FP)[0])
-                    client.put(warm_hashes[-1], warm)
-                removed_and_settled(client, warm_hashes)
-                for block in BLOCKS:
-                    data = [np.random.default_rng(i).integers(0, 256, block, dtype=np.uint8) for i in range(BATCH)]
-                    outs = [np.zeros(block, np.uint8) for _ in range(BATCH)]
-                    for batch in (1, BATCH):
-                        reps = reps_for(block, batch, args.quick)
-                        written: list[list[bytes]] = []
+            client = clients[path] = Client(etcd.url, cluster="bench", fingerprint=FP, mirror=mirror,
+                                            transport="auto" if path == "shm" else "tcp")
+            client.mirror.wait_until(lambda m: "bench-dram" in m.nodes, 10)
+            warm = np.zeros(64 * KIB, np.uint8)
+            warm_hashes = []
+            until = time.monotonic() + WARMUP_S
+            while time.monotonic() < until:
+                warm_hashes.append(external_hashes([10**9 + next(counter)], FP)[0])
+                client.put(warm_hashes[-1], warm)
+            removed_and_settled(client, warm_hashes)
+        for block in BLOCKS:
+            data = [np.random.default_rng(i).integers(0, 256, block, dtype=np.uint8) for i in range(BATCH)]
+            outs = {path: [np.zeros(block, np.uint8) for _ in range(BATCH)] for path in clients}
+            for batch in (1, BATCH):
+                written: dict[str, list[list[bytes]]] = {path: [] for path in clients}
 
-                        def put(rep: int) -> None:
-                            first = next(counter) * BATCH
-                            hashes = external_hashes(range(first, first + batch), FP)
-                            client.put_many(list(zip(hashes, data[:batch])))
-                            written.append(hashes)
+                def put(rep: int, path: str) -> None:
+                    first = next(counter) * BATCH
+                    hashes = external_hashes(range(first, first + batch), FP)
+                    clients[path].put_many(list(zip(hashes, data[:batch])))
+                    written[path].append(hashes)
 
-                        record(out, "kvstore", path, "put", block, batch, timed(put, reps))
-                        target = written[-1]
-                        client.mirror.wait_until(lambda m: all(client.contains(h) for h in target), 10)
-
-                        def get(rep: int) -> None:
-                            if not all(client.get_many(target, outs[:batch])):
-                                raise RuntimeError("benchmark get missed")
-
-                        if path == "shm" and block == MIB and batch == BATCH:
-                            bench_verification(client, get, block, reps, out)  # with the shm-once and
-                        else:  # shm-unhashed rows, call by call in turn
-                            record(out, "kvstore", path, "get", block, batch, timed(get, reps))
-                        assert all(np.array_equal(outs[i], data[i]) for i in range(batch))
-                        removed_and_settled(client, [h for hashes in written for h in hashes])
+                yield "put", block, batch, {("kvstore", path, "put"): functools.partial(put, path=path)
+                                            for path in clients}
+                calls: Calls = {}
+                for path, client in clients.items():
+                    target = written[path][-1]
+                    client.mirror.wait_until(lambda m: all(client.contains(h) for h in target), 10)
+                    calls[("kvstore", path, "get")] = functools.partial(get, client, target, outs[path][:batch],
+                                                                        client._verified)
+                if block == MIB and batch == BATCH:
+                    shm = clients["shm"]
+                    unhashed = VerifiedSlots(mode="once")
+                    unhashed.trusted = lambda view, record, number: True  # type: ignore[method-assign]
+                    for path, verified in (("shm-once", VerifiedSlots(mode="once")), ("shm-unhashed", unhashed)):
+                        calls[("kvstore", path, "get")] = functools.partial(get, shm, written["shm"][-1],
+                                                                            outs["shm"][:batch], verified)
+                yield "get", block, batch, calls
+                for path, client in clients.items():
+                    if not all(np.array_equal(o, d) for o, d in zip(outs[path][:batch], data)):
+                        raise RuntimeError(f"{path} get returned other bytes")
+                    removed_and_settled(client, [h for hashes in written[path] for h in hashes])
     finally:
+        for client in clients.values():
+            client.close()
+        mirror.stop()
         processes.stop(daemon, grace=15)
 
 
-def bench_verification(client: Client, get: Callable[[int], None], block: int, reps: int,
-                       out: list[Record]) -> None:
-    """The same-host batch get three ways, call by call in turn (so that noise falls on all alike):
-    every block hashed (the default), verified once (KVSTORE_VERIFY=once: these blocks were read
-    before, so none is hashed again), and no digest taken at all: the `shm`, `shm-once` and
-    `shm-unhashed` rows."""
-    once = VerifiedSlots(mode="once")
-    unhashed = VerifiedSlots(mode="once")
-    unhashed.trusted = lambda view, record, number: True  # type: ignore[method-assign]  # no digest at all
-    default = client._verified
-    samples: dict[str, list[float]] = {"shm": [], "shm-once": [], "shm-unhashed": []}
+def get(client: Client, hashes: list[bytes], outs: list[np.ndarray], verified: VerifiedSlots, rep: int) -> None:
+    """One of our gets, verifying as `verified` says (the client's own, or a mode measured beside it)."""
+    mine, client._verified = client._verified, verified
     try:
-        for rep in range(-1, reps):
-            for path, verified in (("shm", default), ("shm-once", once), ("shm-unhashed", unhashed)):
-                client._verified = verified
-                started = time.perf_counter()
-                get(rep)
-                if rep >= 0:
-                    samples[path].append(time.perf_counter() - started)
+        if not all(client.get_many(hashes, outs)):
+            raise RuntimeError("benchmark get missed")
     finally:
-        client._verified = default
-    for path, taken in samples.items():
-        record(out, "kvstore", path, "get", block, BATCH, taken)
+        client._verified = mine
 
 
 def dd_direct_read(path: str, nbytes: int, skip: int = 0) -> float:
@@ -369,7 +400,8 @@ sys.stdin.readline()
 """
 
 
-def bench_mooncake(args: argparse.Namespace, out: list[Record]) -> None:
+def mooncake_steps(args: argparse.Namespace) -> Iterator[Step]:
+    """Mooncake Store's side of each step (none when it is not installed here)."""
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
@@ -421,7 +453,7 @@ def bench_mooncake(args: argparse.Namespace, out: list[Record]) -> None:
                         raise RuntimeError(f"mooncake put failed: {codes[:4]}")
                     written.append(keys)
 
-                record(out, "mooncake", "tcp", "put", block, batch, timed(put, reps_for(block, batch, args.quick)))
+                yield "put", block, batch, {("mooncake", "tcp", "put"): put}
                 target = written[-1]
 
                 def get(rep: int) -> None:
@@ -429,7 +461,7 @@ def bench_mooncake(args: argparse.Namespace, out: list[Record]) -> None:
                     if any(s != block for s in sizes):
                         raise RuntimeError(f"mooncake get failed: {sizes[:4]}")
 
-                record(out, "mooncake", "tcp", "get", block, batch, timed(get, reps_for(block, batch, args.quick)))
+                yield "get", block, batch, {("mooncake", "tcp", "get"): get}
                 assert np.array_equal(dst[: batch * block], src[: batch * block])
                 for keys in written:
                     store.batch_remove(keys)
@@ -448,7 +480,8 @@ def bench_mooncake(args: argparse.Namespace, out: list[Record]) -> None:
 
 
 # --- Redis -------------------------------------------------------------------------------------
-def bench_redis(args: argparse.Namespace, out: list[Record]) -> None:
+def redis_steps(args: argparse.Namespace) -> Iterator[Step]:
+    """Redis's side of each step (none when it is not installed here)."""
     server_bin = shutil.which("redis-server")
     try:
         import redis
@@ -482,7 +515,7 @@ def bench_redis(args: argparse.Namespace, out: list[Record]) -> None:
                     pipe.execute()
                     written.append(keys)
 
-                record(out, "redis", "tcp", "put", block, batch, timed(put, reps_for(block, batch, args.quick)))
+                yield "put", block, batch, {("redis", "tcp", "put"): put}
                 target = written[-1]
 
                 def get(rep: int) -> None:
@@ -496,42 +529,60 @@ def bench_redis(args: argparse.Namespace, out: list[Record]) -> None:
                     if any(g is None or len(g) != block for g in got):
                         raise RuntimeError("redis get failed")
 
-                record(out, "redis", "tcp", "get", block, batch, timed(get, reps_for(block, batch, args.quick)))
+                yield "get", block, batch, {("redis", "tcp", "get"): get}
                 client.delete(*[k for keys in written for k in keys])
     finally:
         processes.stop(server)
 
 
-def bench_store(args: argparse.Namespace, systems: list[str], out: list[Record]) -> None:
-    """Our store's rows of one round (its own etcd)."""
-    if "kvstore" in systems:
-        with EtcdServer() as etcd:
-            bench_ours(etcd, args, out)
-
-
-def bench_peers(args: argparse.Namespace, systems: list[str], out: list[Record]) -> None:
-    """Mooncake Store's and Redis's rows of one round."""
-    if "mooncake" in systems:
-        bench_mooncake(args, out)
-    if "redis" in systems:
-        bench_redis(args, out)
-
-
-def bench_limits(args: argparse.Namespace, systems: list[str], out: list[Record]) -> None:
-    """This round's physical limits for a batch of 1 MiB blocks: memcpy, and loopback TCP over as
-    many streams as our client opens (what no store can beat on this machine)."""
-    if "limits" not in systems:
-        return
+def limit_steps(args: argparse.Namespace) -> Iterator[Step]:
+    """This machine's limits for a batch of 1 MiB blocks, timed at the 32 x 1 MiB get step beside the
+    systems: memcpy (one thread or as many as the engine copies with, whichever is faster here) and
+    loopback TCP over as many streams as our client opens (what no store can beat here)."""
     blocks = [np.random.default_rng(i).integers(0, 256, MIB, dtype=np.uint8) for i in range(BATCH)]
-    reps = reps_for(MIB, BATCH, args.quick)
-    # One thread or as many as the engine copies with, whichever is faster here.
-    copies = [timed(memcpy_batch(blocks, threads), reps) for threads in (1, DEFAULT_LOCAL_WORKERS)]
-    record(out, "limit", "memcpy", "copy", MIB, BATCH, min(copies, key=statistics.median))
     loopback = LoopbackBatch(blocks, DEFAULT_STREAMS)
     try:
-        record(out, "limit", "loopback", "copy", MIB, BATCH, timed(loopback, reps))
+        for block in BLOCKS:
+            for batch in (1, BATCH):
+                yield "put", block, batch, {}
+                calls: Calls = {}
+                if block == MIB and batch == BATCH:
+                    calls = {("limit", "memcpy-1", "copy"): memcpy_batch(blocks, 1),
+                             ("limit", f"memcpy-{DEFAULT_LOCAL_WORKERS}", "copy"): memcpy_batch(blocks,
+                                                                                          DEFAULT_LOCAL_WORKERS),
+                             ("limit", "loopback", "copy"): loopback}
+                yield "get", block, batch, calls
     finally:
         loopback.close()
+
+
+def side_by_side(etcd: EtcdServer | None, args: argparse.Namespace, systems: list[str], out: list[Record]) -> None:
+    """One round: every system set up at once, then for each block size, batch and op, the systems
+    called in turn, one call each per repetition (`interleaved`)."""
+    makers = {"kvstore": lambda: ours_steps(etcd, args), "mooncake": lambda: mooncake_steps(args),
+              "redis": lambda: redis_steps(args), "limits": lambda: limit_steps(args)}
+    running = [makers[name]() for name in makers if name in systems]
+    try:
+        while True:
+            steps = [step for step in (next(steps, None) for steps in running)]
+            running = [steps for steps, step in zip(running, steps) if step is not None]
+            steps = [step for step in steps if step is not None]
+            if not steps:
+                return
+            op, block, batch = steps[0][:3]
+            if any(step[:3] != (op, block, batch) for step in steps):
+                raise RuntimeError(f"systems out of step: {[step[:3] for step in steps]}")
+            calls = {key: call for step in steps for key, call in step[3].items()}
+            taken = interleaved(calls, reps_for(block, batch, args.quick))
+            copies = [samples for (system, path, _), samples in taken.items() if path.startswith("memcpy-")]
+            for (system, path, what), samples in taken.items():
+                if not path.startswith("memcpy-"):
+                    record(out, system, path, what, block, batch, samples)
+            if copies:  # one thread or as many as the engine copies with: the faster
+                record(out, "limit", "memcpy", "copy", block, batch, min(copies, key=statistics.median))
+    finally:
+        for steps in running:
+            steps.close()
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -680,6 +731,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     systems = args.systems.split(",")
+    load_at_start = os.getloadavg()  # what else keeps this machine busy, as the run starts and ends
     records: list[Record] = []
     nvme: dict = {}
     extra: dict = {}
@@ -689,10 +741,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.rounds > 1:
             print(f"  -- round {round_ + 1} of {args.rounds}")
         these: list[Record] = []
-        order = [bench_peers, bench_store] if round_ % 2 else [bench_store, bench_peers]  # who goes first alternates
-        order.append(bench_limits)
-        for bench in order:
-            bench(args, systems, these)
+        if {"kvstore", "mooncake", "redis", "limits"} & set(systems):
+            with EtcdServer() as etcd:
+                side_by_side(etcd, args, systems, these)
         for r in these:
             r.round = round_
         records += these
@@ -717,7 +768,7 @@ def main(argv: list[str] | None = None) -> int:
             "   (" + ", ".join("n/a" if v[i][1] is None else f"{v[i][1]:.2f}" for v in per_round_ratios) + ")"
         print(f"  {label:<56}{'n/a' if value is None else f'{value:.2f}':>9}{rounds}")
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count(),
-            "load_average": os.getloadavg()}
+            "load_average_start": load_at_start, "load_average_end": os.getloadavg()}
     document = {"meta": meta, "records": [asdict(r) for r in records], "nvme_baseline": nvme,
                 "ratios": dict(summary), "per_round_ratios": [dict(r) for r in per_round_ratios], **extra}
     if args.json:
