@@ -6,6 +6,7 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from ..tiers.journal import REASONS as JOURNAL_REASONS
 
 OPS = ("reserve", "commit", "put", "abort", "touch", "remove", "lookup", "stats",
        "local_put", "local_reserve", "local_commit", "local_abort", "local_tier", "local_lookup",
@@ -75,7 +76,7 @@ class DaemonMetrics:
         refused = CounterMetricFamily("kvstore_tier_journal_refused",
                                       "Persistent NVMe tier journals refused at start (the tier started empty)",
                                       labels=["reason"])
-        for reason in ("format", "cluster", "node", "tier_id", "size", "label"):
+        for reason in JOURNAL_REASONS:
             refused.add_metric([reason], c.get(f"journal_refused_{reason}", 0))
         yield refused
         for name, key, help_text in (

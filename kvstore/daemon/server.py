@@ -153,7 +153,7 @@ class Daemon:
             self.disk.hold()
             if c.keep_disk:  # persistent: what the last daemon of this node left is served again, once verified
                 self.journal = TierJournal(os.path.dirname(self.disk.path), c.node, c.cluster, self.disk.path,
-                                           c.disk_bytes, counters)
+                                           c.disk_bytes, counters, secret)
                 entries = self.journal.open(resized=self.disk.resized).entries
             elif remove_stale(os.path.dirname(self.disk.path), c.node):
                 log.info("removed the journal of an earlier persistent tier in %s: this tier is not kept "

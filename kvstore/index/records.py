@@ -121,6 +121,13 @@ class BlockRecord:
             codec = stored = 0
         if tier >= len(TIERS):
             raise InvalidRecord(f"block record tier {tier} not understood")
+        # Bounded before anything is allocated for it: a reader sizes its buffers (and a coded
+        # block's decode) from these fields before the bytes' digest can be checked.
+        if size > MAX_BLOCK_BYTES:
+            raise InvalidRecord(f"block record of a {size}-byte block: blocks are at most {MAX_BLOCK_BYTES} bytes")
+        if codec and stored > size:
+            raise InvalidRecord(f"coded block record storing {stored} bytes of a {size}-byte block: a frame is "
+                                "kept only when it is smaller than the block")
         return cls(TIERS[tier], region, offset, size, digest, codec, stored)
 
 

@@ -6,11 +6,22 @@ Two things on the disk, beside each other in --disk-dir:
 - **The tier file's label**, its first 4 KiB (LABEL_BYTES; blocks start after it): magic
   `KVSTIER1`, a u32 length, a JSON object {version, cluster, node, size, tier_id} and a CRC-32 of it.
   `tier_id` is 16 random bytes chosen when the tier was (re)labelled: the tier's fingerprint.
-- **The journal**, `<node>.journal`: a header (magic `KVSJRNL1`, u32 length, JSON {version,
-  cluster, node, tier_size, tier_id}, CRC-32), then entries, each `u32 length, u32 CRC-32 of the
-  payload, payload`; a payload is ENTRY (op, codec, offset, size, stored, block hash, digest,
-  fingerprint length) and the fingerprint. `put` says a block's bytes (its frame when coded) are at
-  `offset`; `delete` that they no longer are.
+- **The journal**, `<node>.journal`: a header (magic `KVSJRNL2`, u32 length, JSON {version,
+  cluster, node, tier_size, tier_id}, a 16-byte MAC), then entries, each `u32 length, 16-byte MAC,
+  payload`; a payload is ENTRY (op, codec, offset, size, stored, block hash, digest, fingerprint
+  length) and the fingerprint. `put` says a block's bytes (its frame when coded) are at `offset`;
+  `delete` that they no longer are.
+
+**Authenticity.** The journal says which bytes a restarted node serves under which key, and the
+digest each must hash to: whoever could write it could make the node serve bytes of their choosing
+(the digest check at restart compares the disk with the journal's own digest). So the header and
+every entry carry a MAC (keyed BLAKE3, 16 bytes) under a key derived from the cluster secret, the
+cluster, the node and the tier id, a key that never touches --disk-dir; each entry's MAC also
+covers the one before it (the header's for the first), so entries cannot be forged, altered,
+reordered, replayed or removed from the middle. A header that fails its MAC refuses the journal;
+the first entry that fails its MAC ends it (it and all after it are dropped and counted). What it
+does not stop: a process with the daemon's uid can read the secret file too (docs/security.md), and
+on an --insecure node (no secret) the key is public.
 
 At start the label and the journal header must name this cluster, this node, this tier size and
 one tier id; else the whole journal is refused (one log line, a metric per reason) and the tier
@@ -34,6 +45,7 @@ entries of its last rewrite, and at least COMPACT_MIN of them.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
@@ -41,6 +53,8 @@ import secrets
 import struct
 import threading
 import zlib
+
+import blake3
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -50,15 +64,16 @@ from .allocator import ALIGN, ExtentAllocator, align_up
 log = logging.getLogger(__name__)
 LABEL_BYTES = 4096
 LABEL_MAGIC = b"KVSTIER1"
-JOURNAL_MAGIC = b"KVSJRNL1"
-FORMAT_VERSION = 1
+JOURNAL_MAGIC = b"KVSJRNL2"
+FORMAT_VERSION = 2
 ENTRY = struct.Struct("<BBQII16s32sB")  # op, codec, offset, size, stored, hash, digest, fingerprint length
-FRAME = struct.Struct("<II")  # payload length, CRC-32 of the payload
+MAC_BYTES = 16
+FRAME = struct.Struct(f"<I{MAC_BYTES}s")  # payload length, MAC of (previous MAC, payload)
 PUT, DELETE = 1, 2
 KNOWN_CODECS = (0, 1, 2, 3)  # kvstore.codec: RAW, LZ4_W1, LZ4_W2, LZ4_W4
 SYNC_S = 1.0
 COMPACT_MIN = 65536  # entries appended before a compaction is considered
-REASONS = ("format", "cluster", "node", "tier_id", "size", "label")  # why a journal is refused
+REASONS = ("format", "mac", "cluster", "node", "tier_id", "size", "label")  # why a journal is refused
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +124,54 @@ def _unframe(magic: bytes, raw: bytes) -> tuple[dict, int] | None:
     return (header, start + length + 4) if isinstance(header, dict) else None
 
 
-def encode_entry(op: int, fingerprint: str, block_hash: bytes, offset: int, size: int = 0, stored: int = 0,
-                 codec: int = 0, digest: bytes = bytes(32)) -> bytes:
+def journal_key(secret: bytes, cluster: str, node: str, tier_id: bytes) -> bytes:
+    """The MAC key of one tier's journal: from the cluster secret, never stored beside the tier."""
+    context = b"kvstore tier journal v2\0" + cluster.encode() + b"\0" + node.encode() + b"\0" + tier_id
+    return blake3.blake3(context, key=blake3.blake3(secret).digest()).digest()
+
+
+def mac(key: bytes, previous: bytes, payload: bytes) -> bytes:
+    return blake3.blake3(previous + payload, key=key).digest(MAC_BYTES)
+
+
+def header_mac(key: bytes, body: bytes) -> bytes:
+    return mac(key, b"header", body)
+
+
+def encode_entry(key: bytes, previous: bytes, op: int, fingerprint: str, block_hash: bytes, offset: int,
+                 size: int = 0, stored: int = 0, codec: int = 0, digest: bytes = bytes(32)) -> tuple[bytes, bytes]:
+    """(the entry's bytes, its MAC: the next entry's `previous`)."""
     name = fingerprint.encode()
     payload = ENTRY.pack(op, codec, offset, size, stored, block_hash, digest, len(name)) + name
-    return FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+    tag = mac(key, previous, payload)
+    return FRAME.pack(len(payload), tag) + payload, tag
+
+
+def frame_header(key: bytes, header: dict) -> tuple[bytes, bytes]:
+    """(the journal header's bytes, its MAC)."""
+    body = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    tag = header_mac(key, body)
+    return JOURNAL_MAGIC + struct.pack("<I", len(body)) + body + tag, tag
+
+
+def unframe_header(key: bytes, raw: bytes) -> tuple[dict, int, bytes, bool] | None:
+    """(header, bytes it took, its MAC, whether the MAC holds under `key`), or None when `raw` does
+    not start with a header at all. The header's fields are read either way, to say whose a
+    journal is; only an authentic one is trusted."""
+    start = len(JOURNAL_MAGIC) + 4
+    if len(raw) < start or raw[: len(JOURNAL_MAGIC)] != JOURNAL_MAGIC:
+        return None
+    (length,) = struct.unpack_from("<I", raw, len(JOURNAL_MAGIC))
+    if length > 65536 or start + length + MAC_BYTES > len(raw):
+        return None
+    body, tag = raw[start : start + length], raw[start + length : start + length + MAC_BYTES]
+    try:
+        header = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(header, dict):
+        return None
+    return header, start + length + MAC_BYTES, tag, hmac.compare_digest(tag, header_mac(key, body))
 
 
 def read_label(fd: int) -> dict | None:
@@ -133,19 +191,20 @@ def _fsync_folder(folder: str) -> None:
         os.close(fd)
 
 
-def replay(raw: bytes, tier_size: int, start: int) -> tuple[list[Entry], int, int]:
-    """The entries of a journal body from `start`: (live entries, oldest first; entries dropped; bytes
-    cut at a torn or damaged entry)."""
+def replay(raw: bytes, tier_size: int, start: int, key: bytes, previous: bytes) -> tuple[list[Entry], int, int]:
+    """The entries of a journal body from `start` (`previous`: the header's MAC): (live entries,
+    oldest first; entries dropped; bytes cut at a torn, damaged or forged entry)."""
     live: dict[tuple[str, bytes], tuple[int, Entry]] = {}
     dropped, at, seq = 0, start, 0
     capacity = tier_size // ALIGN * ALIGN
     while at < len(raw):
         if at + FRAME.size > len(raw):
             break
-        length, crc = FRAME.unpack_from(raw, at)
+        length, tag = FRAME.unpack_from(raw, at)
         payload = raw[at + FRAME.size : at + FRAME.size + length]
-        if length < ENTRY.size or len(payload) != length or zlib.crc32(payload) != crc:
+        if length < ENTRY.size or len(payload) != length or not hmac.compare_digest(tag, mac(key, previous, payload)):
             break
+        previous = tag
         at += FRAME.size + length
         seq += 1
         op, codec, offset, size, stored, block_hash, digest, name_len = ENTRY.unpack_from(payload)
@@ -156,18 +215,18 @@ def replay(raw: bytes, tier_size: int, start: int) -> tuple[list[Entry], int, in
         if name_len != len(payload) - ENTRY.size or not NAME.fullmatch(fingerprint) or op not in (PUT, DELETE):
             dropped += 1
             continue
-        key = (fingerprint, block_hash)
+        block = (fingerprint, block_hash)
         if op == DELETE:
-            if key in live and live[key][1].offset == offset:
-                del live[key]
+            if block in live and live[block][1].offset == offset:
+                del live[block]
             continue
         if (codec not in KNOWN_CODECS or not 0 < size <= MAX_BLOCK_BYTES or not 0 < stored <= MAX_BLOCK_BYTES
                 or (codec == 0 and stored != size) or offset < LABEL_BYTES or offset % ALIGN
                 or offset + align_up(stored) > capacity):
             dropped += 1
-            live.pop(key, None)  # where it was before is not where it is
+            live.pop(block, None)  # where it was before is not where it is
             continue
-        live[key] = (seq, Entry(fingerprint, block_hash, offset, size, stored, codec, digest))
+        live[block] = (seq, Entry(fingerprint, block_hash, offset, size, stored, codec, digest))
     torn = len(raw) - at
     # Extents that overlap (a journal damaged in a way its CRCs did not catch): the newest entry wins.
     space = ExtentAllocator(capacity)
@@ -186,8 +245,11 @@ class TierJournal:
     """The journal of one tier file (see module docstring): open() recovers, put/delete append."""
 
     def __init__(self, folder: str, node: str, cluster: str, tier_path: str, tier_size: int,
-                 counters: dict[str, float], sync_s: float = SYNC_S) -> None:
+                 counters: dict[str, float], secret: bytes, sync_s: float = SYNC_S) -> None:
         self.folder, self.node, self.cluster = folder, node, cluster
+        self._secret = secret
+        self._key = b""  # journal_key(...) once the tier id is known
+        self._last = b""  # the MAC of the last entry written (the next one's `previous`)
         self.path = os.path.join(folder, f"{node}.journal")
         self.tier_path, self.tier_size = tier_path, tier_size
         self.counters = counters
@@ -200,7 +262,7 @@ class TierJournal:
         self._broken = False
         self._appended = 0  # entries written since the last rewrite
         self._base = 0  # entries the last rewrite held
-        self._capture: list[bytes] | None = None  # entries written while a compaction runs
+        self._capture: list[tuple] | None = None  # entries written while a compaction runs
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.snapshot: Callable[[], list[Entry]] | None = None  # the tier's blocks now (set by the store)
@@ -229,6 +291,7 @@ class TierJournal:
             self._write_label()
         else:
             self.tier_id = bytes.fromhex(label["tier_id"])
+        self._key = journal_key(self._secret, self.cluster, self.node, self.tier_id)
         self._install(*self._write_temporary(recovery.entries), [])
         self._thread = threading.Thread(target=self._run, name=f"kvs-journal-{self.node}", daemon=True)
         self._thread.start()
@@ -248,10 +311,14 @@ class TierJournal:
         if label is None:
             return Recovery([], "label", "the tier file carries no label (made by another program, an older "
                                          "release, or a daemon without --keep-disk)")
-        found = _unframe(JOURNAL_MAGIC, raw)
+        try:
+            key = journal_key(self._secret, self.cluster, self.node, bytes.fromhex(str(label.get("tier_id"))))
+        except ValueError:
+            return Recovery([], "label", "the tier file's label names no tier id")
+        found = unframe_header(key, raw)
         if found is None or found[0].get("version") != FORMAT_VERSION or label.get("version") != FORMAT_VERSION:
-            return Recovery([], "format", "not a journal of this release (bad magic, version or CRC)")
-        header, start = found
+            return Recovery([], "format", "not a journal of this release (bad magic or version)")
+        header, start, previous, authentic = found
         for reason, theirs, ours in (("cluster", header.get("cluster"), self.cluster),
                                      ("cluster", label.get("cluster"), self.cluster),
                                      ("node", header.get("node"), self.node),
@@ -263,7 +330,9 @@ class TierJournal:
                 what = {"cluster": "cluster", "node": "node", "size": "tier size",
                         "tier_id": "tier id (the journal belongs to another tier file)"}[reason]
                 return Recovery([], reason, f"{what} {theirs!r} where this is {ours!r}")
-        entries, dropped, torn = replay(raw, self.tier_size, start)
+        if not authentic:
+            return Recovery([], "mac", "its header fails its MAC: written without this cluster's secret, or damaged")
+        entries, dropped, torn = replay(raw, self.tier_size, start, key, previous)
         return Recovery(entries, "", "", dropped, torn)
 
     def _write_label(self) -> None:
@@ -272,18 +341,19 @@ class TierJournal:
         os.pwrite(self._tier_fd, label.ljust(LABEL_BYTES, b"\0"), 0)
         os.fdatasync(self._tier_fd)
 
-    def _header(self) -> bytes:
-        return _frame(JOURNAL_MAGIC, {"version": FORMAT_VERSION, "cluster": self.cluster, "node": self.node,
-                                      "tier_size": self.tier_size, "tier_id": self.tier_id.hex()})
-
-    def _write_temporary(self, entries: Iterable[Entry]) -> tuple[int, int]:
-        """A new journal of `entries` in a temporary file, synced: (its fd, entries written)."""
+    def _write_temporary(self, entries: Iterable[Entry]) -> tuple[int, int, bytes]:
+        """A new journal of `entries` in a temporary file, synced: (its fd, entries written, the
+        last MAC written)."""
         fd = os.open(self.path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            parts, count = [self._header()], 0
+            header, last = frame_header(self._key, {"version": FORMAT_VERSION, "cluster": self.cluster,
+                                                    "node": self.node, "tier_size": self.tier_size,
+                                                    "tier_id": self.tier_id.hex()})
+            parts, count = [header], 0
             for e in entries:
-                parts.append(encode_entry(PUT, e.fingerprint, e.block_hash, e.offset, e.size, e.stored, e.codec,
-                                          e.digest))
+                entry, last = encode_entry(self._key, last, PUT, e.fingerprint, e.block_hash, e.offset, e.size,
+                                           e.stored, e.codec, e.digest)
+                parts.append(entry)
                 count += 1
                 if len(parts) >= 4096:
                     _write_all(fd, b"".join(parts))
@@ -293,14 +363,19 @@ class TierJournal:
         except BaseException:
             os.close(fd)
             raise
-        return fd, count
+        return fd, count, last
 
-    def _install(self, fd: int, count: int, tail: list[bytes]) -> None:
-        """Append `tail` to the temporary journal, sync it, rename it over the journal and append to
-        it from then on (the lock held, or nothing appending yet)."""
+    def _install(self, fd: int, count: int, last: bytes, tail: list[Entry]) -> None:
+        """Append `tail` (entries appended meanwhile, re-chained behind `last`) to the temporary
+        journal, sync it, rename it over the journal and append to it from then on (the lock held,
+        or nothing appending yet)."""
         try:
             if tail:
-                _write_all(fd, b"".join(tail))
+                parts = []
+                for op, *fields in tail:
+                    entry, last = encode_entry(self._key, last, op, *fields)
+                    parts.append(entry)
+                _write_all(fd, b"".join(parts))
                 os.fsync(fd)
         finally:
             os.close(fd)
@@ -309,20 +384,21 @@ class TierJournal:
         old, self._fd = self._fd, os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         if old >= 0:
             os.close(old)
-        self._base, self._appended = count + len(tail), 0
+        self._base, self._appended, self._last = count + len(tail), 0, last
 
     # --- appends (under the store's lock) -----------------------------------------------------------
     def put(self, fingerprint: str, block_hash: bytes, offset: int, size: int, stored: int, codec: int,
             digest: bytes) -> None:
-        self._append(encode_entry(PUT, fingerprint, block_hash, offset, size, stored, codec, digest))
+        self._append((PUT, fingerprint, block_hash, offset, size, stored, codec, digest))
 
     def delete(self, fingerprint: str, block_hash: bytes, offset: int) -> None:
-        self._append(encode_entry(DELETE, fingerprint, block_hash, offset))
+        self._append((DELETE, fingerprint, block_hash, offset, 0, 0, 0, bytes(32)))
 
-    def _append(self, entry: bytes) -> None:
+    def _append(self, fields: tuple) -> None:
         with self._lock:
             if self._broken or self._fd < 0:
                 return
+            entry, last = encode_entry(self._key, self._last, *fields)
             try:
                 _write_all(self._fd, entry)
             except OSError as exc:
@@ -333,10 +409,11 @@ class TierJournal:
                 log.error("NVMe tier journal %s: cannot append (%s): no more entries until the next start",
                           self.path, exc)
                 return
+            self._last = last
             self._dirty = True
             self._appended += 1
             if self._capture is not None:
-                self._capture.append(entry)
+                self._capture.append(fields)
 
     # --- background: sync and compaction -------------------------------------------------------------
     def _run(self) -> None:
@@ -367,10 +444,10 @@ class TierJournal:
         try:
             # Taken under the store's lock: every entry appended before it is in it, every one after
             # it is captured (some may be in both: replaying a put or delete twice changes nothing).
-            fd, count = self._write_temporary(self.snapshot())
+            fd, count, last = self._write_temporary(self.snapshot())
             with self._lock:
                 captured, self._capture = self._capture or [], None
-                self._install(fd, count, captured)
+                self._install(fd, count, last, captured)
             self._count("journal_compactions")
         finally:
             with self._lock:

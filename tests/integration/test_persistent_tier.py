@@ -17,7 +17,8 @@ import pytest
 from kvstore import Client
 from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.store.v1 import store_pb2, store_pb2_grpc
-from kvstore.tiers.journal import ENTRY, FRAME, JOURNAL_MAGIC, _unframe
+from kvstore.integrity import block_digest
+from kvstore.tiers.journal import ENTRY, FRAME, MAC_BYTES, PUT, encode_entry, journal_key, read_label, unframe_header
 
 FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64, kv_layout="bytes")
 BLOCK = 64 * 1024
@@ -142,7 +143,36 @@ def test_a_block_damaged_on_disk_while_the_daemon_was_down_is_never_listed(etcd_
     assert listed(etcd_server, cluster, [victim]) == []
 
 
-@pytest.mark.parametrize("damage", ["torn", "bad-crc"])
+def prom(daemon) -> dict[str, float]:
+    """The daemon's Prometheus series, `name{labels}` -> value (a node with a secret answers Stats
+    only to callers with a token; its metrics port serves anyone on loopback)."""
+    import urllib.request
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def restored_by_metrics(daemon) -> dict[str, float]:
+    assert wait_for(lambda: prom(daemon).get("kvstore_tier_restore_pending", 1) == 0)
+    return prom(daemon)
+
+
+def entry_starts(raw: bytes) -> list[int]:
+    """Where each entry of a journal starts (read without its key: lengths only)."""
+    _, at, _, _ = unframe_header(bytes(32), raw)
+    starts = []
+    while at < len(raw):
+        starts.append(at)
+        at += FRAME.size + FRAME.unpack_from(raw, at)[0]
+    return starts
+
+
+@pytest.mark.parametrize("damage", ["torn", "bad-mac"])
 def test_a_torn_journal_tail_costs_only_that_entry(etcd_server, spawn_daemon, tmp_path, damage):
     """Kills: a replay that refuses (or trips on) a whole journal whose last entry was cut short by
     a crash or damaged: that entry is dropped and counted (kvstore_tier_journal_torn_bytes), every
@@ -154,10 +184,7 @@ def test_a_torn_journal_tail_costs_only_that_entry(etcd_server, spawn_daemon, tm
     journal = tmp_path / "nvme-torn" / "torn.journal"
     raw = journal.read_bytes()
     # The last entry: a put of one of the blocks on NVMe (demotions are the last thing the tier did).
-    _, at = _unframe(JOURNAL_MAGIC, raw)
-    while at < len(raw):
-        last = at
-        at += FRAME.size + FRAME.unpack_from(raw, at)[0]
+    last = entry_starts(raw)[-1]
     op, codec, offset, size, stored, block_hash, *_ = ENTRY.unpack_from(raw, last + FRAME.size)
     assert op == 1 and block_hash in on_nvme
     if damage == "torn":
@@ -240,9 +267,75 @@ def test_a_journal_of_another_cluster_node_tier_or_size_is_refused(etcd_server, 
 
 def test_the_journal_format_is_what_the_module_says():
     """The entry layout the tests above cut into: op u8, codec u8, offset u64, size u32, stored
-    u32, hash 16, digest 32, fingerprint length u8; framed by length and CRC-32."""
-    assert ENTRY.size == 1 + 1 + 8 + 4 + 4 + 16 + 32 + 1 and FRAME.size == 8
-    assert struct.calcsize("<II") == FRAME.size
+    u32, hash 16, digest 32, fingerprint length u8; framed by length and a 16-byte MAC."""
+    assert ENTRY.size == 1 + 1 + 8 + 4 + 4 + 16 + 32 + 1 and FRAME.size == 4 + MAC_BYTES
+    assert struct.calcsize(f"<I{MAC_BYTES}s") == FRAME.size
+
+
+def test_a_journal_written_without_the_secret_never_makes_a_node_serve_other_bytes(etcd_server, spawn_daemon,
+                                                                                    tmp_path):
+    """Whoever can write --disk-dir but lacks the cluster secret writes other bytes into the tier
+    file and a journal entry naming them (with their digest) under a block's key: the restarted
+    node must never serve those bytes. Nor when the whole journal is rewritten with a key of the
+    writer's choosing (refused: kvstore_tier_journal_refused{reason="mac"}). Kills: a journal
+    framed by CRCs (the restore compares the disk with a digest the same writer chose)."""
+    cluster, secret = uuid.uuid4().hex[:8], "journal-secret-0123456789abcdef"
+    daemon = spawn_daemon("vault", etcd_server.url, cluster, dram="2MiB", disk="32MiB", secret=secret, extra=KEEP)
+    hashes = external_hashes(range(60), FP)
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, timeout=3.0, secret=secret) as c:
+        assert c.mirror.wait_until(lambda m: len(m.nodes) >= 1, 10)
+        for start in range(0, len(hashes), 8):
+            c.put_many([(h, content(h)) for h in hashes[start : start + 8]])
+        records = c._lookup("vault", c._fp(None), hashes)
+    on_nvme = [(h, r) for h, r in zip(hashes, records) if r is not None and r.tier == "nvme"]
+    assert len(on_nvme) >= 2
+    assert daemon.terminate() == 0
+    folder = tmp_path / "nvme-vault"
+    journal, tier = folder / "vault.journal", folder / "vault.tier"
+    kept = journal.read_bytes()
+    (victim, record), (other, _) = on_nvme[0], on_nvme[1]
+    forged = np.full(BLOCK, 0x5A, np.uint8)  # the writer's bytes, in the victim's place
+    with open(tier, "r+b") as f:
+        f.seek(record.offset)
+        f.write(forged.tobytes())
+        label = read_label(f.fileno())
+    # An entry under a key the writer can compute (no secret), appended to the journal.
+    guess = journal_key(b"", cluster, "vault", bytes.fromhex(label["tier_id"]))
+    previous = kept[entry_starts(kept)[-1] + 4 : entry_starts(kept)[-1] + FRAME.size]
+    entry, _ = encode_entry(guess, previous, PUT, FP.digest, victim, record.offset, BLOCK, BLOCK, 0,
+                            block_digest(victim, forged))
+    journal.write_bytes(kept + entry)
+
+    def served_bytes() -> dict[bytes, bool]:
+        with Client(etcd_server.url, cluster=cluster, fingerprint=FP, timeout=3.0, secret=secret) as c:
+            c.mirror.wait_until(lambda m: m.lookup(FP, other), 10)
+            out = {}
+            for h, _ in on_nvme:
+                buf = np.zeros(BLOCK, np.uint8)
+                if c.get(h, buf):
+                    assert not np.array_equal(buf, forged), "the node served the forged bytes"
+                    assert np.array_equal(buf, content(h))
+                    out[h] = True
+            return out
+
+    daemon = spawn_daemon("vault", etcd_server.url, cluster, dram="2MiB", disk="32MiB", secret=secret, extra=KEEP)
+    after = restored_by_metrics(daemon)
+    assert after["kvstore_tier_journal_torn_bytes_total"] > 0  # the forged entry, cut
+    assert after["kvstore_tier_restore_corrupt_blocks_total"] == 1  # the victim's own entry: its bytes changed
+    assert victim not in served_bytes() and other in served_bytes()
+    assert daemon.terminate() == 0
+    # The whole journal rewritten under the writer's key: refused.
+    header = unframe_header(bytes(32), kept)[0]
+    from kvstore.tiers.journal import frame_header
+    rewritten, last = frame_header(guess, header)
+    entry, _ = encode_entry(guess, last, PUT, FP.digest, victim, record.offset, BLOCK, BLOCK, 0,
+                            block_digest(victim, forged))
+    journal.write_bytes(rewritten + entry)
+    daemon = spawn_daemon("vault", etcd_server.url, cluster, dram="2MiB", disk="32MiB", secret=secret, extra=KEEP)
+    after = restored_by_metrics(daemon)
+    assert after['kvstore_tier_journal_refused_total{reason="mac"}'] == 1
+    assert after["kvstore_tier_restored_blocks_total"] == 0
+    assert victim not in served_bytes()
 
 
 def test_a_restarted_node_takes_a_bounded_share_of_a_burst(etcd_server, spawn_daemon):

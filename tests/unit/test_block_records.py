@@ -79,3 +79,19 @@ async def test_the_mirror_lists_no_block_an_older_node_recorded():
         assert not any(mirror.contains(FP, h) for h in HASHES[4:6])
         assert mirror.lookup(FP, HASHES[0]) == {"new": BlockRecord("nvme", 3, 0, 4096, DIGEST)}
     await session.close()
+
+
+def test_a_record_claiming_more_bytes_than_a_block_can_hold_is_refused():
+    """A forged record names the sizes a reader allocates (and decodes a coded frame into) before
+    it can check the bytes' digest. Kills: a decode that takes any u32 size (a 2 MiB lz4 frame
+    claiming 512 MiB grew a reader's memory before its digest failed)."""
+    from kvstore.index.records import CODED_RECORD_VERSION, MAX_BLOCK_BYTES, _CODED
+
+    assert BlockRecord.decode(BlockRecord("dram", 1, 0, MAX_BLOCK_BYTES, DIGEST).encode()).size == MAX_BLOCK_BYTES
+    huge = struct.pack(f"<BBIQI32s", BLOCK_RECORD_VERSION, 0, 1, 0, 512 << 20, DIGEST)
+    with pytest.raises(InvalidRecord, match="at most"):
+        BlockRecord.decode(huge)
+    swollen = _CODED.pack(CODED_RECORD_VERSION, 1, 1, 4096, 1 << 20, DIGEST, 1, (1 << 20) + 4096)
+    with pytest.raises(InvalidRecord, match="smaller than the block"):
+        BlockRecord.decode(swollen)
+    assert BlockRecord.decode(_CODED.pack(CODED_RECORD_VERSION, 1, 1, 4096, 1 << 20, DIGEST, 1, 1 << 19)).stored == 1 << 19
