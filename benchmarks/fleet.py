@@ -14,8 +14,13 @@ order rotated between modes: colocated: `ours` (`conductor serve`: the gateway, 
 index and the engines' KV events), `ours` with the store off (engines without a pool, the gateway
 without an index: engine-local caches only), vllm-router 0.1.17 `cache_aware`, `kv_aware` (fed by
 the engines' KV events) and `round_robin`; P/D: `ours` and vllm-router's P/D mode
-(`--vllm-pd-disaggregation`, `cache_aware` and `round_robin`). A router that is not installed is an
-n/a record saying why.
+(`--vllm-pd-disaggregation`, `cache_aware` and `round_robin`); in both modes `dynamo`: NVIDIA Dynamo's
+KV router (ai-dynamo 1.6.1) on the same stand-ins, its `KvRouter` fed their KV events by Dynamo's
+own relay and picking each request's engine behind a thin proxy (benchmarks/fleet_dynamo.py; the
+records' `dynamo_via` says so). A peer that is not installed, or installed but not on PATH, stops
+the command before anything starts, in one line naming it; one that fails to start stops it in
+one line naming its log (kept). A request a router refuses (Dynamo's 503) is an error, a miss in
+goodput.
 
 Workload: the trace's rows in order (default: the built-in Mooncake conversation trace), each
 prompt made of token ids, 512 per hash id (the same ids wherever a hash id repeats; fresh per run,
@@ -80,15 +85,19 @@ from kvstore.testing.ports import free_port
 
 PROG = "python -m benchmarks.fleet"
 TRACE_BLOCK = 512  # tokens per trace hash id (the Mooncake traces' unit)
-COLOCATED = ("ours", "ours-no-store", "cache_aware", "kv_aware", "round_robin")
-PD = ("ours", "vllm-router-pd", "vllm-router-pd-rr")
+COLOCATED = ("ours", "ours-no-store", "cache_aware", "kv_aware", "round_robin", "dynamo")
+PD = ("ours", "vllm-router-pd", "vllm-router-pd-rr", "dynamo")
 MODES = ("colocated", "pd")
 LABELS = {"ours": "ours", "ours-no-store": "ours", "cache_aware": "vllm-router cache_aware",
           "kv_aware": "vllm-router kv_aware", "round_robin": "vllm-router round_robin",
-          "vllm-router-pd": "vllm-router cache_aware", "vllm-router-pd-rr": "vllm-router round_robin"}
+          "vllm-router-pd": "vllm-router cache_aware", "vllm-router-pd-rr": "vllm-router round_robin",
+          "dynamo": "dynamo"}
 SIM_POLICY = {"ours": "cache_global+sticky", "ours-no-store": "cache_global+sticky", "cache_aware": "cache_local",
               "kv_aware": "cache_local", "round_robin": "round_robin", "vllm-router-pd": "cache_local",
-              "vllm-router-pd-rr": "round_robin"}
+              "vllm-router-pd-rr": "round_robin", "dynamo": "cache_local"}
+# How the Dynamo peer routes: its KvRouter on the same stand-in engines, fed their KV events.
+DYNAMO_VIA = ("kv-router bindings on the same stand-ins (ai-dynamo KvRouter.best_worker behind a thin proxy, "
+              "fed the stand-ins' vLLM ZMQ KV events by Dynamo's KvEventPublisher)")
 CALIBRATION_LENGTHS = (2048, 1024, 256)
 
 
@@ -393,6 +402,21 @@ def start_router(kind: str, mode: str, fleet: dict, metadata: str | None, cluste
             raise RuntimeError(f"conductor serve exited with {proc.returncode}: "
                                f"{(tmp / f'router-{cluster}.log').read_text()[-1500:]}")
         return f"http://127.0.0.1:{port}"
+    if kind == "dynamo":
+        path = tmp / f"dynamo-fleet-{cluster}.json"
+        path.write_text(json.dumps({**fleet, "capacity": {"num_gpu_blocks": profile.num_gpu_blocks,
+                                                           "max_num_seqs": profile.max_num_seqs,
+                                                           "max_num_batched_tokens": profile.max_num_batched_tokens}}))
+        (tmp / f"dynamo-discovery-{cluster}").mkdir(exist_ok=True)
+        proc = processes.spawn([sys.executable, "-m", "benchmarks.fleet_dynamo", "--fleet", str(path), "--listen",
+                                f"127.0.0.1:{port}", "--store", str(tmp / f"dynamo-discovery-{cluster}"),
+                                "--routes", str(tmp / f"routes-{cluster}.jsonl")],
+                               stdout=subprocess.PIPE, stderr=log, text=True, cwd=str(ROOT))
+        procs.append(proc)
+        if not proc.stdout.readline():
+            proc.wait(10)
+            raise PeerFailed("dynamo", f"exited with {proc.returncode}", tmp / f"router-{cluster}.log")
+        return f"http://127.0.0.1:{port}"
     policy = {"cache_aware": "cache_aware", "kv_aware": "kv_aware", "round_robin": "round_robin",
               "vllm-router-pd": "cache_aware", "vllm-router-pd-rr": "round_robin"}[kind]
     cmd = ["vllm-router", "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--log-level", "warning",
@@ -413,13 +437,46 @@ def start_router(kind: str, mode: str, fleet: dict, metadata: str | None, cluste
     proc = processes.spawn(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
     procs.append(proc)
     url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", 120, proc, f"vllm-router ({policy})")
+    try:
+        wait_http(url + "/health", 120, proc, f"vllm-router ({policy})")
+    except (RuntimeError, TimeoutError) as exc:
+        raise PeerFailed(f"vllm-router ({policy})", str(exc).removeprefix(f"vllm-router ({policy}) "),
+                         tmp / f"router-{cluster}.log") from None
     return url
 
 
+class PeerFailed(RuntimeError):
+    """A peer router that did not start: one line naming it and its log (kept), exit 1."""
+
+    def __init__(self, peer: str, why: str, log: Path) -> None:
+        super().__init__(f"{peer} failed to start ({why}); its log: {log}")
+        self.log = log
+
+
+def _distribution(name: str) -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.distribution(name)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
 def router_missing(kind: str) -> str | None:
-    if not kind.startswith("ours") and shutil.which("vllm-router") is None:
-        return "vllm-router not installed (pip install vllm-router==0.1.17)"
+    """Why a peer cannot run here (None: it can): not installed, or installed but not on PATH."""
+    if kind.startswith("ours"):
+        return None
+    if kind == "dynamo":
+        if importlib_missing("dynamo.llm"):
+            return ("dynamo (ai-dynamo 1.6.1) is not installed: sh scripts/install.sh bench "
+                    "(or pip install ai-dynamo-runtime==1.6.1 && pip install --no-deps ai-dynamo==1.6.1)")
+        return None
+    if shutil.which("vllm-router") is None:
+        if _distribution("vllm-router"):
+            return (f"vllm-router is installed (pip) but its program is not on PATH ({os.environ.get('PATH', '')}): "
+                    f"add the folder pip put it in to PATH")
+        return "vllm-router is not installed: sh scripts/install.sh bench (or pip install vllm-router==0.1.17)"
     return None
 
 
@@ -845,6 +902,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = read_trace(path)
     except (BadInput, ValueError) as exc:
         fail(PROG, str(exc))
+    missing = {kind: why for kind in args.router_list if (why := router_missing(kind))}
+    if missing:  # before anything starts: never rows of n/a
+        fail(PROG, "; ".join(f"{LABELS[k]}: {why}" for k, why in missing.items())
+             + " (or leave it out with --routers)")
     profile = get_profile(args.profile)
     tmp = Path(tempfile.mkdtemp(prefix="kvstore-fleet-"))
     (tmp / "secret").write_text(os.urandom(16).hex())
@@ -872,17 +933,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {mode}: capacity {capacity:.2f} req/s by the cost model; offered {args.load * capacity:.2f} "
                   f"req/s: {len(slice_)} requests", flush=True)
             for kind in kinds:
-                why = router_missing(kind)
-                if why:
-                    print(f"  {mode:<10} {LABELS[kind]:<26} n/a: {why}", flush=True)
-                    records.append(skipped_record(args, kind, mode, why))
-                    continue
                 prompts = Prompts(args.seed * 1000 + run_index + 1)
                 work = [(at, prompts.ids(row, k), row.output_tokens) for k, (at, row) in enumerate(slice_)]
                 print(f"  {mode:<10} {LABELS[kind]:<26} store {'off' if kind == 'ours-no-store' else 'on'} ...",
                       flush=True)
-                record = run_one(args, kind, mode, work, tmp, run_index, args.fault)
+                try:
+                    record = run_one(args, kind, mode, work, tmp, run_index, args.fault)
+                except PeerFailed as exc:
+                    args.keep = True  # the log it names stays
+                    fail(PROG, str(exc), 1)
                 record["order"] = run_index
+                if kind == "dynamo":
+                    record["dynamo_via"] = DYNAMO_VIA
                 record["sim_hit_ratio"] = sim_hit_ratio(args, kind, mode, slice_, pool_tokens or 10 ** 12)
                 record["offered_rps"] = args.load * capacity
                 record["capacity_rps"] = capacity

@@ -73,3 +73,16 @@ def test_fleet_names_the_malformed_trace_line(tmp_path, line, says):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert f"{trace} line 2" in last and says in last, done.stderr
+
+
+def test_fleet_a_peer_installed_but_not_on_path_is_one_line_naming_it():
+    """Kills: a peer whose program is not on PATH shown as rows of n/a after the other routers ran
+    (or as a traceback): the run is refused before anything starts, in one line naming the peer."""
+    import os
+
+    done = subprocess.run([sys.executable, "-m", "benchmarks.fleet", "--routers", "ours,kv_aware", "--minutes", "0.1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "vllm-router kv_aware" in last and "not on PATH" in last, done.stderr
