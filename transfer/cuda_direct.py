@@ -45,7 +45,7 @@ def pin(region: Region, tensor: Any) -> None:
 
     if region._pinned or region.size > PIN_MAX_BYTES or not torch.cuda.is_available():
         return
-    if torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), region.size, 0) == 0:
+    if int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), region.size, 0)) == 0:
         region._pinned = True
 
 
