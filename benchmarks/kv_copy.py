@@ -20,8 +20,9 @@ and step:
   then one `index_copy_` per layer; CPU one row-wise numpy assignment per layer);
 - the limit, measured beside each: a plain torch copy of the same number of bytes between
   contiguous buffers (CUDA: pinned, device to host for saves and host to device for loads, the
-  slot's own memory; CPU: on one thread, as the connector's CPU copies run), and on CPU glibc's
-  memcpy of them too.
+  slot's own memory; CPU: with the same torch threads as the path, `--threads`, default 1: on a
+  small VM shared with other work torch's parallel copies stall whenever another process holds a
+  core), and on CPU glibc's memcpy of them too.
 
 Records: `device`, `direction` (save/load), `block_tokens`, `layout`, `digests` (on/off),
 `step_tokens`, `step_bytes`, `gbps`, `limit_gbps`, `ratio` (gbps / limit_gbps: the median of the
@@ -48,7 +49,6 @@ import torch
 from transfer import Engine
 
 from kvstore.integrations.vllm.kv_batch import BatchedKV
-from kvstore.integrations.vllm.kv_batch import OneThread as one_thread
 from kvstore.integrations.vllm.kv_cache_io import KVCacheIO
 from kvstore.integrations.vllm.writer import SaveBatch
 
@@ -188,8 +188,8 @@ class Setup:
     def limits(self, direction: str) -> Callable[[], tuple[float, float | None]]:
         """What times the plain copies beside each repetition: (the limit's seconds, memcpy's
         seconds or None). CUDA: a pinned torch copy of the step's bytes between the slot and the
-        device staging. CPU: torch's copy of the same bytes between contiguous buffers on one
-        thread (the copy primitive the path's gathers and scatters are made of), and glibc's
+        device staging. CPU: torch's copy of the same bytes between contiguous buffers, with the
+        path's threads (the copy primitive its gathers and scatters are made of), and glibc's
         memcpy (numpy.copyto), whose streaming stores a copy of 64 KiB rows cannot use."""
         n = self.step_bytes
         if self.cuda:
@@ -208,8 +208,7 @@ class Setup:
             copies.append(lambda: target.view(torch.int64).copy_(source.view(torch.int64)))
 
         def plain() -> tuple[float, float]:
-            with one_thread():
-                return min(timed(copy) for copy in copies), timed(lambda: np.copyto(target.numpy(), source.numpy()))
+            return min(timed(copy) for copy in copies), timed(lambda: np.copyto(target.numpy(), source.numpy()))
 
         return plain
 
@@ -311,6 +310,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=7, help="repetitions, each beside its plain copy (median ratio)")
     p.add_argument("--no-digests", dest="digests", action="store_false", help="skip the saves with digests")
     p.add_argument("--per-block", action="store_true", help="also the per-block fallback (records with path per-block)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (the path's and the limit's)")
     return p
 
 
@@ -325,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         args.layers, args.reps = min(args.layers, 4), min(args.reps, 3)
         args.step_tokens = args.step_tokens or [512]
     args.step_tokens = args.step_tokens or [2048]
+    if not args.device.startswith("cuda"):
+        torch.set_num_threads(max(1, args.threads))
     if min(args.block_tokens + args.step_tokens) < 1 or args.reps < 1 or args.layers < 1:
         print("kv_copy: --block-tokens, --step-tokens, --reps and --layers must be at least 1", file=sys.stderr)
         return 2
@@ -337,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count(),
                 "torch": torch.__version__, "device": args.device, "reps": args.reps, "layers": args.layers,
                 "kv_heads": args.kv_heads, "head_size": args.head_size, "dtype": args.dtype,
-                "step_tokens": args.step_tokens, "quick": args.quick}
+                "step_tokens": args.step_tokens, "quick": args.quick, "threads": torch.get_num_threads()}
         write_json(args.json, {"meta": meta, "records": [asdict(r) for r in records]})
     return 0
 

