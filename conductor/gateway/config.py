@@ -32,6 +32,7 @@ class GatewayConfig:
     max_connections_per_source: int = 512  # of those, from one IPv4 /24 or IPv6 /64; 0: no per-source cap
     api_keys: list[str] = field(default_factory=list)  # empty: no client auth
     kv_events: dict[str, str] = field(default_factory=dict)  # engine URL -> its ZMQ KV-event endpoint
+    kv_events_replay: dict[str, str] = field(default_factory=dict)  # engine URL -> its replay endpoint (gaps)
     session_header: str = "x-session-id"
     cost: dict | None = None  # conductor.cost.CostModel fields (calibrate to your engines)
 

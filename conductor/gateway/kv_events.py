@@ -22,10 +22,26 @@ log = logging.getLogger("conductor.gateway")
 
 
 class KVEventFollower:
-    def __init__(self, engine_url: str, endpoint: str, tracker: PrefixTracker, fingerprint: ModelFingerprint) -> None:
+    """Keeps the tracker's view of one engine exact: every batch applied in sequence order. A gap
+    in the numbers (batches lost on the wire) is filled from the engine's replay socket when it has
+    one (else the view is dropped: no credit is better than wrong credit); numbers that start again
+    lower mean the engine restarted empty, and so does its view here."""
+
+    def __init__(self, engine_url: str, endpoint: str, tracker: PrefixTracker, fingerprint: ModelFingerprint,
+                 replay: str | None = None) -> None:
         self.engine, self.endpoint, self.tracker, self.fingerprint = engine_url, endpoint, tracker, fingerprint
+        self.replay = replay
         self.ours: dict[Any, bytes] = {}  # vLLM block hash -> our chain hash
         self.events = 0
+        self.next_seq: int | None = None
+        self.resets = 0  # views dropped: the engine restarted, or a gap replay could not fill
+        self.replayed = 0  # batches taken from the replay socket
+
+    def reset(self) -> None:
+        """Forget what the engine held (it restarted, or its events were lost for good)."""
+        self.ours.clear()
+        self.tracker.clear(self.engine)
+        self.resets += 1
 
     def apply(self, event: dict) -> None:
         kind = event.get("type")
@@ -59,6 +75,59 @@ class KVEventFollower:
                 self.apply(event)
                 self.events += 1
 
+    async def receive(self, parts: list[bytes]) -> None:
+        """One message off the SUB socket: `(topic, seq, payload)` as vLLM sends it, in order."""
+        seq = int.from_bytes(parts[-2], "big", signed=True) if len(parts) >= 3 else None
+        if seq is not None and self.next_seq is not None:
+            if seq < self.next_seq:
+                log.info("KV events of %s start again at %d (expected %d): the engine restarted", self.engine, seq,
+                         self.next_seq)
+                self.reset()
+            elif seq > self.next_seq and not await self.fill(self.next_seq, seq):
+                log.warning("KV events %d-%d of %s were lost and cannot be replayed: its view is dropped",
+                            self.next_seq, seq - 1, self.engine)
+                self.reset()
+        try:
+            self.apply_batch(parts[-1])
+        except Exception as exc:  # one bad message must not stop the follower
+            log.warning("KV event from %s not understood: %s", self.endpoint, exc)
+        if seq is not None:
+            self.next_seq = seq + 1
+
+    async def fill(self, start: int, end: int, timeout: float = 1.0) -> bool:
+        """Apply batches `start`..`end - 1` from the engine's replay socket; False if it has none or
+        they do not all come within `timeout` seconds."""
+        if not self.replay:
+            return False
+        import zmq
+        import zmq.asyncio
+
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.connect(self.replay.replace("*", urlsplit(self.engine).hostname or "127.0.0.1"))
+        got: dict[int, bytes] = {}
+        try:
+            await sock.send_multipart((b"", start.to_bytes(8, "big")))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            while True:
+                left = deadline - loop.time()
+                if left <= 0 or not await sock.poll(left * 1000):
+                    return False
+                frames = await sock.recv_multipart()
+                seq = int.from_bytes(frames[-2], "big", signed=True)
+                if seq < 0:
+                    break
+                if start <= seq < end:
+                    got[seq] = frames[-1]
+        finally:
+            sock.close(linger=0)
+        if len(got) != end - start:
+            return False
+        for seq in range(start, end):
+            self.apply_batch(got[seq])
+        self.replayed += end - start
+        return True
+
     async def run(self) -> None:
         import zmq
         import zmq.asyncio
@@ -72,11 +141,7 @@ class KVEventFollower:
             sock.bind(self.endpoint)
         try:
             while True:
-                parts = await sock.recv_multipart()
-                try:
-                    self.apply_batch(parts[-1])
-                except Exception as exc:  # one bad message must not stop the follower
-                    log.warning("KV event from %s not understood: %s", self.endpoint, exc)
+                await self.receive(await sock.recv_multipart())
         except asyncio.CancelledError:
             raise
         finally:

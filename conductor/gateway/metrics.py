@@ -17,6 +17,10 @@ class GatewayMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("conductor_gateway_requests", "client requests", ["endpoint", "status"], registry=r)
         self.routes = Counter("conductor_gateway_routes", "routing outcomes", ["mode"], registry=r)
+        self.route_reasons = Counter("conductor_gateway_route_reasons",
+                                     "which term decided a route: local (an engine's own cache), pool (a load from "
+                                     "the store pool instead of a busy holder), queue (no prefix: the shortest "
+                                     "wait), spread, or the policy's name", ["reason"], registry=r)
         self.upstream_failures = Counter("conductor_gateway_upstream_failures", "failed engine calls", ["role"],
                                          registry=r)
         self.retries = Counter("conductor_gateway_retries", "requests moved to another engine", ["phase"], registry=r)

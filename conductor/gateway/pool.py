@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import aiohttp
 
@@ -31,6 +32,7 @@ class Engine:
     kv_capacity: int | None = None  # tokens of KV cache (vllm:cache_config_info), when it says
     failures: int = 0
     checked_at: float = 0.0
+    answered: bool = False  # its last health check passed (a failed request alone does not clear this)
 
     @property
     def name(self) -> str:
@@ -89,6 +91,7 @@ class Pool:
                        [Engine(u.rstrip("/"), "decode") for u in decode]
         self.interval, self.timeout = interval, timeout
         self.ready = asyncio.Event()
+        self.on_down: Callable[[Engine], None] = lambda engine: None  # a health check took it out of the rotation
 
     def role(self, role: str, healthy: bool = True) -> list[Engine]:
         return [e for e in self.engines if e.role == role and (e.healthy or not healthy)]
@@ -124,7 +127,10 @@ class Pool:
         if ok and not engine.healthy:
             log.info("engine %s (%s) is in the rotation", engine.url, engine.role)
         if not ok:
+            if engine.answered:
+                self.on_down(engine)
             engine.fail(why)
+        engine.answered = ok
         engine.healthy, engine.checked_at = ok, time.monotonic()
 
     async def check_all(self, session: aiohttp.ClientSession) -> None:

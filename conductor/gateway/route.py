@@ -2,7 +2,7 @@
 engine's own prefix cache (PrefixTracker) and the store pool (index mirror) as cached tokens."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from kvstore.keys import ModelFingerprint
@@ -21,6 +21,8 @@ class Route:
     cached_tokens: int
     store_tokens: int  # leading prompt tokens in the store pool
     predicted_ttft_ms: float
+    reason: str = ""  # which term decided (the policy's Choice.reason; "spread", "decode_local", ...)
+    credited_tokens: int = 0  # leading prompt tokens the router believed the picked engine holds itself
 
 
 KV_HEADROOM = 0.95  # an engine whose KV cache would be fuller than this with the request is avoided
@@ -103,8 +105,10 @@ class Router:
                  for e in candidates]
         choice = self.policy.choose(request, views)
         if self.spread and not prefills and session is None and len(views) > 1:
-            choice = self._spread(choice, request, views, candidates)
+            spread = self._spread(choice, request, views, candidates)
+            choice = choice if spread.instance == choice.instance else replace(spread, reason="spread")
         picked = next(e for e in candidates if e.url == choice.instance)
+        credited = next(v.local_prefix_tokens for v in views if v.name == picked.url)
         if prefills:
             decode = min(roomy, key=self._decode_order)
             # What the decode engine would not have to compute: its own cache, or the store's blocks.
@@ -120,4 +124,5 @@ class Router:
         why = admit(choice, tbt, self.slo)
         if why is not None:
             raise ApiError(429, why, code="slo_admission")
-        return Route(None if local else picked, decode, choice.cached_tokens, store, choice.predicted_ttft_ms)
+        return Route(None if local else picked, decode, choice.cached_tokens, store, choice.predicted_ttft_ms,
+                     choice.reason or self.policy.name, credited)

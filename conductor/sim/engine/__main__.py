@@ -21,7 +21,8 @@ PROG = "python -m conductor.sim.engine"
 FAULTS_HELP = ("slow:ENGINE:FACTOR (steps FACTOR times slower), error:ENGINE:RATE (that share of generation "
                "requests answered 500), cut:ENGINE:RATE (that share of streams cut after the first token), "
                "down:ENGINE:AT[:FOR] (dies at simulated second AT, comes back empty after FOR seconds; "
-               "never without FOR); repeatable")
+               "never without FOR), drop:ENGINE:AT:FOR (its KV-event batches from AT for FOR seconds are lost "
+               "on the wire; numbered and kept for replay all the same); repeatable")
 
 
 def build_parser() -> Parser:

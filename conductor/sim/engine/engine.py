@@ -57,6 +57,8 @@ class Faults:
     die_mid_stream: float = 0.0  # streams cut (connection dropped) after their first token
     down_at: float | None = None  # simulated second the engine dies (then restarts after `down_for`)
     down_for: float | None = None  # None: stays down
+    drop_at: float | None = None  # from this simulated second, KV-event batches are lost on the wire ...
+    drop_for: float = 0.0  # ... for this long (sequence numbers still advance; the replay socket has them)
 
 
 def parse_fault(spec: str, faults: dict[int, Faults]) -> None:
@@ -64,9 +66,10 @@ def parse_fault(spec: str, faults: dict[int, Faults]) -> None:
     parts = spec.split(":")
     kind = parts[0]
     shapes = {"slow": ((3,), "slow:ENGINE:FACTOR"), "error": ((3,), "error:ENGINE:RATE"),
-              "cut": ((3,), "cut:ENGINE:RATE"), "down": ((3, 4), "down:ENGINE:AT[:FOR]")}
+              "cut": ((3,), "cut:ENGINE:RATE"), "down": ((3, 4), "down:ENGINE:AT[:FOR]"),
+              "drop": ((4,), "drop:ENGINE:AT:FOR")}
     if kind not in shapes:
-        raise ValueError(f"--fault {spec!r}: the kind must be one of slow, error, cut, down")
+        raise ValueError(f"--fault {spec!r}: the kind must be one of slow, error, cut, down, drop")
     lengths, usage = shapes[kind]
     if len(parts) not in lengths:
         raise ValueError(f"--fault {spec!r}: expected {usage}")
@@ -84,6 +87,10 @@ def parse_fault(spec: str, faults: dict[int, Faults]) -> None:
         if not 0 <= values[0] <= 1:
             raise ValueError(f"--fault {spec!r}: RATE must be between 0 and 1")
         setattr(f, "error_rate" if kind == "error" else "die_mid_stream", values[0])
+    elif kind == "drop":
+        if values[0] < 0 or values[1] <= 0:
+            raise ValueError(f"--fault {spec!r}: AT must not be negative and FOR must be above 0")
+        f.drop_at, f.drop_for = values[0], values[1]
     else:
         if values[0] < 0 or (len(values) > 1 and values[1] < 0):
             raise ValueError(f"--fault {spec!r}: AT and FOR must not be negative")
@@ -174,6 +181,8 @@ class Engine:
         """Replace the engine's faults while it runs; a down fault's `down_at` counts from now."""
         if faults.down_at is not None:
             faults.down_at += self.clock.now()
+        if faults.drop_at is not None:
+            faults.drop_at += self.clock.now()
         self.faults = faults
         if faults.down_at is not None and self.alive:
             self._spawn(self._die_at(faults.down_at))
@@ -341,7 +350,9 @@ class Engine:
     def _publish(self) -> None:
         items = self.pool.events.take()
         if items and self.publisher is not None:
-            self.publisher.publish(to_events(items, self.profile.block_size))
+            f = self.faults
+            lost = f.drop_at is not None and f.drop_at <= self.clock.now() < f.drop_at + f.drop_for
+            self.publisher.publish(to_events(items, self.profile.block_size), send=not lost)
 
     async def _die_at(self, at: float) -> None:
         await self.clock.sleep(at - self.clock.now())
@@ -370,7 +381,7 @@ class Engine:
         s = self.scheduler.stats
         return {"engine": self.index, "role": self.role, "steps": self.step_count, "busy_s": self.busy_s,
                 "lag_s": self.lag_s, "restarts": self.restarts, "running": len(self.scheduler.running),
-                "waiting": self.scheduler.num_waiting(), **s,
+                "waiting": self.scheduler.num_waiting(), "kv_usage": self.pool.usage(), "sim_s": self.clock.now(), **s,
                 "events": self.publisher.sent if self.publisher is not None else 0}
 
 

@@ -131,7 +131,8 @@ class Publisher:
         self.encoder = msgspec.msgpack.Encoder()
         self.sent = 0
 
-    def publish(self, events: list[KVCacheEvent]) -> None:
+    def publish(self, events: list[KVCacheEvent], send: bool = True) -> None:
+        """`send=False`: the batch is lost on the wire (a fault), yet numbered and kept for replay."""
         if not events:
             return
         import zmq
@@ -140,7 +141,8 @@ class Publisher:
         seq = self.seq
         self.seq += 1
         try:
-            self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+            if send:
+                self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         except zmq.Again:
             pass  # past the high-water mark: dropped, as a PUB socket does
         self.buffer.append((seq, payload))

@@ -183,12 +183,14 @@ class StandinFleet:
         return web.json_response(self.stats())
 
     async def _fault(self, request: web.Request) -> web.Response:
-        """POST {"spec": "down:1:30"} (a --fault SPEC): the engine's faults from now on; a down fault's
-        AT counts from now, so a benchmark can time a death from its first arrival."""
+        """POST {"spec": "down:1:30"} (a --fault SPEC), or {"specs": [...]} (several, one engine's
+        together): the engines' faults from now on; a down or drop fault's AT counts from now, so a
+        benchmark can time a death from its first arrival."""
         try:
             body = await request.json()
             faults: dict[int, Faults] = {}
-            parse_fault(body["spec"], faults)
+            for spec in body["specs"] if "specs" in body else [body["spec"]]:
+                parse_fault(spec, faults)
         except (ValueError, KeyError, TypeError) as exc:
             return web.json_response({"error": f"expected {{\"spec\": \"KIND:ENGINE:...\"}}: {exc}"}, status=400)
         if any(not 0 <= i < len(self.engines) for i in faults):

@@ -252,8 +252,12 @@ class Front:
         prompt = sum(d.request.num_prompt for d in deliveries)
         completion = sum(d.delivered for d in deliveries)
         cached = sum(d.request.local_hit_tokens + d.request.external_hit_tokens for d in deliveries)
+        # Beyond vLLM's fields (clients ignore unknown ones): which engine answered and what its own
+        # prefix cache held of the prompt on arrival, the truth a router's credit is checked against.
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+                "prompt_tokens_details": {"cached_tokens": cached},
+                "standin": {"engine": self.engine.index,
+                            "local_tokens_on_arrival": sum(d.request.arrival_local_tokens for d in deliveries)}}
 
     async def _whole(self, request: web.Request, deliveries: list[Delivery], chat: bool) -> web.Response:
         choices, params = [], None

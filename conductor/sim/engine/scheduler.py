@@ -47,6 +47,7 @@ class Request:
     hashes: list[bytes] = field(default_factory=list)  # vLLM hashes of the full blocks so far
     num_cached_blocks: int = 0  # blocks whose hashes are in the prefix cache
     local_hit_tokens: int = 0
+    arrival_local_tokens: int = 0  # leading prompt tokens in the engine's own prefix cache on arrival
     external_hit_tokens: int = 0
     load_tokens: int = 0  # tokens the connector is loading (async)
     saved_blocks: int = 0  # prompt blocks handed to the connector to save
@@ -123,6 +124,9 @@ class Scheduler:
     def add(self, request: Request) -> None:
         request.hashes = vllm_block_hashes(request.prompt, self.block_size, None, 0, self.root_hash,
                                            request.cache_salt)
+        # What the prefix cache holds of it on arrival: what a router could rightly have credited.
+        request.arrival_local_tokens = len(self.pool.longest_hit(request.hashes, (request.num_tokens - 1)
+                                                                 // self.block_size)) * self.block_size
         self.waiting.append(request)
 
     def abort(self, request: Request) -> None:
