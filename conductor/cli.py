@@ -72,7 +72,12 @@ def main(argv: list[str] | None = None) -> int:
             config_from(args)  # the settings checked before anything starts
         except (OSError, ValueError, TypeError) as exc:
             fail(PROG, f"{type(exc).__name__}: {exc}" if isinstance(exc, TypeError) else str(exc))
-        return serve_gateway(args)  # the OpenAI gateway in front of vllm serve engines
+        from kvstore.errors import MetadataUnavailable
+
+        try:
+            return serve_gateway(args)  # the OpenAI gateway in front of vllm serve engines
+        except MetadataUnavailable as exc:  # its index mirror could not start: one line, as below
+            fail(PROG, f"cannot reach the metadata service {args.metadata}: {exc}", 5)
     if not args.metadata or not args.fingerprint:
         fail(PROG, "serve needs --decode engine URLs (the gateway), or --metadata and --fingerprint (POST /route)")
 

@@ -6,8 +6,8 @@ import json
 import os
 import sys
 
-from .cli_args import (Parser, alias, fail, fraction, host_port, metadata_url, number, port, positive_float, positive_int,
-                       readable_file, size)
+from .cli_args import (Parser, alias, fail, fraction, host_port, metadata_url, number, port, positive_float,
+                       positive_int, readable_file, replica_count, size, timeout_seconds)
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -62,7 +62,8 @@ def add_serve(commands) -> None:
                             "client given tenant=NAME and that secret may write, reserve and look up only "
                             "fingerprints of tenant NAME (digests 'NAME:...'); the cluster secret stays the "
                             "operator's, trusted with everything")
-    serve.add_argument("--replicas", type=positive_int, default=1, metavar="N", help="default replicas for clients of this cluster")
+    serve.add_argument("--replicas", type=replica_count, default=1, metavar="N",
+                       help="default replicas for clients of this cluster (at most one per live node)")
     serve.add_argument("--eviction", default="lru", choices=["lru", "lfu"], help="eviction policy")
     serve.add_argument("--high-watermark", type=fraction, default=0.95, metavar="FRACTION",
                        help="a tier this full evicts down to --low-watermark")
@@ -74,7 +75,8 @@ def add_serve(commands) -> None:
                        help="address /metrics listens on (0.0.0.0: every interface; it has no authentication and "
                             "serves only counters)")
     serve.add_argument("--lease-ttl", type=positive_int, default=10, metavar="SECONDS", help="seconds a dead daemon's blocks stay listed")
-    serve.add_argument("--timeout", type=positive_float, default=5.0, metavar="SECONDS", help="timeout (seconds) of every remote call")
+    serve.add_argument("--timeout", type=timeout_seconds, default=5.0, metavar="SECONDS",
+                       help="timeout (seconds) of every remote call")
     serve.add_argument("--publish-window-ms", type=number(float, 0, 1000), default=10.0, metavar="MS",
                        help="under a stream of puts, index publish batches start up to this far apart "
                        "(2 ms per update of the previous batch; a lone put goes at once)")
@@ -285,7 +287,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from transfer import TransferError
 
     from .daemon import Daemon, DaemonConfig
-    from .errors import KVStoreError
+    from .daemon.host_room import check_dram
+    from .errors import InvalidConfig, KVStoreError
     from .library import parse_size
 
     prog = "kvstore serve"
@@ -293,6 +296,10 @@ def run_serve(args: argparse.Namespace) -> int:
         fail(prog, f"--low-watermark {args.low_watermark} is above --high-watermark {args.high_watermark}")
     if bool(args.tls_cert) != bool(args.tls_key):
         fail(prog, "--tls-cert and --tls-key go together")
+    try:
+        check_dram(parse_size(args.dram))  # before any file is made: a bad flag leaves nothing behind
+    except InvalidConfig as exc:
+        fail(prog, str(exc))
     for flag, given in (("--keep-disk", args.keep_disk), ("--persist-on-stop", args.persist_on_stop),
                         ("--disk-codec", args.disk_codec != "none")):
         if given and not args.disk_dir:
@@ -347,6 +354,9 @@ def run_serve(args: argparse.Namespace) -> int:
                           admin_token=admin_token, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
     try:
         daemon = Daemon(config).start()
+    except KeyboardInterrupt:  # Ctrl-C while the arena's pages were being filled, say
+        print(f"kvstore serve: {config.node} interrupted while starting", file=sys.stderr)
+        return 130
     except (KVStoreError, TransferError, OSError, ValueError, RuntimeError) as exc:  # RuntimeError: gRPC's bind
         print(f"kvstore serve: cannot start {config.node}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -384,6 +394,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before a command set its own handling (while starting, say)
+        print("kvstore: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse(argv)
 
     if args.command == "demo":

@@ -5,6 +5,7 @@ version; renamed flags keep their old spelling as a hidden alias."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any, Callable
 
@@ -93,7 +94,7 @@ def number(kind: type, low: float | None = None, high: float | None = None, *, l
             value = kind(text)
         except ValueError:
             value = None
-        ok = value is not None and value == value  # nan is no number
+        ok = value is not None and math.isfinite(value)  # nan and inf are no numbers
         if ok and low is not None:
             ok = value > low if low_open else value >= low
         if ok and high is not None:
@@ -116,6 +117,9 @@ def number(kind: type, low: float | None = None, high: float | None = None, *, l
 port = number(int, 0, 65535, what="a port in [0, 65535] (0: any free port)")
 positive_int = number(int, 1)
 positive_float = number(float, 0, low_open=True)
+timeout_seconds = number(float, 0, 3600, low_open=True, what="seconds in (0, 3600]")
+MAX_REPLICAS = 16
+replica_count = number(int, 1, MAX_REPLICAS, what=f"a replica count in [1, {MAX_REPLICAS}]")
 fraction = number(float, 0, 1, low_open=True, what="a fraction in (0, 1]")
 
 

@@ -109,11 +109,43 @@ class Region:
 
 
 
+POPULATE_CHUNK = 256 << 20  # pages filled per call: an interrupt (Ctrl-C) is seen between calls
+MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14+
+
+
 def map_shared(fd: int, size: int, *, writable: bool) -> _mmap.mmap:
     """Map a shared-memory fd with its page tables filled up front, so the first transfer into
-    it does not pay a page fault per 4 KiB."""
+    it does not pay a page fault per 4 KiB. A large mapping is filled a chunk at a time: one
+    MAP_POPULATE over gigabytes runs in the kernel for seconds, deaf to Ctrl-C."""
     prot = _mmap.PROT_READ | (_mmap.PROT_WRITE if writable else 0)
-    return _mmap.mmap(fd, size, _mmap.MAP_SHARED | getattr(_mmap, "MAP_POPULATE", 0), prot)
+    if size <= POPULATE_CHUNK:
+        return _mmap.mmap(fd, size, _mmap.MAP_SHARED | getattr(_mmap, "MAP_POPULATE", 0), prot)
+    mapping = _mmap.mmap(fd, size, _mmap.MAP_SHARED, prot)
+    try:
+        populate(mapping, size, writable)
+    except BaseException:
+        mapping.close()
+        raise
+    return mapping
+
+
+def populate(mapping: _mmap.mmap, size: int, writable: bool) -> None:
+    """Fill `mapping`'s page tables chunk by chunk (Python sees signals between chunks)."""
+    advice = MADV_POPULATE_WRITE if writable else MADV_POPULATE_READ
+    for start in range(0, size, POPULATE_CHUNK):
+        length = min(POPULATE_CHUNK, size - start)
+        try:
+            mapping.madvise(advice, start, length)
+        except (OSError, ValueError):  # an older kernel: touch a byte of every page instead
+            view = memoryview(mapping)[start : start + length]
+            try:
+                if writable:
+                    for at in range(0, length, _mmap.PAGESIZE):
+                        view[at] = view[at]
+                else:
+                    sum(view[:: _mmap.PAGESIZE])
+            finally:
+                view.release()
 
 
 SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL

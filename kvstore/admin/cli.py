@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
-from ..cli_args import alias, fraction, number, positive_float
+from ..cli_args import alias, fraction, number, timeout_seconds
 from ..errors import KVStoreError
 from ..index import IndexMirror
 from ..keys import ModelFingerprint, chain_hashes
@@ -86,7 +86,7 @@ def _global_flags(parser: argparse.ArgumentParser, after: bool) -> None:
     alias(parser, "--token-file", dest="admin_token_file")
     parser.add_argument("--tls-ca", metavar="PEM", **hidden, help=f"CA bundle: talk TLS to the daemons{where}")
     parser.add_argument("--json", action="store_true", **hidden, help=f"machine-readable output{where}")
-    parser.add_argument("--timeout", type=positive_float, metavar="SECONDS",
+    parser.add_argument("--timeout", type=timeout_seconds, metavar="SECONDS",
                         **(hidden or {"default": 10.0}), help=f"timeout of every call{where}")
 
 

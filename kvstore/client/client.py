@@ -472,8 +472,12 @@ class Client:
         finally:
             for region in registered:
                 self.engine.unregister(region)
+        if not errors:  # every node that could be asked took them: say why there were not more
+            live = len(self.mirror.nodes)
+            errors.append(f"no other node could take them (the cluster has {live} live node{'s' if live != 1 else ''}"
+                          + (f", {len(exclude)} excluded)" if exclude else ")"))
         if placed == 0:
-            raise NoStoreNodes("no store node took the blocks" + (f": {'; '.join(errors)}" if errors else ""))
+            raise NoStoreNodes(f"no store node took the blocks: {'; '.join(errors)}")
         if placed < want:
             log.warning("stored %d of %d replicas: %s", placed, want, "; ".join(errors))
         self.stats["already_held"] += held

@@ -32,6 +32,7 @@ from ..errors import KVStoreError, MetadataError, NoStoreNodes
 from ..index.records import Layout, NodeRecord, check_name
 from ..metadata import open_metadata
 from ..store.v1 import store_pb2, store_pb2_grpc
+from .host_room import check_dram
 from .local import LocalControl
 from .metrics import DaemonMetrics
 from .oplog import EvictionLog, NeighbourWatch, Throttle
@@ -133,6 +134,7 @@ class Daemon:
         secret = (c.secret or "").encode()
         if c.tenants and not secret:
             raise ValueError("tenants need a cluster secret (on an --insecure node anyone is anyone)")
+        check_dram(c.dram_bytes)  # before the arena's pages are filled: never an OOM kill
         self.engine = Engine(c.node, listen=c.engine_listen, secret=c.secret, insecure=c.insecure,
                              stall_timeout=c.timeout, tenants=c.tenants)
         # Remote peers write DRAM only into slots reserved or leased to them (BlockStore grants), and

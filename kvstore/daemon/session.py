@@ -10,6 +10,7 @@ from typing import Callable, Iterable, Sequence
 from ..errors import LeaseExpired, MetadataError
 from ..index.records import BlockRecord, Layout, NodeRecord
 from ..metadata import Lease, Metadata, Put
+from ..outage_log import OutageLog
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,8 @@ class NodeSession:
         self.on_lease_lost = on_lease_lost
         self.lease: Lease | None = None
         self._keepalive: asyncio.Task | None = None
+        # Retried four times a second while etcd is down: one line, then one every 30 s.
+        self._outage = OutageLog(log, f"lease keep-alive for {node.name} failed")
 
     async def start(self) -> None:
         """Grant the lease, write node and segment records, start the keep-alive."""
@@ -48,13 +51,14 @@ class NodeSession:
             try:
                 await self.metadata.lease_keepalive(self.lease, timeout=interval)
                 delay = interval
+                self._outage.recovered()
             except LeaseExpired:
                 log.warning("node %s lost its lease: its records are gone", self.node.name)
                 if self.on_lease_lost is not None:
                     self.on_lease_lost()
                 return
             except MetadataError as exc:  # etcd down or slow: keep trying until the TTL runs out
-                log.info("lease keep-alive for %s failed: %s", self.node.name, exc)
+                self._outage.failed(exc)
                 delay = min(interval, 0.25)
             except Exception:  # noqa: BLE001 - the keep-alive must outlive any surprise, or the lease goes
                 log.exception("lease keep-alive for %s failed unexpectedly", self.node.name)

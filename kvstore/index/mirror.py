@@ -29,6 +29,7 @@ from ..aio import bounded, quiet, shared_loop
 from ..errors import InvalidRecord, KVStoreError, MetadataError, MetadataUnavailable, WatchCompacted
 from ..keys import HASH_BYTES, ModelFingerprint
 from ..metadata import Metadata, Page, WatchEvent, check_metadata_url, open_metadata, prefix_end
+from ..outage_log import OutageLog
 from .records import BLOCK_RECORD_BYTES, BLOCK_RECORD_VERSION, TIERS, BlockRecord, Layout, NodeRecord, check_name
 from .snapshot import load_prefix
 from .table import NO_IDS, BlockTable, as_words
@@ -143,6 +144,8 @@ class IndexMirror:
         self._connected = False
         self._loading = False
         self._changed = threading.Condition()
+        # While etcd is down the follower retries every second: one line, then one every 30 s.
+        self._outage = OutageLog(log, f"index mirror lost {metadata_url} (answers are stale until it reloads)")
         self._apply_lock = threading.Lock()  # watch events, pages and remember() edit the same tables
         self._begun = threading.Event()
         self._synced = threading.Event()
@@ -505,7 +508,8 @@ class IndexMirror:
             except (KVStoreError, OSError) as exc:
                 if isinstance(exc, WatchCompacted):
                     self._reload = True  # the history after our revision is gone: only a snapshot will do
-                log.warning("index mirror lost %s (answers are stale until it reloads): %s", self.url, exc)
+                if self._begun.is_set():  # before the first load, start() says it (or its caller does)
+                    self._outage.failed(exc)
             finally:
                 with self._changed:  # a waiter on `stale` wakes now, not at its timeout
                     self._connected = False
@@ -558,6 +562,7 @@ class IndexMirror:
                 self._connected, self._last_ok = True, time.monotonic()
                 self.resumes += 1
                 self._changed.notify_all()
+            self._outage.recovered()
         events = quiet(asyncio.create_task(self._consume(watch)))
         health = quiet(asyncio.create_task(self._ping(metadata)))
         stopper = quiet(asyncio.create_task(self._stopping.wait()))
@@ -613,6 +618,7 @@ class IndexMirror:
             self._reload = False
             self._changed.notify_all()
         self._synced.set()
+        self._outage.recovered()
         return watch
 
     async def _consume(self, watch) -> None:

@@ -4,8 +4,12 @@ variable set in one block serve the next), in an empty directory with a HOME of 
 that cannot run here says why in a `<!-- not-run: reason -->` line right above its fence; the
 README's two set-up commands are what CI itself runs, so they are left out here.
 
+Each page runs under `umask 022`, as a stock shell does, and a recipe that must show an effect
+(blocks handed over, a hit) checks it and fails otherwise.
+
 Kills: an example that drifted from the code (a flag renamed, an argument that no longer exists,
-a tour that stores nothing and so fails its own next line)."""
+a tour that stores nothing and so fails its own next line), and a recipe that exits 0 having done
+nothing (a secret written world-readable, which the daemon refuses, and engines that recompute)."""
 from __future__ import annotations
 
 import os
@@ -56,7 +60,10 @@ def session(page: Path) -> str:
     """One bash script for the page: sh blocks as they are, python blocks through `python -`.
     Each block announces itself on stderr, so a failure names the block it came from."""
     # Servers a page starts with `&` are stopped when it ends (or fails), so their output pipe closes.
-    parts = ["set -e -o pipefail", "trap 'rc=$?; kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null; exit $rc' EXIT"]
+    # A stock shell's umask (a CI runner's or pytest's may differ): a file an example writes must be
+    # made private by the example itself, as a user's would have to be.
+    parts = ["set -e -o pipefail", "umask 022",
+             "trap 'rc=$?; kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null; exit $rc' EXIT"]
     for block in blocks(page):
         parts.append(f"echo '>>> {page.name}:{block.line}' >&2")
         if block.lang == "sh":

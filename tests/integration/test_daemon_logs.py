@@ -89,17 +89,27 @@ def test_a_neighbours_death_and_the_repair_are_logged(etcd_server, spawn_daemon)
     logged(a, "every block held here has its 2 replicas again")
 
 
-def test_publish_failure_recovery_and_lease_loss_are_logged(fresh_etcd, spawn_daemon):
+def test_publish_failure_recovery_and_lease_loss_are_logged(fresh_etcd, spawn_daemon, caplog):
     """Kills: index publish failures logged at INFO (hidden at the default level) or once per retry,
-    their recovery not said, and a lost lease re-taken without a line."""
+    their recovery not said, and a lost lease re-taken without a line; while etcd is down, the
+    daemon's lease keep-alive and a library client's index mirror each logging every retry (four
+    lines a second into the daemon's log, one a second into the application's stderr)."""
     cluster = uuid.uuid4().hex[:8]
     node = spawn_daemon("pub-node", fresh_etcd.url, cluster)
     hashes = external_hashes(range(4), FP)
+    watcher = Client(fresh_etcd.url, cluster=cluster, fingerprint=FP, timeout=3.0)  # stays open through the outage
     with Client(fresh_etcd.url, cluster=cluster, fingerprint=FP, timeout=3.0) as client:
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
         client.put_many([(h, content(h)) for h in hashes])
         assert client.mirror.wait_until(lambda m: m.block_count == 4, 10)
+    assert watcher.mirror.wait_until(lambda m: m.block_count == 4, 10)
+    caplog.set_level("INFO", logger="kvstore.index.mirror")
     fresh_etcd.kill()
+    logged(node, "lease keep-alive for pub-node failed")
+    time.sleep(4)  # an outage of some seconds: retried many times, said once
+    assert sum("lease keep-alive" in x for x in node.log().splitlines()) == 1
+    assert sum("index mirror lost" in r.getMessage() for r in caplog.records) == 1
+    watcher.close()
     with grpc.insecure_channel(node.control) as channel:  # its index update cannot be published now
         try:
             admin_pb2_grpc.AdminStub(channel).Evict(admin_pb2.EvictRequest(fingerprint=FP.digest,

@@ -127,3 +127,19 @@ def test_a_tier_path_that_cannot_work_is_one_typed_error(tmp_path):
     assert os.listdir(tmp_path / "kv") == []
     with pytest.raises(InvalidConfig, match="not a size"):
         kvstore.open("memory://", dram="16XB")
+
+
+def test_fewer_replicas_than_asked_say_why(caplog):
+    """Kills: a put placed on fewer nodes than asked logging an empty reason ('stored 1 of 3
+    replicas: ') when no node refused it: there were just not enough nodes."""
+    import numpy as np
+
+    import kvstore
+
+    fp = kvstore.ModelFingerprint("m", "float32", 4, 1, 1, 8)
+    with kvstore.open("memory://few-replicas", dram="8MiB", fingerprint=fp) as store:
+        caplog.set_level("WARNING", logger="kvstore.client.client")
+        hashes = kvstore.chain_hashes(fp, list(range(8)))
+        store.put_many([(h, np.zeros(fp.block_bytes, np.uint8)) for h in hashes], replicas=3)
+    said = [r.getMessage() for r in caplog.records if "replicas" in r.getMessage()]
+    assert said and all("the cluster has 1 live node" in line for line in said), said

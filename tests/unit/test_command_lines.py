@@ -31,22 +31,29 @@ def one_line_error(capsys, call) -> str:
     (["serve", "--node", "a", "--disk-size", "lots"], "--disk-size", "GiB"),
     (["serve", "--node", "a", "--disk", "-1"], "--disk", "GiB"),
     (["serve", "--node", "a", "--high-watermark", "1.5"], "--high-watermark", "(0, 1]"),
-    (["serve", "--node", "a", "--replicas", "0"], "--replicas", ">= 1"),
+    (["serve", "--node", "a", "--replicas", "0"], "--replicas", "[1, 16]"),
+    (["serve", "--node", "a", "--replicas", "1000000"], "--replicas", "[1, 16]"),
+    (["serve", "--node", "a", "--timeout", "1e309"], "--timeout", "(0, 3600]"),
+    (["serve", "--node", "a", "--timeout", "nan"], "--timeout", "(0, 3600]"),
+    (["serve", "--node", "a", "--insecure", "--dram", "100TiB"], "--dram", "memory"),
+    (["admin", "--timeout", "inf", "status"], "--timeout", "(0, 3600]"),
     (["serve", "--node", "a", "--metrics-port", "70000"], "--metrics-port", "[0, 65535]"),
     (["serve", "--node", "a", "--listen", "7000"], "--listen", "HOST:PORT"),
-    (["serve", "--node", "a", "--timeout", "0"], "--timeout", "> 0"),
+    (["serve", "--node", "a", "--timeout", "0"], "--timeout", "(0, 3600]"),
     (["serve", "--node", "a b"], "--node", "must be"),
     (["serve", "--node", "a", "--log-level", "loud"], "--log-level", "debug"),
     (["serve", "--node", "a", "--tls-cert", "/nonexistent.pem"], "--tls-cert", "readable file"),
     (["serve", "--node", "a", "--metadata", "etc://127.0.0.1:2379"], "--metadata", "etcd://host:port"),
     (["admin", "blocks", "--fingerprint", "zz"], "--fingerprint", "32 lowercase hex"),
     (["admin", "policy", "n", "--high", "2"], "--high", "(0, 1]"),
-    (["admin", "--timeout", "-1", "status"], "--timeout", "> 0"),
+    (["admin", "--timeout", "-1", "status"], "--timeout", "(0, 3600]"),
 ])
 def test_a_bad_value_is_one_line_naming_the_flag_and_what_it_takes(capsys, argv, flag, accepted):
     """Kills: `--dram 16XB` (any unparsable size) ending in a ValueError traceback from parse_size
     inside run_serve; a bad value reaching the daemon and failing its start with exit 1; argparse's
-    multi-line usage block before the error."""
+    multi-line usage block before the error; `--timeout 1e309` (infinity) accepted and failing in
+    the engine with an OverflowError traceback; `--replicas 1000000` accepted; `--dram` larger
+    than the machine accepted (the daemon filled pages until the OOM killer took it)."""
     err = one_line_error(capsys, lambda: kvstore_main(argv))
     assert flag in err and accepted in err
 
@@ -121,6 +128,22 @@ def test_conductor_misspelled_scheme_fails_at_once(capsys):
     started = time.monotonic()
     err = one_line_error(capsys, lambda: main(["serve", "--metadata", "etc://127.0.0.1:2379", "--fingerprint", "{}"]))
     assert "unknown metadata URL" in err and time.monotonic() - started < 2
+
+
+def test_conductor_gateway_with_its_metadata_unreachable_is_one_line_and_exit_5(capsys):
+    """Kills: the gateway's index mirror failing to start as a 44-line traceback and exit 1 (the
+    router service already said it in one line, exit 5), and the mirror's own retry warnings
+    before that line."""
+    from conductor.cli import main
+
+    from kvstore.testing.ports import free_port
+
+    dead = f"127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit) as done:
+        main(["serve", "--decode", f"http://{dead}", "--metadata", f"etcd://{dead}", "--listen", "127.0.0.1:0"])
+    assert done.value.code == 5
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "cannot reach the metadata service" in err, err
 
 
 def test_conductor_bad_fingerprint_is_one_line(capsys):
