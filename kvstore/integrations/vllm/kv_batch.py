@@ -456,3 +456,28 @@ class BatchedKV:
                     engine.unregister(slot.region)
                 except TransferError:  # the store's engine closed first (interpreter exit)
                     pass
+
+
+def staging_blocks(vllm_config: Any, block_size: int, num_blocks: int, extra: dict[str, Any]) -> int:
+    """Blocks of each KV cache group one slot holds: what one step can complete (its token budget,
+    `max_num_batched_tokens`, plus a block boundary and a partial block for each of up to 32 of its
+    requests), or `staging_blocks` from the connector's config. A step saving more sends the rest
+    block by block."""
+    if extra.get("staging_blocks") is not None:
+        return max(1, min(num_blocks, int(extra["staging_blocks"])))
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    tokens = int(getattr(scheduler, "max_num_batched_tokens", 0) or 8192)
+    seqs = int(getattr(scheduler, "max_num_seqs", 0) or 1)
+    return max(1, min(num_blocks, -(-tokens // block_size) + 2 * min(seqs, 32)))
+
+
+def open_batched(io: KVCacheIO, engine: Engine, capacity: int, layout: str, *, save: bool, load: bool,
+                 layer_loads: bool) -> BatchedKV | None:
+    """The batched path, or None (with one warning) when its staging cannot be allocated: the
+    connector then copies block by block. A layout the gather cannot express raises
+    UnsupportedKVLayout (refused at start-up, never copied wrong)."""
+    try:
+        return BatchedKV(io, engine, capacity, layout, save=save, load=load, layer_loads=layer_loads)
+    except StagingUnavailable as exc:
+        log.warning("kvstore: %s; copying KV block by block instead (slower)", exc)
+        return None
