@@ -934,7 +934,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated: colocated, pd")
     p.add_argument("--routers", default=None,
                    help=f"comma-separated; colocated: {', '.join(COLOCATED)}; P/D: {', '.join(PD)} (default: all)")
-    p.add_argument("--trace", default="mooncake-conversation", help=f"a Mooncake JSONL trace, or: {', '.join(TRACES)}")
+    p.add_argument("--trace", default="mooncake-conversation",
+                   help=f"a Mooncake JSONL trace, or: {', '.join(TRACES)}, or a generated shape: "
+                        f"shape:conversation, shape:toolagent, shape:synthetic (conductor.sim.shapes)")
     p.add_argument("--load", type=float, default=0.9, help="offered load, a fraction of the fleet's capacity")
     p.add_argument("--minutes", type=float, default=10.0, help="simulated minutes of arrivals per run")
     p.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per simulated second")
@@ -1011,9 +1013,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         check(args)
-        path = resolve(args.trace, TRACES)
         args.trace_name = args.trace
-        rows = read_trace(path)
+        if args.trace.startswith("shape:"):  # a generated trace of a preset's shape (conductor.sim.shapes)
+            from conductor.sim import shapes
+
+            shape = shapes.shape_from(args.trace.removeprefix("shape:"), {"seed": args.seed})
+            path = tempfile.mkstemp(prefix=f"kvstore-fleet-{shape.name}-", suffix=".jsonl")[1]
+            shapes.write(shapes.generate(shape), path)
+            rows = read_trace(path)
+            os.unlink(path)
+        else:
+            rows = read_trace(resolve(args.trace, TRACES))
     except (BadInput, ValueError) as exc:
         fail(PROG, str(exc))
     missing = {kind: why for kind in args.router_list if (why := router_missing(kind))}

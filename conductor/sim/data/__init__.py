@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TRACES = {"mooncake-conversation": os.path.join(HERE, "mooncake_conversation_trace.jsonl.xz")}
+TRACES = {"mooncake-conversation": os.path.join(HERE, "mooncake_conversation_trace.jsonl.xz"),
+          "mooncake-synthetic": os.path.join(HERE, "mooncake_synthetic_trace.jsonl.xz")}
 SCENARIOS = {"textbook": os.path.join(HERE, "textbook.json")}
 
 
