@@ -116,7 +116,9 @@ class SameHostWriter:
 
     def gone(self) -> bool:
         """Whether the process has exited (its pidfd reads as ready then)."""
-        return bool(select.select([self._pidfd], [], [], 0)[0])
+        poller = select.poll()  # not select(): a daemon's descriptors may be numbered past 1024
+        poller.register(self._pidfd, select.POLLIN)
+        return bool(poller.poll(0))
 
 
 def _hashes(values: Any) -> list[bytes]:

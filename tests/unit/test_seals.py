@@ -138,3 +138,27 @@ def test_clients_hash_every_read_unless_told_to_trust_the_host(monkeypatch):
     monkeypatch.setenv("KVSTORE_VERIFY", "onse")
     with pytest.raises(InvalidConfig, match="KVSTORE_VERIFY='onse': one of every-read, once"):
         VerifiedSlots()
+
+
+def test_a_same_host_writer_is_gone_only_once_its_process_has_exited():
+    """Kills: a quarantine released while the putting process still lives (it may still be copying
+    into the extent), or never released after it exited (its DRAM lost for good)."""
+    import socket
+    import subprocess
+    import sys
+
+    from kvstore.daemon.local import SameHostWriter
+    from tests_support import until
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX)
+    try:
+        assert not SameHostWriter.of(ours).gone()  # this very process, alive
+    finally:
+        ours.close()
+        theirs.close()
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    writer = SameHostWriter(os.pidfd_open(child.pid))
+    assert not writer.gone()
+    child.stdin.close()
+    child.wait(10)
+    assert until(writer.gone, 5)
