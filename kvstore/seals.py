@@ -15,9 +15,9 @@ hands out (a put's, a promotion's) can have landed in it: its bytes are those of
 
 What the numbers cannot see: a write that no slot hand-out explains. A client on the daemon's host
 maps the arena to write its puts, and a write into a slot reserved for it could land after the
-reservation expired and the extent went to another block: such extents are held back until that
-client's process has exited (BlockStore quarantine), or, when the writer is not known, marked so that
-no slot sealed over them is ever numbered (BlockStore taint). A process of the daemon's user that
+reservation expired and the extent went to another block: no slot sealed over such an extent is
+numbered until that client's process has exited, or ever when the writer is not known (BlockStore
+taints). A process of the daemon's user that
 writes a sealed slot in place (the uid may: it maps the arena, or opens its file through /proc), or
 memory that flips a bit, changes bytes without changing a number: only a hash sees that, which is
 why clients hash every read unless told they may trust the host (KVSTORE_VERIFY=once).

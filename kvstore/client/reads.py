@@ -65,8 +65,9 @@ class VerifiedSlots:
     Why that is safe: numbers are never reused and a slot's number is cleared before its extent can
     be handed out again, so an unchanged number means the slot was never freed between this
     client's check and the end of the copy: no write of a put (or a promotion) can have landed in
-    it, and expired same-host writes are kept out (quarantined or tainted, kvstore.seals). Its bytes
-    are then the ones this client hashed and found to be the block's. A slot evicted and reused
+    it, and a slot that an expired same-host write could still reach is never numbered
+    (kvstore.seals). Its bytes are then the ones this client hashed and found to be the block's.
+    A slot evicted and reused
     meanwhile, for another block or the same one, has another number (or none): it is hashed, and
     another block's bytes are a miss as before. A number is remembered only when it was the same
     before and after the verified copy (a reseal during the copy is never trusted later).

@@ -96,7 +96,7 @@ class _Invalid(Exception):
 
 class SameHostWriter:
     """The process at the other end of a unix connection, which maps the arena and may write the
-    slots reserved or leased to it at any time, until it exits (BlockStore quarantines the extents
+    slots reserved or leased to it at any time, until it exits (BlockStore taints the extents
     of its expired slots until `gone()`). Held through a pidfd: a pid reused by another process
     never passes for it."""
 

@@ -148,11 +148,11 @@ class BlockStore:
         self._pending: dict[int, Slot] = {}
         self._fenced: list[tuple[str, Slot]] = []  # (peer, slot): revoked while that peer's write still landed
         # The seal table (kvstore.seals): which verified sealing each DRAM slot holds, for same-host
-        # readers. Pending slots a same-host writer may still write after they expired are held back
-        # until that writer's process is gone (quarantined); where the writer is not known, their
-        # units are tainted for good: no slot sealed over them is numbered, so readers always hash it.
+        # readers. The units of a pending slot that expired while a same-host writer may still write
+        # it are tainted (no slot sealed over them is numbered, so re-readers hash it) until that
+        # writer's process is gone, for good where the writer is not known. Its space goes back at once.
         self.seals = SealTable(dram.size)
-        self._quarantined: list[Slot] = []
+        self._taints: list[tuple[Any, int, int]] = []  # (writer or None, first unit, last unit)
         self._tainted = bytearray(self.seals.units)
         self._written: dict[Key, Slot] = {}  # committed, to be verified by seal_written (in order)
         self._verifying: dict[Key, Slot] = {}  # taken by seal_written, being verified now
@@ -190,8 +190,7 @@ class BlockStore:
         return self.dram.capacity - sum(align_up(slot.size) for slots in (self._pending, self._written,
                                                                         self._verifying)
                                         for slot in slots.values()) \
-            - sum(align_up(slot.size) for _, slot in self._fenced) \
-            - sum(align_up(slot.size) for slot in self._quarantined)
+            - sum(align_up(slot.size) for _, slot in self._fenced)
 
     def _held(self, key: Key) -> Slot | None:
         """The block's slot, sealed or written (awaiting or under verification)."""
@@ -544,14 +543,12 @@ class BlockStore:
         cutoff = time.monotonic() - self.reservation_timeout
         for token in [t for t, s in self._pending.items() if s.reserved_at < cutoff]:
             self._expired(self._pending.pop(token))
-        if self._quarantined:  # held back for a same-host writer: back once its process is gone
-            held = []
-            for slot in self._quarantined:
-                if slot.writer.gone():
-                    self.dram.allocator.release(slot.offset, slot.size)
-                else:
-                    held.append(slot)
-            self._quarantined = held
+        if any(writer is not None and writer.gone() for writer, _, _ in self._taints):
+            # A writer that has exited writes no more: its units may be trusted again (once resealed).
+            self._taints = [t for t in self._taints if t[0] is None or not t[0].gone()]
+            self._tainted = bytearray(self.seals.units)
+            for _, first, last in self._taints:
+                self._tainted[first : last + 1] = b"\1" * (last + 1 - first)
         if self._fenced:  # space held back for writes that were still landing: back once they stopped
             still = []
             for peer, slot in self._fenced:
@@ -590,17 +587,14 @@ class BlockStore:
         """A pending slot whose reservation or lease ran out (lock held). A same-host writer maps the
         arena and writes without a grant: its write may still land, after this extent went to another
         block that was verified and sealed, where no seal number would show it (kvstore.seals). So
-        such an extent waits for its writer's process to exit, or, writer unknown, is tainted."""
-        if slot.peer or slot.tier is not self.dram:
-            self._free_unsealed(slot)  # granted: the engine's revoke fences a write still landing
-        elif slot.writer is not None:
-            self._count("quarantined_slots")
-            self._quarantined.append(slot)
-        else:
+        the extent's units are tainted until that writer's process has exited (for good when the
+        writer is not known); its space goes back now (a reader that hashes sees any late bytes)."""
+        if not slot.peer and slot.tier is self.dram:
             first, last = slot.offset // ALIGN, (slot.offset + slot.size - 1) // ALIGN
+            self._taints.append((slot.writer, first, last))
             self._tainted[first : last + 1] = b"\1" * (last + 1 - first)
             self._count("tainted_units", last + 1 - first)
-            self._free_unsealed(slot)
+        self._free_unsealed(slot)  # granted: the engine's revoke fences a write still landing
 
     def _free_unsealed(self, slot: Slot) -> None:
         """A pending slot given up (aborted, expired): its space back, once no granted write lands in it."""
