@@ -7,9 +7,17 @@ under its name counts: its address changed), while work is left, and every `full
 safety net. A replica that leaves the index while its node stays (evicted by a full node, removed,
 or the records of a node's previous run expiring after it came back) is looked at at once: the
 watch wakes the repairer, which checks those blocks alone (until the copy lands, that block has one
-replica fewer: the smaller that window, the fewer blocks a second failure can take). `under_replicated`
-counts the blocks this node is responsible for that still lack replicas (summed over nodes by
-`kvstore admin status`).
+replica fewer: the smaller that window, the fewer blocks a second failure can take).
+`under_replicated` counts the blocks this node is responsible for that still lack replicas (summed
+over nodes by `kvstore admin status`).
+
+**Under memory pressure.** A full node evicts the blocks other nodes also hold first, so a full
+cluster with replicas keeps one copy of more blocks rather than refusing puts. A repair copy only
+goes to a node with free room (its published usage below ROOM_FRACTION of its capacity), where it
+takes free space and never evicts anything (the store refuses a repair copy it cannot fit without
+dropping a block): a copy into a full node evicted another replicated block, whose repair evicted
+the next, without end. Blocks left short for want of room are counted and said once (with why they
+are short: a node that left, or copies evicted), and copied when room appears.
 
 A node that stops gracefully hands off first (`hand_off`): it copies every block it holds that would
 be left with fewer live replicas than the cluster's count without it, before its lease (and with it
@@ -33,7 +41,14 @@ REPAIR_BATCH = 32
 REMOVED_MAX = 1 << 16  # removed replicas noted between two rounds; past it, the next round scans everything
 HAND_OFF_S = 30.0  # a graceful stop copies blocks for at most this long, then leaves anyway
 HAND_OFF_RETRY_S = 0.5  # a hand-off batch that failed (every target busy or down) is tried again after this
-WAKE_BATCH_S = 0.05  # a replica removal wakes the repairer this long later: a burst of evictions is one round
+WAKE_BATCH_S = 0.05  # a replica removal wakes the repairer this long later: a burst of removals is one round
+ROOM_FRACTION = 0.9  # a repair copy goes only to a node using less than this share of its capacity
+
+
+def has_room(record) -> bool:
+    """Whether a node's published usage leaves room for repair copies (see ROOM_FRACTION)."""
+    capacity = sum(record.tiers.values())
+    return capacity > 0 and sum(record.used.values()) < ROOM_FRACTION * capacity
 
 
 class Repairer:
@@ -50,11 +65,13 @@ class Repairer:
         self._seen_nodes: frozenset[tuple[str, str]] = frozenset()  # (name, address): a restart changes it
         self._seen_resyncs = 0
         self._pending = True
-        self._removed: set[tuple[str, bytes]] = set()  # blocks a replica of which left the index
+        self._removed: set[tuple[str, bytes, str]] = set()  # (fingerprint, hash, holder) replicas that left
         self._removed_overflow = False
         self._removed_lock = threading.Lock()
         self._said_short = 0  # the last scan's shortfall: a line when it grows or ends, not every scan
         self._said_stuck = 0  # blocks last said to have nowhere to go
+        self._said_full = 0  # blocks last said to have no node with room
+        self._departed: set[str] = set()  # nodes gone since the last full scan (the shortfall's reason)
         self._failure_said = Throttle(30.0)
         counters.setdefault("under_replicated_blocks", 0)
         counters.setdefault("replicas_repaired", 0)
@@ -100,11 +117,15 @@ class Repairer:
         short = sum(len(hashes) for hashes in groups.values())
         if not short:
             return 0
-        copied, failed, nowhere, said_retry = 0, "", 0, False
+        copied, failed, nowhere, full, said_retry = 0, "", 0, 0, False
+        records = self._live()
         for (fingerprint, others), hashes in groups.items():
             exclude = {*others, self.node}
             if not [n for n in live if n not in exclude]:
                 nowhere += len(hashes)
+                continue
+            if not [n for n in live if n not in exclude and has_room(records[n])]:
+                full += len(hashes)  # a copy would have to evict a block there: no retry makes room
                 continue
             start = 0
             while start < len(hashes) and time.monotonic() <= deadline:
@@ -131,6 +152,8 @@ class Repairer:
             if time.monotonic() > deadline:
                 failed = f"out of time ({budget:.0f} s)" + (f"; last failure {failed}" if failed else "")
                 break
+        if full:
+            failed = f"{full} with no node that has room for them" + (f"; {failed}" if failed else "")
         if nowhere:
             failed = f"{nowhere} with no other node to copy to" + (f"; {failed}" if failed else "")
         left = short - copied
@@ -160,7 +183,7 @@ class Repairer:
             return
         with self._removed_lock:
             if len(self._removed) < REMOVED_MAX:
-                self._removed.add((fingerprint, block_hash))
+                self._removed.add((fingerprint, block_hash, node))
             else:
                 self._removed_overflow = True
         self._wake.set()
@@ -169,7 +192,7 @@ class Repairer:
         with self._removed_lock:
             removed, overflow = self._removed, self._removed_overflow
             self._removed, self._removed_overflow = set(), False
-        return removed, overflow
+        return {(fp, h) for fp, h, _node in removed}, overflow
 
     def _loop(self) -> None:
         last_full = time.monotonic()
@@ -190,6 +213,7 @@ class Repairer:
                     self._client.mirror.on_replica_removed(self._replica_removed)
                 mirror = self._client.mirror
                 nodes = frozenset((name, rec.endpoint) for name, rec in mirror.nodes.items())
+                self._departed |= {name for name, _ in self._seen_nodes} - {name for name, _ in nodes}
                 removed, overflow = self._take_removed()
                 if due and (self._pending or overflow or nodes != self._seen_nodes or now - last_full >= self.full_scan_s
                             or mirror.resyncs != self._seen_resyncs):
@@ -229,21 +253,29 @@ class Repairer:
         if only is not None and not short:
             return 0  # a look at a few blocks: the count stays the last full scan's
         self.counters["under_replicated_blocks"] = short
-        if short > self._said_short:  # more than last time: a holder left (a shrinking count is the repair's)
-            log.warning("%d blocks held here have fewer than %d live replicas (a holder left): repairing",
-                        short, self.replicas)
+        if short > self._said_short:  # more than last time (a shrinking count is the repair's)
+            why = (f"{', '.join(sorted(self._departed))} left" if self._departed else
+                   "their other copies were evicted under memory pressure or removed")
+            log.warning("%d blocks held here have fewer than %d live replicas (%s): repairing where there is room",
+                        short, self.replicas, why)
         elif not short and self._said_short:
             log.info("every block held here has its %d replicas again", self.replicas)
         self._said_short = short
+        if only is None:
+            self._departed = set()
         if not short:
             return 0
-        before, attempted, copies, stuck = short, False, 0, 0
+        before, attempted, copies, stuck, full = short, False, 0, 0, 0
         spare = [n for n in live if n != self.node]
+        roomy = {n for n in spare if has_room(live[n])}
         for (fingerprint, holders), hashes in groups.items():
             missing = self.replicas - len(holders)
             if not [n for n in spare if n not in holders]:
                 stuck += len(hashes)
                 continue  # nowhere to copy to until another node joins
+            if not [n for n in roomy if n not in holders]:
+                full += len(hashes)
+                continue  # a copy would only be evicted again (or evict another's): until room appears
             for start in range(0, len(hashes), REPAIR_BATCH):
                 if self._stop.is_set():
                     return short
@@ -262,4 +294,10 @@ class Repairer:
         if stuck and stuck != self._said_stuck:
             log.warning("%d under-replicated blocks have no node left to copy to (waiting for one to join)", stuck)
         self._said_stuck = stuck
-        return before if attempted else short  # after copying, check again once the index shows them
+        if full and full > self._said_full:
+            log.info("%d under-replicated blocks wait for room: every node that could take a copy is full (a copy "
+                     "would evict another block)", full)
+        self._said_full = full
+        # Blocks waiting for a node or for room are looked at again at the next full scan, not every round.
+        progress = short - stuck - full
+        return before - stuck - full if attempted else progress  # after copying, check again once listed

@@ -31,6 +31,7 @@ from ..aio import shared_loop
 from ..errors import KVStoreError, MetadataError, NoStoreNodes
 from ..index.records import Layout, NodeRecord, check_name
 from ..metadata import open_metadata
+from ..outage_log import OutageLog
 from ..store.v1 import store_pb2, store_pb2_grpc
 from .host_room import check_dram
 from .local import LocalControl
@@ -117,6 +118,7 @@ class Daemon:
         self._loop = shared_loop()
         self._stopped = threading.Event()
         self._published_usage: dict[str, int] = {}
+        self._usage_outage = OutageLog(log, "usage refresh failed", level=logging.INFO)
         self._evictions: EvictionLog | None = None  # evictions summed into one log line per 10 s
         self._neighbours = NeighbourWatch(config.node, self.registered_nodes)  # nodes joining and leaving
         self._reregister_said = Throttle(30.0)
@@ -300,7 +302,9 @@ class Daemon:
                 self._call(self._put_node(record))
                 self._published_usage = record.used
             except (MetadataError, TimeoutError) as exc:
-                log.info("usage refresh failed: %s", exc)
+                self._usage_outage.failed(exc)
+            else:
+                self._usage_outage.recovered()
         try:
             if self._evictions is None:
                 self._evictions = EvictionLog(self.store.counters, lambda: [t.name for t in self.store.tiers])

@@ -246,7 +246,9 @@ class BlockStore:
                     self._touch(key)
                     out.append((0, None))
                     continue
-                offset = self._allocate(self.dram, size, updates, keep_sole=repair)
+                # A repair copy takes free room (or room made by demoting), never a dropped block:
+                # one that evicted another replica would only make the next repair, without end.
+                offset = self._allocate(self.dram, size, updates, keep_sole=repair, never_drop=repair)
                 if offset is None:
                     for token, slot in out:  # all or nothing
                         if slot is not None:
@@ -255,8 +257,8 @@ class BlockStore:
                     self._count("allocation_failures_dram")
                     if repair:
                         self._count("repair_copies_refused")
-                        raise AllocationFailed(f"no room for a {size}-byte repair copy without evicting a block "
-                                               "no other live node holds", updates)
+                        raise AllocationFailed(f"no free room for a {size}-byte repair copy (a repair copy never "
+                                               "evicts a block)", updates)
                     raise AllocationFailed(f"no room for a {size}-byte block in {self.dram.capacity} bytes of DRAM",
                                            updates)
                 slot = Slot(key, self.dram, offset, size, writer=None if peer else writer)
@@ -603,18 +605,20 @@ class BlockStore:
 
     # --- space --------------------------------------------------------------------------------
     def _allocate(self, tier: Tier, size: int, updates: list[Update], keep_sole: bool = False,
-                  batch: bool = True) -> int | None:
+                  batch: bool = True, never_drop: bool = False) -> int | None:
         """Room for `size` bytes in `tier`, evicting down to the low watermark when above the high
         one (`batch`; else one block at a time, only as needed). `keep_sole`: evict (drop) only
-        blocks another live node holds; demoting stays allowed (it loses nothing)."""
+        blocks another live node holds; demoting stays allowed (it loses nothing). `never_drop`:
+        drop nothing at all, only demote."""
         if size > tier.capacity:
             return None  # evicting would lose everything and still not fit
         sole: set[Key] = set()  # blocks found to be the last copy, asked about once per allocation
         if batch and tier.used + size > tier.high * tier.capacity:
             self._evict(tier, lambda: tier.used + size <= tier.low * tier.capacity, updates, keep_sole=keep_sole,
-                        sole=sole)
+                        sole=sole, never_drop=never_drop)
         offset = tier.allocator.allocate(size)
-        while offset is None and self._evict(tier, lambda: True, updates, limit=1, keep_sole=keep_sole, sole=sole):
+        while offset is None and self._evict(tier, lambda: True, updates, limit=1, keep_sole=keep_sole, sole=sole,
+                                             never_drop=never_drop):
             offset = tier.allocator.allocate(size)
         return offset
 
@@ -626,11 +630,12 @@ class BlockStore:
             return False
 
     def _evict(self, tier: Tier, enough, updates: list[Update], limit: int | None = None,
-               keep_sole: bool = False, sole: set[Key] | None = None) -> int:
+               keep_sole: bool = False, sole: set[Key] | None = None, never_drop: bool = False) -> int:
         """Evict `tier`'s blocks in its policy's order until `enough()` (or `limit` blocks). DRAM
         blocks are demoted to NVMe where it can take them; a block that would be dropped goes first
         if another live node holds it: only when those do not make enough room are the sole copies
-        dropped, in policy order, and never with `keep_sole`."""
+        dropped, in policy order, and never with `keep_sole`; with `never_drop`, nothing is
+        dropped (only demoted)."""
         evicted = 0
         sole = set() if sole is None else sole
         demoting = tier is self.dram and self.nvme is not None
@@ -643,9 +648,11 @@ class BlockStore:
                 if slot is None:
                     tier.policy.remove(key)
                     continue
-                if demoting and self._demote(slot, updates, keep_sole):
+                if demoting and self._demote(slot, updates, keep_sole, never_drop=never_drop):
                     self._count(f"evictions_{tier.name}")
                     evicted += 1
+                    continue
+                if never_drop:
                     continue
                 if replicated_only and (key in sole or not self._replicated(key)):
                     sole.add(key)
@@ -693,11 +700,12 @@ class BlockStore:
             self.tier_work.set()
         updates.append((slot.key[0], slot.key[1], slot.record()))
 
-    def _demote(self, slot: Slot, updates: list[Update], keep_sole: bool = False, batch: bool = True) -> bool:
+    def _demote(self, slot: Slot, updates: list[Update], keep_sole: bool = False, batch: bool = True,
+                never_drop: bool = False) -> bool:
         """Copy a sealed DRAM block to NVMe, then drop its DRAM copy; False (nothing changed) when
         NVMe has no room for it (as `_allocate` makes room) or the copy failed."""
         nvme = self.nvme
-        offset = self._allocate(nvme, slot.size, updates, keep_sole, batch)
+        offset = self._allocate(nvme, slot.size, updates, keep_sole, batch, never_drop)
         if offset is None:
             return False
         try:

@@ -237,3 +237,40 @@ def test_a_node_restarted_under_its_name_before_its_lease_ended_is_repaired(etcd
         c.kill()  # the blocks' other original holder
         wait_for(lambda: "node-c" not in mirror.nodes, 15, "node-c's lease to expire")
         assert read_back(client, hashes) == []
+
+
+def test_a_full_replicated_cluster_takes_puts_and_repairs_no_storm(etcd_server, spawn_daemon):
+    """Two nodes with --replicas 2 (the README's cluster shape), written well past what they hold:
+    every put is taken (each node evicts, the blocks the other also holds first), and once the
+    writes stop the nodes stop copying. Kills: repair copies that evict to make room (each copy
+    evicted another replicated block, whose repair evicted the next: thousands of copies while
+    idle), and a repair storm's reservations refusing ordinary puts."""
+    import grpc
+
+    from kvstore.store.v1 import store_pb2, store_pb2_grpc
+
+    cluster = uuid.uuid4().hex[:8]
+    extra = ["--replicas", "2"]
+    nodes = [spawn_daemon(name, etcd_server.url, cluster, dram="2MiB", disk="2MiB", extra=extra)
+             for name in ("node-a", "node-b")]
+
+    def repaired() -> int:
+        total = 0
+        for node in nodes:
+            with grpc.insecure_channel(node.control) as channel:
+                stats = store_pb2_grpc.StoreControlStub(channel).Stats(store_pb2.StatsRequest(), timeout=5)
+                total += int(stats.counters.get("replicas_repaired", 0))
+        return total
+
+    hashes = external_hashes(list(range(5000, 5200)), FP)  # 12.5 MiB into 2 x 4 MiB, twice over
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, timeout=3.0) as client:
+        assert client.mirror.wait_until(lambda m: len(m.nodes) == 2, 10)
+        for start in range(0, len(hashes), 8):
+            batch = hashes[start : start + 8]
+            assert client.put_many([(h, content(h)) for h in batch]) >= len(batch)  # taken by at least one node
+        time.sleep(3)  # the repairs the writes set off end (a round, a usage refresh)
+        settled = repaired()
+        time.sleep(8)  # idle: nothing left the cluster, nothing is written
+        assert repaired() - settled <= 8, f"{repaired() - settled} repair copies while idle"
+        kept = [h for h, n in zip(hashes, holders(client, ["node-a", "node-b"], hashes)) if n]
+        assert len(kept) > 40 and read_back(client, kept) == []

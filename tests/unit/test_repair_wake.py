@@ -3,7 +3,7 @@ eviction), not at its next round: until the copy lands, a second failure takes t
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore.daemon.repair import Repairer
 from tests_support import until
@@ -15,6 +15,8 @@ FP, BLOCK, OTHER = "fp", b"\x01" * 32, b"\x02" * 32
 class NodeRecord:
     endpoint: str
     draining: bool = False
+    tiers: dict = field(default_factory=lambda: {"dram": 1 << 30})  # room for repair copies
+    used: dict = field(default_factory=dict)
 
 
 class Mirror:
