@@ -45,7 +45,9 @@ SCOPED = {CONTROL_PREFIX + m for m in ("Reserve", "Commit", "Put", "Touch", "Rem
 TOKEN_SCHEME = "KVS2"
 TOKEN_WINDOW_S = 60.0
 MIN_SECRET_BYTES = 16
-_MAX_SEEN = 200_000  # nonces remembered per daemon (a window's worth of calls at a high rate)
+# Tokens remembered per daemon: every token seen inside its window is kept (forgetting one would let
+# it be replayed); at this many, new tokens are refused until old ones leave the window.
+_MAX_SEEN = 1_000_000
 _tenant: contextvars.ContextVar[str] = contextvars.ContextVar("kvstore_tenant", default="")
 
 
@@ -232,10 +234,12 @@ class TokenCheck:
         if abs(now - at) > TOKEN_WINDOW_S:
             return "expired cluster token (check the clocks)", ""
         with self._lock:
-            while self._seen and (len(self._seen) >= _MAX_SEEN or next(iter(self._seen.values())) < now - 2 * TOKEN_WINDOW_S):
+            while self._seen and next(iter(self._seen.values())) < now - 2 * TOKEN_WINDOW_S:
                 self._seen.popitem(last=False)
             if mac in self._seen:
                 return "replayed cluster token", ""
+            if len(self._seen) >= _MAX_SEEN:
+                return f"too many calls in the last {2 * TOKEN_WINDOW_S:.0f} s to remember them all: retry", ""
             self._seen[mac] = now
         return None, tenant
 

@@ -17,6 +17,23 @@ def test_a_fresh_token_is_accepted_once():
     assert check.verify(token, PUT) == "replayed cluster token"
 
 
+def test_a_token_inside_its_window_is_never_forgotten_however_many_come(monkeypatch):
+    """At the cap of tokens remembered, new ones are refused (the caller retries) rather than the
+    oldest forgotten. Kills: evicting the oldest token at the cap (200,000 calls later, a token
+    captured inside its window replayed)."""
+    monkeypatch.setattr("kvstore.access._MAX_SEEN", 3)
+    check = TokenCheck(SECRET, "node-a")
+    now = time.time()
+    first = control_token(SECRET, "node-a", PUT, "c", now)
+    assert check.verify(first, PUT, now) is None
+    for _ in range(2):
+        assert check.verify(control_token(SECRET, "node-a", PUT, "c", now), PUT, now) is None
+    assert "too many calls" in check.verify(control_token(SECRET, "node-a", PUT, "c", now), PUT, now)
+    assert check.verify(first, PUT, now + 1) == "replayed cluster token"  # still remembered
+    later = now + 2 * TOKEN_WINDOW_S + 1  # the first three are out of every window: forgotten, room again
+    assert check.verify(control_token(SECRET, "node-a", PUT, "c", later), PUT, later) is None
+
+
 def test_tokens_differ_per_call_and_never_carry_the_secret():
     tokens = {control_token(SECRET, "node-a", PUT, "client-1") for _ in range(100)}
     assert len(tokens) == 100
