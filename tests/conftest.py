@@ -42,6 +42,56 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.xdist_group("engines"))
 
 
+# Skips that mean a dependency of the test install is missing: the install (scripts/install-test-deps.sh)
+# provides every one, so such a skip is a broken install, not a test that does not apply here. They
+# fail the run (after the summary lists every skip and its reason); skips for what no install can
+# provide (a GPU, root, docker, kubectl) stay skips.
+MISSING_DEPENDENCY = ("could not import", "part of the test install", "extra is part of", "needs the vllm extra",
+                      "the gateway extra", "needs etcd", "part of the deploy extra")
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2])
+    crash = getattr(longrepr, "reprcrash", None)
+    return str(crash.message if crash is not None else longrepr)
+
+
+def _skips(config) -> dict[str, list[str]]:
+    """reason -> node ids of every skip this run."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    reasons: dict[str, list[str]] = {}
+    for report in (reporter.stats.get("skipped", []) if reporter is not None else []):
+        reasons.setdefault(_skip_reason(report), []).append(report.nodeid)
+    return reasons
+
+
+def _missing_dependencies(config) -> dict[str, list[str]]:
+    return {reason: ids for reason, ids in _skips(config).items() if any(m in reason for m in MISSING_DEPENDENCY)}
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """Every skip with its reason; a line when one of them is a missing dependency."""
+    reasons = _skips(config)
+    if not reasons:
+        return
+    terminalreporter.section("skipped, and why")
+    for reason, nodeids in sorted(reasons.items()):
+        terminalreporter.write_line(f"{len(nodeids):4d}  {reason}  (e.g. {nodeids[0]})")
+    missing = _missing_dependencies(config)
+    if missing:
+        terminalreporter.write_line(f"{sum(map(len, missing.values()))} tests skipped for a dependency the test "
+                                    "install provides: the install is broken (run scripts/install-test-deps.sh); "
+                                    "the run fails", red=True)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED) and \
+            _missing_dependencies(session.config):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @dataclass
 class PeerProcess:
     """Handle on tests/helpers/peer_process.py running in a child process."""
