@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from transfer import Engine, Read, Region, TransferError, Write
 
 from ..errors import AllocationFailed, InvalidRequest, NodeRefused, WrongSize
-from ..codec import RAW, Chooser, CodecError, check_codec, decode
+from ..codec import Chooser, CodecError, check_codec, decode
 from ..index.records import MAX_BLOCK_BYTES, NAME, NAME_RULE, BlockRecord
 from ..integrity import block_digest, block_digests, check_digests
 from ..seals import ALIGN, SealTable

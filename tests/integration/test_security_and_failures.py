@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 
 from tests_support import sha, wait_until_stopped
-from transfer import (AuthenticationFailed, Engine, InvalidOp, MissingSecret, OutOfBounds, PeerUnreachable,
-                      ProtocolError, Read, ReadOnlyRegion, RemoteRegion, TransferTimeout, UnknownRegion, Write)
-from transfer.auth import Channel, client_handshake, recv_frame, send_frame
-from transfer.regions import anonymous_shared, check_sealed
+from transfer import (AuthenticationFailed, Engine, OutOfBounds, PeerUnreachable,
+                      Read, ReadOnlyRegion, RemoteRegion, TransferTimeout, UnknownRegion, Write)
+from transfer.auth import recv_frame, send_frame
 
 
 def test_right_secret_connects_and_moves_bytes(spawn_peer):

@@ -88,7 +88,7 @@ def test_a_record_claiming_more_bytes_than_a_block_can_hold_is_refused():
     from kvstore.index.records import CODED_RECORD_VERSION, MAX_BLOCK_BYTES, _CODED
 
     assert BlockRecord.decode(BlockRecord("dram", 1, 0, MAX_BLOCK_BYTES, DIGEST).encode()).size == MAX_BLOCK_BYTES
-    huge = struct.pack(f"<BBIQI32s", BLOCK_RECORD_VERSION, 0, 1, 0, 512 << 20, DIGEST)
+    huge = struct.pack("<BBIQI32s", BLOCK_RECORD_VERSION, 0, 1, 0, 512 << 20, DIGEST)
     with pytest.raises(InvalidRecord, match="at most"):
         BlockRecord.decode(huge)
     swollen = _CODED.pack(CODED_RECORD_VERSION, 1, 1, 4096, 1 << 20, DIGEST, 1, (1 << 20) + 4096)

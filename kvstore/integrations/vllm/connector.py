@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from ...keys import ModelFingerprint
+    from .kv_batch import BatchedKV, SaveStep
 
 log = logging.getLogger(__name__)
 CANCELLED_STAGING_KEPT = 8  # staging of timed-out loads kept alive: a late transfer lands there, never freed memory
