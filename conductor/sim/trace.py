@@ -93,6 +93,10 @@ class Fleet:
     global_pool_tokens: int | None = 0  # 0 = no pool
     max_batch: int = 128
     local_prefill_tokens: int = 0  # conditional disaggregation: prefill on decode below this many uncached tokens
+    # None: a prompt's blocks are in its instance's cache and the pool from its arrival on (the optimistic
+    # model). A number: they enter the instance's cache when its prefill ends, and the pool that many ms
+    # later (saving and publishing): a request arriving meanwhile misses them, as it does live.
+    publish_lag_ms: float | None = None
 
 
 @dataclass
@@ -189,9 +193,23 @@ def simulate(trace: list[TraceRequest], fleet: Fleet, policy: Policy, cost: Cost
     outcomes = [Outcome() for _ in trace]
     prefill_busy_ms = 0.0
     est_step = cost.decode_step_ms(16, 16 * 8000)
+    pending: list[tuple[float, int, int, tuple[int, ...]]] = []  # (visible at, order, cache: -1 the pool, ids)
+    order = 0
+
+    def visible(at: float, cache: int, ids: tuple[int, ...]) -> None:
+        nonlocal order
+        if fleet.publish_lag_ms is None:
+            (pool if cache < 0 else caches[cache]).insert(ids)
+        else:
+            heapq.heappush(pending, (at, order, cache, ids))
+            order += 1
+
     for rid, req in enumerate(trace):
         t = req.arrival_ms
         ids = req.hash_ids
+        while pending and pending[0][0] <= t:
+            _, _, cache, done = heapq.heappop(pending)
+            (pool if cache < 0 else caches[cache]).insert(done)
         global_prefix = min(pool.prefix(ids) * BLOCK_TOKENS, req.input_tokens) if fleet.global_pool_tokens != 0 else 0
         views = [InstanceView(names[k], max(0.0, free_at[k] - t),
                               min(caches[k].prefix(ids) * BLOCK_TOKENS, req.input_tokens)) for k in range(fleet.prefill)]
@@ -221,11 +239,11 @@ def simulate(trace: list[TraceRequest], fleet: Fleet, policy: Policy, cost: Cost
             free_at[k] = start + cost.transfer_ms(choice.loaded_tokens) + compute
             prefill_busy_ms += compute
             ready = free_at[k] + cost.transfer_ms(req.input_tokens)
-            caches[k].insert(ids)
+            visible(free_at[k], k, ids)
             stall = 0.0
         prefill_busy_ms += local_prefill
         if fleet.global_pool_tokens != 0:
-            pool.insert(ids)
+            visible((ready if local_prefill else free_at[k]) + (fleet.publish_lag_ms or 0.0), -1, ids)
         out.ttft_ms = ready - t
         decodes[d].joins.append((ready, rid, max(1, req.output_tokens), req.input_tokens, stall))
         heapq.heappush(decodes[d].busy_until, ready + req.output_tokens * est_step)

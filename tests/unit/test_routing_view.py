@@ -20,7 +20,8 @@ URL = "http://127.0.0.1:8000"
 def test_affinity_keeps_a_prefix_local_until_its_holder_is_too_busy():
     """Kills: a policy that spreads a prefix away from the engine holding it when that engine is
     only a little busier (kv_aware's win), one that never falls back to the pool however long the
-    holder's queue, and one that does not say which term decided."""
+    holder's queue, one blind to the decodes a colocated prefill stalls, and one that does not say
+    which term decided."""
     cost = CostModel()
     policy = make_policy("affinity", cost)
     request = RouteRequest(prompt_tokens=10_000, global_prefix_tokens=8000)
@@ -36,6 +37,9 @@ def test_affinity_keeps_a_prefix_local_until_its_holder_is_too_busy():
     nothing = RouteRequest(prompt_tokens=10_000)
     pick = policy.choose(nothing, [InstanceView("a", 300, 0), InstanceView("b", 10, 0)])
     assert (pick.instance, pick.reason) == ("b", "queue")
+    # Colocated, a prefill stalls every decode running there: 40 decodes outweigh 300 ms of queue.
+    pick = policy.choose(nothing, [InstanceView("a", 300, 0, decoding=2), InstanceView("b", 10, 0, decoding=40)])
+    assert (pick.instance, pick.reason) == ("a", "queue")
 
 
 def _stored(hashes: list[int], parent, tokens: list[int]) -> dict:

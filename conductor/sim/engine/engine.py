@@ -381,7 +381,8 @@ class Engine:
         s = self.scheduler.stats
         return {"engine": self.index, "role": self.role, "steps": self.step_count, "busy_s": self.busy_s,
                 "lag_s": self.lag_s, "restarts": self.restarts, "running": len(self.scheduler.running),
-                "waiting": self.scheduler.num_waiting(), "kv_usage": self.pool.usage(), "sim_s": self.clock.now(), **s,
+                "waiting": self.scheduler.num_waiting(), "kv_usage": self.pool.usage(), "sim_s": self.clock.now(),
+                "evicted_blocks": self.pool.evicted, **s,
                 "events": self.publisher.sent if self.publisher is not None else 0}
 
 

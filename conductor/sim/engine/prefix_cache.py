@@ -40,6 +40,7 @@ class BlockPool:
         self.cached: dict[bytes, dict[int, None]] = {}  # hash -> the blocks holding it (first one serves hits)
         self.enable_caching = enable_caching
         self.events = CacheEvents()
+        self.evicted = 0  # cached blocks reused for other data (their prefix lost here)
 
     @property
     def num_blocks(self) -> int:
@@ -84,6 +85,7 @@ class BlockPool:
             block_id, _ = self.free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:  # evicted: one BlockRemoved per block, as vLLM emits them
+                self.evicted += 1
                 holders = self.cached.get(block.block_hash)
                 if holders is not None and holders.pop(block_id, 0) is None:
                     if not holders:

@@ -65,6 +65,11 @@ class LinkStats:
     remote_timeouts: int = 0
     load_cpu_s: float = 0.0  # CPU the store calls took on this process's threads
     save_cpu_s: float = 0.0
+    # From a save's call (its blocks computed) to its blocks in the pool: the wall seconds a request
+    # for the same prefix on another engine finds nothing there yet.
+    save_lag_s: float = 0.0  # summed over the saves
+    save_lag_max_s: float = 0.0
+    saves: int = 0
     by_engine: dict = field(default_factory=dict)
 
 
@@ -214,16 +219,21 @@ class StoreLink:
         if not wanted:
             return
         writer = self._executor(self.writers, engine, 1, "standin-save")
-        future = asyncio.get_running_loop().run_in_executor(writer, self._write, wanted)
+        future = asyncio.get_running_loop().run_in_executor(writer, self._write, wanted, time.monotonic())
         self.saving.add(future)
         future.add_done_callback(self.saving.discard)
 
-    def _write(self, keys: list[bytes]) -> None:
+    def _write(self, keys: list[bytes], asked: float | None = None) -> None:
         cpu = time.thread_time()
         try:
             self._write_new(keys)
         finally:
             self.stats.save_cpu_s += time.thread_time() - cpu
+            if asked is not None:
+                lag = time.monotonic() - asked
+                self.stats.save_lag_s += lag
+                self.stats.save_lag_max_s = max(self.stats.save_lag_max_s, lag)
+                self.stats.saves += 1
 
     def _write_new(self, keys: list[bytes]) -> None:
         fp, mirror = self.fingerprint, self.client.mirror
