@@ -18,12 +18,14 @@ PROG = "conductor serve"
 
 def policy_name(value: str) -> str:
     """A routing policy's name, checked here so that a typo is one line (exit 2), not a traceback."""
-    from .policies import POLICIES
+    from .cost import CostModel
+    from .policies import POLICIES, make_policy
 
-    base, _, sticky = value.partition("+")
-    if base not in POLICIES or sticky not in ("", "sticky"):
-        raise argparse.ArgumentTypeError(f"unknown policy {value!r}: one of {', '.join(sorted(POLICIES))}, "
-                                         "optionally +sticky")
+    try:
+        make_policy(value, CostModel())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (one of {', '.join(sorted(POLICIES))}, optionally with "
+                                         "parameters, e.g. affinity(stay_ms=500), and +sticky)") from None
     return value
 
 

@@ -173,11 +173,23 @@ POLICIES = {p.name: p for p in (RoundRobin, LeastLoaded, CacheAwareLocal, CacheA
 
 
 def make_policy(name: str, cost: CostModel) -> Policy:
-    """'cache_global', 'round_robin', ..., with '+sticky' for session stickiness."""
-    base, _, sticky = name.partition("+")
-    if base not in POLICIES or sticky not in ("", "sticky"):
+    """'cache_global', 'round_robin', ..., with '+sticky' for session stickiness; parameters in
+    brackets, e.g. 'affinity(stay_ms=500,decode_weight=0.25)'."""
+    spec, _, sticky = name.partition("+")
+    base, _, params = spec.partition("(")
+    if base not in POLICIES or sticky not in ("", "sticky") or (params and not params.endswith(")")):
         raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)} (optionally +sticky)")
-    policy = POLICIES[base](cost)
+    kwargs: dict[str, float] = {}
+    for item in filter(None, params[:-1].split(",")):
+        key, _, value = item.partition("=")
+        try:
+            kwargs[key.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"policy {name!r}: {item!r} is not NAME=NUMBER") from None
+    try:
+        policy = POLICIES[base](cost, **kwargs)
+    except TypeError:
+        raise ValueError(f"policy {name!r}: {base} takes no parameter {', '.join(kwargs)}") from None
     return SessionSticky(policy) if sticky else policy
 
 

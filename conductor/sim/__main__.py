@@ -45,8 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, help="replay only the first N requests")
     args = parser.parse_args(argv)
 
-    if args.policy != "all" and args.policy.removesuffix("+sticky") not in POLICIES:
-        parser.error(f"argument --policy: {args.policy!r} is not one of {sorted(POLICIES)} (+sticky), or all")
+    if args.policy != "all":
+        try:
+            make_policy(args.policy, CostModel())
+        except ValueError as exc:
+            parser.error(f"argument --policy: {exc}, or all")
     try:  # the inputs, read before anything runs: a bad one is one line, not a traceback
         scenario = load(resolve(args.scenario, SCENARIOS)) if args.scenario else None
         if not args.scenario:

@@ -119,3 +119,17 @@ async def test_an_engine_out_of_the_rotation_loses_its_credit():
     async with aiohttp.ClientSession() as session:
         await pool.check(session, engine)
     assert not engine.healthy and tracker.prefix_blocks(engine.url, [b"a", b"b"]) == 0
+
+
+def test_policy_parameters_reach_the_policy_and_bad_ones_are_refused():
+    """Kills: parameters in a policy's name parsed and dropped (a sweep over them would measure one
+    policy under several names), and a misspelt one taken silently."""
+    cost = CostModel()
+    request = RouteRequest(prompt_tokens=10_000, global_prefix_tokens=8000)
+    holder = InstanceView("holder", queue_ms=300, local_prefix_tokens=8000)
+    idle = InstanceView("idle", queue_ms=0, local_prefix_tokens=0)
+    assert make_policy("affinity", cost).choose(request, [idle, holder]).instance == "holder"
+    assert make_policy("affinity(stay_ms=0,stay_share=0)", cost).choose(request, [idle, holder]).instance == "idle"
+    for bad in ("affinity(stay=1)", "affinity(stay_ms=soon)", "round_robin(stay_ms=1)", "affinity(stay_ms=1"):
+        with pytest.raises(ValueError):
+            make_policy(bad, cost)
