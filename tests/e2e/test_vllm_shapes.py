@@ -577,3 +577,27 @@ def test_saved_blocks_are_announced_as_kv_events_and_prometheus_series(model):
                                                   ["engine"], {0: ["0"]})
     metrics.observe(h.worker.totals.data, 0)
     assert REGISTRY.get_sample_value("vllm:kvstore_saved_blocks_total", {"engine": "0"}) == 2
+
+
+def test_hits_are_attributed_to_the_tier_that_served_them(model, tmp_path):
+    """vLLM's per-source hit counts: blocks only an NVMe tier holds are DISK, blocks in DRAM are
+    HOST, a hand-off is P2P. Kills: every store hit reported as HOST (NVMe hits never DISK)."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    h = Harness(model, dram="256KiB", disk=str(tmp_path / "nvme"), disk_size="8MiB")
+    cold = list(range(100, 100 + 3 * BLOCK + 4))
+    h.seed_store(cold, 3)
+    for i in range(6):  # newer blocks push the cold prompt's out of DRAM, down to the NVMe tier
+        h.seed_store(list(range(1000 + 200 * i, 1000 + 200 * i + 3 * BLOCK)), 3)
+    keys = request_hashes(h.chain, plain_request(cold))[:3]
+    assert h.store.mirror.wait_until(
+        lambda m: all({r.tier for r in m.lookup(h.fingerprint, k).values()} == {"nvme"} for k in keys), 10)
+    hot = list(range(1000 + 200 * 5, 1000 + 200 * 5 + 3 * BLOCK + 4))  # the last seeded: still in DRAM
+    for prompt, source in ((cold, CacheHitSource.DISK), (hot, CacheHitSource.HOST)):
+        stats = h.scheduler.connector_prefix_cache_stats  # what vLLM asked the connector at admission
+        before = dict(stats.hits_by_source)
+        h.add(f"r-{source.value}", prompt)
+        h.step()
+        got = {s: n - before.get(s, 0) for s, n in stats.hits_by_source.items() if n != before.get(s, 0)}
+        assert got == {source: 3 * BLOCK}, got
+    h.run_until_empty()

@@ -340,9 +340,25 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
         if num_external_tokens == 0:
             return {}
-        # A P/D hand-off is KV from a peer; otherwise it comes from the store pool (DRAM or NVMe).
-        source = CacheHitSource.P2P if self._remote_params(request) is not None else CacheHitSource.HOST
-        return {source: num_external_tokens}
+        if self._remote_params(request) is not None:  # a P/D hand-off: KV from a peer
+            return {CacheHitSource.P2P: num_external_tokens}
+        # From the pool: a block no node holds in DRAM comes from an NVMe tier (DISK), else HOST.
+        # Asked right after the load was planned (update_state_after_alloc), from that plan.
+        rid = request.request_id
+        plan = self._loads.get(rid) or self._sync_loads.get(rid) or []
+        if not plan:
+            return {CacheHitSource.HOST: num_external_tokens}
+        group = plan[0][0]
+        keys = list(dict.fromkeys(key for g, _, key in plan if g == group))
+        mirror, fingerprint = self.store.mirror, self.group_fingerprints[group]
+        disk = 0
+        for i, key in enumerate(keys):
+            replicas = mirror.lookup(fingerprint, key)
+            if replicas and all(record.tier == "nvme" for record in replicas.values()):
+                disk += self.block_size if i < len(keys) - 1 else num_external_tokens - self.block_size * i
+        disk = max(0, min(disk, num_external_tokens))
+        sources = {CacheHitSource.DISK: disk, CacheHitSource.HOST: num_external_tokens - disk}
+        return {source: tokens for source, tokens in sources.items() if tokens}
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if num_external_tokens <= 0 or request.request_id not in self._matched:
