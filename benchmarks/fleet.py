@@ -2,7 +2,8 @@
 HTTP, KV events, etcd, store daemons and KV bytes), on a Mooncake-format trace.
 
     python -m benchmarks.fleet [--json PATH] [--quick] [--modes colocated,pd] [--routers ...]
-                               [--trace NAME|PATH] [--load 0.6] [--minutes 10] [--time-scale 1]
+                               [--trace NAME|PATH|shape:PRESET] [--load 0.9[,1.2...]] [--repeat N]
+                               [--minutes 10] [--time-scale 1] [--policy affinity] [--churn]
 
 Fleets (`python -m conductor.sim.engine`, one process): colocated, `--engines` (12) kv_both
 engines; P/D, `--prefill` (8) prefill engines and the rest (4) decode engines. Each engine is an
@@ -47,7 +48,22 @@ and the `vllm-cpu-tiny` stand-in on the same prompts (three lengths, cold and ca
 
 `--fault SPEC` (the stand-ins' --fault, e.g. `down:1:30`): in every run, from its first arrival on
 (a death's AT counts from there); the records count what failed (`errors`, the gateway's
-`gateway_upstream_failures` and `gateway_retries`).
+`gateway_upstream_failures` and `gateway_retries`). `--churn`: stand-in 1 loses 5 s of its KV
+events at 30 % of the run, then dies at 50 % and restarts empty 3 s later. `stale_credit` counts
+the routes credited with blocks the engine did not hold on arrival (routers that say what they
+credited: ours and dynamo, by a response header; the stand-ins say what they held), and for the
+churned engine those within its first second back and after it.
+
+Also in each record: `kv_over_time` (every engine's KV usage, running and waiting requests, each
+wall second), `gateway_route_reasons` (ours: which term of the policy decided each route),
+`sim_hit_ratio_at_arrival` (the simulator with blocks usable from their request's arrival on,
+beside `sim_hit_ratio`, usable once computed and published), `store_link.save_lag_mean_s`,
+per engine `evicted_blocks`, what else ran (`load_average_at_start`, `beside_at_start`), `run`.
+`--load` takes a list and `--repeat N` runs each (mode, load, router) N times, the order of the
+routers rotated between runs; `spread` in the JSON (and a table) gives each figure's median and
+range, and ours against the best peer by median goodput. The JSON is rewritten after every run.
+`--trace shape:conversation|toolagent|synthetic` replays a generated trace of that shape
+(conductor.sim.shapes, seeded by `--seed`).
 
 `--quick` (the test suite's run): 4 stand-ins, ours only (colocated, then P/D 2 + 2), 20 simulated
 seconds each at time scale 0.5, no calibration. Bad arguments and a malformed trace line are one
