@@ -135,7 +135,7 @@ class PrefixAffinity(CacheAwareGlobal):
         best_score, best = min(scored, key=lambda sc: (sc[0], sc[1].instance))
         local = {i.name: min(i.local_prefix_tokens, req.prompt_tokens) for i in instances}
         most = max(local.values())
-        if most > 0:
+        if most > min(local.values()):  # a prefix only some engines hold (one all hold decides nothing)
             home_score, home = min(((sc, c) for sc, c in scored if local[c.instance] == most),
                                    key=lambda sc: (sc[0], sc[1].instance))
             slack = max(self.stay_ms, self.stay_share * best_score)
