@@ -50,6 +50,7 @@ from ..errors import (
 from ..index import IndexMirror
 from ..codec import CodecError, check_codec, decode
 from ..index.records import MAX_BLOCK_BYTES, BlockRecord, NodeRecord
+from ..index.signatures import RecordVerifier
 from ..integrity import block_digests
 from ..keys import HASH_BYTES, ModelFingerprint, fingerprint_tenant
 from ..store.v1 import store_pb2, store_pb2_grpc
@@ -160,6 +161,9 @@ class Client:
         self.engine = Engine(f"client-{os.getpid()}-{uuid.uuid4().hex[:6]}", listen=None, secret=secret,
                              stall_timeout=timeout, stripe_bytes=STRIPE_BYTES, tenant=self.tenant)
         self._secret = secret.encode() if secret else b""
+        # Records are used to read bytes only once their seal is their node's (the cluster secret's
+        # MAC, or this tenant's): a record written into the index by anyone else is a miss.
+        self._records = RecordVerifier(self._secret, cluster, self.tenant)
         self._tls_roots = open(tls_ca, "rb").read() if tls_ca else None  # control calls over TLS
         self._metadata: list[tuple[str, str]] = []  # per-call tokens come from ControlAuth
         self._nodes: dict[str, _Node] = {}
@@ -177,7 +181,7 @@ class Client:
         self.stats: dict[str, int] = {"control_calls": 0, "local_puts": 0, "wire_puts": 0, "nvme_fd_reads": 0,
                                       "nvme_fd_bytes": 0, "already_held": 0, "wire_reads": 0,
                                       "wire_read_bytes": 0, "wire_read_raw_bytes": 0, "coded_reads": 0,
-                                      "reads_unhashed": 0}
+                                      "reads_unhashed": 0, "refused_records": 0}
         self.closed = False
         try:
             self.check_secrets()  # a node expecting another kind of secret fails here, in one line
@@ -657,11 +661,15 @@ class Client:
         here = self._here
         nodes = self.mirror.nodes  # a copy: take it once per call
         candidates: list[list[tuple[str, BlockRecord]]] = []
+        refused = self._records.refused
         for h in hashes:
-            replicas = self.mirror.lookup(fp, bytes(h))
+            replicas = self.mirror.lookup(fp, bytes(h), self._records)
             ranked = sorted(replicas.items(), key=lambda kv: (kv[1].tier != "dram",
                                                               getattr(nodes.get(kv[0]), "host", "") != here, kv[0]))
             candidates.append([c for c in ranked if self._placement.usable(c[0])] or ranked)
+        if self._records.refused != refused:
+            self._check_refused(fp, hashes, candidates)
+        self.stats["refused_records"] = self._records.refused
         # Every destination becomes segments (region, offset, length): a plain buffer is one
         # segment of a region registered for this call; a list of segments (e.g. one block's layers
         # in registered KV-cache tensors) is read into place with one op per segment.
@@ -726,6 +734,23 @@ class Client:
         self._reports.add(fp, hits, corrupt)
         return found
 
+    def _check_refused(self, fp: str, hashes: Sequence[bytes], kept: list[list[tuple[str, BlockRecord]]]) -> None:
+        """Records of these blocks failed their seal: forged in the index, or this client's secret is
+        not the cluster's (or its tenant's). Authenticating to their nodes tells which: a wrong
+        secret raises AuthenticationFailed in one line, as a put does, instead of every get missing."""
+        suspects: set[str] = set()
+        for h, found in zip(hashes, kept):
+            suspects |= set(self.mirror.lookup(fp, bytes(h))) - {name for name, _ in found}
+        for name in sorted(suspects):
+            if name in self._nodes or not self._placement.usable(name):
+                continue  # authenticated already (the records were forged), or known to be down
+            try:
+                self._node(name)
+            except AuthenticationFailed:
+                raise
+            except (KVStoreError, TransferError, OSError, ValueError) as exc:
+                log.debug("could not reach %s to check this client's secret: %s", name, exc)
+
     def _reread_moved(self, name: str, fp: str, hashes: Sequence[bytes], failed: list[tuple[int, BlockRecord]],
                       targets: list[list[tuple[Region, int, int]]], found: list[bool]) -> tuple[list[int], set[int]]:
         """Blocks whose bytes at `name` failed their digest may have moved there (demoted, promoted)
@@ -774,7 +799,10 @@ class Client:
             raws = [bytes(r) or None for r in reply.records]
         if len(raws) != len(hashes):
             raise ValueError(f"{name} answered {len(raws)} records for {len(hashes)} blocks")
-        return [None if raw is None else BlockRecord.decode(raw) for raw in raws]
+        # A reply altered on the way (gRPC without TLS) names no other bytes either: as not held.
+        check = self._records.check
+        return [None if raw is None or not check(fp, h, name, raw) else BlockRecord.decode(raw)
+                for h, raw in zip(hashes, raws)]
 
     def _read_from(self, name: str, hashes: Sequence[bytes], wanted: list[tuple[int, BlockRecord]],
                    targets: list[list[tuple[Region, int, int]]],

@@ -67,6 +67,7 @@ from transfer.listener import STALE_HANDSHAKE_S, HandshakeBudget, peer_uid, sour
 from ..access import denied
 from ..codec import check_codec
 from ..errors import AllocationFailed, InvalidRequest, KVStoreError, MetadataError
+from ..index.signatures import RecordSigner
 from ..integrity import DIGEST_BYTES, DIGEST_NAME
 from ..spin import spin_for
 from ..wire import NEXT_REQUEST_SPIN_S, AttachmentsAltered, Frames, MalformedFrame
@@ -176,9 +177,13 @@ class LocalControl:
                  publish: Callable[[list[Update], bool], None], accepting: Callable[[], bool],
                  observe: Callable[[str, float], None], tier_reader: Callable[[], tuple[int, bool]] | None,
                  timeout: float,
-                 tcp_host: str | None = None, tcp_port: int = 0, tenants: dict[str, bytes] | None = None) -> None:
+                 tcp_host: str | None = None, tcp_port: int = 0, tenants: dict[str, bytes] | None = None,
+                 signer: RecordSigner | None = None) -> None:
         self.name, self._secret, self._node, self.store = name, secret, node, store
         self._tenants = tenants  # name -> secret of the tenants that may connect besides the cluster
+        # Records in replies go sealed, byte for byte as the node publishes them (clients echo them
+        # into their mirrors).
+        self._signer = signer or RecordSigner(secret, "default", node, tenants)
         self._publish, self._accepting, self._observe = publish, accepting, observe
         self._tier_reader, self._timeout = tier_reader, timeout
         self._allowed_uids = {os.geteuid(), 0}
@@ -339,7 +344,12 @@ class LocalControl:
         return {"used": self.store.dram.used, "capacity": self.store.dram.capacity}
 
     def _records(self, fingerprint: str, hashes: list[bytes]) -> list[str | None]:
-        return [None if r is None else r.encode().hex() for r in self.store.records(fingerprint, hashes)]
+        return self._hex(fingerprint, hashes, self.store.records(fingerprint, hashes))
+
+    def _hex(self, fingerprint: str, hashes, records) -> list[str | None]:
+        """Each record sealed, encoded, in hex (None where there is none)."""
+        encode = self._signer.encode
+        return [None if r is None else encode(fingerprint, h, r).hex() for h, r in zip(hashes, records)]
 
     def _handle(self, op: str, request: dict, frames: Frames, deadline: float, tenant: str = "",
                 writer: SameHostWriter | None = None) -> tuple[dict, int | None]:
@@ -410,7 +420,7 @@ class LocalControl:
                 continue
             record, data = found
             total += record.size
-            records.append(record.encode().hex())
+            records.append(self._signer.encode(fingerprint, h, record).hex())
             parts.append(data)
         self.store._count("wire_read_blocks", len(parts))
         self.store._count("wire_read_sent_bytes", sum(len(p) for p in parts))
@@ -433,11 +443,13 @@ class LocalControl:
                 writer: SameHostWriter | None = None) -> dict:
         records: list = []
         fresh: list = []
+        named: list = []
         try:
             # Verified now only when the client waits for publication; else by the verifier, after the answer.
             errors, updates, leased = self.store.commit_and_lease(
                 fingerprint, tokens, digests, lease_size=lease_size, records=records, fresh=fresh, verify=sync,
-                hashes=hashes, lease_count=lease_count if self._accepting() else 0, peer=peer, writer=writer)
+                hashes=hashes, lease_count=lease_count if self._accepting() else 0, peer=peer, writer=writer,
+                named=named)
         except InvalidRequest as exc:
             return self._error(exc)
         if updates:
@@ -445,7 +457,7 @@ class LocalControl:
                 self._publish(updates, sync)
             except (MetadataError, KVStoreError) as exc:
                 return self._error(exc)
-        return {"ok": True, "records": [r and r.encode().hex() for r in records], "errors": errors,
+        return {"ok": True, "records": self._hex(fingerprint, named, records), "errors": errors,
                 "stored": sum(fresh),
                 "lease": [[token, slot.tier.region.id, slot.offset, slot.size] for token, slot in leased],
                 "lease_ttl": self.store.reservation_timeout, **self._usage()}
@@ -500,7 +512,7 @@ class LocalControl:
                 self._publish(updates, sync)
             except (MetadataError, KVStoreError) as exc:
                 return self._error(exc)
-        return {"ok": True, "records": [r and r.encode().hex() for r in records], "errors": errors,
+        return {"ok": True, "records": self._hex(fingerprint, hashes, records), "errors": errors,
                 "stored": stored, **self._usage()}
 
     def _tier(self) -> tuple[dict, int | None]:

@@ -30,6 +30,7 @@ from ..admin.v1 import admin_pb2, admin_pb2_grpc
 from ..aio import shared_loop
 from ..errors import KVStoreError, MetadataError, NoStoreNodes
 from ..index.records import Layout, NodeRecord, check_name
+from ..index.signatures import RecordSigner
 from ..metadata import open_metadata
 from ..outage_log import OutageLog
 from ..store.v1 import store_pb2, store_pb2_grpc
@@ -165,6 +166,8 @@ class Daemon:
         self.store = BlockStore(self.engine, dram, nvme, policy=c.eviction, high=c.high_watermark, low=c.low_watermark,
                                 promote=c.promote, counters=counters, journal=self.journal, disk_codec=c.disk_codec)
         self.store.restore(entries)
+        # Every record this node publishes or hands out is sealed by it (kvstore.index.signatures).
+        self.signer = RecordSigner(secret, c.cluster, c.node, c.tenants)
         self.metrics = DaemonMetrics(c.node, self.store.counters, lambda: self.store.tiers, self.engine.stats)
         if c.metrics_port is not None:
             self.metrics_port = self.metrics.serve(c.metrics_port, c.metrics_listen)
@@ -182,14 +185,15 @@ class Daemon:
                                   self.disk.reader if self.disk else None, c.timeout,
                                   tcp_host=None if (c.tls_cert and c.tls_key) or c.wire_port is None
                                   else c.listen.rpartition(":")[0].strip("[]"), tcp_port=c.wire_port or 0,
-                                  tenants=c.tenants)
+                                  tenants=c.tenants, signer=self.signer)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
                                   interceptors=[AccessRules(secret, c.admin_token, c.node, c.tenants)],
                                   # no SO_REUSEPORT: a second daemon on a taken port fails, not shares it
                                   options=[("grpc.max_receive_message_length", MAX_INLINE_BYTES + (1 << 20)),
                                            ("grpc.so_reuseport", 0)])
         store_pb2_grpc.add_StoreControlServicer_to_server(
-            StoreControlService(c.node, self.store, self.publish, self.metrics, lambda: not self.draining), self.server)
+            StoreControlService(c.node, self.store, self.publish, self.metrics, lambda: not self.draining, self.signer),
+            self.server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self, self.config.node, self.config.cluster), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -247,7 +251,7 @@ class Daemon:
         if self.local.tcp_address:
             segment["kvstore_wire"] = self.local.tcp_address  # the same wire over TCP, for other hosts
         self.session = NodeSession(metadata, self.layout, self.node_record(), json.dumps(segment, separators=(",", ":")),
-                                   ttl=self.config.lease_ttl, on_lease_lost=self._lease_lost)
+                                   ttl=self.config.lease_ttl, on_lease_lost=self._lease_lost, signer=self.signer)
         await self.session.start()
 
     def _lease_lost(self) -> None:

@@ -14,6 +14,7 @@ from transfer.auth import PEER_ID, scoped_peer
 
 from ..access import current_tenant
 from ..errors import AllocationFailed, InvalidRequest, KVStoreError, MetadataError
+from ..index.signatures import RecordSigner
 from ..integrity import DIGEST_BYTES, DIGEST_NAME
 from ..store.v1 import store_pb2, store_pb2_grpc
 from .metrics import DaemonMetrics
@@ -28,12 +29,20 @@ MAX_INLINE_BYTES = 64 << 20  # bytes of blocks one Put may carry (the gRPC messa
 
 class StoreControlService(store_pb2_grpc.StoreControlServicer):
     """`publish(updates, wait)` queues index updates; with wait it returns once they are published.
-    Puts and commits wait only when the client asked (sync); evictions and promotions never do."""
+    Puts and commits wait only when the client asked (sync); evictions and promotions never do.
+    Records in replies go sealed by `signer`, byte for byte as the node publishes them (a client
+    echoes them into its mirror)."""
 
     def __init__(self, node: str, store: BlockStore, publish: Callable[[list[Update], bool], None],
-                 metrics: DaemonMetrics, accepting: Callable[[], bool]) -> None:
+                 metrics: DaemonMetrics, accepting: Callable[[], bool], signer: RecordSigner | None = None) -> None:
         self.node, self.store, self.publish, self.metrics = node, store, publish, metrics
         self.accepting = accepting
+        self.signer = signer or RecordSigner(b"", "default", node)
+
+    def _encoded(self, fingerprint: str, hashes, records) -> list[bytes]:
+        """Each record sealed and encoded (b"" where there is none)."""
+        encode = self.signer.encode
+        return [b"" if r is None else encode(fingerprint, h, r) for h, r in zip(hashes, records)]
 
     def _usage(self) -> dict[str, int]:
         return {"used": self.store.dram.used, "capacity": self.store.dram.capacity}
@@ -102,14 +111,16 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
         def run():
             records: list = []
             fresh: list = []
+            named: list = []
             errors, updates, leased = self.store.commit_and_lease(
                 request.fingerprint, list(request.tokens), list(request.digests), lease_size=request.lease_size,
                 lease_count=request.lease_count if self.accepting() else 0, records=records, fresh=fresh,
-                verify=request.sync, hashes=list(request.hashes) or None, peer=peer)  # else verified after answering
+                verify=request.sync, hashes=list(request.hashes) or None, peer=peer,  # else verified after answering
+                named=named)
             if updates:
                 self.publish(updates, request.sync)  # queued; published before we answer only when asked
             return store_pb2.CommitResponse(sealed=[not e for e in errors], errors=errors, stored=sum(fresh),
-                                            records=[r.encode() if r else b"" for r in records],
+                                            records=self._encoded(request.fingerprint, named, records),
                                             lease=[store_pb2.Slot(region=slot.tier.region.id, offset=slot.offset,
                                                                   size=slot.size, token=token) for token, slot in leased],
                                             lease_ttl=self.store.reservation_timeout, **self._usage())
@@ -132,7 +143,8 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
             if updates:
                 self.publish(updates, request.sync)
             return store_pb2.PutResponse(sealed=[not e for e in errors], errors=errors, stored=stored,
-                                         records=[r.encode() if r else b"" for r in records], **self._usage())
+                                         records=self._encoded(request.fingerprint, request.hashes, records),
+                                         **self._usage())
 
         return self._run("put", context, run)
 
@@ -166,7 +178,7 @@ class StoreControlService(store_pb2_grpc.StoreControlServicer):
 
         def run():
             records = self.store.records(request.fingerprint, list(request.hashes))
-            return store_pb2.LookupResponse(records=[b"" if r is None else r.encode() for r in records])
+            return store_pb2.LookupResponse(records=self._encoded(request.fingerprint, request.hashes, records))
 
         return self._run("lookup", context, run)
 

@@ -1,6 +1,7 @@
 """A node's presence in the metadata service: one lease, kept alive in the background, carrying the
-node record, its Transfer Engine descriptor and every block record it publishes. When the node
-dies, the lease expires and all of it disappears from every index mirror by itself."""
+node record, its Transfer Engine descriptor and every block record it publishes, each sealed by the
+node (kvstore.index.signatures). When the node dies, the lease expires and all of it disappears
+from every index mirror by itself."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,7 @@ from typing import Callable, Iterable, Sequence
 
 from ..errors import LeaseExpired, MetadataError
 from ..index.records import BlockRecord, Layout, NodeRecord
+from ..index.signatures import RecordSigner
 from ..metadata import Lease, Metadata, Put
 from ..outage_log import OutageLog
 
@@ -16,11 +18,15 @@ log = logging.getLogger(__name__)
 
 
 class NodeSession:
-    """Register a node under a lease; publish and unpublish its blocks in batched transactions."""
+    """Register a node under a lease; publish and unpublish its blocks in batched transactions.
+    `signer` seals every record published (default: the key of an --insecure cluster, which anyone
+    can derive)."""
 
     def __init__(self, metadata: Metadata, layout: Layout, node: NodeRecord, segment: str = "",
-                 ttl: int = 10, on_lease_lost: Callable[[], None] | None = None) -> None:
+                 ttl: int = 10, on_lease_lost: Callable[[], None] | None = None,
+                 signer: RecordSigner | None = None) -> None:
         self.metadata, self.layout, self.node = metadata, layout, node
+        self.signer = signer or RecordSigner(b"", layout.cluster, node.name)
         self.segment, self.ttl = segment, ttl
         self.on_lease_lost = on_lease_lost
         self.lease: Lease | None = None
@@ -70,10 +76,12 @@ class NodeSession:
         return self.lease.id
 
     async def publish(self, fingerprint: str, blocks: Sequence[tuple[bytes, BlockRecord]]) -> int:
-        """Make sealed blocks visible: one transaction per 128 records, never one per block."""
+        """Make sealed blocks visible: one transaction per 128 records, never one per block. Each
+        record goes signed by this node, whatever seal it came with."""
         lease = self._lease_id()
-        puts = [Put(self.layout.block_key(fingerprint, h, self.node.name).encode(), record.encode(), lease)
-                for h, record in blocks]
+        encode = self.signer.encode
+        puts = [Put(self.layout.block_key(fingerprint, h, self.node.name).encode(), encode(fingerprint, h, record),
+                    lease) for h, record in blocks]
         return await self.metadata.put_many(puts)
 
     async def unpublish(self, fingerprint: str, hashes: Iterable[bytes]) -> int:

@@ -314,20 +314,22 @@ class BlockStore:
 
     def commit_and_lease(self, fingerprint: str, tokens: Sequence[int], digests: Sequence[bytes], *,
                          lease_size: int, lease_count: int, records: list, fresh: list, verify: bool,
-                         hashes: Sequence[bytes] | None, peer: str = "", writer: Any = None
-                         ) -> tuple[list[str], list[Update], list[tuple[int, Slot]]]:
+                         hashes: Sequence[bytes] | None, peer: str = "", writer: Any = None,
+                         named: list | None = None) -> tuple[list[str], list[Update], list[tuple[int, Slot]]]:
         """`commit`, then `lease` slots for the put after it (a commit's lease request is checked
         before anything is committed, so a bad one takes nothing): (errors, updates, leased)."""
         self._check_lease(lease_size, lease_count)
-        errors, updates = self.commit(fingerprint, tokens, digests, records, verify, hashes, fresh)
+        errors, updates = self.commit(fingerprint, tokens, digests, records, verify, hashes, fresh, named)
         return errors, updates, self.lease(fingerprint, lease_size, lease_count, peer, writer)
 
     def commit(self, fingerprint: str, tokens: Sequence[int], digests: Sequence[bytes],
                records: list | None = None, verify: bool = True,
-               hashes: Sequence[bytes] | None = None, fresh: list | None = None) -> tuple[list[str], list[Update]]:
+               hashes: Sequence[bytes] | None = None, fresh: list | None = None,
+               named: list | None = None) -> tuple[list[str], list[Update]]:
         """Seal reserved slots whose bytes match their digest; '' where sealed, else the reason.
-        `records`, when given, gets each block's record here (None where not stored); `fresh`
-        whether each block is new here ('' also answers a block another writer stored first).
+        `records`, when given, gets each block's record here (None where not stored), and `named`
+        each one's block hash (b"" where none: what a reply signs them as); `fresh` whether each
+        block is new here ('' also answers a block another writer stored first).
         `verify=False`: take the client's digests now and verify later (`seal_written`), unless
         the blocks are fewer than VERIFY_LATER_MIN bytes or WRITTEN_MAX bytes already wait; '' then
         means written, and no updates come back for them. `hashes` (one per token) name the blocks
@@ -367,6 +369,8 @@ class BlockStore:
                     elif slot.key[1] == UNNAMED:
                         slot.key = (fingerprint, name)
                 slots.append(slot)
+            if named is not None:
+                named.extend(b"" if slot is None else slot.key[1] for slot in slots)
             mine = [slot for slot in slots if slot is not None]
             size = sum(slot.size for slot in mine)
             if not verify and VERIFY_LATER_MIN <= size and self._unverified_bytes() + size <= WRITTEN_MAX:

@@ -30,12 +30,17 @@ from ..errors import InvalidRecord, KVStoreError, MetadataError, MetadataUnavail
 from ..keys import HASH_BYTES, ModelFingerprint
 from ..metadata import Metadata, Page, WatchEvent, check_metadata_url, open_metadata, prefix_end
 from ..outage_log import OutageLog
-from .records import BLOCK_RECORD_BYTES, BLOCK_RECORD_VERSION, TIERS, BlockRecord, Layout, NodeRecord, check_name
+from .records import BLOCK_RECORD_BYTES, BLOCK_RECORD_VERSION, MAC_BYTES, TIERS, BlockRecord, Layout, NodeRecord, \
+    check_name
+from .signatures import RecordVerifier
 from .snapshot import load_prefix
 from .table import NO_IDS, BlockTable, as_words
 
 log = logging.getLogger(__name__)
-_RECORD_BYTES = BLOCK_RECORD_BYTES
+# The records a page of one fingerprint takes in bulk: the common one (raw, the node's MAC), and a
+# tenant's (with the tenant's MAC too); anything else goes through the one-key path.
+_RECORD_SIZES = (BLOCK_RECORD_BYTES, BLOCK_RECORD_BYTES + MAC_BYTES)
+REFUSED_LOG_S = 30.0  # records failing their seal: a line at the first, then at most this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +121,7 @@ class IndexMirror:
     """Mirror of one cluster's index, kept current by a task on the shared background loop."""
 
     def __init__(self, metadata_url: str, cluster: str = "default", *, stale_after: float = 3.0,
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, verifier: RecordVerifier | None = None) -> None:
         check_metadata_url(metadata_url)  # a typo fails here, at once, not after the first load's timeout
         self.url, self.layout = metadata_url, Layout(cluster)
         self.stale_after, self.timeout = stale_after, timeout
@@ -156,6 +161,11 @@ class IndexMirror:
         self.resumes = 0  # watches resumed from the last applied revision after a disconnect
         self._reload = False  # a watch said its history was compacted: the next connection loads a snapshot
         self.malformed = 0
+        # Records `lookup` dropped because their seal was not their node's (kvstore.index.signatures);
+        # `verifier` checks every lookup that brings none of its own.
+        self.verifier = verifier
+        self.refused_records = 0
+        self._refused_said = float("-inf")
         self._removal_listeners: list[Callable[[str, bytes, str], None]] = []
 
     # --- lifetime -----------------------------------------------------------------------------
@@ -262,14 +272,40 @@ class IndexMirror:
         table = self._snapshot.blocks.get(_fingerprint_id(fingerprint))
         return table is not None and block_hash in table.records
 
-    def lookup(self, fingerprint: ModelFingerprint | str, block_hash: bytes) -> dict[str, BlockRecord]:
-        """Every replica of one block: node -> record."""
-        table = self._snapshot.blocks.get(_fingerprint_id(fingerprint))
+    def lookup(self, fingerprint: ModelFingerprint | str, block_hash: bytes,
+               verifier: RecordVerifier | None = None) -> dict[str, BlockRecord]:
+        """Every replica of one block: node -> record. With a `verifier` (or the mirror's own), only
+        the records whose seal is their node's: the others are dropped and counted
+        (`refused_records`). Whoever reads bytes by a record passes one; who only counts or
+        routes need not (a forged record costs them a miss at most)."""
+        fp = _fingerprint_id(fingerprint)
+        table = self._snapshot.blocks.get(fp)
         entry = None if table is None else table.records.get(block_hash)
         if entry is None:
             return {}
         raws = entry if isinstance(entry, tuple) else (entry,)
-        return {self._node_names[int.from_bytes(r[:2], "little")]: BlockRecord.decode(r[2:]) for r in raws}
+        names = self._node_names
+        verifier = verifier or self.verifier
+        if verifier is None:
+            return {names[int.from_bytes(r[:2], "little")]: BlockRecord.decode(r[2:]) for r in raws}
+        found = {}
+        for r in raws:
+            node = names[int.from_bytes(r[:2], "little")]
+            if verifier.check(fp, bytes(block_hash), node, r[2:]):
+                found[node] = BlockRecord.decode(r[2:])
+            else:
+                self._refused(fp, block_hash, node)
+        return found
+
+    def _refused(self, fingerprint: str, block_hash: bytes, node: str) -> None:
+        self.refused_records += 1
+        now = time.monotonic()
+        if now - self._refused_said >= REFUSED_LOG_S:
+            self._refused_said = now
+            log.warning("dropped %d block record(s) whose seal is not their node's (the latest: block %s of %s on "
+                        "%s): written into the index by someone without the secret, or by a node of another cluster "
+                        "secret or tenants file; reads of those blocks miss", self.refused_records,
+                        bytes(block_hash).hex()[:16], fingerprint[:80], node)
 
     @contextlib.contextmanager
     def asking(self, fingerprint: ModelFingerprint | str, node: str, hashes: Sequence[bytes]) -> Iterator[int]:
@@ -464,10 +500,11 @@ class IndexMirror:
                         raise ValueError("hash is not 32 hex digits")
                     self._node_tags[tag] = self._node_number(tag[1:].decode("ascii")).to_bytes(2, "little")
                 numbers = list(map(self._node_tags.get, tags))
+            size = len(values[0])
             joined = b"".join(values)
-            if len(joined) != _RECORD_BYTES * n:
+            if size not in _RECORD_SIZES or len(joined) != size * n:
                 raise ValueError("record of the wrong size")
-            heads = np.frombuffer(joined, np.uint8).reshape(n, _RECORD_BYTES)[:, :2]
+            heads = np.frombuffer(joined, np.uint8).reshape(n, size)[:, :2]
             if (heads[:, 0] != BLOCK_RECORD_VERSION).any() or (heads[:, 1] >= len(TIERS)).any():
                 raise ValueError("record version or tier not understood")
         except (ValueError, InvalidRecord, UnicodeDecodeError):

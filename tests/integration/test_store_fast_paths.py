@@ -21,6 +21,7 @@ from kvstore.client.local_node import read_block
 from kvstore.client.placement import DOWN_S
 from kvstore.errors import NoStoreNodes, PutFailed
 from kvstore.index.records import BlockRecord
+from kvstore.index.signatures import RecordSigner
 from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.store.v1 import store_pb2, store_pb2_grpc
 from transfer import Write
@@ -104,9 +105,11 @@ def put_two_and_settle(client: Client, observer: Client, node: str, ids: list[in
     return first, second, client.mirror.lookup(FP, first)[node], client.mirror.lookup(FP, second)[node]
 
 
-def at_offset_of(record: BlockRecord, other: BlockRecord) -> BlockRecord:
-    """`record` pointing at `other`'s bytes: what a mirror that missed a move would hold."""
-    return BlockRecord(record.tier, record.region, other.offset, record.size, record.digest)
+def at_offset_of(record: BlockRecord, other: BlockRecord, cluster: str, node: str, h: bytes) -> BlockRecord:
+    """`record` of block `h` pointing at `other`'s bytes: what a mirror that missed a move would
+    hold (a record the node sealed when the block was there)."""
+    return RecordSigner(SECRET.encode(), cluster, node).sign(
+        FP.digest, h, BlockRecord(record.tier, record.region, other.offset, record.size, record.digest))
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
@@ -121,7 +124,7 @@ def test_a_block_that_moved_since_the_mirror_heard_is_read_from_where_the_node_h
             Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET) as observer:
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
         moved, other, real, elsewhere = put_two_and_settle(client, observer, "moved", [500, 501])
-        stale = at_offset_of(real, elsewhere)
+        stale = at_offset_of(real, elsewhere, cluster, "moved", moved)
         client.mirror.remember_many(FP, "moved", [(moved, stale)])  # as if the move had not reached us
         op = ("local_" if transport == "auto" else "wire_") + "lookup"
         lookups = control_ops(daemon).get(op, 0)
@@ -133,7 +136,7 @@ def test_a_block_that_moved_since_the_mirror_heard_is_read_from_where_the_node_h
         # A block the node no longer holds stays a plain miss, and is not reported as corrupt.
         client.remove([other])
         assert client.mirror.wait_until(lambda m: not m.contains(FP, other), 15)  # its delete event has passed
-        gone = at_offset_of(elsewhere, real)
+        gone = at_offset_of(elsewhere, real, cluster, "moved", other)
         client.mirror.remember_many(FP, "moved", [(other, gone)])
         lookups = control_ops(daemon).get(op, 0)
         assert not client.get(other, out)
@@ -205,7 +208,7 @@ def test_a_lookup_answer_older_than_a_re_put_does_not_hide_the_block(etcd_server
         h, filler, real, elsewhere = put_two_and_settle(client, other, "reput", [800, 801])
         assert client.remove([h]) == 1
         assert client.mirror.wait_until(lambda m: not m.contains(FP, h), 15)
-        stale = at_offset_of(real, elsewhere)
+        stale = at_offset_of(real, elsewhere, cluster, "reput", h)
         client.mirror.remember_many(FP, "reput", [(h, stale)])  # as if the remove had not reached us
         ask = client._lookup
 

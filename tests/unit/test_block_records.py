@@ -1,6 +1,7 @@
-"""Block records, version 2: the 32-byte BLAKE3 digest in a 50-byte record. A version-1 record
-(26 bytes, a 64-bit xxh3 checksum anyone can forge a match for) is refused wherever it turns up,
-never read as if it were version 2."""
+"""Block records, version 4: the 32-byte BLAKE3 digest in a 50-byte record's fields, then the
+node's seal (16 bytes; 32 for a tenant's). A version-1 record (26 bytes, a 64-bit xxh3 checksum
+anyone can forge a match for) and the unsigned versions 2 and 3 are refused wherever they turn up,
+never read as if they were version 4."""
 from __future__ import annotations
 
 import struct
@@ -25,11 +26,19 @@ def version1(tier: int = 0, region: int = 3, offset: int = 4096, size: int = 409
     return struct.pack("<BBIQIQ", 1, tier, region, offset, size, checksum)
 
 
-def test_a_record_carries_its_whole_digest():
+def test_a_record_carries_its_whole_digest_then_its_seal():
     record = BlockRecord("nvme", 3, 1 << 40, 4096, DIGEST)
     raw = record.encode()
-    assert len(raw) == BLOCK_RECORD_BYTES == 50 and raw[0] == BLOCK_RECORD_VERSION == 2
-    assert BlockRecord.decode(raw) == record and raw.endswith(DIGEST)
+    assert len(raw) == BLOCK_RECORD_BYTES == 66 and raw[0] == BLOCK_RECORD_VERSION == 4
+    assert BlockRecord.decode(raw) == record and raw[:50].endswith(DIGEST) and raw[50:] == bytes(16)  # unsigned
+
+
+def test_an_unsigned_record_of_the_previous_version_is_refused_by_its_version():
+    """Kills: a decoder that reads a version-2 record (no seal, any etcd writer's) as version 4."""
+    unsigned = struct.pack("<BBIQI32s", 2, 0, 3, 4096, 4096, DIGEST)
+    for raw in (unsigned, unsigned + bytes(16)):
+        with pytest.raises(InvalidRecord, match="version 2 not understood"):
+            BlockRecord.decode(raw)
 
 
 @pytest.mark.parametrize("raw", [version1(), version1() + bytes(24), bytes([1]) + bytes(49)],
@@ -43,9 +52,9 @@ def test_a_version_1_record_is_refused_by_its_version_not_misread(raw):
 
 @pytest.mark.parametrize("raw", [BlockRecord("dram", 1, 0, 1, DIGEST).encode()[:26], b"",
                                  BlockRecord("dram", 1, 0, 1, DIGEST).encode() + b"\0",
-                                 bytes([2, 7]) + bytes(48)],
-                         ids=["v2-truncated", "empty", "v2-long", "unknown-tier"])
-def test_a_version_2_record_of_the_wrong_size_or_tier_is_refused(raw):
+                                 bytes([4, 7]) + bytes(64)],
+                         ids=["v4-truncated", "empty", "v4-long", "unknown-tier"])
+def test_a_version_4_record_of_the_wrong_size_or_tier_is_refused(raw):
     with pytest.raises(InvalidRecord):
         BlockRecord.decode(raw)
 
@@ -88,10 +97,11 @@ def test_a_record_claiming_more_bytes_than_a_block_can_hold_is_refused():
     from kvstore.index.records import CODED_RECORD_VERSION, MAX_BLOCK_BYTES, _CODED
 
     assert BlockRecord.decode(BlockRecord("dram", 1, 0, MAX_BLOCK_BYTES, DIGEST).encode()).size == MAX_BLOCK_BYTES
-    huge = struct.pack("<BBIQI32s", BLOCK_RECORD_VERSION, 0, 1, 0, 512 << 20, DIGEST)
+    huge = struct.pack("<BBIQI32s", BLOCK_RECORD_VERSION, 0, 1, 0, 512 << 20, DIGEST) + bytes(16)
     with pytest.raises(InvalidRecord, match="at most"):
         BlockRecord.decode(huge)
-    swollen = _CODED.pack(CODED_RECORD_VERSION, 1, 1, 4096, 1 << 20, DIGEST, 1, (1 << 20) + 4096)
+    swollen = _CODED.pack(CODED_RECORD_VERSION, 1, 1, 4096, 1 << 20, DIGEST, 1, (1 << 20) + 4096) + bytes(16)
     with pytest.raises(InvalidRecord, match="smaller than the block"):
         BlockRecord.decode(swollen)
-    assert BlockRecord.decode(_CODED.pack(CODED_RECORD_VERSION, 1, 1, 4096, 1 << 20, DIGEST, 1, 1 << 19)).stored == 1 << 19
+    coded = _CODED.pack(CODED_RECORD_VERSION, 1, 1, 4096, 1 << 20, DIGEST, 1, 1 << 19) + bytes(16)
+    assert BlockRecord.decode(coded).stored == 1 << 19
