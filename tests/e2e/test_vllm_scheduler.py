@@ -130,6 +130,23 @@ def test_decode_waits_on_the_index_for_blocks_still_being_written(model):
     h.run_until_empty()
 
 
+def test_a_handoff_whose_blocks_are_published_loads_inside_the_first_step(model):
+    """A decode whose prefill's blocks are all in the index already (the common case: the prefill
+    answered after its saves) loads them inside the step, as an ordinary small load: no
+    WAITING_FOR_REMOTE_KVS round trip and no hop through the waiter and the load pool, each of
+    which cost a GIL switch interval (5 ms) or a scheduler step. Kills: every hand-off loaded
+    asynchronously (the demo's hand-off took 30-170 ms for 3 blocks of a tiny model)."""
+    h = Harness(model, role="kv_consumer", process_local=True, remote_wait_s=10)
+    prompt = list(range(71, 71 + 3 * BLOCK + 4))
+    h.seed_store(prompt, 3)
+    request = decode_request(h, "d1", prompt, signed_params(h, prompt, 3))
+    h.scheduler.add_request(request)
+    h.step()
+    assert request.status == RequestStatus.RUNNING and request.num_computed_tokens >= 3 * BLOCK
+    assert h.worker.totals.data["loaded_blocks"] == 3 and h.worker.totals.data.get("handoff_wait_seconds", 0) == 0
+    h.run_until_empty()
+
+
 def test_waiting_handoffs_never_hold_up_other_loads(model):
     """Hand-offs wait for their blocks off the load pool: three decodes whose prefill never
     delivers must not delay an ordinary load behind them. Kills: waiting on a load-pool thread

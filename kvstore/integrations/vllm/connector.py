@@ -319,7 +319,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # The producer promised these tokens; the worker waits on the index for blocks still in flight.
             matched = min(-(-promised // self.block_size), usable)
             matched_tokens = min(promised, matched * self.block_size)
-            self._remote_waits[request.request_id] = wait
+            stored = self._servable(state, first, usable)
+            if stored is not None and stored >= matched:
+                wait = 0.0  # all published already: an ordinary load, inside the step when it is small
+            else:
+                self._remote_waits[request.request_id] = wait
         else:
             stored = self._servable(state, first, usable)
             if stored is None:
@@ -331,7 +335,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if external <= 0:
             self._remote_waits.pop(request.request_id, None)
             return 0, False
-        load_async = remote is not None or self.sync_load_blocks < 0 or matched - first > self.sync_load_blocks
+        # A hand-off whose blocks may still be on their way waits off the step; the rest load inside
+        # the step when few (no scheduler round trip, no thread hop), else asynchronously.
+        load_async = wait > 0 or self.sync_load_blocks < 0 or matched - first > self.sync_load_blocks
         self._matched[request.request_id] = (num_computed_tokens, matched, external, load_async)
         return external, load_async
 
