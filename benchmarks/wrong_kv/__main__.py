@@ -1,0 +1,8 @@
+import sys
+
+from kvstore.testing import processes
+
+from . import main
+
+if __name__ == "__main__":
+    sys.exit(processes.run_main(main, prog="python -m benchmarks.wrong_kv"))
