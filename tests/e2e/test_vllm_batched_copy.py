@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 
 import kvstore  # noqa: E402
 from kvstore.errors import UnsupportedKVLayout  # noqa: E402
-from kvstore.integrations.vllm import connector as connector_module  # noqa: E402
+from kvstore.integrations.vllm import worker as connector_module  # noqa: E402  (KVCacheIO is made there)
 from kvstore.integrations.vllm import kv_batch  # noqa: E402
 from kvstore.integrations.vllm.connector import KVStoreConnector  # noqa: E402
 from kvstore.integrations.vllm.kv_batch import BatchedKV, StagingUnavailable  # noqa: E402

@@ -99,7 +99,7 @@ def signed_params(h: Harness, prompt: list[int], blocks: int, **kwargs) -> dict:
     """Hand-off parameters as this deployment's prefill signs them for `prompt` (process-local
     store: this process's key)."""
     keys = request_hashes(h.chain, plain_request(prompt))
-    return make_params(h.worker._handoff_key, h.chain.digest, prompt, blocks, blocks * BLOCK, keys[blocks - 1],
+    return make_params(h.worker.handoff_key, h.chain.digest, prompt, blocks, blocks * BLOCK, keys[blocks - 1],
                        **kwargs)
 
 

@@ -379,7 +379,7 @@ def test_scheduler_counts_only_blocks_every_rank_holds(model):
     h = Harness(model)
     connector = h.scheduler.connector
     other_rank = replace(h.fingerprint, tp_rank=1, tp_world_size=2)
-    connector._rank_group_fingerprints = [[h.fingerprint], [other_rank]]  # as on a TP=2 engine
+    connector.rank_group_fingerprints = [[h.fingerprint], [other_rank]]  # as on a TP=2 engine
     prompt = list(range(11, 11 + 3 * BLOCK + 1))
     h.seed_store(prompt, 3)  # rank 0 holds 3 blocks, rank 1 holds none
     assert connector.get_num_new_matched_tokens(Request("x", prompt, SamplingParams(), None), 0) == (0, False)
