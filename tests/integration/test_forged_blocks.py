@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 from xxh3_forgery import forge, old_checksum
 
+from tests_support import until
+
 from kvstore import Client
 from kvstore.access import ControlAuth
 from kvstore.integrity import block_digest
@@ -48,15 +50,6 @@ def counters(daemon) -> dict[str, float]:
     with grpc.insecure_channel(daemon.control) as channel:
         channel = grpc.intercept_channel(channel, ControlAuth(SECRET.encode(), daemon.name, "test"))
         return dict(store_pb2_grpc.StoreControlStub(channel).Stats(store_pb2.StatsRequest(), timeout=5).counters)
-
-
-def wait_for(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def misses(reader: Client, h: bytes, size: int = BLOCK) -> bool:
@@ -101,7 +94,7 @@ def test_a_put_whose_attachment_was_swapped_for_a_second_preimage_is_refused(etc
     assert reply["ok"], reply
     if size == BLOCK:
         assert reply["errors"][0].startswith("digest mismatch") and not reply["records"][0]
-    assert wait_for(lambda: counters(daemon).get("corrupt_writes", 0) == 1)
+    assert until(lambda: counters(daemon).get("corrupt_writes", 0) == 1)
     time.sleep(0.3)  # past a publish batch: nothing shows up late either
     with reader(etcd_server, name) as fresh:
         assert not fresh.contains(h) and misses(fresh, h, size)
@@ -186,7 +179,7 @@ def test_a_block_rewritten_in_dram_through_the_engine_is_a_miss(etcd_server, clu
     with reader(etcd_server, name, transport) as fresh:
         assert fresh.mirror.wait_until(lambda m: m.contains(FP, h), 15)
         assert misses(fresh, h)
-    assert wait_for(lambda: counters(daemon).get("corrupt_blocks_dram", 0) == 1)
+    assert until(lambda: counters(daemon).get("corrupt_blocks_dram", 0) == 1)
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
@@ -221,4 +214,4 @@ def test_a_block_rewritten_in_the_nvme_tier_is_a_miss(etcd_server, spawn_daemon,
                 assert fresh.stats["nvme_fd_reads"] == 1  # read through the fd, refused by its digest
             out = np.zeros(BLOCK, np.uint8)
             assert fresh.get(other, out) and np.array_equal(out, content(other))  # the tier still serves
-        assert wait_for(lambda: counters(daemon).get("corrupt_blocks_nvme", 0) == 1)  # told, the node drops it
+        assert until(lambda: counters(daemon).get("corrupt_blocks_nvme", 0) == 1)  # told, the node drops it

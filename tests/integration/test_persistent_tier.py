@@ -14,6 +14,8 @@ import grpc
 import numpy as np
 import pytest
 
+from tests_support import until
+
 from kvstore import Client
 from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.store.v1 import store_pb2, store_pb2_grpc
@@ -34,18 +36,9 @@ def counters(daemon) -> dict[str, float]:
         return dict(store_pb2_grpc.StoreControlStub(channel).Stats(store_pb2.StatsRequest(), timeout=5).counters)
 
 
-def wait_for(predicate, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
-
-
 def restored(daemon) -> dict[str, float]:
     """The daemon's counters once its restore is over (every journalled block verified)."""
-    assert wait_for(lambda: counters(daemon).get("restore_pending", 1) == 0), counters(daemon)
+    assert until(lambda: counters(daemon).get("restore_pending", 1) == 0, 15), counters(daemon)
     return counters(daemon)
 
 
@@ -158,7 +151,7 @@ def prom(daemon) -> dict[str, float]:
 
 
 def restored_by_metrics(daemon) -> dict[str, float]:
-    assert wait_for(lambda: prom(daemon).get("kvstore_tier_restore_pending", 1) == 0)
+    assert until(lambda: prom(daemon).get("kvstore_tier_restore_pending", 1) == 0, 15)
     return prom(daemon)
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tests_support import until
+
 from kvstore import Client
 from kvstore.keys import ModelFingerprint, external_hashes
 
@@ -32,12 +34,8 @@ def under_replicated(metadata: str, cluster: str) -> int:
     return json.loads(done.stdout)["under_replicated_blocks"]
 
 
-def wait_for(predicate, timeout: float, what: str) -> float:
-    started = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - started < timeout, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return time.monotonic() - started
+def wait_for(predicate, timeout: float, what: str) -> None:
+    assert until(predicate, timeout, every=0.2), f"timed out waiting for {what}"
 
 
 def read_back(client: Client, hashes: list[bytes]) -> list[str]:
@@ -92,9 +90,8 @@ def test_survivors_re_replicate_after_a_node_dies(etcd_server, spawn_daemon):
         wait_for(lambda: under_replicated(etcd_server.url, cluster) == len(hashes), 15, "the under-replicated count")
 
         spawn_daemon("node-c", etcd_server.url, cluster, extra=extra, lease_ttl=2)
-        took = wait_for(lambda: all(set(mirror.lookup(FP.digest, h)) == {"node-a", "node-c"} for h in hashes), 20,
+        wait_for(lambda: all(set(mirror.lookup(FP.digest, h)) == {"node-a", "node-c"} for h in hashes), 20,
                         "re-replication onto node-c")
-        assert took < 20
         assert under_replicated(etcd_server.url, cluster) == 0
 
         a.kill()  # the repaired copies alone must serve every block, byte for byte
@@ -202,8 +199,7 @@ def test_a_replica_evicted_by_a_full_node_is_repaired_at_once(etcd_server, spawn
             time.sleep(2.5)
             return min(holders(client, nodes, hashes)) >= 2
 
-        took = wait_for(settled, 15, "every evicted replica made again")
-        assert took < 15
+        wait_for(settled, 15, "every evicted replica made again")
         partner.kill()  # the other holder of what node-a evicted
         wait_for(lambda: "node-b" not in client.mirror.nodes, 15, "node-b's lease to expire")
         assert read_back(client, hashes) == []
@@ -232,8 +228,7 @@ def test_a_node_restarted_under_its_name_before_its_lease_ended_is_repaired(etcd
         assert mirror.wait_until(lambda m: getattr(m.nodes.get("node-b"), "endpoint", endpoint) != endpoint, 10)
         assert "node-b" in mirror.nodes  # back in 2-3 s: well before the old run's lease (8 s) ends
         # The old run's records leave when that lease ends; node-c alone holds the blocks until repaired.
-        took = wait_for(lambda: min(holders(client, nodes, hashes)) >= 2, 20, "the blocks' second replicas")
-        assert took < 20
+        wait_for(lambda: min(holders(client, nodes, hashes)) >= 2, 20, "the blocks' second replicas")
         c.kill()  # the blocks' other original holder
         wait_for(lambda: "node-c" not in mirror.nodes, 15, "node-c's lease to expire")
         assert read_back(client, hashes) == []

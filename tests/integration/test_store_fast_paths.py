@@ -16,6 +16,8 @@ import grpc
 import numpy as np
 import pytest
 
+from tests_support import until
+
 from kvstore import Client
 from kvstore.client.local_node import read_block
 from kvstore.client.placement import DOWN_S
@@ -144,7 +146,7 @@ def test_a_block_that_moved_since_the_mirror_heard_is_read_from_where_the_node_h
         assert not client.contains(other)  # forgotten: the next get does not try again
         hits = stats(daemon).counters.get("hits_dram", 0)
         assert client.get(moved, out)  # its hit report goes out after anything queued before it
-        assert wait_for(lambda: stats(daemon).counters.get("hits_dram", 0) > hits)
+        assert until(lambda: stats(daemon).counters.get("hits_dram", 0) > hits)
         assert stats(daemon).counters.get("client_reported_corrupt", 0) == 0
 
 
@@ -227,15 +229,6 @@ def test_a_lookup_answer_older_than_a_re_put_does_not_hide_the_block(etcd_server
         assert client.get(h, out) and np.array_equal(out, content(h, 8192))  # ... and reads
 
 
-def wait_for(condition, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def test_a_corrupt_replica_is_reported_even_when_another_serves_the_block(etcd_server, spawn_daemon):
     """The first replica's bytes are damaged: the get is served by the second, and the first node
     is told, so it re-checks the copy and drops it (its record did not move, so no second read)."""
@@ -257,7 +250,7 @@ def test_a_corrupt_replica_is_reported_even_when_another_serves_the_block(etcd_s
             client.engine.unregister(scratch)
         out = np.zeros(8192, np.uint8)
         assert client.get(h, out) and np.array_equal(out, data)
-        assert wait_for(lambda: stats(first).counters.get("corrupt_blocks_dram", 0) == 1)
+        assert until(lambda: stats(first).counters.get("corrupt_blocks_dram", 0) == 1)
 
 
 def test_sync_publish_is_visible_to_others_when_put_returns(etcd_server, spawn_daemon):
@@ -313,7 +306,7 @@ def test_a_put_answered_before_its_check_publishes_only_bytes_that_verified(etcd
         with pytest.raises(PutFailed, match="digest mismatch"):
             client.put(small, content(small, 64 << 10))
         assert other.mirror.wait_until(lambda m: all(m.contains(FP, h) for h in good), 15)
-        assert wait_for(lambda: stats(daemon).counters.get("corrupt_writes", 0) == 3)
+        assert until(lambda: stats(daemon).counters.get("corrupt_writes", 0) == 3)
         time.sleep(0.3)  # past a publish batch: what was dropped must not show up late either
         assert not any(other.contains(h) for h in bad)
         for h, size in zip(good + bad, sizes + sizes + [64 << 10]):
@@ -354,14 +347,14 @@ def test_a_put_like_the_last_writes_into_slots_its_commit_leased(etcd_server, sp
         assert all(other.get_many(everything, outs))
         assert all(np.array_equal(out, content(h, block)) for out, h in zip(outs, everything))
         assert dram_used() == len(everything) * block + count * block  # the blocks and one put's lease
-    assert wait_for(lambda: dram_used() == len(everything) * block)  # closed: the lease is given back
+    assert until(lambda: dram_used() == len(everything) * block)  # closed: the lease is given back
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport=transport) as client:
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
         put_round(client, 2)
         for slot in client._leases.slots():
             slot.usable_until = 0.0  # as if a write now could outlive the node's hold on them
         put_round(client, 3)  # reserved again (an old lease is never written into); the old ones given back
-        assert wait_for(lambda: dram_used() == len(everything) * block + count * block)
+        assert until(lambda: dram_used() == len(everything) * block + count * block)
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
