@@ -768,7 +768,7 @@ def summarize(args, kind: str, mode: str, store: bool, work, results: list[dict]
     if gateway:
         record["gateway_routes"] = {k.removeprefix("conductor_gateway_routes_total").strip("{}") or "all":
                                     v - gateway_before.get(k, 0.0) for k, v in gateway.items()
-                                    if k.startswith("conductor_gateway_routes") and not k.endswith("_created")}
+                                    if k.startswith("conductor_gateway_routes") and "_created" not in k}
         record["gateway_route_reasons"] = {k.split('reason="')[1].rstrip('"}'): v - gateway_before.get(k, 0.0)
                                            for k, v in gateway.items()
                                            if k.startswith("conductor_gateway_route_reasons_total{")}
