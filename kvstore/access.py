@@ -26,6 +26,7 @@ import stat
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import blake3
 import grpc
@@ -83,33 +84,102 @@ def read_private_file(path: str, what: str, *, check_length: bool = True) -> str
     return value
 
 
-def load_tenants(path: str) -> dict[str, bytes]:
-    """A tenants file: one `NAME SECRET` per line (blank lines and lines starting with '#' are
-    skipped), each secret at least MIN_SECRET_BYTES and its own. The file must be private (0600).
-    InsecureFile or ValueError, in one line naming the file and line, when it is not right."""
+@dataclass(frozen=True)
+class TenantLimits:
+    """What one tenant may hold of a node (options on its line of the tenants file)."""
+
+    # A share of each tier's capacity (0 < share <= 1): blocks of other tenants never make room for
+    # this tenant's while it holds more, and this tenant's blocks are never evicted for another's
+    # while it holds less (kvstore.daemon.store). None: no share (its blocks are evicted in order).
+    capacity: float | None = None
+    # Authenticated connections it may hold on each of a node's control-wire sockets (unix, TCP).
+    # None: the default, an equal share (kvstore.daemon.local).
+    connections: int | None = None
+
+
+class Tenants(dict):
+    """A tenants file: name -> secret (a dict, as every handshake and token check takes it), with
+    each tenant's `limits`."""
+
+    def __init__(self, secrets: Mapping[str, bytes] | None = None,
+                 limits: Mapping[str, TenantLimits] | None = None) -> None:
+        super().__init__(secrets or {})
+        self.limits: dict[str, TenantLimits] = dict(limits or {})
+
+    def capacity_share(self, name: str) -> float | None:
+        limits = self.limits.get(name)
+        return None if limits is None else limits.capacity
+
+    def connections(self, name: str, total: int) -> int:
+        """Connections `name` may hold of a socket's `total`: its own setting, else an equal share
+        with one share left over for the cluster's own clients (a tenant's would otherwise be
+        theirs to take), at least one."""
+        limits = self.limits.get(name)
+        if limits is not None and limits.connections is not None:
+            return min(limits.connections, total)
+        return max(1, total // (len(self) + 1))
+
+
+MAX_TENANT_CONNECTIONS = 1 << 16
+
+
+def _tenant_option(where: str, name: str, token: str) -> tuple[str, float | int]:
+    key, sep, value = token.partition("=")
+    if not sep or key not in ("capacity", "connections"):
+        raise ValueError(f"{where}: {token[:40]!r} after the secret of tenant {name!r} is not an option "
+                         "(capacity=SHARE, connections=N; a secret holds no spaces)")
+    try:
+        if key == "capacity":
+            share = float(value[:-1]) / 100 if value.endswith("%") else float(value)
+            if not 0 < share <= 1:
+                raise ValueError
+            return key, share
+        count = int(value)
+        if not 0 < count <= MAX_TENANT_CONNECTIONS:
+            raise ValueError
+        return key, count
+    except ValueError:
+        rule = "a share of each tier, 1-100% (or 0.01-1)" if key == "capacity" else \
+            f"a number of connections, 1-{MAX_TENANT_CONNECTIONS}"
+        raise ValueError(f"{where}: the {key} of tenant {name!r} must be {rule}, not {value[:40]!r}") from None
+
+
+def load_tenants(path: str) -> Tenants:
+    """A tenants file: one `NAME SECRET [capacity=SHARE] [connections=N]` per line (blank lines and
+    lines starting with '#' are skipped), each secret at least MIN_SECRET_BYTES and its own, the
+    capacity shares adding up to at most 100%. The file must be private (0600). InsecureFile or
+    ValueError, in one line naming the file and line, when it is not right."""
     check_private_file(path, "the tenants")
     tenants: dict[str, bytes] = {}
+    limits: dict[str, TenantLimits] = {}
     with open(path) as f:
         lines = f.read().splitlines()
     for number, line in enumerate(lines, 1):
         text = line.strip()
         if not text or text.startswith("#"):
             continue
-        name, _, secret = text.partition(" ")
-        secret = secret.strip()
+        parts = text.split()
+        name, secret, options = parts[0], parts[1] if len(parts) > 1 else "", parts[2:]
         where = f"tenants file {path} line {number}"
         if not TENANT_NAME.fullmatch(name):
             raise ValueError(f"{where}: the tenant name must be {TENANT_RULE}, not {name[:80]!r}")
         if name in tenants:
             raise ValueError(f"{where}: tenant {name!r} is listed twice")
-        if len(secret.encode()) < MIN_SECRET_BYTES or " " in secret:
+        if len(secret.encode()) < MIN_SECRET_BYTES:
             raise InsecureFile(f"{where}: tenant {name!r} needs a secret of at least {MIN_SECRET_BYTES} bytes "
                                "without spaces after its name (e.g. from `openssl rand -base64 32`)")
+        settings = dict(_tenant_option(where, name, option) for option in options)
         tenants[name] = secret.encode()
+        if settings:
+            limits[name] = TenantLimits(**settings)
     secrets_ = list(tenants.values())
     if len(set(secrets_)) != len(secrets_):
         raise InsecureFile(f"tenants file {path}: two tenants share a secret (each needs its own)")
-    return tenants
+    shares = sum(limit.capacity or 0 for limit in limits.values())
+    if shares > 1 + 1e-9:
+        raise ValueError(f"tenants file {path}: the capacity shares add up to {shares:.0%}, more than the whole "
+                         "store (at most 100%)")
+    return Tenants(tenants, limits)
 
 
 def cluster_secret(cluster: str) -> str | None:

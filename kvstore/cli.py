@@ -58,10 +58,12 @@ def add_serve(commands) -> None:
                        help="no cluster secret: anyone who reaches this node may read and write its memory (and, "
                             "without --admin-token-file, drain or evict it)")
     serve.add_argument("--tenants", metavar="PATH",
-                       help="tenants file (0600): one 'NAME SECRET' per line, each secret 16+ bytes of its own; a "
-                            "client given tenant=NAME and that secret may write, reserve and look up only "
-                            "fingerprints of tenant NAME (digests 'NAME:...'); the cluster secret stays the "
-                            "operator's, trusted with everything")
+                       help="tenants file (0600): one 'NAME SECRET [capacity=SHARE] [connections=N]' per line, "
+                            "each secret 16+ bytes of its own; a client given tenant=NAME and that secret may "
+                            "write, reserve and look up only fingerprints of tenant NAME (digests 'NAME:...'); "
+                            "capacity=25%%: a share of each tier no other tenant's blocks evict it below; "
+                            "connections=N: its control-wire connections per socket (default: an equal share); "
+                            "the cluster secret stays the operator's, trusted with everything")
     serve.add_argument("--replicas", type=replica_count, default=1, metavar="N",
                        help="default replicas for clients of this cluster (at most one per live node)")
     serve.add_argument("--eviction", default="lru", choices=["lru", "lfu"], help="eviction policy")

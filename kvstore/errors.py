@@ -119,6 +119,12 @@ class NodeRefused(KVStoreError):
     """A node refused a request (draining, metadata service unavailable); others may take it."""
 
 
+class ConnectionsExhausted(NodeRefused):
+    """A node's control wire refused a new connection: its connections, or the caller's tenant's
+    share of them, are all open. The node still serves the caller on another path (a client falls
+    back to gRPC)."""
+
+
 class ConnectionReplaced(KVStoreError, ConnectionError):
     """The client replaced its connection to a node (it failed) before this call could use the old one."""
 
@@ -140,4 +146,4 @@ class AccessDenied(KVStoreError, PermissionError):
 
 
 __all__ += ["AllocationFailed", "InvalidRequest", "WrongSize", "NoStoreNodes", "PutFailed", "NodeRefused",
-            "ConnectionReplaced", "StoreClosed", "InvalidConfig", "InsecureFile", "AccessDenied"]
+            "ConnectionsExhausted", "ConnectionReplaced", "StoreClosed", "InvalidConfig", "InsecureFile", "AccessDenied"]

@@ -27,6 +27,8 @@ from transfer._native import wait_readable
 from transfer.auth import client_handshake
 from transfer.descriptor import unix_address
 
+from .errors import ConnectionsExhausted, NodeRefused
+
 MAX_FRAME = 4 << 20  # a put of 4096 blocks still fits its header
 # Waking a thread parked on an idle vCPU costs 20-30 us here, twice per round trip (a unix socket
 # ping-pong between two processes: 43 us parked, 5 us polling). A reply, and a client's next
@@ -242,7 +244,8 @@ def connect(name: str, secret: bytes, client: str, timeout: float, connect_timeo
     """A client's authenticated connection to a daemon's control wire: its same-host socket, or
     `tcp://host:port` (the same wire over TCP, attachments sealed). Connecting and the handshake
     take at most `connect_timeout` (default `timeout`); every later send and receive, `timeout`.
-    `tenant`: authenticate as that tenant, `secret` being its own."""
+    `tenant`: authenticate as that tenant, `secret` being its own. ConnectionsExhausted when the
+    node admits no more connections (of this tenant's, or at all) on this socket."""
     tcp = name.startswith(TCP_SCHEME)
     if tcp:
         host, port = tcp_endpoint(name)
@@ -261,7 +264,14 @@ def connect(name: str, secret: bytes, client: str, timeout: float, connect_timeo
         else:
             sock.connect(unix_address(name))
         session = client_handshake(sock, secret, "ctl", client, wire="plain", timeout=within, tenant=tenant)
-        return Frames(sock, session.tx, session.rx, timeout, sealed=tcp)  # sets the socket's timeout for what follows
+        frames = Frames(sock, session.tx, session.rx, timeout, sealed=tcp)  # sets the socket's timeout for what follows
+        admitted = frames.recv(within)  # sent with the node's last handshake message: no round trip of its own
+        if not admitted.get("ok"):
+            why = str(admitted.get("error", ""))[:500]
+            if admitted.get("code") == "busy":
+                raise ConnectionsExhausted(why)
+            raise NodeRefused(why)
+        return frames
     except BaseException:
         sock.close()
         raise

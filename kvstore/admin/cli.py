@@ -108,6 +108,7 @@ def add_parser(commands) -> None:
 
     command("status", "cluster summary")
     command("nodes", "list nodes (each one asked: unreachable ones are marked)")
+    command("tenants", "what each tenant's blocks take on each node, beside its capacity share")
     node = command("node", "one node in detail")
     node.add_argument("name", help="node name")
     blocks = command("blocks", "list blocks of a model fingerprint")
@@ -593,6 +594,35 @@ def cmd_drain(client: AdminClient, args, console) -> int:
     return OK if result.get("done") and not int(result.get("failed", 0)) else FAILED
 
 
+def cmd_tenants(client: AdminClient, args, console) -> int:
+    rows = []
+    for status in _status_rows(client):
+        if status["state"] == "unreachable":
+            continue
+        found: dict[tuple[str, str], dict] = {}
+        for name, value in status.get("counters", {}).items():
+            kind, _, rest = name.partition(":")
+            if kind in ("tenant_bytes", "tenant_share_bytes"):
+                tier, _, tenant = rest.partition(":")
+                found.setdefault((tenant, tier), {"tenant": tenant, "node": status["name"], "tier": tier,
+                                                  "bytes": 0, "share_bytes": None})[
+                    "bytes" if kind == "tenant_bytes" else "share_bytes"] = int(value)
+        rows += sorted(found.values(), key=lambda r: (r["tenant"], r["node"], r["tier"]))
+    if args.json:
+        print(json.dumps({"tenants": rows, "unreachable": dict(sorted(client.unreachable.items()))}, indent=1))
+        return _partial(client)
+    table = Table(title=f"tenants of cluster {args.cluster}")
+    for col in ("tenant", "node", "tier", "held", "share"):
+        table.add_column(col)
+    for r in rows:
+        share = "-" if r["share_bytes"] is None else _size(r["share_bytes"])
+        over = r["share_bytes"] is not None and r["bytes"] > r["share_bytes"]
+        table.add_row(r["tenant"], r["node"], r["tier"], f"[yellow]{_size(r['bytes'])}[/yellow]" if over
+                      else _size(r["bytes"]), share)
+    console.print(table)
+    return _partial(client)
+
+
 def cmd_policy(client: AdminClient, args, console) -> int:
     request = admin_pb2.SetPolicyRequest(eviction_policy=args.eviction or "", high_watermark=args.high_watermark or 0,
                                          low_watermark=args.low_watermark or 0)
@@ -609,6 +639,6 @@ def cmd_policy(client: AdminClient, args, console) -> int:
     return OK
 
 
-ASK_ALL = ("status", "nodes", "blocks", "query", "evict")  # the commands that ask every node
-COMMANDS = {"status": cmd_status, "nodes": cmd_nodes, "node": cmd_node, "blocks": cmd_blocks, "query": cmd_query,
-            "evict": cmd_evict, "drain": cmd_drain, "policy": cmd_policy}
+ASK_ALL = ("status", "nodes", "tenants", "blocks", "query", "evict")  # the commands that ask every node
+COMMANDS = {"status": cmd_status, "nodes": cmd_nodes, "tenants": cmd_tenants, "node": cmd_node, "blocks": cmd_blocks,
+            "query": cmd_query, "evict": cmd_evict, "drain": cmd_drain, "policy": cmd_policy}

@@ -64,6 +64,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                                           hits=int(counters.get(f"hits_{t.name}", 0)),
                                           evictions=int(counters.get(f"evictions_{t.name}", 0))) for t in store.tiers]
             fingerprints = len({k[0] for t in store.tiers for k in t.sealed})
+        for tenant, tier, held, share in store.tenant_usage():  # `kvstore admin tenants` reads these
+            counters[f"tenant_bytes:{tier}:{tenant}"] = held
+            if share is not None:
+                counters[f"tenant_share_bytes:{tier}:{tenant}"] = share
         hits = sum(counters.get(f"hits_{t.name}", 0) for t in store.tiers)
         misses = counters.get("client_reported_corrupt", 0)
         return admin_pb2.NodeStatus(name=self.node, control_endpoint=self.daemon.address,

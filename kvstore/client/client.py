@@ -38,6 +38,7 @@ from ..errors import (
     AllocationFailed,
     AuthenticationFailed,
     ConnectionReplaced,
+    ConnectionsExhausted,
     FingerprintMismatch,
     InvalidConfig,
     KVStoreError,
@@ -68,6 +69,9 @@ LOCAL_INLINE_MAX = 4 << 20  # same host: puts up to this many bytes carry them i
 GRPC_INLINE_MAX = 256 << 10  # other hosts: puts up to this many bytes carry them in one call
 WIRE_CONNECT_S = 2.0  # the first connection to a node's TCP wire; unreachable, gRPC is used instead
 WIRE_RETRY_S = 30.0  # ... for this long
+# A node that refused this client a control-wire connection (its tenant's share, or all of them, taken)
+# is called over gRPC for this long before the wire is tried again.
+WIRE_BUSY_S = 10.0
 WIRE_READ_BYTES = 2 << 20  # raw bytes one wire-codec `read` asks for (the node takes up to 64 MiB)
 WIRE_READ_DEPTH = 4  # wire-codec `read`s of one get under way at once
 SYNC_PUBLISH_WAITS = 4  # a sync put answers within this many timeouts (the node waits up to 3 to publish)
@@ -172,6 +176,7 @@ class Client:
         self._locals: dict[str, LocalNode] = {}
         self._wires: dict[str, LocalNode] = {}  # the same wire over TCP, to nodes on other hosts
         self._wire_down: dict[str, float] = {}  # node -> until when its wire is left alone (unreachable)
+        self._wire_busy: dict[str, float] = {}  # node -> until when both its wires are left alone (refused us)
         self._local_addresses: dict[tuple[str, str], tuple[str, Any]] = {}  # (node, field) -> (segment seen, address)
         self._here = host_id()  # this host's name and boot, read once
         self._placement = PutPlacement(self._here)
@@ -181,7 +186,7 @@ class Client:
         self.stats: dict[str, int] = {"control_calls": 0, "local_puts": 0, "wire_puts": 0, "nvme_fd_reads": 0,
                                       "nvme_fd_bytes": 0, "already_held": 0, "wire_reads": 0,
                                       "wire_read_bytes": 0, "wire_read_raw_bytes": 0, "coded_reads": 0,
-                                      "reads_unhashed": 0, "refused_records": 0}
+                                      "reads_unhashed": 0, "refused_records": 0, "control_fallbacks": 0}
         self.closed = False
         try:
             self.check_secrets()  # a node expecting another kind of secret fails here, in one line
@@ -300,7 +305,7 @@ class Client:
 
     def _local(self, name: str) -> LocalNode | None:
         """The same-host fast path to `name`, or None (another host, forced TCP, an older daemon)."""
-        if self.transport not in ("auto", "shm"):
+        if self.transport not in ("auto", "shm") or self._wire_busy.get(name, 0) > time.monotonic():
             return None
         record = self.mirror.nodes.get(name)
         if record is None or record.host != self._here:
@@ -311,8 +316,9 @@ class Client:
         """The same framed wire to `name` over TCP (another host, or forced TCP): one round trip per
         control call instead of a gRPC call's thread hops. None where gRPC runs over TLS (the wire
         does not encrypt) or the node has none."""
+        now = time.monotonic()
         if self._tls_roots is not None or self.transport not in ("auto", "tcp") or \
-                self._wire_down.get(name, 0) > time.monotonic():
+                self._wire_down.get(name, 0) > now or self._wire_busy.get(name, 0) > now:
             return None
         wire = self._control_wire(name, "kvstore_wire", TCP_SCHEME, self._wires)
         if wire is None or wire.reached:
@@ -321,11 +327,22 @@ class Client:
             wire.warm(min(self.timeout, WIRE_CONNECT_S))
         except AuthenticationFailed:
             raise  # a configuration error, which gRPC would meet as well
+        except ConnectionsExhausted as exc:
+            self._busy(name, exc)
+            return None
         except (OSError, ValueError, TransferError) as exc:
             log.info("control wire to %s unreachable, using gRPC for %.0f s: %s", name, WIRE_RETRY_S, exc)
             self._wire_down[name] = time.monotonic() + WIRE_RETRY_S
             return None
         return wire
+
+    def _busy(self, name: str, why: ConnectionsExhausted) -> None:
+        """`name` refused this client a control-wire connection: gRPC carries its control calls for
+        WIRE_BUSY_S (the connections this client has pooled there are left alone meanwhile)."""
+        if self._wire_busy.get(name, 0) <= time.monotonic():
+            log.info("control wire of %s refused a connection, using gRPC for %.0f s: %s", name, WIRE_BUSY_S, why)
+            self.stats["control_fallbacks"] += 1
+        self._wire_busy[name] = time.monotonic() + WIRE_BUSY_S
 
     def _control(self, name: str) -> LocalNode | None:
         """The framed wire for control calls to `name` (same host, else TCP), or None (gRPC)."""
@@ -491,7 +508,16 @@ class Client:
                 digests_of: Callable[[], list[bytes]], regions, first: int, since: int) -> int:
         """One round of blocks onto `name`; returns how many it newly stored (`since`: from the
         mirror's `asking`, taken before the round's first request; `digests_of`: the round's
-        digests, computed by its first call)."""
+        digests, computed by its first call). A node that refuses this client a control-wire
+        connection (nothing was asked on it) gets the round again over gRPC."""
+        try:
+            return self._put_once(name, fp, hashes, views, digests_of, regions, first, since)
+        except ConnectionsExhausted as exc:
+            self._busy(name, exc)
+            return self._put_once(name, fp, hashes, views, digests_of, regions, first, since)
+
+    def _put_once(self, name: str, fp: str, hashes: list[bytes], views: list[memoryview],
+                  digests_of: Callable[[], list[bytes]], regions, first: int, since: int) -> int:
         local = self._local(name)
         size = sum(v.nbytes for v in views)
         sync = self.publish == "sync"
@@ -605,8 +631,12 @@ class Client:
         try:
             wire = self._control(name)
             if wire is not None:
-                wire.call({"op": "abort", "tokens": tokens})
-            elif (node := self._nodes.get(name)) is not None:
+                try:
+                    wire.call({"op": "abort", "tokens": tokens})
+                    return
+                except ConnectionsExhausted as exc:
+                    self._busy(name, exc)
+            if (node := self._nodes.get(name)) is not None:
                 self._rpc(node.stub.Abort, store_pb2.AbortRequest(tokens=tokens))
         except (grpc.RpcError, KVStoreError, OSError, ValueError) as exc:
             log.debug("giving slots back to %s failed: %s", name, exc)
@@ -789,7 +819,11 @@ class Client:
         """The node's current record of each block (None where it does not hold it)."""
         wire = self._control(name)
         if wire is not None:
-            reply, _ = wire.call({"op": "lookup", "fp": fp, "hashes": [h.hex() for h in hashes]})
+            try:
+                reply, _ = wire.call({"op": "lookup", "fp": fp, "hashes": [h.hex() for h in hashes]})
+            except ConnectionsExhausted as exc:
+                self._busy(name, exc)
+                return self._lookup(name, fp, hashes)
             records = reply.get("records")
             if not isinstance(records, list) or not all(r is None or isinstance(r, str) for r in records):
                 raise ValueError(f"{name} answered a malformed lookup")
@@ -985,6 +1019,7 @@ class Client:
             return [i for i, record in landed if sums[i] == record.digest], sent_bytes, raw_bytes
 
         good: list[int] = []
+        busy = False
         pool = ThreadPoolExecutor(min(WIRE_READ_DEPTH, len(chunks)), thread_name_prefix="kvs-wire-read") \
             if len(chunks) > 1 else None
         try:
@@ -996,11 +1031,17 @@ class Client:
                 self.stats["wire_read_raw_bytes"] += raw_bytes
         except (AuthenticationFailed, AccessDenied):
             raise
+        except ConnectionsExhausted as exc:  # no connection for another request: the rest through the engine
+            self._busy(name, exc)
+            busy = True
         except (OSError, ValueError, KVStoreError, TimeoutError) as exc:
             self._mark_down(name, exc)
         finally:
             if pool is not None:
                 pool.shutdown(wait=True)
+        if busy:
+            done = set(good)
+            good += self._read_from(name, hashes, [(i, r) for i, r in wanted if i not in done], targets, fp=fp)
         return good
 
     def _read_tier(self, tier: TierFile, items: list[tuple[int, BlockRecord]],

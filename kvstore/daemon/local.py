@@ -19,6 +19,12 @@ A client authenticated as a tenant may name only that tenant's fingerprints (`te
 put, reserve, commit or lookup (else code `denied`), and the slots it reserves or leases are
 granted to its engine under its tenant-scoped identity only.
 
+Admission: right after the handshake the node sends one frame, {ok: true}, or {ok: false, code:
+busy, error} and closes: when the socket's MAX_CONNECTIONS authenticated connections are open, or
+when the client's tenant holds its share of them (`connections=N` on its line of the tenants file;
+by default an equal share, one left over for the cluster's own clients), so one tenant cannot take
+every slot. A refused client knows why (kvstore.errors.ConnectionsExhausted) and uses gRPC instead.
+
 Requests (one reply frame each):
   put      {fp, hashes (hex), sizes, digests (hex), sync, repair?} + the bytes -> {records, errors, used, capacity}
            one round trip: reserve, receive straight into the DRAM arena, then (sync) verify, seal and
@@ -44,7 +50,7 @@ Requests (one reply frame each):
   seals    {} -> {region, size} and, over SCM_RIGHTS, a read-only fd of the DRAM arena's seal table
            (kvstore.seals): same host only
 Errors: {ok: false, code: invalid|exhausted|refused|unavailable|denied, error} (denied: a tenant named
-a fingerprint not its own).
+a fingerprint not its own); `busy` only in the admission frame.
 """
 from __future__ import annotations
 
@@ -64,7 +70,7 @@ from transfer.auth import PEER_ID, scoped_peer, server_handshake
 from transfer.descriptor import unix_address, unix_socket_name, unlink_unix
 from transfer.listener import STALE_HANDSHAKE_S, HandshakeBudget, peer_uid, source_of
 
-from ..access import denied
+from ..access import Tenants, denied
 from ..codec import check_codec
 from ..errors import AllocationFailed, InvalidRequest, KVStoreError, MetadataError
 from ..index.signatures import RecordSigner
@@ -203,6 +209,7 @@ class LocalControl:
         # TCP connections in their handshake, per source
         self.handshakes = HandshakeBudget(HANDSHAKES, HANDSHAKES_PER_SOURCE, min(STALE_HANDSHAKE_S, timeout / 2))
         self._open = {False: 0, True: 0}  # authenticated connections: unix (False), TCP (True)
+        self._tenant_open: dict[tuple[bool, str], int] = {}  # the same, per (socket, tenant)
         self._refused_logged = 0.0
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -280,9 +287,31 @@ class LocalControl:
             self._open[True] += 1
             return True
 
+    def _tenant_share(self, remote: bool, tenant: str) -> str | None:
+        """Take one of `tenant`'s connections on this socket; why not (None: taken, or no tenant)."""
+        if not tenant:
+            return None
+        share = self._tenants.connections(tenant, MAX_CONNECTIONS) if isinstance(self._tenants, Tenants) \
+            else max(1, MAX_CONNECTIONS // (len(self._tenants or ()) + 1))
+        with self._lock:
+            held = self._tenant_open.get((remote, tenant), 0)
+            if held >= share:
+                return (f"tenant {tenant!r} holds its share of {share} connections to {self._node}'s "
+                        f"{'TCP wire' if remote else 'same-host socket'} (of {MAX_CONNECTIONS}): close idle ones, "
+                        "or call over gRPC")
+            self._tenant_open[(remote, tenant)] = held + 1
+        return None
+
+    def _tenant_left(self, remote: bool, tenant: str) -> None:
+        with self._lock:
+            held = self._tenant_open.pop((remote, tenant), 0) - 1
+            if held > 0:
+                self._tenant_open[(remote, tenant)] = held
+
     def _serve(self, conn: socket.socket, source: str, ticket: int) -> None:
         remote = bool(source)  # over TCP: no descriptors to hand out
         counted = not remote  # holds an open slot (a TCP connection once it has authenticated)
+        tenant = None  # the tenant whose share this connection holds a slot of
         try:
             try:
                 session = server_handshake(conn, self._secret, self._node, wire="plain", timeout=self._timeout,
@@ -293,10 +322,21 @@ class LocalControl:
                 raise
             if remote:
                 counted = self._handshake_over(source, ticket, authenticated=True)
-                if not counted:
-                    self._refused("too many open")
-                    return
             frames = Frames(conn, session.tx, session.rx, self._timeout, sealed=remote)  # TCP: attachments tagged
+            # Admitted or refused, in a frame: a refused client knows why and goes to gRPC, instead
+            # of meeting a closed connection it cannot tell from a dead node.
+            why, reason = (None, "") if counted else (f"{self._node} has all {MAX_CONNECTIONS} connections of its "
+                                                       f"{'TCP wire' if remote else 'same-host socket'} open", "full")
+            if why is None:
+                why, reason = self._tenant_share(remote, session.tenant), "tenant"
+                if why is None and session.tenant:
+                    tenant = session.tenant
+            if why is not None:
+                self.store._count(f"wire_connections_refused_{reason}")
+                self._refused(why)
+                frames.send({"ok": False, "code": "busy", "error": why})
+                return
+            frames.send({"ok": True})
             writer = None if remote else SameHostWriter.of(conn)  # whose late writes its expired slots wait out
             while not self._closed.is_set():
                 try:
@@ -338,6 +378,8 @@ class LocalControl:
                 self._conns.discard(conn)
                 if counted:
                     self._open[remote] -= 1
+            if tenant is not None:
+                self._tenant_left(remote, tenant)
             conn.close()
 
     def _usage(self) -> dict[str, int]:

@@ -18,7 +18,8 @@ class DaemonMetrics:
     Prometheus families at scrape time."""
 
     def __init__(self, node: str, store_counters: dict[str, float], tiers: Callable[[], list],
-                 engine_stats: Callable[[], dict[str, int]]) -> None:
+                 engine_stats: Callable[[], dict[str, int]],
+                 tenant_usage: Callable[[], list[tuple[str, str, int, int | None]]] = lambda: []) -> None:
         self.node = node
         self.registry = CollectorRegistry()
         self.latency = Histogram("kvstore_op_latency_seconds", "Control RPC latency", ["op"], registry=self.registry,
@@ -29,6 +30,7 @@ class DaemonMetrics:
                                        buckets=(5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0, 5.0))
         self.publish_pending: Callable[[], int] = lambda: 0  # set by the daemon once its publisher runs
         self._counters, self._tiers, self._engine_stats = store_counters, tiers, engine_stats
+        self._tenant_usage = tenant_usage
         self.registry.register(self)
 
     def collect(self):
@@ -51,6 +53,15 @@ class DaemonMetrics:
             used.add_metric([tier.name], tier.used)
             blocks.add_metric([tier.name], len(tier.sealed))
         yield from (hits, evictions, failures, corrupt, capacity, used, blocks)
+        held = GaugeMetricFamily("kvstore_tenant_bytes", "Bytes a tenant's blocks take, per tier", labels=["tenant", "tier"])
+        share = GaugeMetricFamily("kvstore_tenant_share_bytes",
+                                  "A tenant's capacity share, per tier (its blocks are not evicted for another's "
+                                  "while they take no more)", labels=["tenant", "tier"])
+        for tenant, tier, taken, quota in self._tenant_usage():
+            held.add_metric([tenant, tier], taken)
+            if quota is not None:
+                share.add_metric([tenant, tier], quota)
+        yield from (held, share)
         misses = CounterMetricFamily("kvstore_misses", "Reads that found no usable copy here (reported by clients)")
         misses.add_metric([], c.get("client_reported_corrupt", 0))
         yield misses
@@ -73,6 +84,13 @@ class DaemonMetrics:
             family = CounterMetricFamily(f"kvstore_{name}", help_text)
             family.add_metric([], c.get(name, 0))
             yield family
+        wire = CounterMetricFamily("kvstore_control_connections_refused",
+                                   "Control-wire connections refused after their handshake: every slot of the "
+                                   "socket taken (full), or the client's tenant's share of them (tenant)",
+                                   labels=["reason"])
+        for reason in ("full", "tenant"):
+            wire.add_metric([reason], c.get(f"wire_connections_refused_{reason}", 0))
+        yield wire
         refused = CounterMetricFamily("kvstore_tier_journal_refused",
                                       "Persistent NVMe tier journals refused at start (the tier started empty)",
                                       labels=["reason"])

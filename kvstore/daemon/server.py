@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from transfer import Engine, TransferError
 from transfer.descriptor import host_id
 
-from ..access import AccessRules
+from ..access import AccessRules, Tenants
 from ..admin.service import AdminService
 from ..admin.v1 import admin_pb2, admin_pb2_grpc
 from ..aio import shared_loop
@@ -79,6 +79,7 @@ class DaemonConfig:
     insecure: bool = False  # no secret on purpose: anyone who reaches the node may use its memory
     # Tenant name -> its own secret (`kvstore serve --tenants FILE`): clients that authenticate as a
     # tenant may write and look up only that tenant's fingerprints (kvstore.access). Needs a secret.
+    # A kvstore.access.Tenants also carries each tenant's capacity share and connection share.
     tenants: dict[str, bytes] | None = None
     replicas: int = 1
     eviction: str = "lru"
@@ -163,12 +164,15 @@ class Daemon:
             elif remove_stale(os.path.dirname(self.disk.path), c.node):
                 log.info("removed the journal of an earlier persistent tier in %s: this tier is not kept "
                          "(--keep-disk), its blocks will not be served again", c.disk_dir)
+        shares = {name: c.tenants.capacity_share(name) for name in c.tenants} if isinstance(c.tenants, Tenants) else {}
         self.store = BlockStore(self.engine, dram, nvme, policy=c.eviction, high=c.high_watermark, low=c.low_watermark,
-                                promote=c.promote, counters=counters, journal=self.journal, disk_codec=c.disk_codec)
+                                promote=c.promote, counters=counters, journal=self.journal, disk_codec=c.disk_codec,
+                                shares=shares)
         self.store.restore(entries)
         # Every record this node publishes or hands out is sealed by it (kvstore.index.signatures).
         self.signer = RecordSigner(secret, c.cluster, c.node, c.tenants)
-        self.metrics = DaemonMetrics(c.node, self.store.counters, lambda: self.store.tiers, self.engine.stats)
+        self.metrics = DaemonMetrics(c.node, self.store.counters, lambda: self.store.tiers, self.engine.stats,
+                                     self.store.tenant_usage)
         if c.metrics_port is not None:
             self.metrics_port = self.metrics.serve(c.metrics_port, c.metrics_listen)
 

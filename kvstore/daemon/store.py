@@ -16,6 +16,13 @@ the grant before anything else happens to the slot. Remote writes into the DRAM 
 else (the daemon registers it remote_writes="granted"; the NVMe tier takes none). A slot whose
 revoke finds a write still landing is fenced: its commit fails, and its space goes back only once
 the native side says that write is over, so late bytes never land on someone else's block.
+
+Tenants' capacity shares (`shares`, from the tenants file): each tier counts the space each
+tenant's sealed blocks take. Room for a block is never made by evicting (demoting or dropping)
+the blocks of another tenant that holds no more than its share of the tier; a tenant over its
+share makes room from its own blocks first. So one tenant filling a node evicts its own blocks,
+and those of tenants over their shares or without one (and the cluster's own), never those of a
+tenant within its share.
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ from ..errors import AllocationFailed, InvalidRequest, NodeRefused, WrongSize
 from ..codec import Chooser, CodecError, check_codec, decode
 from ..index.records import MAX_BLOCK_BYTES, NAME, NAME_RULE, BlockRecord
 from ..integrity import block_digest, block_digests, check_digests
+from ..keys import fingerprint_tenant
 from ..seals import ALIGN, SealTable
 from ..tiers import EvictionPolicy, ExtentAllocator, make_policy
 from ..tiers.allocator import align_up
@@ -91,7 +99,8 @@ class Slot:
 
 class Tier:
     """One tier: an engine region, its allocator, sealed slots and their eviction order. `head`
-    bytes at its start hold no blocks (a persistent NVMe tier's label)."""
+    bytes at its start hold no blocks (a persistent NVMe tier's label). `tenant_bytes`: the space
+    each tenant's sealed blocks take here (kept by `keep` and `let_go`, the only ways in and out)."""
 
     def __init__(self, name: str, region: Region, policy: str, high: float, low: float, head: int = 0) -> None:
         self.name, self.region = name, region
@@ -101,6 +110,27 @@ class Tier:
         self.policy: EvictionPolicy = make_policy(policy)
         self.high, self.low = high, low
         self.sealed: dict[Key, Slot] = {}
+        self.tenant_bytes: dict[str, int] = {}
+
+    def keep(self, slot: Slot) -> None:
+        """`slot` becomes its block's sealed copy here (replacing any other)."""
+        old = self.sealed.get(slot.key)
+        if old is not None:
+            self._account(old, -1)
+        self.sealed[slot.key] = slot
+        self._account(slot, 1)
+
+    def let_go(self, key: Key) -> Slot | None:
+        """The block's sealed copy leaves this tier (the caller frees its extent)."""
+        slot = self.sealed.pop(key, None)
+        if slot is not None:
+            self._account(slot, -1)
+        return slot
+
+    def _account(self, slot: Slot, sign: int) -> None:
+        tenant = fingerprint_tenant(slot.key[0])
+        if tenant:
+            self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + sign * align_up(slot.span)
 
     @property
     def capacity(self) -> int:
@@ -117,10 +147,13 @@ class BlockStore:
     def __init__(self, engine: Engine, dram: Region, nvme: Region | None = None, *, policy: str = "lru",
                  high: float = 0.95, low: float = 0.85, reservation_timeout: float = 30.0,
                  counters: dict[str, float] | None = None, promote: bool = True, journal: TierJournal | None = None,
-                 disk_codec: str | None = None) -> None:
+                 disk_codec: str | None = None, shares: dict[str, float] | None = None) -> None:
         if not 0 < low <= high <= 1:
             raise ValueError(f"watermarks need 0 < low <= high <= 1, got low={low} high={high}")
         self.engine = engine
+        # Tenant -> its share of each tier's capacity (`kvstore serve --tenants`, capacity=): room for
+        # one tenant's block is never made by evicting the blocks of another within its share.
+        self.shares = {name: share for name, share in (shares or {}).items() if share}
         self.dram = Tier("dram", dram, policy, high, low)
         # A journalled (persistent) tier keeps its label in its first 4 KiB.
         self.nvme = Tier("nvme", nvme, policy, high, low, LABEL_BYTES if journal else 0) if nvme is not None else None
@@ -221,6 +254,7 @@ class BlockStore:
                 raise WrongSize(f"block size {size} outside 1..{MAX_BLOCK_BYTES}")
         out: list[tuple[int, Slot | None]] = []
         updates: list[Update] = []
+        tenant = fingerprint_tenant(fingerprint)
         with self.lock:
             self._expire_reservations()
             self._check_taking()
@@ -248,7 +282,7 @@ class BlockStore:
                     continue
                 # A repair copy takes free room (or room made by demoting), never a dropped block:
                 # one that evicted another replica would only make the next repair, without end.
-                offset = self._allocate(self.dram, size, updates, keep_sole=repair, never_drop=repair)
+                offset = self._allocate(self.dram, size, updates, keep_sole=repair, never_drop=repair, tenant=tenant)
                 if offset is None:
                     for token, slot in out:  # all or nothing
                         if slot is not None:
@@ -259,8 +293,9 @@ class BlockStore:
                         self._count("repair_copies_refused")
                         raise AllocationFailed(f"no free room for a {size}-byte repair copy (a repair copy never "
                                                "evicts a block)", updates)
-                    raise AllocationFailed(f"no room for a {size}-byte block in {self.dram.capacity} bytes of DRAM",
-                                           updates)
+                    within = " (the rest is held by tenants within their capacity shares)" if self.shares else ""
+                    raise AllocationFailed(f"no room for a {size}-byte block in {self.dram.capacity} bytes of DRAM"
+                                           f"{within}", updates)
                 slot = Slot(key, self.dram, offset, size, writer=None if peer else writer)
                 token = _new_token(self._pending)
                 self._pending[token] = slot
@@ -446,7 +481,7 @@ class BlockStore:
                 out.append(None)
                 continue
             slot.digest = digest
-            self.dram.sealed[slot.key] = slot
+            self.dram.keep(slot)
             self._number(slot)  # verified just now (`landed`)
             self.dram.policy.insert(slot.key)
             self._unwrite(slot.key)  # a verified copy wins over an unverified one: one copy per key
@@ -609,22 +644,53 @@ class BlockStore:
 
     # --- space --------------------------------------------------------------------------------
     def _allocate(self, tier: Tier, size: int, updates: list[Update], keep_sole: bool = False,
-                  batch: bool = True, never_drop: bool = False) -> int | None:
-        """Room for `size` bytes in `tier`, evicting down to the low watermark when above the high
-        one (`batch`; else one block at a time, only as needed). `keep_sole`: evict (drop) only
-        blocks another live node holds; demoting stays allowed (it loses nothing). `never_drop`:
-        drop nothing at all, only demote."""
+                  batch: bool = True, never_drop: bool = False, tenant: str = "") -> int | None:
+        """Room for `size` bytes of a block of `tenant` ("" : the cluster's own) in `tier`, evicting
+        down to the low watermark when above the high one (`batch`; else one block at a time, only
+        as needed). `keep_sole`: evict (drop) only blocks another live node holds; demoting stays
+        allowed (it loses nothing). `never_drop`: drop nothing at all, only demote. With tenants'
+        capacity shares, what may make room is decided by `_share_rules`."""
         if size > tier.capacity:
             return None  # evicting would lose everything and still not fit
         sole: set[Key] = set()  # blocks found to be the last copy, asked about once per allocation
+        rules = self._share_rules(tier, tenant, size)
+
+        def evict(enough, limit: int | None = None) -> int:
+            evicted = 0
+            for eligible in rules:
+                evicted += self._evict(tier, enough, updates, None if limit is None else limit - evicted,
+                                       keep_sole=keep_sole, sole=sole, never_drop=never_drop, eligible=eligible)
+                if enough() or (limit is not None and evicted >= limit):
+                    break
+            return evicted
+
         if batch and tier.used + size > tier.high * tier.capacity:
-            self._evict(tier, lambda: tier.used + size <= tier.low * tier.capacity, updates, keep_sole=keep_sole,
-                        sole=sole, never_drop=never_drop)
+            evict(lambda: tier.used + size <= tier.low * tier.capacity)
         offset = tier.allocator.allocate(size)
-        while offset is None and self._evict(tier, lambda: True, updates, limit=1, keep_sole=keep_sole, sole=sole,
-                                             never_drop=never_drop):
+        while offset is None and evict(lambda: True, limit=1):
             offset = tier.allocator.allocate(size)
         return offset
+
+    def _share_rules(self, tier: Tier, tenant: str, size: int) -> list[Callable[[Key, Slot], bool] | None]:
+        """Which blocks may make room for `size` bytes of `tenant`'s in `tier`, pass by pass: with no
+        capacity shares, any (one pass, no check). With shares: a tenant over its share (this block
+        counted) evicts its own blocks first; then any block but those of another tenant that holds
+        no more than its share (evicting one would take it below)."""
+        shares = self.shares
+        if not shares:
+            return [None]
+        capacity = tier.capacity
+        held = tier.tenant_bytes
+
+        def allowed(key: Key, slot: Slot) -> bool:
+            owner = fingerprint_tenant(key[0])
+            share = shares.get(owner) if owner and owner != tenant else None
+            return share is None or held.get(owner, 0) - align_up(slot.span) >= share * capacity
+
+        share = shares.get(tenant) if tenant else None
+        if share is not None and held.get(tenant, 0) + align_up(size) > share * capacity:
+            return [lambda key, slot: fingerprint_tenant(key[0]) == tenant, allowed]
+        return [allowed]
 
     def _replicated(self, key: Key) -> bool:
         """Whether another live node holds the block (False when not known)."""
@@ -634,12 +700,13 @@ class BlockStore:
             return False
 
     def _evict(self, tier: Tier, enough, updates: list[Update], limit: int | None = None,
-               keep_sole: bool = False, sole: set[Key] | None = None, never_drop: bool = False) -> int:
-        """Evict `tier`'s blocks in its policy's order until `enough()` (or `limit` blocks). DRAM
-        blocks are demoted to NVMe where it can take them; a block that would be dropped goes first
-        if another live node holds it: only when those do not make enough room are the sole copies
-        dropped, in policy order, and never with `keep_sole`; with `never_drop`, nothing is
-        dropped (only demoted)."""
+               keep_sole: bool = False, sole: set[Key] | None = None, never_drop: bool = False,
+               eligible: Callable[[Key, Slot], bool] | None = None) -> int:
+        """Evict `tier`'s blocks in its policy's order until `enough()` (or `limit` blocks), only
+        those `eligible` (all when None). DRAM blocks are demoted to NVMe where it can take them; a
+        block that would be dropped goes first if another live node holds it: only when those do
+        not make enough room are the sole copies dropped, in policy order, and never with
+        `keep_sole`; with `never_drop`, nothing is dropped (only demoted)."""
         evicted = 0
         sole = set() if sole is None else sole
         demoting = tier is self.dram and self.nvme is not None
@@ -651,6 +718,8 @@ class BlockStore:
                 slot = tier.sealed.get(key)
                 if slot is None:
                     tier.policy.remove(key)
+                    continue
+                if eligible is not None and not eligible(key, slot):
                     continue
                 if demoting and self._demote(slot, updates, keep_sole, never_drop=never_drop):
                     self._count(f"evictions_{tier.name}")
@@ -684,7 +753,7 @@ class BlockStore:
         tier = slot.tier
         if tier is self.dram:  # before the extent can be handed out again (kvstore.seals)
             self.seals.cleared(slot.offset)
-        tier.sealed.pop(slot.key, None)
+        tier.let_go(slot.key)
         tier.policy.remove(slot.key)
         tier.allocator.release(slot.offset, slot.span)
         if tier is self.nvme:
@@ -695,7 +764,7 @@ class BlockStore:
     def _seal_nvme(self, slot: Slot, updates: list[Update]) -> None:
         """`slot` (its bytes on the NVMe tier, checked) becomes the block's NVMe copy (lock held)."""
         nvme = self.nvme
-        nvme.sealed[slot.key] = slot
+        nvme.keep(slot)
         nvme.policy.insert(slot.key)
         if self.journal is not None:
             self.journal.put(slot.key[0], slot.key[1], slot.offset, slot.size, slot.span, slot.codec, slot.digest)
@@ -709,7 +778,7 @@ class BlockStore:
         """Copy a sealed DRAM block to NVMe, then drop its DRAM copy; False (nothing changed) when
         NVMe has no room for it (as `_allocate` makes room) or the copy failed."""
         nvme = self.nvme
-        offset = self._allocate(nvme, slot.size, updates, keep_sole, batch, never_drop)
+        offset = self._allocate(nvme, slot.size, updates, keep_sole, batch, never_drop, fingerprint_tenant(slot.key[0]))
         if offset is None:
             return False
         try:
@@ -770,7 +839,7 @@ class BlockStore:
             updates.append((slot.key[0], slot.key[1], None))
             return
         moved = Slot(slot.key, dram, offset, slot.size, slot.digest)
-        dram.sealed[slot.key] = moved
+        dram.keep(moved)
         self._number(moved)  # its bytes were checked on the way up
         dram.policy.insert(slot.key)
         updates.append((slot.key[0], slot.key[1], moved.record()))
@@ -1056,7 +1125,7 @@ class BlockStore:
                     nvme.allocator.release(offset, len(frame))
                     continue
                 new = Slot(slot.key, nvme, offset, slot.size, slot.digest, codec=codec, stored=len(frame))
-                nvme.sealed[slot.key] = new  # its place in the eviction order stays
+                nvme.keep(new)  # its place in the eviction order stays
                 if self.journal is not None:  # the new place first: the old one is superseded by it
                     self.journal.put(slot.key[0], slot.key[1], offset, slot.size, len(frame), codec, slot.digest)
                 nvme.allocator.release(slot.offset, slot.size)
@@ -1065,6 +1134,14 @@ class BlockStore:
                 self._count("disk_codec_saved_bytes", align_up(slot.size) - align_up(len(frame)))
         with self.lock:
             return updates, len(self._uncoded)
+
+    def tenant_usage(self) -> list[tuple[str, str, int, int | None]]:
+        """(tenant, tier, bytes its sealed blocks take, its share in bytes or None) of every tenant
+        with a share or with blocks here."""
+        with self.lock:
+            return [(tenant, tier.name, tier.tenant_bytes.get(tenant, 0),
+                     None if tenant not in self.shares else int(self.shares[tenant] * tier.capacity))
+                    for tier in self.tiers for tenant in sorted(self.shares.keys() | tier.tenant_bytes.keys())]
 
     def all_records(self) -> list[Update]:
         """Every sealed block as an update (republishing after a lost lease)."""
