@@ -331,7 +331,9 @@ class IndexMirror:
 
     def remember(self, fingerprint: ModelFingerprint | str, block_hash: bytes, node: str,
                  record: BlockRecord | bytes) -> None:
-        """Learn one replica now, as its watch 'put' event would (no `since`: tests and tools)."""
+        """Learn one replica now, as its watch 'put' event would (no `since`: tests and tools). The
+        record goes in as its node sealed it (a reply's, byte for byte what the watch will echo); one
+        without a seal is listed but fails every `lookup` that checks seals."""
         self.remember_many(fingerprint, node, [(block_hash, record)])
 
     def remember_many(self, fingerprint: ModelFingerprint | str, node: str,
