@@ -71,6 +71,29 @@ def check_private_file(path: str, what: str) -> None:
         raise InsecureFile(f"{what} file {path} is open to group or others (mode {mode:04o}): run `chmod 600 {path}`")
 
 
+def ensure_private_file(path: str, what: str, how: str, announce: str | None = "kvstore serve") -> tuple[str, bool]:
+    """(content, created): the file's content, or a fresh random value written to a new 0600
+    file (its folder made 0700) when there is none, said on stderr as `announce` (None: quietly).
+    InsecureFile (a ValueError, in one line saying how to fix it) when it exists but group or
+    others may read it, or it holds under 16 bytes."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return read_private_file(path, what), False
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+        return ensure_private_file(path, what, how, announce)
+    import secrets
+    import sys
+
+    value = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    if announce:
+        print(f"{announce}: generated {what} in {path} (mode 0600); {how}", file=sys.stderr)
+    return value, True
+
+
 def read_private_file(path: str, what: str, *, check_length: bool = True) -> str:
     """The stripped content of a secret file; InsecureFile when its mode lets group or others in,
     or (`check_length`) it holds fewer than MIN_SECRET_BYTES. OSError when it cannot be read."""

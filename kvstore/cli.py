@@ -196,34 +196,12 @@ def _with_config(argv: list[str], parser: argparse.ArgumentParser, serve: argpar
 
 # --- secrets and tokens ---------------------------------------------------------------------------
 
-def ensure_private_file(path: str, what: str, how: str) -> tuple[str, bool]:
-    """(content, created): the file's content, or a fresh random value written to a new 0600
-    file (its folder made 0700) when there is none. InsecureFile (a ValueError, in one line saying
-    how to fix it) when it exists but group or others may read it, or it holds under 16 bytes."""
-    from .access import read_private_file
-
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return read_private_file(path, what), False
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
-        return ensure_private_file(path, what, how)
-    import secrets
-
-    value = secrets.token_urlsafe(32)
-    with os.fdopen(fd, "w") as f:
-        f.write(value + "\n")
-    print(f"kvstore serve: generated {what} in {path} (mode 0600); {how}", file=sys.stderr)
-    return value, True
-
-
 def ensure_secret(path: str | None, cluster: str) -> tuple[str, str]:
     """(secret, where it came from): KVSTORE_SECRET, else the secret file, created 0600 with a fresh
     random secret when it does not exist yet (other nodes of the cluster are given the same file)."""
     if not path and os.environ.get("KVSTORE_SECRET"):
         return os.environ["KVSTORE_SECRET"], "KVSTORE_SECRET"
-    from .access import secret_path
+    from .access import ensure_private_file, secret_path
 
     path = path or secret_path(cluster)
     secret, _ = ensure_private_file(path, "a cluster secret",
@@ -271,6 +249,8 @@ def ensure_admin_token(path: str | None, cluster: str, insecure: bool) -> str | 
 
         path = admin_token_path(cluster)
         how = "kvstore admin run by this user on this host finds it; elsewhere give it with --admin-token-file"
+    from .access import ensure_private_file
+
     token, _ = ensure_private_file(path, "an admin token", how)
     return token
 

@@ -3,11 +3,13 @@ of it — the embedded default for the quick start and a single vLLM instance of
 DRAM/NVMe. Same client API as a cluster."""
 from __future__ import annotations
 
+import os
 import re
 import secrets
 import uuid
 from typing import Any
 
+from .access import ensure_private_file
 from .client import Client
 from .daemon import Daemon, DaemonConfig
 from .errors import InvalidConfig
@@ -49,9 +51,16 @@ def open(url: str = "memory://", *, dram: int | str = "1GiB", disk: str | None =
     the tier file goes when the store closes (or the process dies) unless `keep_disk`: then it is a
     persistent tier, whose blocks a store opened again on the same `disk` (and `node`, `disk_size`)
     serves again once each is verified. `persist_on_stop`: close() first moves DRAM blocks to the
-    NVMe tier (up to 10 s). `disk_codec="lz4"` codes NVMe blocks (kvstore.codec)."""
+    NVMe tier (up to 10 s). `disk_codec="lz4"` codes NVMe blocks (kvstore.codec). A persistent
+    tier without an explicit `secret` uses this user's ~/.kvstore/library-NODE.secret (made 0600
+    the first time): the tier's journal is authenticated under it."""
     if url.rstrip("/") == "memory:":
         url = f"memory://embedded-{uuid.uuid4().hex[:8]}"
+    if secret is None and keep_disk and disk:
+        # A persistent tier's journal is keyed by the secret (never kept beside the tier): the same
+        # per-user secret each time, or a reopened store could not trust (and serve) what it kept.
+        secret, _ = ensure_private_file(os.path.join(os.path.expanduser("~"), ".kvstore", f"library-{node}.secret"),
+                                        "the persistent tier's secret", "it keys the tier's journal", announce=None)
     if secret is None:  # a private secret: only this process (and whom it tells) can reach the daemon
         secret = secrets.token_urlsafe(32)
     config = DaemonConfig(node=node, metadata=url, dram_bytes=parse_size(dram), disk_dir=disk,
