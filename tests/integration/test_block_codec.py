@@ -12,7 +12,9 @@ import numpy as np
 from kvstore import Client
 from kvstore.keys import ModelFingerprint, external_hashes
 
-from .test_persistent_tier import counters, restored, wait_for
+from tests_support import until
+
+from .test_persistent_tier import counters, restored
 
 FP = ModelFingerprint("tiny-llama", "bfloat16", 16, 2, 2, 64, kv_layout="bytes")
 BLOCK = 64 * 1024
@@ -55,7 +57,7 @@ def test_coded_nvme_blocks_read_right_on_every_path_and_after_a_restart(etcd_ser
     with client(etcd_server, cluster) as c:
         for start in range(0, len(hashes), 8):
             c.put_many([(h, content(h)) for h in hashes[start : start + 8]])
-    assert wait_for(lambda: counters(daemon).get("disk_codec_coded_blocks", 0) >= 40)
+    assert until(lambda: counters(daemon).get("disk_codec_coded_blocks", 0) >= 40, 30)
     with client(etcd_server, cluster) as c:
         records = c._lookup("coder", c._fp(None), hashes)
     coded = [h for h, r in zip(hashes, records) if r is not None and r.codec]
