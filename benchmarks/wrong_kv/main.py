@@ -38,11 +38,11 @@ def plan(quick: bool, faults: int, model: str, models: int) -> Plan:
     per_model = math.ceil(faults / models)
     targets = {"weights_swapped": 2, "daemon_killed_mid_load": 20, "wire_bitflip": round(0.08 * per_model)}
     if MODELS[model].lora:
-        targets["adapter_reloaded"] = 40
+        targets["adapter_reloaded"] = 30
     rest = per_model - sum(targets.values())
     for kind in BLOCK_KINDS:
         targets[kind] = math.ceil(rest * BLOCK_SHARES[kind])
-    return Plan(targets, pool=12, remote_pool=4, max_blocks=3, check_baseline=True)
+    return Plan(targets, pool=12, remote_pool=4, max_blocks=4, check_baseline=True)
 
 
 def machine() -> dict:
@@ -115,7 +115,12 @@ def main(argv: list[str] | None = None) -> int:
             run = ModelRun(MODELS[name], plans[name], cluster, results, folder, rng,
                            lambda line: print(line, flush=True))
             try:
+                meta["models"][name]["load_average_start"] = os.getloadavg()
+                began = time.monotonic()
                 run.run()
+                meta["models"][name]["load_average_end"] = os.getloadavg()
+                meta["models"][name]["seconds"] = round(time.monotonic() - began, 1)
+                meta["models"][name]["spent_s"] = {k: round(v, 1) for k, v in run.spent.items()}
                 if run.baseline_check is not None:
                     meta["models"][name]["baseline_check"] = run.baseline_check
             finally:

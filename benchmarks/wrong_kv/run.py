@@ -450,6 +450,10 @@ class ModelRun:
             got = kinds[kind](kind, plan.targets[kind] - done[kind])
             done[kind] += got
             misses[kind] = 0 if got else misses[kind] + 1
+            total = sum(done.values())
+            if got and total // 250 != (total - got) // 250:
+                self.say(f"  {self.spec.name}: {total} of {sum(plan.targets.get(k, 0) for k in kinds)} faults "
+                         f"({', '.join(f'{k} {v}' for k, v in done.items())}); load average {os.getloadavg()[0]:.1f}")
         for kind in kinds:
             if done[kind] < plan.targets.get(kind, 0):
                 self.results[kind].note += f" {self.spec.name}: {done[kind]} of {plan.targets[kind]} injected;"
