@@ -6,6 +6,7 @@ import hmac
 import logging
 import time
 from dataclasses import replace
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -26,10 +27,12 @@ from .pool import Engine, Pool
 from .prefix import PrefixTracker
 from .route import Route, Router
 from .tokens import Tokens
-from .validate import check_fields, parse
+from .validate import check_fields, choices, parse
 
 log = logging.getLogger("conductor.gateway")
 KINDS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+STRIPPED: Any = web.RequestKey("conductor_gateway_stripped", bool) if hasattr(web, "RequestKey") \
+    else "conductor_gateway_stripped"  # the body lost fields: the client's raw bytes are not forwarded
 CREDIT_HEADER = "X-Conductor-Credited-Tokens"  # prompt tokens routing believed the engine held in its own cache
 
 
@@ -59,7 +62,7 @@ class Gateway:
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.AbstractServer | None = None
         self.guard = ConnectionGuard(config.max_connections, config.max_connections_per_source,
-                                     config.header_timeout_s, self.metrics)
+                                     config.header_timeout_s, self.metrics, config.shed_after_s)
         self.metrics.open_connections.set_function(lambda: float(self.guard.open))
         self.port = 0
 
@@ -214,7 +217,12 @@ class Gateway:
         if models and body["model"] not in models:
             raise ApiError(404, f"the model {body['model']!r} does not exist; served: {models}", param="model",
                            code="model_not_found")
-        check_fields(kind, body)
+        check_fields(kind, body, self.config.max_n)
+        if body.pop("kv_transfer_params", None) is not None:
+            # Hand-off parameters are the gateway's to give: a client's own could point a decode engine
+            # at blocks it did not ask for (the engines verify them, but they are never forwarded).
+            request[STRIPPED] = True
+            self.metrics.client_kv_params_dropped.inc()
         return body
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -230,11 +238,12 @@ class Gateway:
         hashes = chain_hashes(self.fingerprint, ids, extras=salt_extras(body)) if ids else []
         prompt_tokens = len(ids) if ids else 0
         session = request.headers.get(self.config.session_header) or body.get("user")
-        output_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+        # Every choice decodes its own tokens on the engine: n of them load it n times over.
+        output_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16) * choices(body)
         route = self.router.route(hashes, prompt_tokens, output_tokens, session)
         single = kind == "chat" or not isinstance(body.get("prompt"), list) or ids is not None
         kv_params, route = await self._prefill(kind, body, route, hashes, prompt_tokens, output_tokens, session,
-                                               single and int(body.get("n") or 1) == 1, timing)
+                                               single and choices(body) == 1, timing)
         self.metrics.routes.labels("pd" if route.prefill else "colocated").inc()
         self.metrics.route_reasons.labels(route.reason).inc()
         self.metrics.prompt_tokens.inc(prompt_tokens)
@@ -290,7 +299,8 @@ class Gateway:
                       kv_tokens: int = 0) -> web.StreamResponse:
         engine = route.decode
         tried: set[str] = set()
-        raw = await request.read()  # read (and kept by aiohttp) in _body: forwarded as is when unchanged
+        # read (and kept by aiohttp) in _body: forwarded as is when unchanged
+        raw = None if request.get(STRIPPED) else await request.read()
         for attempt in (0, 1):
             current = engine  # (a retry picks another engine; the counts stay with this one)
             current.inflight += 1

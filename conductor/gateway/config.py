@@ -30,6 +30,8 @@ class GatewayConfig:
     keepalive_timeout_s: float = 75.0  # an idle keep-alive connection is closed after this (nginx's default)
     max_connections: int = 4096  # open client connections (lowered to fit ulimit -n); more: 503 + Retry-After
     max_connections_per_source: int = 512  # of those, from one IPv4 /24 or IPv6 /64; 0: no per-source cap
+    shed_after_s: float = 1.0  # at a cap, a connection still sending its headers after this may be shed (408)
+    max_n: int = 16  # choices a request may ask for (`n`, `best_of`); more: 400. Each counts in routing's load
     api_keys: list[str] = field(default_factory=list)  # empty: no client auth
     kv_events: dict[str, str] = field(default_factory=dict)  # engine URL -> its ZMQ KV-event endpoint
     kv_events_replay: dict[str, str] = field(default_factory=dict)  # engine URL -> its replay endpoint (gaps)
@@ -57,12 +59,12 @@ class GatewayConfig:
             raise ValueError("block_tokens and max_body_bytes must be positive")
         if self.tokenize_threads < 0:
             raise ValueError("tokenize_threads must be 0 or more")
-        for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "shed_after_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
         for name, least in (("max_connections", 1), ("max_connections_per_source", 0), ("max_json_depth", 1),
-                            ("max_body_bytes", 1)):
+                            ("max_body_bytes", 1), ("max_n", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer of at least {least}, not {value!r}")

@@ -3,8 +3,10 @@
 - A cap on open client connections, in all and per source network (an IPv4 /24 or an IPv6 /64
   counts as one source: one host with many addresses still gets one share). A connection over a
   cap gets a canned 503 with Retry-After and is closed at once: no parser, no task, no timer.
-  At a cap, an idle keep-alive connection (the oldest, of that source for the per-source cap) is
-  closed to make room first, as nginx reuses keep-alive connections when it runs out.
+  At a cap, room is made first: an idle keep-alive connection is closed (the oldest; of that source
+  for the per-source cap), as nginx reuses keep-alive connections when it runs out; failing that,
+  the connection whose request headers have been arriving the longest (a slowloris) is shed with a
+  408, once it has had `shed_after_s` to send them. Requests being answered are never shed.
 - A deadline for each request's headers (from the connection's start, or from the first byte of
   the next request on a kept-alive connection): past it, a 408 and the connection is closed. The
   header bytes of one request are bounded too (431).
@@ -20,6 +22,7 @@ import ipaddress
 import json
 import logging
 import resource
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -87,16 +90,49 @@ def raise_descriptor_limit(target: int = 65536) -> int:
     return soft
 
 
+class Oldest:
+    """Connections in one state, oldest first, in all and by source network."""
+
+    def __init__(self) -> None:
+        self.all: OrderedDict[GuardedHandler, float] = OrderedDict()  # -> when it entered the state
+        self.by_source: dict[Any, OrderedDict[GuardedHandler, float]] = {}
+
+    def add(self, handler: GuardedHandler, now: float) -> None:
+        self.all[handler] = now
+        self.by_source.setdefault(handler.source, OrderedDict())[handler] = now
+
+    def discard(self, handler: GuardedHandler) -> None:
+        if handler in self.all:
+            del self.all[handler]
+            mine = self.by_source[handler.source]
+            del mine[handler]
+            if not mine:
+                del self.by_source[handler.source]
+
+    def oldest(self, source: Any = None, *, whole: bool = True) -> tuple[GuardedHandler, float] | None:
+        """The oldest of all (`whole`) or of one source; None when there is none."""
+        group = self.all if whole else self.by_source.get(source)
+        return next(iter(group.items()), None) if group else None
+
+    def __contains__(self, handler: GuardedHandler) -> bool:
+        return handler in self.all
+
+    def __len__(self) -> int:
+        return len(self.all)
+
+
 class ConnectionGuard:
     """The counts behind the caps; one per listening gateway."""
 
-    def __init__(self, max_connections: int, per_source: int, header_timeout_s: float, metrics=None) -> None:
+    def __init__(self, max_connections: int, per_source: int, header_timeout_s: float, metrics=None,
+                 shed_after_s: float = 1.0) -> None:
         self.header_timeout_s = header_timeout_s
+        self.shed_after_s = shed_after_s
         self.metrics = metrics
         self.open = 0
         self.by_source: dict[Any, int] = {}
-        self.idle: OrderedDict[GuardedHandler, None] = OrderedDict()  # oldest first
-        self.idle_by_source: dict[Any, OrderedDict[GuardedHandler, None]] = {}
+        self.idle = Oldest()  # between requests on a kept-alive connection
+        self.waiting = Oldest()  # a request's line and headers on their way
         self.resize(max_connections, per_source)
 
     def resize(self, max_connections: int, per_source: int) -> None:
@@ -112,9 +148,9 @@ class ConnectionGuard:
         """None: admitted (and counted); else why not ("source", "total")."""
         source = handler.source
         if self.per_source and source is not None and self.by_source.get(source, 0) >= self.per_source \
-                and not self._evict(self.idle_by_source.get(source)):
+                and not self._make_room(source, whole=False):
             return self._refused("source")
-        if self.open >= self.max_connections and not self._evict(self.idle):
+        if self.open >= self.max_connections and not self._make_room(source, whole=True):
             return self._refused("total")
         self.open += 1
         self.by_source[source] = self.by_source.get(source, 0) + 1
@@ -128,7 +164,8 @@ class ConnectionGuard:
         if not handler.counted:
             return
         handler.counted = False
-        self.set_idle(handler, False)
+        self.idle.discard(handler)
+        self.waiting.discard(handler)
         self.open -= 1
         left = self.by_source[handler.source] - 1
         if left:
@@ -139,23 +176,37 @@ class ConnectionGuard:
     def set_idle(self, handler: GuardedHandler, idle: bool) -> None:
         """Idle: between requests on a kept-alive connection, nothing of the next one received."""
         if idle and handler.counted:
-            self.idle[handler] = None
-            self.idle_by_source.setdefault(handler.source, OrderedDict())[handler] = None
-        elif handler in self.idle:
-            del self.idle[handler]
-            mine = self.idle_by_source[handler.source]
-            del mine[handler]
-            if not mine:
-                del self.idle_by_source[handler.source]
+            self.idle.add(handler, time.monotonic())
+        else:
+            self.idle.discard(handler)
 
-    def _evict(self, idle: OrderedDict | None) -> bool:
-        if not idle:
+    def set_waiting(self, handler: GuardedHandler, waiting: bool) -> None:
+        """Waiting: a request's line and headers are on their way (since the connection opened, or
+        since the first byte of the next request on a kept-alive one)."""
+        if waiting and handler.counted:
+            self.waiting.add(handler, time.monotonic())
+        else:
+            self.waiting.discard(handler)
+
+    def _make_room(self, source: Any, whole: bool) -> bool:
+        """Close one connection to admit another: the oldest idle one, else the oldest whose headers
+        have been arriving for `shed_after_s` or more (a fresh one may be a client still sending)."""
+        idle = self.idle.oldest(source, whole=whole)
+        if idle is not None:
+            handler = idle[0]
+            self.release(handler)
+            handler.force_close()
+            if self.metrics is not None:
+                self.metrics.connections_evicted.inc()
+            return True
+        waiting = self.waiting.oldest(source, whole=whole)
+        if waiting is None or time.monotonic() - waiting[1] < self.shed_after_s:
             return False
-        handler = next(iter(idle))
+        handler = waiting[0]
         self.release(handler)
-        handler.force_close()
+        handler.shed()
         if self.metrics is not None:
-            self.metrics.connections_evicted.inc()
+            self.metrics.connections_shed.inc()
         return True
 
     def _refused(self, reason: str) -> str:
@@ -190,6 +241,7 @@ class GuardedHandler(RequestHandler):
             return
         super().connection_made(transport)
         self._arm()
+        self.guard.set_waiting(self, True)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self.refused:
@@ -224,12 +276,14 @@ class GuardedHandler(RequestHandler):
             self.guard.set_idle(self, False)
             self.phase = "headers"
             self._arm()
+            self.guard.set_waiting(self, True)
         super().data_received(data)
         if self.phase != "headers":
             return
         if self._request_count != self.parsed:  # a whole request line and headers arrived
             self.phase = "request"
             self._disarm()
+            self.guard.set_waiting(self, False)
             return
         self.header_bytes += len(data)
         if self.header_bytes > MAX_HEADER_BYTES and self.transport is not None:
@@ -251,6 +305,15 @@ class GuardedHandler(RequestHandler):
                 self.guard.set_idle(self, True)
             else:  # aiohttp reads the rest of an unread body (at most its lingering time)
                 self.phase, self.draining = "draining", request.content
+
+    def shed(self) -> None:
+        """Closed to make room at a cap while its headers were still arriving (already released)."""
+        self._disarm()
+        if self.transport is not None:
+            self.transport.write(canned(408, "Request Timeout",
+                                        "request headers not received in time while the gateway is at its connection "
+                                        "cap: connection shed", "connection_shed"))
+        self.force_close()
 
     def _arm(self) -> None:
         self._disarm()

@@ -36,6 +36,12 @@ class GatewayMetrics:
                                            "client connections refused at a cap (503)", ["cap"], registry=r)
         self.connections_evicted = Counter("conductor_gateway_connections_evicted",
                                            "idle keep-alive connections closed to make room at a cap", registry=r)
+        self.connections_shed = Counter("conductor_gateway_connections_shed",
+                                        "connections closed at a cap while their request headers were still "
+                                        "arriving (the oldest first; 408)", registry=r)
+        self.client_kv_params_dropped = Counter("conductor_gateway_client_kv_transfer_params_dropped",
+                                                "requests whose own kv_transfer_params were removed before "
+                                                "forwarding", registry=r)
         self.header_timeouts = Counter("conductor_gateway_header_timeouts",
                                        "connections closed for headers not received in time (408)", registry=r)
         self.body_timeouts = Counter("conductor_gateway_body_timeouts",

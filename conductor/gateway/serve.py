@@ -15,7 +15,7 @@ from .guard import raise_descriptor_limit
 
 # What outside traffic may hold: flag -> GatewayConfig field (None: keep the config file's or the default).
 LIMITS = ("max_connections", "max_connections_per_source", "header_timeout_s", "body_timeout_s",
-          "keepalive_timeout_s", "max_body_bytes", "max_json_depth")
+          "keepalive_timeout_s", "max_body_bytes", "max_json_depth", "shed_after_s", "max_n")
 
 
 def add_arguments(serve: argparse.ArgumentParser) -> None:
@@ -46,6 +46,11 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
                         help="larger request bodies are answered 413")
     limits.add_argument("--max-json-depth", type=positive_int, default=None, metavar="N",
                         help="request JSON nested deeper is answered 400")
+    limits.add_argument("--shed-after-s", type=positive_float, default=None, metavar="S",
+                        help="at a connection cap, the connection whose headers have been arriving the longest "
+                             "is shed (408) once it has had this long")
+    limits.add_argument("--max-n", type=positive_int, default=None, metavar="N",
+                        help="choices a request may ask for (n, best_of); more is answered 400")
 
 
 def config_from(args: argparse.Namespace) -> GatewayConfig:

@@ -85,7 +85,7 @@ def _bad(name: str, message: str) -> ApiError:
     return ApiError(400, f"'{name}' {message}", param=name, code="invalid_value")
 
 
-def _integer(body: dict, name: str, least: int) -> None:
+def _integer(body: dict, name: str, least: int, most: int | None = None) -> None:
     value = body.get(name)
     if value is None:
         return
@@ -93,6 +93,8 @@ def _integer(body: dict, name: str, least: int) -> None:
         raise _bad(name, f"must be an integer, not {_kind(value)}")
     if value < least:
         raise _bad(name, f"must be at least {least}, not {value}")
+    if most is not None and value > most:
+        raise _bad(name, f"must be at most {most} (the gateway's max_n), not {value}")
 
 
 def _number(body: dict, name: str, least: float, most: float = math.inf) -> None:
@@ -151,7 +153,12 @@ def check_messages(messages: Any) -> None:
             raise _bad("messages", f"[{i}].content must be a string, a list of parts or null, not {_kind(content)}")
 
 
-def check_fields(kind: str, body: dict) -> None:
+def choices(body: dict) -> int:
+    """The sequences a request makes an engine run at once (after check_fields)."""
+    return max(int(body.get("n") or 1), int(body.get("best_of") or 1))
+
+
+def check_fields(kind: str, body: dict, max_n: int = 16) -> None:
     """The sampling and streaming fields, typed and in range (after prompt/messages and model)."""
     if kind == "completions":
         check_prompt(body["prompt"])
@@ -161,7 +168,8 @@ def check_fields(kind: str, body: dict) -> None:
         raise _bad("stream", f"must be a boolean, not {_kind(body['stream'])}")
     _integer(body, "max_tokens", 0)
     _integer(body, "max_completion_tokens", 0)
-    _integer(body, "n", 1)
+    _integer(body, "n", 1, max_n)
+    _integer(body, "best_of", 1, max_n)
     _number(body, "temperature", 0.0)
     _number(body, "top_p", 0.0, 1.0)
     for name in ("user", "cache_salt"):

@@ -10,7 +10,7 @@ import pytest
 from conductor.gateway.kv_events import KVEventFollower
 from conductor.gateway.pool import parse_load
 from conductor.gateway.prefix import PrefixTracker
-from conductor.testing import BLOCK, MODEL, FakeEngine, Rig, completion
+from conductor.testing import BLOCK, MODEL, FakeEngine, Rig, completion, until
 from kvstore.keys import ModelFingerprint, chain_hashes
 from kvstore.testing.ports import free_port
 
@@ -329,3 +329,44 @@ def test_tool_call_arguments_and_tool_schemas_count_as_prompt_text():
     parts = [{"type": "text", "text": "ab"}, {"type": "image_url", "image_url": {"url": "data:..."}}]
     assert _text_size("chat", {"messages": [{"role": "user", "content": parts}, "junk"], "tools": "junk"}) == 2
     assert _text_size("completions", {"prompt": "abc"}) == 3
+
+
+async def test_a_clients_own_kv_transfer_params_reach_no_engine_on_any_path():
+    """Kills: forwarding the client's raw body on the decode-only path (its `kv_transfer_params`
+    reach the decode engine verbatim), and dropping them only where the gateway adds its own."""
+    forged = {"do_remote_prefill": True, "kvstore": {"by": "attacker", "keys": ["00" * 16]}}
+    p, d = FakeEngine("p0"), FakeEngine("d0")
+    async with Rig([p], [d], local_prefill_tokens=64) as rig:
+        short = completion(list(range(20)), kv_transfer_params=forged)  # colocated: the raw-body path
+        long = completion(list(range(200)), kv_transfer_params=forged)  # prefill then decode
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "kv_transfer_params": forged}
+        many = completion(list(range(300, 500)), n=2, kv_transfer_params=forged)  # n > 1: never disaggregated
+        for path, body in (("/v1/completions", short), ("/v1/completions", long), ("/v1/chat/completions", chat),
+                           ("/v1/completions", many)):
+            status, answer = await rig.post(path, body)
+            assert status == 200, answer
+        text = rig.gateway.metrics.render().decode()
+    assert [r["kv_transfer_params"] for r in p.requests] == [{"do_remote_decode": True}]
+    sent = [r.get("kv_transfer_params") for r in d.requests]
+    assert sent[0] is None and sent[2] is None and sent[3] is None, sent
+    assert sent[1]["kvstore"]["by"] == "p0"  # the prefill engine's own answer, nothing of the client's
+    assert "conductor_gateway_client_kv_transfer_params_dropped_total 4.0" in text
+
+
+async def test_n_is_bounded_and_each_choice_counts_in_the_engines_load():
+    """Kills: `n` (or `best_of`) without an upper bound (a request for 10,000 choices forwarded), and
+    routing that counts one choice's tokens for a request that decodes n of them."""
+    d = FakeEngine("d0", hang=True)
+    async with Rig([], [d], max_n=8, decode_timeout_s=30) as rig:
+        for name in ("n", "best_of"):
+            status, body = await rig.post("/v1/completions", completion("x", **{name: 9}))
+            assert status == 400 and body["error"]["param"] == name and "at most 8" in body["error"]["message"]
+        assert not d.requests
+        pending = asyncio.create_task(rig.post("/v1/completions", completion(list(range(50)), n=4, max_tokens=10)))
+        try:
+            assert await until(lambda: d.requests)
+            (engine,) = rig.gateway.pool.role("decode")
+            assert engine.inflight_kv == 50 + 4 * 10
+        finally:
+            pending.cancel()

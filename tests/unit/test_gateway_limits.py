@@ -21,7 +21,7 @@ from conductor.testing import MODEL, FakeEngine, Rig, closed, completion, raw_re
 ROOT = Path(__file__).resolve().parents[2]
 LEGIT = "127.0.1.1"  # another /24 than the flood's 127.0.0.x
 HALF = b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nX-Slo"  # never finished
-FLOOD = {"max_connections": 32, "max_connections_per_source": 8, "header_timeout_s": 60.0}
+FLOOD = {"max_connections": 32, "max_connections_per_source": 8, "header_timeout_s": 60.0, "shed_after_s": 60.0}
 
 
 def whole(path: str = "/health", method: str = "GET", body: bytes = b"", headers: str = "") -> bytes:
@@ -68,13 +68,44 @@ async def test_slowloris_from_many_addresses_of_one_24_counts_as_one_source():
     await flood_then_legit([f"127.0.0.{i}" for i in range(2, 21) for _ in range(2)])
 
 
+async def test_a_slowloris_from_many_networks_is_shed_oldest_first_and_legitimate_requests_get_in():
+    """Kills: a total cap that only evicts idle keep-alive connections (half-sent requests from 16
+    /24s hold every slot and each legitimate request gets a 503), shedding the newest connection
+    instead of the oldest, and shedding a request that is being answered."""
+    slow = FakeEngine("d0", hang=True)
+    async with Rig([], [slow], source=LEGIT, max_connections=32, max_connections_per_source=2,
+                   header_timeout_s=60.0, shed_after_s=0.3, decode_timeout_s=30) as rig:
+        answered = asyncio.create_task(rig.post("/v1/completions", completion("held at the engine")))
+        assert await until(lambda: slow.requests)  # one request in flight: never shed
+        conns = [await raw_request(rig.port, HALF, f"127.0.{net}.{host}") for net in range(10, 26) for host in (1, 2)]
+        try:
+            assert await until(lambda: rig.gateway.guard.open == 32)  # 31 half-sent + the one answered
+            await asyncio.sleep(0.4)  # the half-sent ones are past shed_after_s
+            slow.hang = False
+            for _ in range(3):  # one new connection (kept alive for the next two)
+                status, body = await asyncio.wait_for(rig.post("/v1/completions", completion("hello")), 5)
+                assert status == 200 and body["choices"][0]["text"] == "from-d0"
+            # The oldest half-sent connection went, with a 408 that says why; the others stay.
+            status, _, body = await read_answer(conns[0][0], timeout=2)
+            assert status == 408 and json.loads(body)["error"]["code"] == "connection_shed"
+            # The 33rd connection came while every half-sent one was younger than shed_after_s: refused.
+            assert [await fate(reader) for reader, _ in (conns[1], conns[-2], conns[-1])] == [-1, -1, 503]
+            assert not answered.done()  # still at the engine, not shed
+            text = rig.gateway.metrics.render().decode()
+            assert "conductor_gateway_connections_shed_total 1.0" in text
+        finally:
+            answered.cancel()
+            for _, writer in conns:
+                writer.close()
+
+
 async def test_connections_over_the_total_cap_get_503_retry_after_and_admitted_ones_finish():
     """Kills: no total cap (all ten connections admitted), a refusal that starts a request handler
     (the server tracks it) or hangs instead of answering at once, refusals that starve the requests
     already admitted, and slots never given back."""
     sources = [f"127.0.{i}.1" for i in range(1, 11)]  # ten /24s: the per-source cap is not what bites
     async with Rig([], [FakeEngine("d0")], max_connections=6, max_connections_per_source=2,
-                   header_timeout_s=60.0) as rig:
+                   header_timeout_s=60.0, shed_after_s=60.0) as rig:
         conns = [await raw_request(rig.port, b"", source) for source in sources]
         started = time.monotonic()
         answers = await asyncio.gather(*(fate(reader) for reader, _ in conns))
@@ -98,7 +129,7 @@ async def test_connections_over_the_total_cap_get_503_retry_after_and_admitted_o
 
 async def test_refusal_is_a_503_with_retry_after_and_the_error_object():
     """Kills: refusing with a bare close only, or without Retry-After / the OpenAI error object."""
-    async with Rig([], [FakeEngine("d0")], max_connections=1, header_timeout_s=60.0) as rig:
+    async with Rig([], [FakeEngine("d0")], max_connections=1, header_timeout_s=60.0, shed_after_s=60.0) as rig:
         first = await raw_request(rig.port, b"", "127.0.1.1")
         for _ in range(250):  # until the gateway holds it (a fixed 0.1 s can be too short under load)
             if rig.gateway.guard.open == 1:
