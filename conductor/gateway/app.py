@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from dataclasses import replace
@@ -26,6 +25,7 @@ from .metrics import GatewayMetrics
 from .pool import Engine, Pool
 from .prefix import PrefixTracker
 from .route import Route, Router
+from .tenancy import TENANT, bind_salt, match_key
 from .tokens import Tokens
 from .validate import check_fields, choices, parse
 
@@ -168,8 +168,9 @@ class Gateway:
         if self.config.api_keys:
             given = request.headers.get("Authorization", "")
             token = given[7:].encode() if given.startswith("Bearer ") else b""
-            # Compare against every key in constant time: no early exit that times the match.
-            if not any([hmac.compare_digest(token, k.encode()) for k in self.config.api_keys]):
+            key = match_key(token, self.config.api_keys)  # every key compared, in constant time
+            request[TENANT] = key
+            if key is None:
                 # No keep-alive and no body read without a key: a stranger holds a connection no
                 # longer than the header timeout (health probes, which need none, included).
                 request[CLOSE] = True
@@ -218,6 +219,8 @@ class Gateway:
             raise ApiError(404, f"the model {body['model']!r} does not exist; served: {models}", param="model",
                            code="model_not_found")
         check_fields(kind, body, self.config.max_n)
+        if bind_salt(body, request.get(TENANT), self.config.salt_secret):
+            request[STRIPPED] = True  # the caller's salt must never reach an engine as sent
         if body.pop("kv_transfer_params", None) is not None:
             # Hand-off parameters are the gateway's to give: a client's own could point a decode engine
             # at blocks it did not ask for (the engines verify them, but they are never forwarded).

@@ -33,6 +33,9 @@ class GatewayConfig:
     shed_after_s: float = 1.0  # at a cap, a connection still sending its headers after this may be shed (408)
     max_n: int = 16  # choices a request may ask for (`n`, `best_of`); more: 400. Each counts in routing's load
     api_keys: list[str] = field(default_factory=list)  # empty: no client auth
+    salt_secret: str | None = None  # with api_keys: cache salts are HMACs under this (else under each key)
+    gpu_hour_price: float = 0.0  # what an engine's GPU(s) cost an hour: the prompt-cost metrics (0: none)
+    gpus_per_engine: int = 1  # GPUs one engine runs on (tensor/pipeline parallel): the price is per GPU
     kv_events: dict[str, str] = field(default_factory=dict)  # engine URL -> its ZMQ KV-event endpoint
     kv_events_replay: dict[str, str] = field(default_factory=dict)  # engine URL -> its replay endpoint (gaps)
     session_header: str = "x-session-id"
@@ -64,10 +67,15 @@ class GatewayConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
         for name, least in (("max_connections", 1), ("max_connections_per_source", 0), ("max_json_depth", 1),
-                            ("max_body_bytes", 1), ("max_n", 1)):
+                            ("max_body_bytes", 1), ("max_n", 1), ("gpus_per_engine", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer of at least {least}, not {value!r}")
+        price = self.gpu_hour_price
+        if isinstance(price, bool) or not isinstance(price, (int, float)) or not 0 <= price < float("inf"):
+            raise ValueError(f"gpu_hour_price must be a number of at least 0, not {price!r}")
+        if self.salt_secret is not None and (not isinstance(self.salt_secret, str) or len(self.salt_secret) < 16):
+            raise ValueError("salt_secret must be a string of at least 16 characters")
         return self
 
 
