@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     """Run `args.what`'s main(args.rest); no child process of it outlives the run."""
     import importlib
 
-    from kvstore.testing.processes import run_main
+    from kvstore_testing.processes import run_main
 
     module = importlib.import_module(f"benchmarks.{args.what}")
     return run_main(module.main, list(args.rest), prog=f"kvstore bench {args.what}")

@@ -40,7 +40,7 @@ import numpy as np
 from benchmarks.records import write_json
 from kvstore.codec import MIN_GAIN, NAMES, Chooser, decode
 from kvstore.keys import ModelFingerprint, external_hashes
-from kvstore.testing import processes
+from kvstore_testing import processes
 from kvstore.tiers.allocator import align_up
 
 KIB, MIB = 1024, 1 << 20
@@ -270,7 +270,7 @@ def link_down() -> None:
 def bench_wire(sources: dict[str, list[bytes]], rate: str, rounds: int) -> dict:
     """Raw GB/s a client reads from a daemon across the throttled link, with and without the wire codec."""
     from kvstore import Client
-    from kvstore.testing.ports import free_port
+    from kvstore_testing.ports import free_port
 
     missing = link_missing()
     if missing:

@@ -203,6 +203,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from kvstore.testing.processes import run_main
+    from kvstore_testing.processes import run_main
 
     sys.exit(run_main(main, prog="python -m benchmarks.conductor"))

@@ -25,7 +25,7 @@ and it stops with SIGTERM (a graceful stop). Loss: `iptables -m statistic` (Debi
 from scripts/install-test-deps.sh) drops 5% of the packets in and out of node-2's namespace.
 `tc netem` is not available in this VM's kernel, so the 50 ms delay is reported as not run.
 
-The metadata service is a 3-member etcd cluster (kvstore.testing.etcd.EtcdCluster); clients and
+The metadata service is a 3-member etcd cluster (kvstore_testing.etcd.EtcdCluster); clients and
 daemons are given every member (`etcd://h:p1,h:p2,h:p3`) and fail over. etcd faults: the leader
 SIGKILLed (started again at the heal), the leader cut off from the other members while its clients
 still reach it (peer relays stop moving its bytes), and every member killed and restarted. For them
@@ -59,8 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]
 from benchmarks.records import write_json
 from kvstore import Client
 from kvstore.keys import ModelFingerprint, external_hashes
-from kvstore.testing import processes
-from kvstore.testing.etcd import EtcdCluster
+from kvstore_testing import processes
+from kvstore_testing.etcd import EtcdCluster
 
 FP = ModelFingerprint("faults", "float16", 16, 2, 2, 64, kv_layout="bytes")  # BLOCK-sized blocks, free-form
 BLOCK = 32 * 1024

@@ -96,8 +96,8 @@ from benchmarks.records import write_json
 from conductor.sim.data import TRACES, resolve
 from conductor.sim.engine.profile import PROFILES, Profile, get_profile
 from kvstore.cli_args import fail
-from kvstore.testing import processes
-from kvstore.testing.ports import free_port
+from kvstore_testing import processes
+from kvstore_testing.ports import free_port
 
 PROG = "python -m benchmarks.fleet"
 TRACE_BLOCK = 512  # tokens per trace hash id (the Mooncake traces' unit)
@@ -343,7 +343,7 @@ class Stack:
 
 
 def start_store(tmp: Path, cluster: str, daemons: int, dram: str, procs: list):
-    from kvstore.testing.etcd import EtcdServer
+    from kvstore_testing.etcd import EtcdServer
 
     from concurrent.futures import ThreadPoolExecutor
 
@@ -859,7 +859,7 @@ def calibrate(args, tmp: Path) -> list[dict]:
         return [{"profile": "vllm-cpu-tiny", "case": None, "real_ttft_ms": None, "standin_ttft_ms": None,
                  "ratio": None, "skipped": "vllm not installed"}]
     from kvstore.integrations.vllm.tiny_model import build_tiny_model
-    from kvstore.testing.vllm_server import VllmServer
+    from kvstore_testing.vllm_server import VllmServer
 
     profile = get_profile("vllm-cpu-tiny")
     model = build_tiny_model(os.path.join(os.path.expanduser("~"), ".cache", "kvstore", "bench-llama-4x512"),

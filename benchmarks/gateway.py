@@ -33,10 +33,10 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 from benchmarks.records import write_json
-from conductor.testing import MODEL, FakeEngine, start_fakes
+from kvstore_testing.fake_engines import MODEL, FakeEngine, start_fakes
 from kvstore.integrations.vllm.tiny_model import SENTENCES, build_tokenizer
-from kvstore.testing import processes
-from kvstore.testing.ports import free_port
+from kvstore_testing import processes
+from kvstore_testing.ports import free_port
 
 SHORT_WORDS = 400  # about 2,400 characters (500 tokens): short prompts stay under the thread cut-off
 LONG_REPEAT = 400  # SENTENCES x 400: about 109k characters, 22k tokens

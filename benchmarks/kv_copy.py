@@ -345,6 +345,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from kvstore.testing import processes
+    from kvstore_testing import processes
 
     sys.exit(processes.run_main(main, prog="python -m benchmarks.kv_copy"))

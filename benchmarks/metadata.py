@@ -25,8 +25,8 @@ from kvstore.index.records import BlockRecord, Layout, NodeRecord
 from kvstore.index.snapshot import load_prefix
 from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.metadata import open_metadata
-from kvstore.testing import processes
-from kvstore.testing.etcd import EtcdServer
+from kvstore_testing import processes
+from kvstore_testing.etcd import EtcdServer
 
 from benchmarks.records import write_json
 

@@ -30,8 +30,8 @@ from benchmarks.records import write_json
 from kvstore import Client
 from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.store.v1 import store_pb2, store_pb2_grpc
-from kvstore.testing import processes
-from kvstore.testing.etcd import EtcdServer
+from kvstore_testing import processes
+from kvstore_testing.etcd import EtcdServer
 
 KIB, MIB = 1024, 1 << 20
 FP = ModelFingerprint("bench-restart", "bfloat16", 128, 4, 4, 64, kv_layout="bytes")

@@ -49,10 +49,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 from benchmarks.records import write_json
 from conductor.sim.data import TRACES
-from kvstore.testing import processes
-from kvstore.testing.ports import free_port
-from kvstore.testing.vllm_server import connector_config as connector
-from kvstore.testing.vllm_server import scrape_metrics as scrape
+from kvstore_testing import processes
+from kvstore_testing.ports import free_port
+from kvstore_testing.vllm_server import connector_config as connector
+from kvstore_testing.vllm_server import scrape_metrics as scrape
 
 TRACE = TRACES["mooncake-conversation"]
 BLOCK_TOKENS = 128
@@ -283,7 +283,7 @@ class Rig:
 
     def __init__(self, mode: str, engines: int, model: str, etcd: str, cluster: str, secret: str, tmp: Path,
                  engine_env: dict | None, dram: str = "3GiB") -> None:
-        from kvstore.testing.vllm_server import VllmServer
+        from kvstore_testing.vllm_server import VllmServer
 
         self.mode, self.cluster, self.servers = mode, cluster, []
         self.daemon, hello = processes.start_store_daemon(
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--engines must be at least 2 (P/D needs a prefill and a decode engine)")
 
     from kvstore.integrations.vllm.tiny_model import build_tiny_model
-    from kvstore.testing.etcd import EtcdServer
+    from kvstore_testing.etcd import EtcdServer
 
     model = build_tiny_model(os.path.join(os.path.expanduser("~"), ".cache", "kvstore",
                                           f"bench-llama-{args.layers}x{args.hidden}"),

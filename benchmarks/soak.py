@@ -40,8 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from benchmarks.records import write_json
 from kvstore.keys import ModelFingerprint, external_hashes
-from kvstore.testing import processes
-from kvstore.testing.etcd import EtcdServer
+from kvstore_testing import processes
+from kvstore_testing.etcd import EtcdServer
 
 FP = ModelFingerprint("soak", "float16", 16, 2, 2, 64, kv_layout="bytes")  # BLOCK-sized blocks, free-form
 BLOCK = 64 * 1024

@@ -63,9 +63,9 @@ from kvstore.client.reads import VerifiedSlots  # noqa: E402
 from kvstore.index import IndexMirror  # noqa: E402
 from benchmarks.records import write_json  # noqa: E402
 from kvstore.keys import ModelFingerprint, external_hashes  # noqa: E402
-from kvstore.testing import processes  # noqa: E402
-from kvstore.testing.etcd import EtcdServer  # noqa: E402
-from kvstore.testing.ports import free_port  # noqa: E402
+from kvstore_testing import processes  # noqa: E402
+from kvstore_testing.etcd import EtcdServer  # noqa: E402
+from kvstore_testing.ports import free_port  # noqa: E402
 from transfer.engine import DEFAULT_LOCAL_WORKERS, DEFAULT_STREAMS  # noqa: E402
 
 KIB, MIB = 1024, 1 << 20

@@ -32,8 +32,8 @@ import numpy as np
 
 from benchmarks import ucx_records as ucx_bench
 from benchmarks.records import write_json
-from kvstore.testing import processes
-from kvstore.testing.ports import free_port
+from kvstore_testing import processes
+from kvstore_testing.ports import free_port
 from transfer import Engine, Read, Write
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # else Mooncake uses the external address

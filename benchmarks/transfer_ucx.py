@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from benchmarks import transfer
-from kvstore.testing import processes
+from kvstore_testing import processes
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from kvstore.testing import processes
+from kvstore_testing import processes
 from transfer import Engine, Read, Write
 
 TLS = ("sm", "tcp")

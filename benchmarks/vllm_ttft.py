@@ -41,7 +41,7 @@ import tempfile
 import time
 
 from benchmarks.records import write_json
-from kvstore.testing import processes
+from kvstore_testing import processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = """
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--model hybrid needs an even --layers (sliding and full alternate) and --window in 16..512")
 
     from kvstore.integrations.vllm.tiny_model import build_tiny_model
-    from kvstore.testing.etcd import EtcdServer
+    from kvstore_testing.etcd import EtcdServer
 
     if args.model == "hybrid":
         model = build_tiny_model(os.path.join(os.path.expanduser("~"), ".cache", "kvstore",

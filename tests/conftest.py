@@ -13,7 +13,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from kvstore.testing.etcd import EtcdServer
+from kvstore_testing.etcd import EtcdServer
 
 ROOT = Path(__file__).resolve().parent.parent
 from peer_process import pattern

@@ -1,6 +1,6 @@
 import sys
 
-from kvstore.testing import processes
+from kvstore_testing import processes
 
 from . import main
 

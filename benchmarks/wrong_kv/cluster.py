@@ -20,8 +20,8 @@ from kvstore.index.records import BlockRecord, Layout
 from kvstore.metadata.base import Compare, Delete, Put
 from kvstore.integrity import block_digest
 from kvstore.metadata import open_metadata
-from kvstore.testing import processes
-from kvstore.testing.etcd import EtcdServer
+from kvstore_testing import processes
+from kvstore_testing.etcd import EtcdServer
 
 ROOT = Path(__file__).resolve().parents[2]
 REMOTE_HOST = "wrong-kv-other-host"  # KVSTORE_HOST_ID of a daemon clients must reach over TCP

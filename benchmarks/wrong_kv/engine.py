@@ -11,7 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
-from kvstore.testing import processes
+from kvstore_testing import processes
 
 from .worker import PREFIX
 

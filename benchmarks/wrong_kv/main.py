@@ -14,7 +14,7 @@ import tempfile
 import time
 
 from benchmarks.records import write_json
-from kvstore.testing import processes
+from kvstore_testing import processes
 
 from . import __doc__ as DOC
 from .cluster import Cluster

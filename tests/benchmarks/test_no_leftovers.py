@@ -1,6 +1,6 @@
 """No benchmark leaves a process behind, whatever goes wrong: a benchmark that fails with its
 children up, or is interrupted (Ctrl-C, SIGTERM, SIGHUP) while they start, still stops every one
-of them (their process groups too: vLLM's engine core), through kvstore.testing.processes. What
+of them (their process groups too: vLLM's engine core), through kvstore_testing.processes. What
 outlives a run is found by reaper.py (a child subreaper: every descendant comes back to it).
 
 A failure is injected with KVSTORE_TESTING_FAIL_AFTER_SPAWNS=N: the benchmark's Nth child
@@ -15,7 +15,7 @@ import time
 import pytest
 
 from bench_run import Started, describe, descendants
-from kvstore.testing.processes import FAIL_AFTER_ENV
+from kvstore_testing.processes import FAIL_AFTER_ENV
 
 needs_etcd = pytest.mark.skipif(shutil.which("etcd") is None, reason="needs etcd (scripts/install-test-deps.sh)")
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the vllm extra")

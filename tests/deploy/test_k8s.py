@@ -1210,7 +1210,7 @@ def test_the_rendered_pods_on_a_real_etcd(rendered, tree, tmp_path, fresh_etcd):
     import kvstore
     from kvstore.errors import MetadataError
     from kvstore.metadata import open_metadata
-    from kvstore.testing.ports import free_port
+    from kvstore_testing.ports import free_port
     from transfer import descriptor
 
     objects = copy.deepcopy(rendered["cpu-dev"])

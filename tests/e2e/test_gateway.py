@@ -28,10 +28,10 @@ pytest.importorskip("vllm", reason="the vllm extra is part of the test install (
 openai = pytest.importorskip("openai")
 
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
-from kvstore.testing.ports import free_port
-from kvstore.testing.vllm_server import CPU_BLOCK_SIZE, VllmServer
-from kvstore.testing.vllm_server import connector_config as connector
-from kvstore.testing.vllm_server import scrape_metrics as scrape
+from kvstore_testing.ports import free_port
+from kvstore_testing.vllm_server import CPU_BLOCK_SIZE, VllmServer
+from kvstore_testing.vllm_server import connector_config as connector
+from kvstore_testing.vllm_server import scrape_metrics as scrape
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

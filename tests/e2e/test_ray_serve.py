@@ -32,8 +32,8 @@ ray = pytest.importorskip("ray", reason="the ray extra is part of the test insta
 pytest.importorskip("ray.serve.llm", reason="ray.serve.llm needs the ray extra (pyarrow, jsonref)")
 
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
-from kvstore.testing.ports import free_port  # noqa: E402
-from kvstore.testing.vllm_server import CPU_BLOCK_SIZE  # noqa: E402
+from kvstore_testing.ports import free_port  # noqa: E402
+from kvstore_testing.vllm_server import CPU_BLOCK_SIZE  # noqa: E402
 
 SECRET = "ray-serve-e2e-secret-0123456789"
 PROMPT = [(7 * i) % 480 + 11 for i in range(2 * CPU_BLOCK_SIZE + 20)]  # 2 full blocks and a tail

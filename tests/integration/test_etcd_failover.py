@@ -1,5 +1,5 @@
 """A client and a daemon given every member of a 3-member etcd cluster (real etcd members, each in a
-process of its own: kvstore.testing.etcd.EtcdCluster) keep working when the member they use dies,
+process of its own: kvstore_testing.etcd.EtcdCluster) keep working when the member they use dies,
 is cut off from the others, or is the leader: puts land, gets read the right bytes, the index
 mirror keeps following without reloading, the daemon's lease (and with it every block record it
 published) survives, and no call runs past its bound. A malformed multi-endpoint URL is one clear
@@ -22,7 +22,7 @@ from kvstore import Client
 from kvstore.index.records import Layout
 from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.metadata import open_metadata
-from kvstore.testing.etcd import EtcdCluster
+from kvstore_testing.etcd import EtcdCluster
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="needs etcd")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.metadata import open_metadata
-from kvstore.testing.ports import free_port
+from kvstore_testing.ports import free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None or shutil.which("openssl") is None,
                                 reason="needs etcd and openssl")

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from kvstore.testing.ports import free_port
+from kvstore_testing.ports import free_port
 
 
 def serve(node: str, port: int) -> list[str]:

@@ -154,7 +154,7 @@ async def test_bad_input_gets_typed_errors(metadata_url, prefix):
 async def test_batches_fit_an_etcd_that_takes_fewer_operations_per_transaction(prefix):
     """An etcd run with a lower --max-txn-ops than the default refuses our 128-op transactions:
     batches are split further instead of failing (a daemon's publisher would retry forever)."""
-    from kvstore.testing.etcd import EtcdServer
+    from kvstore_testing.etcd import EtcdServer
 
     with EtcdServer(extra_args=["--max-txn-ops", "16"]) as server:
         md = open_metadata(server.url)

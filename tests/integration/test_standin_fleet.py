@@ -245,8 +245,8 @@ async def test_the_gateway_routes_around_a_standin_that_dies():
 async def test_pd_handoff_through_a_real_store_arrives_intact(tmp_path):
     """Kills: a decode that recomputes the prompt instead of loading the prefill's KV, keys other than
     the connector's, or loaded bytes that differ from the saved ones (wrong_bytes must stay 0)."""
-    from kvstore.testing import processes
-    from kvstore.testing.etcd import EtcdServer
+    from kvstore_testing import processes
+    from kvstore_testing.etcd import EtcdServer
 
     (tmp_path / "secret").write_text("s" * 32)
     (tmp_path / "secret").chmod(0o600)

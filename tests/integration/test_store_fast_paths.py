@@ -604,7 +604,7 @@ def test_nvme_reads_while_the_node_evicts_are_right_or_misses(nvme_node):
 def test_a_daemon_publishes_to_an_etcd_that_takes_fewer_operations_per_transaction(spawn_daemon):
     """A put of more blocks than such an etcd takes in one transaction still becomes visible to
     other clients (its publish batch is split, not retried whole for ever)."""
-    from kvstore.testing.etcd import EtcdServer
+    from kvstore_testing.etcd import EtcdServer
 
     with EtcdServer(extra_args=["--max-txn-ops", "16"]) as server:
         cluster = uuid.uuid4().hex[:8]
@@ -624,7 +624,7 @@ def test_the_wire_port_can_be_chosen_or_turned_off(etcd_server, spawn_daemon):
     and clients elsewhere make the same calls over gRPC."""
     import json
 
-    from kvstore.testing.ports import free_port
+    from kvstore_testing.ports import free_port
 
     cluster = uuid.uuid4().hex[:8]
     port = free_port()

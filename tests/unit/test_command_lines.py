@@ -136,7 +136,7 @@ def test_conductor_gateway_with_its_metadata_unreachable_is_one_line_and_exit_5(
     before that line."""
     from conductor.cli import main
 
-    from kvstore.testing.ports import free_port
+    from kvstore_testing.ports import free_port
 
     dead = f"127.0.0.1:{free_port()}"
     with pytest.raises(SystemExit) as done:

@@ -10,9 +10,9 @@ import pytest
 from conductor.gateway.kv_events import KVEventFollower
 from conductor.gateway.pool import parse_load
 from conductor.gateway.prefix import PrefixTracker
-from conductor.testing import BLOCK, MODEL, FakeEngine, Rig, completion, until
+from kvstore_testing.fake_engines import BLOCK, MODEL, FakeEngine, Rig, completion, until
 from kvstore.keys import ModelFingerprint, chain_hashes
-from kvstore.testing.ports import free_port
+from kvstore_testing.ports import free_port
 
 
 async def test_pd_handoff_passes_kv_transfer_params():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from conductor.testing import FakeEngine, Rig, completion, until
+from kvstore_testing.fake_engines import FakeEngine, Rig, completion, until
 
 LONG = list(range(64))  # long enough to be disaggregated
 

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from conductor.gateway.guard import MAX_HEADER_BYTES, describe, source_of
-from conductor.testing import MODEL, FakeEngine, Rig, closed, completion, raw_request, read_answer, until
+from kvstore_testing.fake_engines import MODEL, FakeEngine, Rig, closed, completion, raw_request, read_answer, until
 
 ROOT = Path(__file__).resolve().parents[2]
 LEGIT = "127.0.1.1"  # another /24 than the flood's 127.0.0.x
@@ -493,7 +493,7 @@ def test_limits_come_from_flags_and_the_config_file(tmp_path, capsys):
 async def test_conductor_serve_honours_the_flags():
     """Kills: `conductor serve` running the gateway without the limit flags (the defaults: 10 s
     header timeout, 4096 connections) - the gateway as a subprocess, over real sockets."""
-    from kvstore.testing import processes
+    from kvstore_testing import processes
 
     d = FakeEngine("d0")
     async with Rig([], [d]):  # (its gateway unused: the fake engine's server)

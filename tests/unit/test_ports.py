@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from kvstore.testing import ports
+from kvstore_testing import ports
 
 
 def test_ports_come_from_below_the_ephemeral_range(monkeypatch):

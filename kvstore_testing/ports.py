@@ -101,14 +101,14 @@ def free_port() -> int:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m kvstore.testing.ports NAME [NAME ...]`: `NAME=port` lines for a shell's `eval`
+    """`python -m kvstore_testing.ports NAME [NAME ...]`: `NAME=port` lines for a shell's `eval`
     (chosen in one process: never the same port twice); `... ports [COUNT]`: COUNT ports, one per line."""
     if len(argv) == 1 and argv[0].isdigit():
         print("\n".join(str(free_port()) for _ in range(int(argv[0]))))
         return 0
     bad = [name for name in argv if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name)]
     if bad:
-        print(f"usage: python -m kvstore.testing.ports [COUNT | NAME ...]; not a count or a shell name: {bad[0]!r}",
+        print(f"usage: python -m kvstore_testing.ports [COUNT | NAME ...]; not a count or a shell name: {bad[0]!r}",
               file=sys.stderr)
         return 2
     print("\n".join(f"{name}={free_port()}" for name in argv) if argv else free_port())

@@ -1,9 +1,9 @@
-"""The peer network of a local etcd cluster (kvstore.testing.etcd.EtcdCluster), in a process of its own:
+"""The peer network of a local etcd cluster (kvstore_testing.etcd.EtcdCluster), in a process of its own:
 one TCP relay per member, listening on the peer URL that member advertises and relaying to the port
 it really listens on, so that a member can be cut off from the others while its clients still
 reach it — a network partition, on loopback, without root.
 
-    python -m kvstore.testing.etcd_proxy '[{"name": "etcd-0", "listen": 41001, "target": 41002}, ...]'
+    python -m kvstore_testing.etcd_proxy '[{"name": "etcd-0", "listen": 41001, "target": 41002}, ...]'
 
 Every connection between members passes a relay: the one in front of the member dialled. Who dialled
 is read from /proc (the connecting socket's inode in /proc/net/tcp, found among the members' open

@@ -184,7 +184,7 @@ def start_store_daemon(args: Sequence[str], **popen_kwargs) -> tuple[subprocess.
     """`kvstore serve ARGS` as a registered child; returns it and the JSON line it prints once it
     serves (`control`, `metrics_port`, `engine`). Raises RuntimeError, the daemon stopped, if it
     exits before that line."""
-    popen_kwargs.setdefault("cwd", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    popen_kwargs.setdefault("cwd", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = spawn([sys.executable, "-m", "kvstore.cli", "serve", *args], stdout=subprocess.PIPE, text=True,
                  **popen_kwargs)
     try:

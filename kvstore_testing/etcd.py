@@ -1,7 +1,7 @@
 """Runs a local etcd (Debian's etcd-server) on free loopback ports with a temporary data dir:
 for tests, benchmarks and trying a cluster on one machine. `EtcdServer` is one member;
 `EtcdCluster(3)` is a cluster of members in processes of their own that can be killed, restarted,
-hung and partitioned one by one (`python -m kvstore.testing.etcd --members 3` runs one by hand)."""
+hung and partitioned one by one (`python -m kvstore_testing.etcd --members 3` runs one by hand)."""
 from __future__ import annotations
 
 import abc
@@ -18,10 +18,10 @@ import time
 import urllib.request
 from typing import Sequence
 
-from kvstore.testing import processes
-from kvstore.testing.ports import free_port
+from kvstore_testing import processes
+from kvstore_testing.ports import free_port
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 
 
 class _Scratch(abc.ABC):
@@ -123,7 +123,7 @@ def _status(client_port: int, timeout: float = 1.0) -> dict | None:
 class EtcdCluster(_Scratch):
     """A local etcd cluster of `members` (3 by default), each member its own process with its own data
     directory, client and peer ports on loopback. Peer traffic goes through relays in a process of
-    their own (kvstore.testing.etcd_proxy), so a member can be partitioned from the others while its
+    their own (kvstore_testing.etcd_proxy), so a member can be partitioned from the others while its
     clients still reach it.
 
         with EtcdCluster(3) as cluster:
@@ -181,7 +181,7 @@ class EtcdCluster(_Scratch):
     def start(self, timeout: float = 30.0) -> "EtcdCluster":
         """The relays, then every member at once (each waits for a quorum), then until all are healthy."""
         members = [{"name": n, "listen": self.peer_port[n], "target": self.listen_peer_port[n]} for n in self.names]
-        self.relay = processes.spawn([sys.executable, "-m", "kvstore.testing.etcd_proxy", json.dumps(members)],
+        self.relay = processes.spawn([sys.executable, "-m", "kvstore_testing.etcd_proxy", json.dumps(members)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, cwd=_ROOT)
         if self._relay_line(timeout=10) != "ready":

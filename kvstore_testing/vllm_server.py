@@ -20,10 +20,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvstore.testing import processes
-from kvstore.testing.ports import free_port  # noqa: F401 - importable from here too
+from kvstore_testing import processes
+from kvstore_testing.ports import free_port  # noqa: F401 - importable from here too
 
-ROOT = Path(__file__).resolve().parent.parent.parent
+ROOT = Path(__file__).resolve().parent.parent  # the checkout
 # Small settings that fit this CPU machine: fp32 (CPU), no graph capture, 1 GiB of KV cache.
 DEFAULT_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4",
                 "--max-num-batched-tokens", "1024"]
