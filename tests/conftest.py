@@ -26,7 +26,7 @@ from tests_support import wait_until_stopped
 # on a 2-core machine only trade places in the queue for a core.
 ENGINE_HEAVY_FILES = ("tests/e2e/", "tests/docs/", "tests/unit/test_ray_app.py", "tests/benchmarks/test_demo.py",
                       "tests/benchmarks/test_vllm_ttft_hybrid.py")
-ENGINE_HEAVY_BENCHMARKS = ("serving", "vllm_ttft")  # tests/benchmarks tests that run these start vLLM engines
+ENGINE_HEAVY_BENCHMARKS = ("serving", "vllm_ttft", "wrong_kv")  # tests/benchmarks tests that run these start vLLM engines
 
 
 def engine_heavy(nodeid: str) -> bool:
