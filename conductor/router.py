@@ -1,5 +1,6 @@
-"""The live router: `Conductor.route(request)` from the block-index mirror (which instances hold
-the prompt's leading blocks) and the load instances report, in well under a millisecond."""
+"""The /route service's view for the router core (conductor.routing): `Conductor.route(request)`
+from the block-index mirror (which store nodes hold the prompt's leading blocks) and the load
+instances report, in well under a millisecond."""
 from __future__ import annotations
 
 import threading
@@ -10,8 +11,9 @@ from typing import Sequence
 from kvstore.index import IndexMirror
 from kvstore.keys import ModelFingerprint
 
+from . import routing
 from .cost import CostModel
-from .policies import InstanceView, Policy, RouteRequest, Slo, admit, make_policy
+from .policies import RouteRequest, Slo
 
 
 @dataclass
@@ -27,17 +29,25 @@ class InstanceLoad:
     store_node: str | None = None  # the store node sharing its host (whose blocks it can use cheaply)
     reported_at: float = field(default_factory=time.monotonic)
 
+    def candidate(self) -> routing.Candidate:
+        """As the router core sees it; a KV capacity only where the instance said what is free."""
+        known = self.free_kv_tokens > 0
+        return routing.Candidate(self.name, self.queue_ms, self.running_requests, 0,
+                                 float(self.running_tokens) if known else None,
+                                 self.running_tokens + self.free_kv_tokens if known else None, self.running_tokens)
+
 
 @dataclass(frozen=True)
 class Decision:
     accepted: bool
-    reason: str = ""
+    reason: str = ""  # why it was refused
     prefill: str | None = None  # None with accepted=True: prefill on the decode instance
     decode: str | None = None
     cached_tokens: int = 0
     load_from: dict[str, int] = field(default_factory=dict)  # store node -> leading blocks it holds
     predicted_ttft_ms: float = 0.0
     predicted_tbt_ms: float = 0.0
+    route_reason: str = ""  # which term of the policy decided (as the gateway's route reasons)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -50,11 +60,8 @@ class Conductor:
                  cost: CostModel | None = None, slo: Slo | None = None, block_tokens: int = 512,
                  stale_report_s: float = 10.0, local_prefill_tokens: int = 0) -> None:
         self.mirror, self.fingerprint = mirror, fingerprint
-        self.cost = cost or CostModel()
-        self.policy: Policy = make_policy(policy, self.cost)
-        self.slo = slo or Slo()
+        self.core = routing.Router(policy, cost, slo, local_prefill_tokens)
         self.block_tokens, self.stale_report_s = block_tokens, stale_report_s
-        self.local_prefill_tokens = local_prefill_tokens
         self._loads: dict[str, InstanceLoad] = {}
         self._lock = threading.Lock()
 
@@ -65,36 +72,32 @@ class Conductor:
         with self._lock:
             self._loads[load.name] = load
 
-    def _live(self, role: str) -> list[InstanceLoad]:
+    def _live(self) -> list[InstanceLoad]:
+        """Instances whose last report is recent: a silent one is out of the rotation."""
         cutoff = time.monotonic() - self.stale_report_s
         with self._lock:
-            return [l for l in self._loads.values() if l.role == role and l.reported_at >= cutoff]
+            return [l for l in self._loads.values() if l.reported_at >= cutoff]
 
     def route(self, hashes: Sequence[bytes], prompt_tokens: int, output_tokens: int = 0,
-              session: str | None = None) -> Decision:
-        """Where to prefill and decode a prompt whose full blocks hash to `hashes`."""
-        decodes = self._live("decode")
-        if not decodes:
+              session: str | None = None, exclude: frozenset[str] = frozenset()) -> Decision:
+        """Where to prefill and decode a prompt whose full blocks hash to `hashes`; `exclude`:
+        instances this request already failed on."""
+        live = self._live()
+        per_node = routing.node_prefix_blocks(self.mirror, self.fingerprint, hashes)
+        store = min(max(per_node.values(), default=0) * self.block_tokens, prompt_tokens)
+        nodes = {l.name: l.store_node or l.name for l in live}
+
+        def credit(name: str) -> int:  # an instance holds what its host's store node holds
+            return min(per_node.get(nodes[name], 0) * self.block_tokens, prompt_tokens)
+
+        try:
+            placed = self.core.route(RouteRequest(prompt_tokens, output_tokens, store, session),
+                                     [l.candidate() for l in live if l.role == "prefill"],
+                                     [l.candidate() for l in live if l.role == "decode"], credit, exclude)
+        except routing.NoEngine:
             return Decision(False, "no healthy decode instance")
-        decode = min(decodes, key=lambda l: (l.running_tokens, l.name))
-        per_node = self.mirror.node_prefix_lengths(self.fingerprint, hashes)
-        global_prefix = min(max(per_node.values(), default=0) * self.block_tokens, prompt_tokens)
-        request = RouteRequest(prompt_tokens, output_tokens, global_prefix, session)
-        tbt = self.cost.decode_step_ms(decode.running_requests + 1, decode.running_tokens + prompt_tokens)
-        prefills = self._live("prefill")
-        if prefills:
-            views = [InstanceView(l.name, l.queue_ms,
-                                  min(per_node.get(l.store_node or l.name, 0) * self.block_tokens, prompt_tokens))
-                     for l in prefills]
-            choice = self.policy.choose(request, views)
-        else:  # fall back to prefilling on the decode instance
-            choice = self.policy.estimate(request, InstanceView(decode.name, decode.queue_ms, 0))
-        local = not prefills or (self.local_prefill_tokens and
-                                 prompt_tokens - choice.cached_tokens < self.local_prefill_tokens)
-        if local:
-            tbt += self.cost.prefill_ms(prompt_tokens - choice.cached_tokens, prompt_tokens)
-        why = admit(choice, tbt, self.slo)
-        if why is not None:
-            return Decision(False, why, predicted_ttft_ms=choice.predicted_ttft_ms, predicted_tbt_ms=tbt)
-        return Decision(True, "", None if local else choice.instance, decode.name, choice.cached_tokens, per_node,
-                        choice.predicted_ttft_ms, tbt)
+        except routing.SloRefused as exc:
+            return Decision(False, exc.reason, predicted_ttft_ms=exc.predicted_ttft_ms,
+                            predicted_tbt_ms=exc.predicted_tbt_ms)
+        return Decision(True, "", placed.prefill, placed.decode, placed.cached_tokens, per_node,
+                        placed.predicted_ttft_ms, placed.predicted_tbt_ms, placed.reason)

@@ -1,6 +1,7 @@
-"""`conductor serve`: a small HTTP/JSON front for proxies.
+"""`conductor serve`: a small HTTP/JSON front for proxies over the router core (conductor.routing).
 
-    POST /route  {"hashes": [hex, ...] | "token_ids": [...], "prompt_tokens": N, "output_tokens": M}
+    POST /route  {"hashes": [hex, ...] | "token_ids": [...], "prompt_tokens": N, "output_tokens": M,
+                  "session": ..., "exclude": [instance names the request already failed on]}
     POST /load   {"name": ..., "role": "prefill"|"decode", "queue_ms": ..., "running_tokens": ..., ...}
     GET  /health
 """
@@ -61,7 +62,13 @@ def make_server(conductor: Conductor, host: str = "127.0.0.1", port: int = 0,
             else:
                 raise ValueError("give 'hashes' (hex) or 'token_ids'")
             prompt = int(body.get("prompt_tokens", len(body.get("token_ids", [])) or len(hashes) * conductor.block_tokens))
-            decision = conductor.route(hashes, prompt, int(body.get("output_tokens", 0)), body.get("session"))
+            exclude = body.get("exclude", [])
+            if not isinstance(exclude, list) or not all(isinstance(name, str) for name in exclude):
+                raise ValueError("'exclude' must be a list of instance names")
+            session = body.get("session")
+            if session is not None and not isinstance(session, str):
+                raise ValueError("'session' must be a string")
+            decision = conductor.route(hashes, prompt, int(body.get("output_tokens", 0)), session, frozenset(exclude))
             return decision.to_dict()
 
     return ThreadingHTTPServer((host, port), Handler)

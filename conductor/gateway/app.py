@@ -21,12 +21,14 @@ from .fingerprint import EnginesFingerprint, engines_fingerprint, gateway_finger
 from .flow import PassThrough, Timing, open_decode, run_prefill, sse_error
 from .guard import CLOSE, ConnectionGuard, GuardedHandler, descriptor_room
 from .kv_events import KVEventFollower
+from .load import Load
 from .metrics import GatewayMetrics
 from .pool import Engine, Pool
 from .prefix import PrefixTracker
 from .route import Route, Router
 from .tenancy import TENANT, bind_salt, match_key
 from .tokens import Tokens
+from .usage import Usage, UsageMetrics
 from .validate import check_fields, choices, parse
 
 log = logging.getLogger("conductor.gateway")
@@ -64,6 +66,8 @@ class Gateway:
         self.guard = ConnectionGuard(config.max_connections, config.max_connections_per_source,
                                      config.header_timeout_s, self.metrics, config.shed_after_s)
         self.metrics.open_connections.set_function(lambda: float(self.guard.open))
+        self.usage = Usage(UsageMetrics(self.metrics.registry, CostModel.from_dict(config.cost) if config.cost
+                                        else CostModel(), config.gpu_hour_price, config.gpus_per_engine))
         self.port = 0
 
     # ------------------------------------------------------------ lifecycle
@@ -219,7 +223,7 @@ class Gateway:
             raise ApiError(404, f"the model {body['model']!r} does not exist; served: {models}", param="model",
                            code="model_not_found")
         check_fields(kind, body, self.config.max_n)
-        if bind_salt(body, request.get(TENANT), self.config.salt_secret):
+        if bind_salt(body, request.get(TENANT), self.config.salt_secret) | self.usage.prepare(request, body):
             request[STRIPPED] = True  # the caller's salt must never reach an engine as sent
         if body.pop("kv_transfer_params", None) is not None:
             # Hand-off parameters are the gateway's to give: a client's own could point a decode engine
@@ -247,6 +251,7 @@ class Gateway:
         single = kind == "chat" or not isinstance(body.get("prompt"), list) or ids is not None
         kv_params, route = await self._prefill(kind, body, route, hashes, prompt_tokens, output_tokens, session,
                                                single and choices(body) == 1, timing)
+        self.usage.begin(request, body, prompt_tokens, route.credited_tokens, kv_params)
         self.metrics.routes.labels("pd" if route.prefill else "colocated").inc()
         self.metrics.route_reasons.labels(route.reason).inc()
         self.metrics.prompt_tokens.inc(prompt_tokens)
@@ -306,10 +311,7 @@ class Gateway:
         raw = None if request.get(STRIPPED) else await request.read()
         for attempt in (0, 1):
             current = engine  # (a retry picks another engine; the counts stay with this one)
-            current.inflight += 1
-            current.inflight_tokens += local_tokens
-            current.inflight_kv += kv_tokens
-            try:
+            with Load(current, queued_tokens=local_tokens, kv_tokens=kv_tokens) as load:
                 try:
                     resp, first = await open_decode(self.session, current, kind, body, kv_params,
                                                     self.config.prefill_timeout_s, self.config.decode_timeout_s,
@@ -318,23 +320,20 @@ class Gateway:
                     self.metrics.upstream_failures.labels("decode").inc()
                     current.fail(str(exc))
                     tried.add(current.url)
-                    others = [e for e in self.pool.role("decode") if e.url not in tried]
-                    if attempt or not others:
+                    retry = self.router.retry_decode(frozenset(tried))
+                    if attempt or retry is None:
                         raise ApiError(502, f"decode failed: {exc}", code="upstream_failed") from exc
                     log.warning("decode failed before its first token, retrying elsewhere: %s", exc)
                     self.metrics.retries.labels("decode").inc()
-                    engine = min(others, key=lambda e: (e.inflight + e.running, e.url))
+                    engine = retry
                     continue
                 finally:
-                    current.inflight_tokens -= local_tokens
+                    load.started()  # the first token is out (or never will be): its prefill queue is gone
                 if route.prefill is None:
                     self.tracker.add(current.url, hashes)
                 # What routing credited the engine with (its own cache): checked against what it held.
                 credit = {CREDIT_HEADER: str(route.credited_tokens)} if route.prefill is None and not attempt else {}
                 return await self._answer(request, body, resp, first, current, timing, credit)
-            finally:
-                current.inflight -= 1
-                current.inflight_kv -= kv_tokens
         raise AssertionError("unreachable")
 
     async def _answer(self, request: web.Request, body: dict, resp: aiohttp.ClientResponse, first: bytes,
@@ -342,16 +341,18 @@ class Gateway:
         try:
             if not body.get("stream"):
                 self._observe(timing)
-                return web.Response(body=first, status=resp.status, content_type="application/json",
+                return web.Response(body=self.usage.answer(request, first, engine.url), status=resp.status,
+                                    content_type="application/json",
                                     headers=headers)
             out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
                                                           "Cache-Control": "no-cache", **(headers or {})})
             await out.prepare(request)
-            await out.write(first)
+            await out.write(self.usage.stream(request, first, engine.url))
             self._observe(timing)
             try:
                 async for chunk in resp.content.iter_any():
-                    await out.write(chunk)
+                    await out.write(self.usage.stream(request, chunk, engine.url))
+                await out.write(self.usage.stream(request, b"", engine.url, final=True))
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 # Tokens already went out: the client gets an error event, not a silent cut.
                 self.metrics.upstream_failures.labels("decode").inc()

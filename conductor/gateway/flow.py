@@ -17,6 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from .errors import ApiError, UpstreamFailed
+from .load import Load
 from .pool import Engine
 
 log = logging.getLogger("conductor.gateway")
@@ -73,22 +74,19 @@ async def run_prefill(session: aiohttp.ClientSession, engine: Engine, kind: str,
                       timeout: float, timing: Timing) -> dict | None:
     """The engine's `kv_transfer_params` (None when it returned none: decode then recomputes)."""
     path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
-    engine.inflight += 1
-    engine.inflight_tokens += uncached
     t = time.perf_counter()
     try:
-        async with session.post(engine.url + path, data=_encode(prefill_body(kind, body)), headers=JSON,
-                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            if resp.status != 200:
-                await _failed_status(resp, engine.url)
-            answer = await resp.json()
+        with Load(engine, queued_tokens=uncached):
+            async with session.post(engine.url + path, data=_encode(prefill_body(kind, body)), headers=JSON,
+                                    timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                if resp.status != 200:
+                    await _failed_status(resp, engine.url)
+                answer = await resp.json()
         return answer.get("kv_transfer_params")
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         raise UpstreamFailed(engine.url, f"{type(exc).__name__}: {exc}") from exc
     finally:
         timing.upstream += time.perf_counter() - t
-        engine.inflight -= 1
-        engine.inflight_tokens -= uncached
 
 
 def _has_token(event: bytes) -> bool:
