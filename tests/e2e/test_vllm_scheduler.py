@@ -184,7 +184,7 @@ def test_producer_promises_blocks_only_to_remote_decode_prefills(model):
     params = {o.request_id: o.kv_transfer_params for outs in h.outputs for eco in outs.values()
               for o in eco.outputs if o.finished}
     assert params["p1"]["kvstore"]["num_blocks"] == 2 and params["p1"]["kvstore"]["prompt_token_ids"] == prompt
-    assert params["p2"] is None
+    assert "kvstore" not in (params["p2"] or {})  # only the tier report (hits.py)
 
 
 def test_handoff_params_not_signed_for_their_request_cannot_make_a_decode_wait(model):

@@ -20,6 +20,7 @@ from .events import StoreEvents
 from .fingerprint import chain_fingerprint
 from .groups import NULL_BLOCK
 from .handoff import PARAMS_KEY, SeenIds, make_params, wait_budget
+from .hits import HITS_KEY, RequestHits
 from .identity import AdapterIdentities, weights_identity
 from .plan import GroupBlock, RequestState, common_prefix, loadable_blocks, loadable_tokens, longest_servable
 from .request_keys import KeySources, request_keys
@@ -65,6 +66,7 @@ class KVStoreScheduler(ConnectorSide):
         self._load_plans: dict[str, set[int]] = {}  # block ids each request was told to load
         self._load_failed: set[str] = set()  # requests that must not be offered store blocks again
         self._events = StoreEvents(self.block_size, self.groups)
+        self._hits = RequestHits()  # where each request's cached tokens came from (its answer says)
 
     @property
     def chain(self) -> "ModelFingerprint":
@@ -126,6 +128,7 @@ class KVStoreScheduler(ConnectorSide):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)  # also when loading is off: saves need the request's keys
+        self._hits.looked_up(request.request_id, num_computed_tokens)
         if not self.load_enabled or request.request_id in self._load_failed:
             return 0, False  # after a failed load, recompute rather than fail again
         usable = state.load_blocks(self.block_size)
@@ -175,6 +178,9 @@ class KVStoreScheduler(ConnectorSide):
         return external, load_async
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+        return self._hit_sources(request, num_external_tokens)
+
+    def _hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
         if num_external_tokens == 0:
@@ -200,6 +206,8 @@ class KVStoreScheduler(ConnectorSide):
         return {source: tokens for source, tokens in sources.items() if tokens}
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        preempted = int(getattr(request, "num_preemptions", 0) or 0) > 0
+        self._hits.admitted(request.request_id, preempted)
         if num_external_tokens <= 0 or request.request_id not in self._matched:
             return
         computed, matched, tokens, load_async = self._matched.pop(request.request_id)
@@ -214,6 +222,9 @@ class KVStoreScheduler(ConnectorSide):
         (self._loads if load_async else self._sync_loads)[request.request_id] = plan
         self._load_tokens[request.request_id] = tokens
         state.saved_blocks = max(state.saved_blocks, matched)  # loaded blocks need no saving
+        if not preempted:  # recorded here, not when vLLM asks: it asks only while it keeps statistics
+            sources = self._hit_sources(request, num_external_tokens)
+            self._hits.sources(request.request_id, {source.value: n for source, n in sources.items()})
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         for req_id, plan in list(self._loads.items()) + list(self._sync_loads.items()):
@@ -278,6 +289,9 @@ class KVStoreScheduler(ConnectorSide):
         params = None
         if state is not None and state.handoff and self.save_enabled and self._prefill_succeeded(request):
             params = self._handoff_params(state)
+        hits = self._hits.finished(request.request_id)
+        if hits is not None:  # in the answer: where its cached prompt tokens came from (hits.py)
+            params = {**(params or {}), HITS_KEY: hits}
         return delay, params
 
     def _handoff_params(self, state: RequestState) -> dict[str, Any] | None:
