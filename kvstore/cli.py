@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+from types import ModuleType
 
 from .cli_args import (Parser, alias, fail, fraction, host_port, metadata_url, number, port, positive_float,
                        positive_int, readable_file, replica_count, size, timeout_seconds)
@@ -362,10 +363,32 @@ def build_parser() -> Parser:
     from .admin.cli import add_parser as add_admin
 
     add_admin(commands)
-    from benchmarks import add_parser as add_bench
-
-    add_bench(commands)  # every benchmark module: kvstore bench NAME [ARGS]
+    benchmarks = checkout_benchmarks()
+    if benchmarks is not None:
+        benchmarks.add_parser(commands)  # every benchmark module: kvstore bench NAME [ARGS]
+    else:
+        bench = commands.add_parser("bench", help="run a benchmark (from a source checkout of kvstore)")
+        bench.add_argument("rest", metavar="ARGS", nargs=argparse.REMAINDER, help="the benchmark and its arguments")
     return parser
+
+
+def checkout_benchmarks() -> ModuleType | None:
+    """The `benchmarks` package of the source checkout this kvstore runs from, or None from an
+    installed wheel: benchmarks and their test scaffolding (kvstore_testing) live in the checkout
+    only. From a checkout installed editable, its root goes at the end of sys.path (shadowing
+    nothing installed) so `kvstore bench` imports them as `python -m benchmarks.NAME` does."""
+    import importlib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not all(os.path.exists(os.path.join(root, part))
+               for part in ("pyproject.toml", "kvstore_testing", os.path.join("benchmarks", "__init__.py"))):
+        return None
+    if root not in [os.path.abspath(entry or os.curdir) for entry in sys.path]:
+        sys.path.append(root)
+    benchmarks = importlib.import_module("benchmarks")
+    # another distribution's top-level `benchmarks` ahead of the checkout's is not ours to run
+    return benchmarks if os.path.dirname(os.path.abspath(benchmarks.__file__)) == os.path.join(root, "benchmarks") \
+        else None
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -401,9 +424,12 @@ def _main(argv: list[str] | None) -> int:
 
         return run_admin(args)
     if args.command == "bench":
-        from benchmarks import run as run_bench
-
-        return run_bench(args)
+        benchmarks = checkout_benchmarks()
+        if benchmarks is None:
+            print("kvstore bench: the benchmarks come with a source checkout of kvstore, not with the installed "
+                  "package; run it from a checkout (python -m benchmarks.NAME from its root)", file=sys.stderr)
+            return 2
+        return benchmarks.run(args)
     return 2
 
 
