@@ -25,16 +25,16 @@ class InstanceLoad:
     queue_ms: float = 0.0
     running_tokens: int = 0
     running_requests: int = 0
-    free_kv_tokens: int = 0
+    free_kv_tokens: int | None = None  # None: not said (its KV room is then not checked)
     store_node: str | None = None  # the store node sharing its host (whose blocks it can use cheaply)
     reported_at: float = field(default_factory=time.monotonic)
 
     def candidate(self) -> routing.Candidate:
         """As the router core sees it; a KV capacity only where the instance said what is free."""
-        known = self.free_kv_tokens > 0
+        capacity = None if self.free_kv_tokens is None else self.running_tokens + self.free_kv_tokens
         return routing.Candidate(self.name, self.queue_ms, self.running_requests, 0,
-                                 float(self.running_tokens) if known else None,
-                                 self.running_tokens + self.free_kv_tokens if known else None, self.running_tokens)
+                                 float(self.running_tokens) if capacity else None, capacity or None,
+                                 self.running_tokens)
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,14 @@ class Conductor:
     def report(self, load: InstanceLoad) -> None:
         if load.role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, not {load.role!r}")
+        if not isinstance(load.name, str) or not (load.store_node is None or isinstance(load.store_node, str)):
+            raise ValueError("name and store_node must be strings")
+        for key in ("queue_ms", "running_tokens", "running_requests", "free_kv_tokens"):
+            value = getattr(load, key)
+            if value is None and key == "free_kv_tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{key} must be a number >= 0, not {value!r}")
         load.reported_at = time.monotonic()
         with self._lock:
             self._loads[load.name] = load

@@ -62,12 +62,17 @@ def test_routes_by_cached_prefix_and_load(etcd_server):
         body = json.dumps({"token_ids": tokens, "output_tokens": 100}).encode()
         reply = json.loads(urllib.request.urlopen(urllib.request.Request(url + "/route", body), timeout=5).read())
         assert reply["accepted"] and reply["prefill"] == "prefill-b" and reply["cached_tokens"] == 48 * 512
-        bad = urllib.request.Request(url + "/route", b'{"hashes": ["zz"]}')
-        try:
-            urllib.request.urlopen(bad, timeout=5)
-            raise AssertionError("malformed request accepted")
-        except urllib.error.HTTPError as exc:
-            assert exc.code == 400
+        # A proxy retrying after decode-2 failed: the router core's exclusion, as the gateway's.
+        body = json.dumps({"token_ids": tokens, "output_tokens": 100, "exclude": ["decode-2"]}).encode()
+        reply = json.loads(urllib.request.urlopen(urllib.request.Request(url + "/route", body), timeout=5).read())
+        assert reply["accepted"] and reply["decode"] == "decode-1" and reply["route_reason"] == "cache_global"
+        for path, data in (("/route", b'{"hashes": ["zz"]}'), ("/route", b'{"hashes": [], "exclude": "prefill-a"}'),
+                           ("/load", b'{"name": "p", "role": "prefill", "queue_ms": "slow"}')):
+            try:
+                urllib.request.urlopen(urllib.request.Request(url + path, data), timeout=5)
+                raise AssertionError(f"malformed request accepted: {data!r}")
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 400
         server.shutdown()
     for s in sessions:
         loop.run_until_complete(s.close())
