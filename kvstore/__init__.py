@@ -5,6 +5,7 @@
 """
 from .client import AsyncClient, Client
 from .keys import ModelFingerprint, chain_hashes, external_hashes
-from .library import open, parse_size
+from .library import open
+from .sizes import parse_size
 
 __all__ = ["AsyncClient", "Client", "ModelFingerprint", "chain_hashes", "external_hashes", "open", "parse_size"]

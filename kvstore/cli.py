@@ -272,7 +272,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from .daemon import Daemon, DaemonConfig
     from .daemon.host_room import check_dram
     from .errors import InvalidConfig, KVStoreError
-    from .library import parse_size
+    from .sizes import parse_size
 
     prog = "kvstore serve"
     if args.low_watermark > args.high_watermark:

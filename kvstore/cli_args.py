@@ -74,7 +74,7 @@ def alias(parser: argparse.ArgumentParser, *flags: str, dest: str, **kwargs: Any
 
 def size(text: str) -> str:
     """A size such as 512MiB, 4GiB, 1TB or a byte count (kept as text; the daemon parses it)."""
-    from .library import parse_size
+    from .sizes import parse_size
 
     try:
         if parse_size(text) < 0:

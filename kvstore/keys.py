@@ -12,7 +12,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import re
 
@@ -159,6 +159,30 @@ def token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise InvalidTokens("token ids must fit in an unsigned 32-bit integer")
     return arr.astype("<u4", copy=False)
+
+
+def encode_extra_keys(keys: Any) -> bytes:
+    """Deterministic bytes for one block's extra keys (nested tuples of str/bytes/int/None), as
+    `chain_hashes(extras=...)` folds them into the block's hash: the connector encodes vLLM's extra
+    keys (adapter, multimodal item, cache salt) this way, and so must everyone else who computes
+    the same keys (the gateway from KV events, the stand-in engines)."""
+    if keys is None:
+        return b"N"
+    if isinstance(keys, bool):
+        return b"T" if keys else b"F"
+    if isinstance(keys, int):
+        return b"I" + str(keys).encode() + b";"
+    if isinstance(keys, str):
+        raw = keys.encode()
+        return b"S" + len(raw).to_bytes(4, "little") + raw
+    if isinstance(keys, (bytes, bytearray, memoryview)):
+        raw = bytes(keys)
+        return b"B" + len(raw).to_bytes(4, "little") + raw
+    if isinstance(keys, (tuple, list)):
+        return b"(" + b"".join(encode_extra_keys(k) for k in keys) + b")"
+    if isinstance(keys, float):
+        return b"D" + repr(keys).encode() + b";"
+    raise TypeError(f"cannot encode a block extra key of type {type(keys).__name__}")
 
 
 def chain_hashes(fingerprint: ModelFingerprint, tokens: Sequence[int] | np.ndarray,

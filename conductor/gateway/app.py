@@ -10,8 +10,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvstore.integrations.vllm.request_keys import encode_extra_keys
-from kvstore.keys import ModelFingerprint, chain_hashes
+from kvstore.keys import ModelFingerprint, chain_hashes, encode_extra_keys
 
 from ..cost import CostModel
 from ..policies import Slo

@@ -13,8 +13,7 @@ import logging
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvstore.integrations.vllm.request_keys import encode_extra_keys
-from kvstore.keys import ModelFingerprint, chain_hashes
+from kvstore.keys import ModelFingerprint, chain_hashes, encode_extra_keys
 
 from .prefix import PrefixTracker
 

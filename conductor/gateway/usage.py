@@ -4,7 +4,7 @@ cached tokens came from, and the prefill time and money the caches saved (metric
 The numbers come from the engines. vLLM counts a request's cached tokens once, when it is first
 scheduled (`--enable-prompt-tokens-details` puts that count in its usage); the kvstore connector
 returns the same count split by tier in the answer's `kv_transfer_params` (`kvstore_hits`: device,
-host, disk, p2p; see kvstore/integrations/vllm/hits.py). Which report a request gets:
+host, disk, p2p; see kvstore/hits.py). Which report a request gets:
 
 - P/D: the prefill engine's report, as vLLM's own P/D reports it (`remote_prefill_cached_tokens`):
   the decode engine's hand-off tokens were computed for this very request, so they are no saving.
@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from kvstore.integrations.vllm.hits import HITS_KEY, TIERS
+from kvstore.hits import HITS_KEY, TIERS
 
 from ..cost import CostModel
 

@@ -482,7 +482,7 @@ def check_store_memory(objects: list[dict], tmp: Path) -> None:
     memory the daemon fills at start, charged to its pod: OOM-killed at once or under load), or whose
     request differs from its limit (not Guaranteed: the node overcommits what the tier pins)."""
     from kvstore.cli import parse
-    from kvstore.library import parse_size
+    from kvstore.sizes import parse_size
 
     daemonset, container = store(objects)
     args = localize(argv(objects, daemonset, container), mounted_files(objects, daemonset, container, tmp))

@@ -66,7 +66,7 @@ def test_a_chain_continues_where_it_stopped():
 def test_store_keys_are_the_connectors():
     """Kills: keying the pool differently from the kvstore connector (engines with the connector and
     stand-ins would never share a block), or a tail key for a 1-token tail (the connector has none)."""
-    from kvstore.integrations.vllm.request_keys import encode_extra_keys
+    from kvstore.keys import encode_extra_keys
     from kvstore.keys import chain_hashes, tail_hash
 
     fp = fingerprint_for(small(), 16384)

@@ -17,8 +17,7 @@ import os
 import pickle
 from typing import Any, Sequence
 
-from kvstore.integrations.vllm.request_keys import encode_extra_keys
-from kvstore.keys import ModelFingerprint, chain_hashes, tail_hash
+from kvstore.keys import ModelFingerprint, chain_hashes, encode_extra_keys, tail_hash
 
 DEFAULT_SEED = "vllm-none-hash"
 _MASK64 = (1 << 64) - 1

@@ -26,8 +26,8 @@ from typing import Callable
 
 import numpy as np
 
-from kvstore.integrations.vllm.plan import loadable_blocks, loadable_tokens
 from kvstore.keys import ModelFingerprint
+from kvstore.prefix import loadable_blocks, loadable_tokens
 
 from .hashing import store_keys
 from .profile import Profile

@@ -9,8 +9,9 @@ HITS_KEY, so a gateway can report the split of exactly the number vLLM reports.
 """
 from __future__ import annotations
 
-HITS_KEY = "kvstore_hits"
-TIERS = ("device", "host", "disk", "p2p")
+from ...hits import HITS_KEY, TIERS  # the report's contract, shared with the gateway
+
+__all__ = ["HITS_KEY", "TIERS", "RequestHits"]
 
 
 class RequestHits:

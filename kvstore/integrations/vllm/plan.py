@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 import xxhash
 
 from ...keys import ModelFingerprint, chain_hashes
+from ...prefix import loadable_tokens
 from .groups import NULL_BLOCK
 
 # (KV cache group, vLLM block id, store key): one block of one group to load or save.
@@ -20,16 +21,6 @@ def prompt_hashes(fingerprint: ModelFingerprint, prompt: list[int], cache_salt: 
     if cache_salt:
         parent = xxhash.xxh3_128_digest(fingerprint.root_hash() + cache_salt.encode())
     return chain_hashes(fingerprint, prompt, parent=parent)
-
-
-def loadable_blocks(prompt_tokens: int, block_size: int) -> int:
-    """Full blocks that may come from outside: vLLM must still compute at least one prompt token."""
-    return max(0, (prompt_tokens - 1) // block_size)
-
-
-def loadable_tokens(prompt_tokens: int) -> int:
-    """Prompt tokens whose KV may come from outside: all but the last, which vLLM computes for logits."""
-    return max(0, prompt_tokens - 1)
 
 
 def common_prefix(a: list[int], b: list[int]) -> list[int]:

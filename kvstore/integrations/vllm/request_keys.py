@@ -15,29 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ...keys import ModelFingerprint, chain_hashes, tail_hash
+from ...keys import ModelFingerprint, chain_hashes, encode_extra_keys, tail_hash
 from .identity import AdapterIdentities
-
-
-def encode_extra_keys(keys: Any) -> bytes:
-    """Deterministic bytes for one block's extra keys (nested tuples of str/bytes/int/None)."""
-    if keys is None:
-        return b"N"
-    if isinstance(keys, bool):
-        return b"T" if keys else b"F"
-    if isinstance(keys, int):
-        return b"I" + str(keys).encode() + b";"
-    if isinstance(keys, str):
-        raw = keys.encode()
-        return b"S" + len(raw).to_bytes(4, "little") + raw
-    if isinstance(keys, (bytes, bytearray, memoryview)):
-        raw = bytes(keys)
-        return b"B" + len(raw).to_bytes(4, "little") + raw
-    if isinstance(keys, (tuple, list)):
-        return b"(" + b"".join(encode_extra_keys(k) for k in keys) + b")"
-    if isinstance(keys, float):
-        return b"D" + repr(keys).encode() + b";"
-    raise TypeError(f"cannot encode a block extra key of type {type(keys).__name__}")
 
 
 @dataclass

@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Any, Iterable
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from ...errors import FingerprintMismatch
+from ...prefix import loadable_blocks, loadable_tokens
 from .events import StoreEvents
 from .fingerprint import chain_fingerprint
 from .groups import NULL_BLOCK
 from .handoff import PARAMS_KEY, SeenIds, make_params, wait_budget
 from .hits import HITS_KEY, RequestHits
 from .identity import AdapterIdentities, weights_identity
-from .plan import GroupBlock, RequestState, common_prefix, loadable_blocks, loadable_tokens, longest_servable
+from .plan import GroupBlock, RequestState, common_prefix, longest_servable
 from .request_keys import KeySources, request_keys
 from .settings import ConnectorSettings, ConnectorSide
 from .step_plan import KVStoreMetadata
