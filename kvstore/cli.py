@@ -345,6 +345,11 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     daemon.enable_reflection()
     daemon.serve()
+    import logging
+
+    from .daemon.startup import startup_line
+
+    logging.getLogger("kvstore.serve").info("%s", startup_line(config, daemon))
     print(json.dumps({"node": config.node, "control": daemon.address, "metrics_port": daemon.metrics_port,
                       "engine": daemon.engine.export().to_json()}), flush=True)
     daemon.wait()

@@ -74,12 +74,26 @@ def config_from(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(**{k: v for k, v in overrides.items() if v is not None}).validate()
 
 
+def startup_line(config: GatewayConfig, listen: str) -> str:
+    """The one line the gateway logs once it serves: where, in front of what, and who may call it."""
+    engines = f"decode {', '.join(config.decode)}" + (f"; prefill {', '.join(config.prefill)}" if config.prefill
+                                                       else " (colocated)")
+    store = f"store index {config.metadata} (cluster {config.cluster!r})" if config.metadata else "no store index"
+    auth = (f"{len(config.api_keys)} API key(s), cache salts bound to keys" if config.api_keys
+            else "off (no API keys: callers' cache salts go to the engines as sent)")
+    price = f"; GPU price {config.gpu_hour_price:g}/h x {config.gpus_per_engine}" if config.gpu_hour_price else ""
+    return (f"conductor gateway: serving OpenAI on http://{listen} in front of {engines}; policy {config.policy}, "
+            f"{store}, {len(config.kv_events)} KV-event feed(s), blocks of {config.block_tokens} tokens{price}; "
+            f"auth {auth}")
+
+
 async def _run(config: GatewayConfig, listen: str) -> None:
     host, _, port = listen.rpartition(":")
     raise_descriptor_limit()  # else a default `ulimit -n` of 1024 caps the connections at 448
     gateway = Gateway(config)
     bound = await gateway.start(host or "127.0.0.1", int(port or 0))
     print(json.dumps({"listen": f"{host}:{bound}"}), flush=True)
+    logging.getLogger("conductor.gateway").info("%s", startup_line(config, f"{host}:{bound}"))
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

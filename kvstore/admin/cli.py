@@ -23,15 +23,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
-from google.protobuf.json_format import MessageToDict
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
-from rich.table import Table
 
 from ..cli_args import alias, fraction, number, timeout_seconds
 from ..errors import KVStoreError
 from ..index import IndexMirror
 from ..keys import ModelFingerprint, chain_hashes
+from . import render
+from .render import message_dict
 from .v1 import admin_pb2, admin_pb2_grpc
 
 OK, FAILED, USAGE, NOT_FOUND, NOT_ALLOWED, UNAVAILABLE = 0, 1, 2, 3, 4, 5
@@ -282,22 +282,13 @@ def _targets(client: AdminClient, args) -> list[str]:
     return [args.node] if getattr(args, "node", None) else sorted(client.nodes())
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PiB"
-
-
 def _status_rows(client: AdminClient) -> list[dict]:
     names = sorted(client.nodes())
     replies = client.ask(names, "GetNodeStatus", admin_pb2.NodeStatusRequest(), missing_ok=False)
     rows = []
     for name in names:
         if name in replies:
-            row = MessageToDict(replies[name], preserving_proto_field_name=True,
-                                always_print_fields_with_no_presence=True)
+            row = message_dict(replies[name])
             row["state"] = "draining" if row["draining"] else "serving"
         else:
             record = client.nodes().get(name)
@@ -359,16 +350,16 @@ def cmd_status(client: AdminClient, args, console) -> int:
                           "unreachable": dict(sorted(client.unreachable.items()))}, indent=1))
         return _partial(client)
     down = f", {len(client.unreachable)} unreachable" if client.unreachable else ""
-    table = Table(title=f"cluster {args.cluster}: {len(rows)} node(s){down}, {under} under-replicated block(s)")
-    for col in ("node", "endpoint", "DRAM", "NVMe", "blocks", "hits", "policy", "state"):
-        table.add_column(col)
+    table = render.table(f"cluster {args.cluster}: {len(rows)} node(s){down}, {under} under-replicated block(s)",
+                         ["node", "endpoint", "DRAM", "NVMe", "blocks", "hits", "policy", "state"],
+                         right=("DRAM", "NVMe", "blocks", "hits"))
     for r in rows:
         if r["state"] == "unreachable":
             table.add_row(r["name"], r["control_endpoint"], "-", "-", "-", "-", "-",
                           f"[red]unreachable[/red] ({r['reason']})")
             continue
         tiers = {t["name"]: t for t in r["tiers"]}
-        fmt = lambda t: f"{_size(int(t['used_bytes']))} / {_size(int(t['capacity_bytes']))}" if t else "-"  # noqa: E731
+        fmt = lambda t: f"{render.size(int(t['used_bytes']))}/{render.size(int(t['capacity_bytes']))}" if t else "-"  # noqa: E731
         table.add_row(r["name"], r["control_endpoint"], fmt(tiers.get("dram")), fmt(tiers.get("nvme")),
                       str(sum(int(t["blocks"]) for t in r["tiers"])), str(sum(int(t["hits"]) for t in r["tiers"])),
                       r["eviction_policy"], r["state"])
@@ -390,9 +381,7 @@ def cmd_nodes(client: AdminClient, args, console) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return _partial(client)
-    table = Table(title="nodes")
-    for col in ("node", "endpoint", "host", "version", "state"):
-        table.add_column(col)
+    table = render.table("nodes", ["node", "endpoint", "host", "version", "state"])
     for r in rows:
         state = f"[red]unreachable[/red] ({r['reason']})" if r["state"] == "unreachable" else r["state"]
         table.add_row(r["name"], r["endpoint"], r["host"], r["version"], state)
@@ -401,21 +390,19 @@ def cmd_nodes(client: AdminClient, args, console) -> int:
 
 
 def cmd_node(client: AdminClient, args, console) -> int:
-    status = MessageToDict(client.call(args.name, "GetNodeStatus", admin_pb2.NodeStatusRequest()),
-                           preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    status = message_dict(client.call(args.name, "GetNodeStatus", admin_pb2.NodeStatusRequest()))
     if args.json:
         print(json.dumps(status, indent=1))
         return OK
-    table = Table(title=f"node {args.name} ({'draining' if status['draining'] else 'serving'}, {status['eviction_policy']})")
-    for col in ("tier", "used", "capacity", "blocks", "watermarks", "hits", "evictions"):
-        table.add_column(col)
+    table = render.table(f"node {args.name} ({'draining' if status['draining'] else 'serving'}, "
+                         f"{status['eviction_policy']})", ["tier", "used", "capacity", "blocks", "watermarks", "hits",
+                                                          "evictions"],
+                         right=("used", "capacity", "blocks", "hits", "evictions"))
     for t in status["tiers"]:
-        table.add_row(t["name"], _size(int(t["used_bytes"])), _size(int(t["capacity_bytes"])), str(t["blocks"]),
+        table.add_row(t["name"], render.size(int(t["used_bytes"])), render.size(int(t["capacity_bytes"])), str(t["blocks"]),
                       f"{t['low_watermark']:.2f}-{t['high_watermark']:.2f}", str(t["hits"]), str(t["evictions"]))
     console.print(table)
-    counters = Table(title="counters")
-    counters.add_column("name")
-    counters.add_column("value", justify="right")
+    counters = render.table("counters", ["name", "value"], right=("value",))
     for k, v in sorted(status["counters"].items()):
         counters.add_row(k, f"{v:,.0f}")
     console.print(counters)
@@ -443,7 +430,7 @@ def cmd_blocks(client: AdminClient, args, console) -> int:
             out.append({"node": name, "total": 0, "next_page_token": "", "blocks": []})
             continue
         out.append({"node": name, "total": reply.total, "next_page_token": reply.next_page_token,
-                    "blocks": [MessageToDict(b, preserving_proto_field_name=True) for b in reply.blocks]})
+                    "blocks": [message_dict(b, defaults=False) for b in reply.blocks]})
     if args.json:
         print(json.dumps(out, indent=1))
         return _partial(client)
@@ -451,12 +438,11 @@ def cmd_blocks(client: AdminClient, args, console) -> int:
         if page.get("state") == "unreachable":
             console.print(f"{page['node']}: [red]unreachable[/red] ({page['reason']})")
             continue
-        table = Table(title=f"{page['node']}: {page['total']} block(s)"
-                      + (f", next page: --page-token {page['next_page_token']}" if page["next_page_token"] else ""))
-        for col in ("hash", "tier", "size"):
-            table.add_column(col)
+        table = render.table(f"{page['node']}: {page['total']} block(s)"
+                             + (f", next page: --page-token {page['next_page_token']}" if page["next_page_token"]
+                                else ""), ["hash", "tier", "size"], right=("size",))
         for b in page["blocks"]:
-            table.add_row(b["hash"], b["tier"], _size(int(b["size"])))
+            table.add_row(b["hash"], b["tier"], render.size(int(b["size"])))
         console.print(table)
     return _partial(client)
 
@@ -543,9 +529,8 @@ def cmd_query(client: AdminClient, args, console) -> int:
     if args.json:
         print(json.dumps(summary, indent=1))
         return _partial(client)
-    table = Table(title=f"{leading} of {len(hashes)} leading blocks cached in the cluster")
-    for col in ("node", "leading blocks", "tiers"):
-        table.add_column(col)
+    table = render.table(f"{leading} of {len(hashes)} leading blocks cached in the cluster",
+                         ["node", "leading blocks", "tiers"], right=("leading blocks",))
     for name, r in result.items():
         if r.get("state") == "unreachable":
             table.add_row(name, "-", f"[red]unreachable[/red] ({r['reason']})")
@@ -611,14 +596,13 @@ def cmd_tenants(client: AdminClient, args, console) -> int:
     if args.json:
         print(json.dumps({"tenants": rows, "unreachable": dict(sorted(client.unreachable.items()))}, indent=1))
         return _partial(client)
-    table = Table(title=f"tenants of cluster {args.cluster}")
-    for col in ("tenant", "node", "tier", "held", "share"):
-        table.add_column(col)
+    table = render.table(f"tenants of cluster {args.cluster}", ["tenant", "node", "tier", "held", "share"],
+                         right=("held", "share"))
     for r in rows:
-        share = "-" if r["share_bytes"] is None else _size(r["share_bytes"])
+        share = "-" if r["share_bytes"] is None else render.size(r["share_bytes"])
         over = r["share_bytes"] is not None and r["bytes"] > r["share_bytes"]
-        table.add_row(r["tenant"], r["node"], r["tier"], f"[yellow]{_size(r['bytes'])}[/yellow]" if over
-                      else _size(r["bytes"]), share)
+        table.add_row(r["tenant"], r["node"], r["tier"], f"[yellow]{render.size(r['bytes'])}[/yellow]" if over
+                      else render.size(r["bytes"]), share)
     console.print(table)
     return _partial(client)
 
@@ -631,7 +615,7 @@ def cmd_policy(client: AdminClient, args, console) -> int:
         request.accept_puts = args.accept_puts == "yes"
     status = client.call(args.name, "SetPolicy", request)
     if args.json:
-        print(json.dumps(MessageToDict(status, preserving_proto_field_name=True), indent=1))
+        print(json.dumps(message_dict(status, defaults=False), indent=1))
     else:
         tier = status.tiers[0]
         console.print(f"{args.name}: {status.eviction_policy}, watermarks {tier.low_watermark:.2f}-{tier.high_watermark:.2f}, "
