@@ -10,7 +10,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvstore.integrations.vllm.tiny_model import build_tiny_mla_model, build_tiny_model
+from kvstore.integrations.vllm.tiny_model import build_tiny_model
+from kvstore_testing.tiny_models import build_tiny_mla_model
 
 ENGINE = {"max_model_len": 2048, "max_num_batched_tokens": 2048}
 LORA_ENGINE = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}

@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is part of the test install (scripts/install-test-deps.sh)")
 
-from kvstore.integrations.vllm.tiny_model import (build_tiny_mamba_hybrid, build_tiny_mla_model,  # noqa: E402
-                                                  build_tiny_model)
+from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
+from kvstore_testing.tiny_models import build_tiny_mamba_hybrid, build_tiny_mla_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BLOCK = 128  # vLLM's CPU block size
