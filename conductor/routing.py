@@ -22,7 +22,7 @@ SPREAD_SLACK_MS = 50.0
 SPREAD_SLACK_SHARE = 0.25
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Candidate:
     """One engine as the router sees it."""
 

@@ -37,11 +37,11 @@ class Router:
         self.block_tokens = block_tokens
         self.store_enabled = mirror is not None
 
-    def queue_ms(self, engine: Engine) -> float:
+    def queue_ms(self, engine: Engine, kv_load: float | None = None) -> float:
         """Until `engine` could start a new prefill: what the gateway sent it plus what it reports,
-        and a step of its running decodes over the KV they read."""
+        and a step of its running decodes over the KV they read (`kv_load`, when already known)."""
         waiting = max(engine.waiting * self.block_tokens, engine.inflight_tokens)
-        context = int(self.kv_load(engine) or 0)
+        context = int((self.kv_load(engine) if kv_load is None else kv_load) or 0)
         return self.cost.prefill_ms(waiting, waiting) + \
             self.cost.decode_step_ms(engine.running, context) * (engine.running > 0)
 
@@ -54,10 +54,12 @@ class Router:
             return None
         return max(engine.kv_usage * engine.kv_capacity, float(engine.inflight_kv))
 
-    def candidate(self, engine: Engine) -> routing.Candidate:
+    def candidate(self, engine: Engine, queue: bool = True) -> routing.Candidate:
+        """`queue=False`: its queue is not needed (a P/D decode engine that prefills nothing)."""
         # context_tokens 0: the KV load counts output still to come, not what a decode step reads now.
-        return routing.Candidate(engine.url, self.queue_ms(engine), engine.running, engine.inflight,
-                                 self.kv_load(engine), engine.kv_capacity)
+        kv_load = self.kv_load(engine)
+        return routing.Candidate(engine.url, self.queue_ms(engine, kv_load) if queue else 0.0, engine.running,
+                                 engine.inflight, kv_load, engine.kv_capacity)
 
     def store_prefix_tokens(self, hashes: Sequence[bytes], prompt_tokens: int) -> int:
         return routing.pool_prefix_tokens(self.mirror if self.store_enabled else None, self.fingerprint, hashes,
@@ -71,10 +73,13 @@ class Router:
         def credit(url: str) -> int:
             return min(self.tracker.prefix_blocks(url, hashes) * self.block_tokens, prompt_tokens)
 
+        # Decode engines prefill when there is no prefill engine, or a short tail (conditional
+        # disaggregation): only then is their queue read (12 engines' queues are a tenth of a route).
+        queue = self.core.local_prefill_tokens > 0 or all(e.url in exclude for e in prefills)
         try:
             placed = self.core.route(RouteRequest(prompt_tokens, output_tokens, store, session),
-                                     [self.candidate(e) for e in prefills], [self.candidate(e) for e in decodes],
-                                     credit, exclude)
+                                     [self.candidate(e) for e in prefills],
+                                     [self.candidate(e, queue) for e in decodes], credit, exclude)
         except routing.NoEngine as exc:
             raise ApiError(503, exc.reason, code="no_engine") from None
         except routing.SloRefused as exc:
@@ -87,5 +92,5 @@ class Router:
 
     def retry_decode(self, exclude: frozenset[str]) -> Engine | None:
         """The engine a decode that failed before its first token moves to (the router core's pick)."""
-        name = self.core.retry_decode([self.candidate(e) for e in self.pool.role("decode")], exclude)
+        name = self.core.retry_decode([self.candidate(e, queue=False) for e in self.pool.role("decode")], exclude)
         return None if name is None else self.pool.get(name)
