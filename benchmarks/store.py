@@ -216,7 +216,7 @@ def ours_steps(etcd: EtcdServer, args: argparse.Namespace) -> Iterator[Step]:
                     target = written[path][-1]
                     client.mirror.wait_until(lambda m: all(client.contains(h) for h in target), 10)
                     calls[("kvstore", path, "get")] = functools.partial(get, client, target, outs[path][:batch],
-                                                                        client._verified)
+                                                                        client.reads.nodes.verified)
                 if block == MIB and batch == BATCH:
                     shm = clients["shm"]
                     unhashed = VerifiedSlots(mode="once")
@@ -238,12 +238,12 @@ def ours_steps(etcd: EtcdServer, args: argparse.Namespace) -> Iterator[Step]:
 
 def get(client: Client, hashes: list[bytes], outs: list[np.ndarray], verified: VerifiedSlots, rep: int) -> None:
     """One of our gets, verifying as `verified` says (the client's own, or a mode measured beside it)."""
-    mine, client._verified = client._verified, verified
+    mine, client.reads.nodes.verified = client.reads.nodes.verified, verified
     try:
         if not all(client.get_many(hashes, outs)):
             raise RuntimeError("benchmark get missed")
     finally:
-        client._verified = mine
+        client.reads.nodes.verified = mine
 
 
 def dd_direct_read(path: str, nbytes: int, skip: int = 0) -> float:

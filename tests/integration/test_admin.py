@@ -171,7 +171,7 @@ def test_a_put_under_way_when_a_drain_ends_is_refused_not_left_behind(admin_clus
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
         hashes = external_hashes(range(2000, 2000 + count), FP)
         assert client.put_many([(h, content(h, block)) for h in hashes]) == count
-        leased = [slot.token for slot in client._leases.slots()]
+        leased = [slot.token for slot in client.links.leases.slots()]
         assert len(leased) == count  # the next put of this shape would write straight into these
         spawn("node-b")
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 2, 10)

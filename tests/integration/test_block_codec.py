@@ -59,7 +59,7 @@ def test_coded_nvme_blocks_read_right_on_every_path_and_after_a_restart(etcd_ser
             c.put_many([(h, content(h)) for h in hashes[start : start + 8]])
     assert until(lambda: counters(daemon).get("disk_codec_coded_blocks", 0) >= 40, 30)
     with client(etcd_server, cluster) as c:
-        records = c._lookup("coder", c._fp(None), hashes)
+        records = c.reads.lookup("coder", c._fp(None), hashes)
     coded = [h for h, r in zip(hashes, records) if r is not None and r.codec]
     assert len(coded) >= 40 and all(r.stored < r.size for r in records if r is not None and r.codec)
 
@@ -73,7 +73,7 @@ def test_coded_nvme_blocks_read_right_on_every_path_and_after_a_restart(etcd_ser
     assert stats["wire_read_bytes"] < 0.9 * stats["wire_read_raw_bytes"]  # DRAM blocks coded on the way too
 
     with client(etcd_server, cluster) as c:  # where they are now (hits promoted some)
-        records = c._lookup("coder", c._fp(None), hashes)
+        records = c.reads.lookup("coder", c._fp(None), hashes)
     on_nvme = [h for h, r in zip(hashes, records) if r is not None and r.tier == "nvme"]
     coded = [h for h, r in zip(hashes, records) if r is not None and r.codec]
     assert len(coded) >= 10
@@ -92,4 +92,4 @@ def test_coded_nvme_blocks_read_right_on_every_path_and_after_a_restart(etcd_ser
     good, _ = read_all(etcd_server, cluster, rest)
     assert good == rest
     with client(etcd_server, cluster) as c:
-        assert c._lookup("coder", c._fp(None), [victim]) == [None]
+        assert c.reads.lookup("coder", c._fp(None), [victim]) == [None]

@@ -26,7 +26,7 @@ def test_close_waits_for_a_hit_report_in_flight(etcd_server, spawn_daemon):
     assert client.put(h, data) == 1
     assert client.mirror.wait_until(lambda m: m.contains(FP, h), 10)
 
-    node = client._node("close-node")  # (a same-host put needs no engine peer: it may not exist yet)
+    node = client.links.node("close-node")  # (a same-host put needs no engine peer: it may not exist yet)
     touching, overlaps = threading.Event(), []
     real_touch, real_close = node.stub.Touch, node.guard.raw.close
 
@@ -62,36 +62,36 @@ def test_a_call_on_a_connection_replaced_after_a_failure_is_refused_not_a_crash(
     spawn_daemon("down-node", etcd_server.url, cluster, secret=SECRET)
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET) as client:
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
-        old = client._node("down-node")
-        client._mark_down("down-node", ConnectionError("a failed read, as a get would meet it"))
+        old = client.links.node("down-node")
+        client.links.mark_down("down-node", ConnectionError("a failed read, as a get would meet it"))
         with pytest.raises(ConnectionReplaced):
             old.stub.Lookup(store_pb2.LookupRequest(fingerprint=FP.digest, hashes=[]), timeout=5)
-        client._placement._down.clear()  # (not waiting out the 2 s it is left alone)
+        client.links.placement._down.clear()  # (not waiting out the 2 s it is left alone)
         h = external_hashes([12], FP)[0]
         data = np.arange(4096, dtype=np.uint8)
         assert client.put(h, data) == 1
-        assert client._node("down-node") is not old
+        assert client.links.node("down-node") is not old
         out = np.zeros_like(data)
         assert client.get(h, out) and np.array_equal(out, data)
         # A put refused on a stale connection leaves the new one (another thread's) alone.
-        fresh, real_put_on = client._node("down-node"), client._put_on
+        fresh, real_put_on = client.links.node("down-node"), client.puts.put_round
 
         def refused(*args, **kwargs):
             raise ConnectionReplaced("the connection to down-node was replaced; call again")
 
-        client._put_on = refused
+        client.puts.put_round = refused
         with pytest.raises(NoStoreNodes):
             client.put(external_hashes([13], FP)[0], data)
-        client._put_on = real_put_on
-        assert client._nodes.get("down-node") is fresh and client._placement.usable("down-node")
+        client.puts.put_round = real_put_on
+        assert client.links.nodes.get("down-node") is fresh and client.links.placement.usable("down-node")
         # A remove that met a connection replaced under it calls once more on the new one.
-        stale, real_node, asked = client._node("down-node"), client._node, []
-        client._mark_down("down-node", ConnectionError("another thread's failed read"))
+        stale, real_node, asked = client.links.node("down-node"), client.links.node, []
+        client.links.mark_down("down-node", ConnectionError("another thread's failed read"))
 
         def stale_first(name):
             asked.append(name)
             return stale if len(asked) == 1 else real_node(name)
 
-        client._node = stale_first
+        client.links.node = stale_first
         assert client.remove([h]) == 1 and len(asked) == 2
-        client._node = real_node
+        client.links.node = real_node

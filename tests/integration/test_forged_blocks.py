@@ -83,7 +83,7 @@ def test_a_put_whose_attachment_was_swapped_for_a_second_preimage_is_refused(etc
     daemon, name, client = cluster
     h = external_hashes([1 if size == BLOCK else 2], FP)[0]
     forged = forgery(h, size)
-    link = client._local(daemon.name) if wire == "unix" else client._wire(daemon.name)
+    link = client.links.local(daemon.name) if wire == "unix" else client.links.wire(daemon.name)
     frames = connect(link.address, SECRET.encode(), "relayed", 5.0)
     try:
         frames.send({"op": "put", "fp": FP.digest, "hashes": [h.hex()], "sizes": [size],
@@ -128,13 +128,13 @@ def test_a_reserved_slot_written_with_a_second_preimage_does_not_commit(etcd_ser
     daemon, name, _ = cluster
     h = external_hashes([4], FP)[0]
     with reader(etcd_server, name, transport) as writer:
-        link = writer._control(daemon.name)
+        link = writer.links.control(daemon.name)
         peer = {"peer": writer.engine.peer_id} if transport == "tcp" else {}  # granted the slot, as a client is
         slots, _ = link.call({"op": "reserve", "fp": FP.digest, "hashes": [h.hex()], "sizes": [BLOCK], **peer})
         token, region, offset, _ = slots["slots"][0]
         source = writer.engine.register(np.frombuffer(forgery(h), np.uint8).copy(), remote_access=False)
         try:
-            writer.engine.transfer([Write(source, 0, writer._node(daemon.name).peer.region(region), offset, BLOCK)])
+            writer.engine.transfer([Write(source, 0, writer.links.node(daemon.name).peer.region(region), offset, BLOCK)])
         finally:
             writer.engine.unregister(source)
         commit, _ = link.call({"op": "commit", "fp": FP.digest, "tokens": [token],
@@ -149,7 +149,7 @@ def rewrite(attacker: Client, node: str, record, data: bytes) -> bool:
     scratch = attacker.engine.register(np.frombuffer(data, np.uint8).copy(), remote_access=False)
     back = attacker.engine.register(np.zeros(len(data), np.uint8), remote_access=False)
     try:
-        remote = attacker._node(node).peer.region(record.region)
+        remote = attacker.links.node(node).peer.region(record.region)
         try:
             attacker.engine.transfer([Write(scratch, 0, remote, record.offset, len(data))])
         except TransferError:

@@ -34,7 +34,7 @@ def node(request, etcd_server, spawn_daemon):
     daemon = spawn_daemon("abused", etcd_server.url, cluster, secret=SECRET, extra=["--timeout", "1"])
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET) as client:
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
-        wire = client._local(daemon.name) if request.param == "unix" else client._wire(daemon.name)
+        wire = client.links.local(daemon.name) if request.param == "unix" else client.links.wire(daemon.name)
         assert wire is not None
         yield daemon, client, wire.address
 
@@ -249,7 +249,7 @@ def tcp_wire(etcd_server, spawn_daemon):
     daemon = spawn_daemon("wired", etcd_server.url, cluster, secret=SECRET)
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport="tcp") as client:
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
-        wire = client._wire(daemon.name)
+        wire = client.links.wire(daemon.name)
         assert wire is not None and wire.address.startswith(TCP_SCHEME)
         yield client, wire.address, cluster
 
@@ -329,10 +329,10 @@ def test_a_wire_the_client_cannot_reach_leaves_its_calls_to_grpc(tcp_wire, monke
     from kvstore.client.local_node import LocalNode
 
     client, _, _ = tcp_wire
-    monkeypatch.setattr(client, "_wires", {})
-    monkeypatch.setattr(client, "_control_wire", lambda name, field, scheme, pool: LocalNode(
+    monkeypatch.setattr(client.links, "wires", {})
+    monkeypatch.setattr(client.links, "_control_wire", lambda name, field, scheme, pool: LocalNode(
         name, "tcp://127.0.0.1:1", SECRET.encode(), "probe", 1.0))
     before = client.stats["wire_puts"]
     items = stored_blocks(client, 3, 400)
     assert reads_back(client, items) and client.stats["wire_puts"] == before
-    assert client._wire_down  # left alone for a while: no connection attempt per call
+    assert client.links.wire_down  # left alone for a while: no connection attempt per call

@@ -56,7 +56,7 @@ def fill(etcd_server, cluster: str, node: str, count: int, first: int = 0) -> tu
             c.put_many([(h, content(h)) for h in hashes[start : start + 8]])
         assert c.mirror.wait_until(lambda m: all(m.lookup(FP, h) for h in hashes), 10)
         # Asked of the node itself: the watch may not have brought the last demotions yet.
-        records = c._lookup(node, c._fp(None), hashes)
+        records = c.reads.lookup(node, c._fp(None), hashes)
         on_nvme = [h for h, r in zip(hashes, records) if r is not None and r.tier == "nvme"]
     return hashes, on_nvme
 
@@ -121,7 +121,7 @@ def test_a_block_damaged_on_disk_while_the_daemon_was_down_is_never_listed(etcd_
     hashes, on_nvme = fill(etcd_server, cluster, "damaged", 60)
     victim = on_nvme[3]
     with client(etcd_server, cluster) as c:
-        offset = c._lookup("damaged", c._fp(None), [victim])[0].offset
+        offset = c.reads.lookup("damaged", c._fp(None), [victim])[0].offset
     assert daemon.terminate() == 0
     fd = os.open(tmp_path / "nvme-damaged" / "damaged.tier", os.O_WRONLY)
     try:
@@ -279,7 +279,7 @@ def test_a_journal_written_without_the_secret_never_makes_a_node_serve_other_byt
         assert c.mirror.wait_until(lambda m: len(m.nodes) >= 1, 10)
         for start in range(0, len(hashes), 8):
             c.put_many([(h, content(h)) for h in hashes[start : start + 8]])
-        records = c._lookup("vault", c._fp(None), hashes)
+        records = c.reads.lookup("vault", c._fp(None), hashes)
     on_nvme = [(h, r) for h, r in zip(hashes, records) if r is not None and r.tier == "nvme"]
     assert len(on_nvme) >= 2
     assert daemon.terminate() == 0

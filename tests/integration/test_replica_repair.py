@@ -53,7 +53,7 @@ def holders(client: Client, nodes: list[str], hashes: list[bytes]) -> list[int]:
     counts = [0] * len(hashes)
     for name in nodes:
         try:
-            records = client._lookup(name, FP.digest, hashes)
+            records = client.reads.lookup(name, FP.digest, hashes)
         except Exception:  # noqa: BLE001 - a node gone holds nothing
             continue
         for i, record in enumerate(records):

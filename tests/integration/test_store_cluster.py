@@ -99,7 +99,7 @@ def test_get_from_a_stalled_only_holder_misses_within_timeout(cluster, etcd_serv
     holder = next(d for d in daemons if d.name == holder_name)
     holder.pause()
     client.transport = "tcp"  # on this host shared memory would be read without the holder's help
-    client._nodes.clear()
+    client.links.nodes.clear()
     try:
         started = time.monotonic()
         assert client.get(h, np.zeros(BLOCK, np.uint8)) is False

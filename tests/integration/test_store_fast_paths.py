@@ -212,7 +212,7 @@ def test_a_lookup_answer_older_than_a_re_put_does_not_hide_the_block(etcd_server
         assert client.mirror.wait_until(lambda m: not m.contains(FP, h), 15)
         stale = at_offset_of(real, elsewhere, cluster, "reput", h)
         client.mirror.remember_many(FP, "reput", [(h, stale)])  # as if the remove had not reached us
-        ask = client._lookup
+        ask = client.reads.lookup
 
         def answer_then_re_put(name, fp, hashes):
             answer = ask(name, fp, hashes)
@@ -221,10 +221,10 @@ def test_a_lookup_answer_older_than_a_re_put_does_not_hide_the_block(etcd_server
             assert client.mirror.wait_until(lambda m: m.lookup(FP, h).get("reput") not in (None, stale), 15)
             return answer
 
-        client._lookup = answer_then_re_put
+        client.reads.lookup = answer_then_re_put
         out = np.zeros(8192, np.uint8)
         assert not client.get(h, out)  # this read missed: its bytes were the filler's
-        client._lookup = ask
+        client.reads.lookup = ask
         assert client.contains(h)  # but the re-put block stays listed ...
         assert client.get(h, out) and np.array_equal(out, content(h, 8192))  # ... and reads
 
@@ -244,7 +244,7 @@ def test_a_corrupt_replica_is_reported_even_when_another_serves_the_block(etcd_s
         garbage = np.full(8192, 7, np.uint8)
         scratch = client.engine.register(garbage, remote_access=False)
         try:  # a stray write into a-node's copy (the put path may write there, so this client can)
-            client.engine.transfer([Write(scratch, 0, client._node("a-node").peer.region(record.region),
+            client.engine.transfer([Write(scratch, 0, client.links.node("a-node").peer.region(record.region),
                                           record.offset, 8192)])
         finally:
             client.engine.unregister(scratch)
@@ -271,7 +271,7 @@ def test_a_put_answered_before_its_check_publishes_only_bytes_that_verified(etcd
     """Puts of 2 MiB or more are answered before the node's digest pass; a block whose bytes then
     fail it is never published (nor read as a hit), one that passes is, on every put path (inline
     and engine). A smaller put is checked before its answer."""
-    import kvstore.client.client as client_module
+    import kvstore.client.put_path as client_module
 
     cluster = uuid.uuid4().hex[:8]
     daemon = spawn_daemon("verify-after", etcd_server.url, cluster, secret=SECRET)
@@ -351,7 +351,7 @@ def test_a_put_like_the_last_writes_into_slots_its_commit_leased(etcd_server, sp
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport=transport) as client:
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
         put_round(client, 2)
-        for slot in client._leases.slots():
+        for slot in client.links.leases.slots():
             slot.usable_until = 0.0  # as if a write now could outlive the node's hold on them
         put_round(client, 3)  # reserved again (an old lease is never written into); the old ones given back
         assert until(lambda: dram_used() == len(everything) * block + count * block)
@@ -513,7 +513,7 @@ def test_same_host_nvme_reads_go_through_the_tier_fd(nvme_node):
     assert client.engine.stats().get("tcp_rx_bytes", 0) == tcp_before  # not a byte over TCP
     assert client.stats["nvme_fd_reads"] >= len(cold)
     # The fd the node handed over reads, never writes.
-    tier = client._local("nvme-node").tier()
+    tier = client.links.local("nvme-node").tier()
     assert fcntl.fcntl(tier.fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
     with pytest.raises(OSError):
         os.pwrite(tier.fd, b"x", 0)
@@ -556,7 +556,7 @@ def test_a_stale_nvme_record_never_returns_another_blocks_bytes(nvme_node):
     region = client.engine.register(out, remote_access=False)
     try:
         # What a get with a mirror that has not heard of the removal would do: a miss, not wrong bytes.
-        assert client._read_from("nvme-node", [victim], [(0, stale)], [[(region, 0, BLOCK)]]) == []
+        assert client.reads.nodes.read_from("nvme-node", [victim], [(0, stale)], [[(region, 0, BLOCK)]]) == []
     finally:
         client.engine.unregister(region)
     assert client.stats["nvme_fd_reads"] >= 1

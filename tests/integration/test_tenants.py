@@ -45,7 +45,7 @@ def tenant_client(etcd_server, cluster_name: str, tenant: str, transport: str) -
                     secret=SECRETS[tenant], tenant=tenant, transport="tcp" if transport == "grpc" else transport)
     assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
     if transport == "grpc":
-        client._wire = lambda name: None  # every control call over gRPC
+        client.links.wire = lambda name: None  # every control call over gRPC
     return client
 
 
@@ -102,7 +102,7 @@ def test_a_tenant_cannot_look_up_or_remove_another_tenants_blocks(etcd_server, c
     with tenant_client(etcd_server, cluster_name, "acme", "auto") as acme:
         h = external_hashes([7], ACME)[0]
         acme.put(h, block(7, 4096))
-        for wire in (acme._local(daemon.name), acme._wire(daemon.name)):
+        for wire in (acme.links.local(daemon.name), acme.links.wire(daemon.name)):
             frames = connect(wire.address, SECRETS["beta"].encode(), "eve", 5.0, tenant="beta")
             try:
                 frames.send({"op": "lookup", "fp": ACME.digest, "hashes": [h.hex()]})
@@ -137,7 +137,7 @@ def test_a_tenants_engine_is_granted_only_its_own_tenants_slots(etcd_server, clu
     daemon, cluster_name = cluster
     with tenant_client(etcd_server, cluster_name, "acme", "tcp") as acme:
         h = external_hashes([11], ACME)[0]
-        wire = acme._wire(daemon.name)
+        wire = acme.links.wire(daemon.name)
         owner = Engine("acme-engine", listen=None, secret=SECRETS["acme"], tenant="acme")
         forger = Engine("beta-engine", listen=None, secret=SECRETS["beta"], tenant="beta")
         forger.peer_id = owner.peer_id  # the id beta learned
@@ -195,7 +195,7 @@ def test_a_tenant_is_who_its_secret_says(etcd_server, cluster):
     a wrong or another tenant's secret, or an unknown tenant, is refused in the handshake."""
     daemon, cluster_name = cluster
     with tenant_client(etcd_server, cluster_name, "acme", "tcp") as acme:
-        address = acme._wire(daemon.name).address
+        address = acme.links.wire(daemon.name).address
     for tenant, secret in (("acme", SECRETS["beta"]), ("acme", CLUSTER_SECRET), ("gamma", "gamma-secret-0123456789"),
                            ("beta", SECRETS["acme"])):
         with pytest.raises(AuthenticationFailed):

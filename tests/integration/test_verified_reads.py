@@ -58,7 +58,7 @@ def test_by_default_a_slot_rewritten_in_place_after_a_verified_read_is_a_miss(et
         assert other.mirror.wait_until(lambda m: m.contains(FP, a), 10)
         scratch = other.engine.register(content(a, seed=1), remote_access=False)
         try:
-            other.engine.transfer([Write(scratch, 0, other._node(daemon.name).peer.region(record.region),
+            other.engine.transfer([Write(scratch, 0, other.links.node(daemon.name).peer.region(record.region),
                                          record.offset, BLOCK)])
         finally:
             other.engine.unregister(scratch)

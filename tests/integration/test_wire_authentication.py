@@ -164,7 +164,7 @@ def cluster(etcd_server, tmp_path_factory):
 
 
 def wire_address(client: Client, wire: str) -> str:
-    link = client._local("guarded") if wire == "unix" else client._wire("guarded")
+    link = client.links.local("guarded") if wire == "unix" else client.links.wire("guarded")
     assert link is not None
     return link.address
 

@@ -346,7 +346,7 @@ def test_a_reserved_slot_takes_writes_from_the_engine_it_was_reserved_for_until_
     block rewritten by its own writer once sealed, or by whoever holds the slot's grant)."""
     daemon, url, cluster = node
     with store_client(url, cluster) as alice:
-        wire = alice._wire(daemon.name)
+        wire = alice.links.wire(daemon.name)
         frames = connect(wire.address, SECRET.encode(), "probe", 5.0)
         h = external_hashes([1000], FP)[0]
         frames.send({"op": "reserve", "fp": FP.digest, "hashes": [h.hex()], "sizes": [BLOCK],
@@ -356,7 +356,7 @@ def test_a_reserved_slot_takes_writes_from_the_engine_it_was_reserved_for_until_
         with engine:
             with pytest.raises(WriteNotGranted):  # alice's slot, mallory's write
                 engine.transfer([Write(engine.register(garbage(BLOCK)), 0, peer.region(region), offset, BLOCK)])
-            mine = alice._node(daemon.name).peer
+            mine = alice.links.node(daemon.name).peer
             data = content(h)
             alice.engine.transfer([Write(alice.engine.register(data), 0, mine.region(region), offset, BLOCK)])
             frames.send({"op": "commit", "fp": FP.digest, "tokens": [token],
@@ -377,21 +377,21 @@ def test_an_aborted_or_leased_slot_is_granted_only_while_it_is_pending(node, con
     daemon, url, cluster = node
     with store_client(url, cluster) as alice:
         grpc_only = control == "grpc"
-        wire = alice._wire(daemon.name)
+        wire = alice.links.wire(daemon.name)
         frames = connect(wire.address, SECRET.encode(), "probe", 5.0)
         frames.send({"op": "reserve", "fp": FP.digest, "hashes": [external_hashes([2000], FP)[0].hex()],
                      "sizes": [BLOCK], "peer": alice.engine.peer_id})
         token, region, offset, _ = frames.recv(5.0)["slots"][0]
         frames.send({"op": "abort", "tokens": [token]})
         assert frames.recv(5.0)["ok"]
-        mine = alice._node(daemon.name).peer
+        mine = alice.links.node(daemon.name).peer
         with pytest.raises(WriteNotGranted):
             alice.engine.transfer([Write(alice.engine.register(garbage(BLOCK)), 0, mine.region(region), offset, BLOCK)])
         if grpc_only:  # as where gRPC runs over TLS: reserve and commit (and their peer id) over gRPC
-            monkeypatch.setattr(alice, "_wire", lambda name: None)
+            monkeypatch.setattr(alice.links, "wire", lambda name: None)
         first = external_hashes(range(3000, 3004), FP)
         assert alice.put_many([(h, content(h)) for h in first]) == 4  # its commit leases 4 slots
-        leased = alice._leases.slots()
+        leased = alice.links.leases.slots()
         assert len(leased) == 4
         engine, peer = attacker(alice, daemon.name)
         with engine:

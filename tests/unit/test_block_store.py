@@ -229,7 +229,7 @@ def test_stale_locations_of_reused_slots_never_verify():
         refused = 0
         for i, (h, replicas) in enumerate(stale):
             (name, record), = replicas.items()
-            good = store._read_from(name, [h], [(0, record)], [[(buffers[i], 0, BLOCK)]])
+            good = store.reads.nodes.read_from(name, [h], [(0, record)], [[(buffers[i], 0, BLOCK)]])
             if good:
                 assert bytes(buffers[i].buffer) == content(h).tobytes()
             else:
