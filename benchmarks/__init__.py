@@ -22,6 +22,7 @@ BENCHMARKS = {
     "kv_copy": "a step's KV through the vLLM connector's batched copy path vs a plain copy (CPU, or CUDA)",
     "serving": "the gateway vs vllm-router vs round-robin over real `vllm serve` engines, P/D and colocated",
     "fleet": "routers side by side over 12 stand-in vLLM engines (simulated H100s, real HTTP, events, store)",
+    "tenant_timing": "can a tenant tell from its TTFT that another sent a prefix? ROC AUC, salts bound to keys or not",
 }
 
 

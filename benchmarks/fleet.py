@@ -561,8 +561,11 @@ async def one(session, url: str, model: str, prompt: list[int], max_tokens: int,
         return {"error": f"incomplete answer (done={done}, usage={usage})"[:200], "start": start - t0}
     n = usage["completion_tokens"]
     standin = usage.get("standin") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    tiers = details.get("cached_tokens_by_tier")  # our gateway's split (others give none)
     return {"start": start - t0, "ttft": first - start, "tpot": (last - first) / (n - 1) if n > 1 else 0.0,
-            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+            "cached": details.get("cached_tokens", 0),
+            "tiers_sum": None if not isinstance(tiers, dict) else sum(tiers.values()) == details.get("cached_tokens"),
             "prompt_tokens": usage.get("prompt_tokens", len(prompt)), "engine": standin.get("engine"),
             "held": standin.get("local_tokens_on_arrival"), "credited": None if credited is None else int(credited)}
 
@@ -763,6 +766,9 @@ def summarize(args, kind: str, mode: str, store: bool, work, results: list[dict]
                        else None} if link else None,
         "loop_lag_ms": {k: after["loop_lag"].get(k) for k in ("mean_ms", "max_ms", "over_10ms")},
         "cached_tokens_reported": sum(r.get("cached", 0) for r in ok),
+        # Answers whose usage split cached_tokens by tier, and of those, whose tiers sum to it.
+        "usage_tiers": {"answers": len(ok), "split": sum(r.get("tiers_sum") is not None for r in ok),
+                        "sum_to_cached": sum(r.get("tiers_sum") is True for r in ok)},
         "error_samples": errors[:3], "faults": faults, "skipped": None,
     }
     if gateway:

@@ -51,6 +51,7 @@ def test_kvstore_bench_passes_arguments_through():
     ("vllm_ttft", ["--prompt-tokens", "99999"], "--prompt-tokens must be within"),
     ("fleet", ["--routers", "ours,nginx"], "--routers: unknown nginx"),
     ("fleet", ["--fault", "melt:0:1"], "the kind must be one of"),
+    ("tenant_timing", ["--trials", "1"], "--trials must be at least 2"),
 ])
 def test_bad_arguments_are_one_line(name, args, says):
     done = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args], cwd=ROOT, capture_output=True,

@@ -339,6 +339,8 @@ def test_fleet_quick(run_benchmark):
         assert 0 <= r["store_hit_ratio"] <= r["hit_ratio"] <= 1 and 0 <= r["sim_hit_ratio"] <= 1, r
         assert sum(e["requests"] for e in r["per_engine"]) >= r["requests"], r  # P/D: a prefill and a decode each
         assert 0 <= r["beside_cpu_share"] <= 1, r  # what else ran: the routers' runs compare only when alike
+        tiers = r["usage_tiers"]  # every answer's cached_tokens split by tier, the tiers summing to it
+        assert tiers["answers"] > 0 and tiers["split"] == tiers["sum_to_cached"] == tiers["answers"], r
     assert run.records["calibration"] == [] and run.records["meta"]["quick"] is True
 
 
@@ -436,3 +438,18 @@ def test_restart_quick(run_benchmark):
     assert kept["hit_ratio_before"] == 1 and kept["after_over_before"] >= 0.9, kept
     assert kept["wrong"] == 0 and kept["lost_after"] == 0 and kept["steps"][0]["restored_blocks"] > 0, kept
     assert gone["wrong"] == 0 and gone["lost_after"] > 0, gone
+
+
+def test_tenant_timing_quick(run_benchmark):
+    """Prefix timing across tenants behind the gateway: every mode measured, the effect there to see
+    without bound salts (unsalted and within one tenant), gone with them. Kills: the client's salt
+    forwarded as is (bound AUC 1.0)."""
+    run = run_benchmark("tenant_timing", "--quick", timeout=180)
+    assert_clean(run)
+    records = {r["mode"]: r for r in run.records["records"]}
+    assert set(records) == {"unsalted", "bound", "same_tenant"}
+    for r in records.values():
+        assert r["trials"] == 30 and 0 <= r["auc"] <= 1, r
+        assert positive(r["ttft_ms_sent_p50"]) and positive(r["ttft_ms_not_sent_p50"]), r
+    assert records["unsalted"]["auc"] > 0.8 and records["same_tenant"]["auc"] > 0.8, records
+    assert records["bound"]["auc"] < records["unsalted"]["auc"], records
