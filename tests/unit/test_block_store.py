@@ -70,7 +70,7 @@ def test_a_commit_under_another_fingerprint_leaves_the_reservation_to_its_owner(
 def test_a_big_commit_verifies_every_block_in_one_batch(engine, monkeypatch):
     """Each block of a batch is checked against its own digest (one bad block among many is
     refused, the rest sealed), and the digest pass leaves the store's lock free for other requests."""
-    import kvstore.daemon.store as store_module
+    import kvstore.daemon.sealing as store_module
 
     lock_free_while_hashing = []
 

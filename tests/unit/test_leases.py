@@ -171,7 +171,7 @@ def test_the_drains_last_look_waits_for_a_commit_still_verifying(engine, monkeyp
     drain's last look sees its block."""
     import threading
 
-    import kvstore.daemon.store as store_module
+    import kvstore.daemon.sealing as store_module
 
     store = BlockStore(engine, engine.allocate(4 << 20))
     h = external_hashes([6], FP)

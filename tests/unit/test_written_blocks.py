@@ -8,7 +8,8 @@ import time
 import numpy as np
 import pytest
 
-import kvstore.daemon.store as store_module
+import kvstore.daemon.grants as grants_module
+import kvstore.daemon.sealing as store_module
 from kvstore.daemon.store import BlockStore
 from kvstore.errors import AllocationFailed
 from kvstore.integrity import block_digest
@@ -91,12 +92,12 @@ def test_written_blocks_are_never_evicted_before_they_are_verified(store):
     store.dram.region.buffer[slot.offset : slot.offset + BLOCK] = content(sealed[0]).tobytes()
     store.commit(FP.digest, [token], [block_digest(sealed[0], content(sealed[0]))])
     hashes, _, _, _ = write_later(store, [1, 2, 3, 4, 5])  # 6 of the 8 slots taken
-    store_module.WRITTEN_WAIT_S, wait = 0.05, store_module.WRITTEN_WAIT_S  # no verifier runs here
+    grants_module.WRITTEN_WAIT_S, wait = 0.05, grants_module.WRITTEN_WAIT_S  # no verifier runs here
     try:
         with pytest.raises(AllocationFailed):  # evicting cannot free written blocks: refused
             store.reserve(FP.digest, external_hashes([6, 7, 8, 10], FP), [BLOCK] * 4)
     finally:
-        store_module.WRITTEN_WAIT_S = wait
+        grants_module.WRITTEN_WAIT_S = wait
     assert store.read_block((FP.digest, sealed[0])) is not None  # and nothing was evicted for it
     assert [u[1] for u in store.seal_written()] == hashes
     assert all(store.read_block((FP.digest, h)) == content(h).tobytes() for h in hashes)
@@ -105,7 +106,7 @@ def test_written_blocks_are_never_evicted_before_they_are_verified(store):
 def test_a_reserve_that_only_written_blocks_stand_in_the_way_of_waits_for_the_verifier(store, monkeypatch):
     """Kills: a reserve refused at once while the verifier lags (a busy host's digest pass behind a
     burst of large puts into a small DRAM tier): it waits for the seal, then evicts and fits."""
-    monkeypatch.setattr(store_module, "WRITTEN_WAIT_S", 30.0)  # a loaded machine may start the sealer late
+    monkeypatch.setattr(grants_module, "WRITTEN_WAIT_S", 30.0)  # a loaded machine may start the sealer late
     hashes, _, _, _ = write_later(store, [1, 2, 3, 4])  # all 4 slots written, none evictable yet
     sealer = threading.Timer(0.2, store.seal_written)
     started = time.monotonic()  # before the timer starts: it fires 0.2 s after this at the earliest
@@ -115,7 +116,7 @@ def test_a_reserve_that_only_written_blocks_stand_in_the_way_of_waits_for_the_ve
     finally:
         sealer.join()
     # it waited for the seal, and was woken by it (not by its own 30 s wait running out)
-    assert slots[0][1] is not None and 0.2 <= time.monotonic() - started < store_module.WRITTEN_WAIT_S
+    assert slots[0][1] is not None and 0.2 <= time.monotonic() - started < grants_module.WRITTEN_WAIT_S
     assert updates and all(u[1] in hashes and u[2] is None for u in updates)  # sealed blocks made room
 
 
