@@ -21,6 +21,7 @@ import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -253,3 +254,23 @@ def test_killing_a_prefill_engine_mid_run_loses_no_request(deployment):
     want = d.direct.completions.create(model=d.model, prompt=prompts[0], max_tokens=6, temperature=0,
                                        extra_body={"cache_salt": "reference"}).choices[0].text
     assert results[0] == want
+
+
+def test_answers_say_which_tier_their_cached_tokens_came_from(deployment):
+    """Through the gateway to real vLLM servers with the connector: every answer's usage carries
+    cached_tokens and its split by tier, summing to it, and a prompt seen before is cached; the
+    connector's report reaches the gateway through vLLM's own HTTP answer and stops there.
+    Kills: the report lost between vLLM's scheduler and its HTTP answer, a split that does not sum,
+    the report left in the client's answer."""
+    d = deployment
+    prompt = [(7 * i) % 500 + 5 for i in range(3 * CPU_BLOCK_SIZE + 10)]
+    via_gateway = SimpleNamespace(url=d.url)
+    answers = [completion(via_gateway, d.model, prompt, 2) for _ in range(2)]
+    for answer in answers:
+        details = answer["usage"]["prompt_tokens_details"]
+        assert sum(details["cached_tokens_by_tier"].values()) == details["cached_tokens"], details
+        assert "kvstore_hits" not in (answer.get("kv_transfer_params") or {}), answer
+    assert answers[1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 3 * CPU_BLOCK_SIZE, answers[1]["usage"]
+    direct = completion(d.decode, d.model, prompt, 1)  # the engine itself: the connector's report
+    hits = direct["kv_transfer_params"]["kvstore_hits"]
+    assert set(hits) == {"device", "host", "disk", "p2p"} and sum(hits.values()) >= 3 * CPU_BLOCK_SIZE, hits
