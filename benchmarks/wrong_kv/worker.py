@@ -100,8 +100,15 @@ def run(llm: Any, spec: dict) -> dict:
         seconds = time.perf_counter() - started
     finally:
         connector.load_enabled, connector.save_enabled = saved
-    llm.reset_prefix_cache()  # the next request must not hit vLLM's own cache
     after = connector_stats()  # flushes the connector's background saves first
+    # The next request must not hit vLLM's own cache. vLLM refuses the reset while any block is in
+    # use (a save still holding its blocks): a refused reset let a later request take its prompt from
+    # the device cache, so a corrupted store block it never read counted as loaded undetected.
+    deadline = time.monotonic() + 30
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise RuntimeError("vLLM refused to reset its prefix cache for 30 s")
+        time.sleep(0.01)
     generated = out.outputs[0]
     logprobs = [entry[token].logprob for token, entry in zip(generated.token_ids, generated.logprobs or [])]
     top = [{str(t): p.logprob for t, p in entry.items()} for entry in generated.logprobs or []]
