@@ -268,8 +268,18 @@ class Client:
 
     # --- get ---------------------------------------------------------------------------------
     def get(self, block_hash: bytes, out: Any, fingerprint: ModelFingerprint | str | None = None) -> bool:
-        """Read one block into `out`; False on a miss."""
+        """Read one block into `out`; False on a miss. `out` must be the block's size: a smaller block
+        would fill it only partly, which for KV is garbage (`get_into` reads values of any size)."""
         return self.get_many([block_hash], [out], fingerprint)[0]
+
+    def get_into(self, block_hash: bytes, out: Any, fingerprint: ModelFingerprint | str | None = None) -> int:
+        """Read one block into the start of `out`, which may be larger than the block (blocks of any
+        size: a fingerprint without geometry); the bytes it filled, 0 on a miss."""
+        fp = self._fp(fingerprint)
+        filled: list[int] = []
+        expected = getattr(self._geometry(fingerprint), "block_bytes", None)
+        self.reads.run(fp, [bytes(block_hash)], [out], expected, None, None, filled)
+        return filled[0]
 
     def get_many(self, hashes: Iterable[bytes], outs: Iterable[Any],
                  fingerprint: ModelFingerprint | str | None = None, *, stages: Sequence[int] | None = None,

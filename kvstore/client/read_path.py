@@ -61,7 +61,9 @@ class ReadPipeline:
         self.nodes.close()
 
     def run(self, fp: str, hashes: list[bytes], outs: list[Any], expected: int | None,
-            stages: Sequence[int] | None, on_stage: Callable[[int], None] | None) -> list[bool]:
+            stages: Sequence[int] | None, on_stage: Callable[[int], None] | None,
+            filled: list[int] | None = None) -> list[bool]:
+        """`filled`, when given, gets the bytes each block filled of its buffer (0: a miss)."""
         candidates = self.locate(fp, hashes)
         temporary: list[Region] = []
         try:
@@ -72,7 +74,14 @@ class ReadPipeline:
                     raise WrongSize(f"a buffer of {room} bytes for a block of {expected} (the fingerprint's geometry)")
                 if options and options[0][1].size > room:
                     raise WrongSize(f"buffer of {room} bytes for a block of {options[0][1].size}")
-                # A stored block smaller than its destination would fill it only partly: not a hit.
+                if filled is not None and options and options[0][1].size < room and expected is None \
+                        and len(segments) == 1:
+                    # Asked how much was filled (Client.get_into, as Mooncake's get_into): a plain
+                    # buffer larger than a block of any size takes it at its start.
+                    region, offset, _ = segments[0]
+                    room = options[0][1].size
+                    targets[i] = [(region, offset, room)]
+                # A stored block smaller than a destination in parts would fill it only partly: not a hit.
                 candidates[i] = [c for c in options if c[1].size == room]
             found, hits, mismatched = self.read(fp, hashes, candidates, targets, stages, on_stage)
             corrupt = self.recheck(fp, hashes, targets, found, hits, mismatched, staged=on_stage is not None)
@@ -80,6 +89,8 @@ class ReadPipeline:
             for region in temporary:
                 self.links.engine.unregister(region)
         self.reports.add(fp, hits, corrupt)
+        if filled is not None:
+            filled[:] = [sum(length for _, _, length in segments) if hit else 0 for segments, hit in zip(targets, found)]
         return found
 
     # --- locate ----------------------------------------------------------------------------------

@@ -477,8 +477,9 @@ def test_cache_groups_kvstore_cannot_restore_exactly_are_refused_with_what_to_se
 
 
 def test_a_smaller_stored_block_is_not_a_hit():
-    """A free-form block smaller than its destination is a miss, not half a block. Kills: a read
-    that fills part of a larger buffer and calls it a hit. (Under a geometry fingerprint the size
+    """A free-form block smaller than its destination is a miss, not half a block, unless the caller
+    asks how much was filled (get_into). Kills: a read that fills part of a larger buffer and calls
+    it a hit, and get_into reporting a block that fits in a larger buffer as a miss. (Under a geometry fingerprint the size
     is refused up front: tests/integration/test_library_mode.py.)"""
     fp = ModelFingerprint("m", "float32", 4, 1, 1, 8, kv_layout="bytes")
     with kvstore.open("memory://partial-block", dram="16MiB", fingerprint=fp) as store:
@@ -488,6 +489,9 @@ def test_a_smaller_stored_block_is_not_a_hit():
         assert store.get_many([key], [out]) == [False]  # half a block would be garbage in the second half
         exact = np.zeros(4096, np.uint8)
         assert store.get_many([key], [exact]) == [True] and (exact == 7).all()
+        # Asked how much it filled, a larger buffer takes the block at its start (Mooncake's get_into).
+        assert store.get_into(key, out) == 4096 and (out[:4096] == 7).all() and not out[4096:].any()
+        assert store.get_into(kvstore.chain_hashes(fp, [9, 9, 9, 9])[0], out) == 0
 
 
 def test_reset_cache_starts_a_chain_no_other_process_shares(model):
