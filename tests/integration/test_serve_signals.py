@@ -34,7 +34,10 @@ def test_ctrl_c_while_the_dram_tier_fills_stops_the_daemon_in_one_line(etcd_serv
     proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--node", "ctrl-c", "--insecure",
                              "--metadata", etcd_server.url, "--dram", str(dram), "--metrics-port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            # as a terminal's foreground job: a suite run as a background job (`cmd &`
+                            # in a script) starts with SIGINT ignored, which the daemon would inherit
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while resident(proc.pid) < 256 << 20:  # the arena is filling

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_probe.py").write_text(body)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT / "tests" / "helpers")])}
+    # The checkout (kvstore_testing), the suite's conftest and its helpers, as pyproject's pythonpath gives them.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "helpers")])}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
                            "--rootdir", str(tmp_path), str(tmp_path / "test_probe.py")],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
