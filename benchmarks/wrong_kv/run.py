@@ -381,6 +381,11 @@ class ModelRun:
         self.relay.cut()
         if out is None or not fired:
             return 0
+        return self.tally_one(kind, i, out)
+
+    def tally_one(self, kind: str, i: int, out: dict) -> int:
+        """A fault that fails a whole load (a stream broken, a node gone): caught when the connector
+        reported a failed load or loaded less than the whole prompt."""
         result = self.results[kind]
         result.injected += 1
         self.check(kind, out, self.baseline(i))
@@ -410,14 +415,7 @@ class ModelRun:
             self.start_remote()
         if out is None or not fired:
             return 0
-        result = self.results[kind]
-        result.injected += 1
-        self.check(kind, out, self.baseline(i))
-        if out["stats"]["load_failures"] or out["stats"]["hit_tokens"] < self.full_hit(i):
-            result.recomputed += 1
-        else:
-            result.undetected += 1
-        return 1
+        return self.tally_one(kind, i, out)
 
     # --- the whole run ------------------------------------------------------------------------------
     def run(self) -> None:
