@@ -18,7 +18,7 @@ BENCHMARKS = {
     "soak": "N minutes of mixed puts/gets/removes at ~70% of capacity: RSS, fds, threads and p99 over time",
     "conductor": "routing policies on the Mooncake trace (simulated), textbook sweeps, live route() latency",
     "gateway": "the gateway's own cost in front of instant stand-in engines (tokenizing on threads vs the loop)",
-    "vllm_ttft": "TTFT on real vLLM: no connector vs vLLM's ExampleConnector vs ours, first sight and warm",
+    "vllm_ttft": "TTFT on real vLLM: no connector vs vLLM's ExampleConnector and OffloadingConnector vs ours, first sight, warm and from a second engine",
     "kv_copy": "a step's KV through the vLLM connector's batched copy path vs a plain copy (CPU, or CUDA)",
     "serving": "the gateway vs vllm-router vs round-robin over real `vllm serve` engines, P/D and colocated",
     "fleet": "routers side by side over 12 stand-in vLLM engines (simulated H100s, real HTTP, events, store)",

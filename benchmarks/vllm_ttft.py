@@ -1,23 +1,30 @@
-"""TTFT on real vLLM (CPU): no connector vs vLLM's ExampleConnector vs ours, side by side; with
-`--model hybrid`, the KV capacity vLLM reports for a sliding-window/full hybrid with our connector
-(vLLM's hybrid KV cache manager on) vs the same engine with that manager forced off.
+"""TTFT on real vLLM (CPU): no connector vs vLLM's ExampleConnector vs vLLM's OffloadingConnector
+(its CPU tier) vs ours, side by side; with `--model hybrid`, the KV capacity vLLM reports for a
+sliding-window/full hybrid with our connector (vLLM's hybrid KV cache manager on) vs the same
+engine with that manager forced off.
 
     python -m benchmarks.vllm_ttft [--model llama|hybrid] [--json PATH] [--prompts N] [--quick]
 
 A local model big enough that prefill dominates; prompts of 960-1087 tokens sharing nothing. Per
 system, each prompt runs at first sight (nothing cached anywhere: what saving costs a new prompt)
 and then warm (the same prompt again, vLLM's own prefix cache reset so only the connector can
-help). Before anything is measured, each engine runs every prompt's twin (same length, no shared
-prefix) twice, as the measured prompts run (computed and saved, then loaded), so one-time costs
-(per-shape kernels, first connections) fall on no system's figures. TTFT = the time of a 1-token
-generation. Each system runs in a process of its own; ours
-uses a `kvstore serve` daemon (DRAM) registered in a local etcd. JSON `records`: one per system
-and phase, with `system` (none, example, kvstore), `phase` (first_sight, warm), `ttft_p50_ms`,
-`ttft_p99_ms`, `samples_ms`; `ratios` (the targets, each with `value`, `target`, `direction`, `met`);
-`capacity` (per system, the KV capacity vLLM reports: `kv_cache_size_tokens`, `max_concurrency`).
+help). For the OffloadingConnector and ours, a second engine (a process of its own, as a second
+replica is) then runs the same prompts: `cross_engine`, which only a store shared between engines
+can serve. Before anything is measured, each engine runs every prompt's twin (same length, no
+shared prefix) twice, as the measured prompts run (computed and saved, then loaded), so one-time
+costs (per-shape kernels, first connections) fall on no system's figures. TTFT = the time of a
+1-token generation. Each system runs in a process of its own; ours uses a `kvstore serve` daemon
+(DRAM) registered in a local etcd, and vLLM's CPU tier gets as many bytes as that daemon's DRAM
+(`cpu_bytes_to_use`). vLLM 0.32 builds the OffloadingConnector's worker only on a GPU: on this
+CPU-only host its copies are host memcpys (benchmarks/offloading_peer.py says what that changes).
+JSON `records`: one per system and phase, with `system` (none, example, offloading, kvstore),
+`phase` (first_sight, warm, cross_engine), `ttft_p50_ms`, `ttft_p99_ms`, `samples_ms`; `ratios`
+(the targets, each with `value`, `target`, `direction`, `met`); `capacity` (per system, the KV
+capacity vLLM reports: `kv_cache_size_tokens`, `max_concurrency`); `totals` and
+`cross_engine_totals` (per system, what its connector loaded and saved).
 
 `--quick` (the test suite's run): 2 prompts of ~512 tokens, a 2-layer model with hidden 128, one
-round, every system (`--layerwise` adds kvstore-layerwise; with `--model hybrid`, kvstore and
+round, every system and the cross-engine runs (`--layerwise` adds kvstore-layerwise; with `--model hybrid`, kvstore and
 kvstore-hma-off only).
 
 `--model hybrid`: a Llama whose layers alternate sliding-window (`--window`, 128 tokens) and full
@@ -95,15 +102,28 @@ for p in twins:
 settle()
 for p in twins:
     ttft(p)
-totals_before = dict(getattr(connector(), "totals").data) if hasattr(connector(), "totals") else {}
-first_sight = [ttft(p) for p in spec["prompts"]]
-settle()
-warm = [ttft(p) for p in spec["prompts"]]
-totals = dict(getattr(connector(), "totals").data) if hasattr(connector(), "totals") else {}
+def connector_totals():
+    if hasattr(connector(), "totals"):
+        return dict(connector().totals.data)
+    if spec["connector"] and spec["connector"]["kv_connector"] == "OffloadingConnector":
+        from benchmarks.offloading_peer import HostCopyWorker
+        return dict(HostCopyWorker.totals)
+    return {}
+totals_before = connector_totals()
+if spec.get("cross"):
+    # Another engine's first sight of prompts an earlier engine computed: only a shared store holds them.
+    phases = {"cross_engine": [ttft(p) for p in spec["prompts"]]}
+else:
+    phases = {"first_sight": [ttft(p) for p in spec["prompts"]]}
+    settle()
+    phases["warm"] = [ttft(p) for p in spec["prompts"]]
+totals = connector_totals()
 totals = {k: v - totals_before.get(k, 0) for k, v in totals.items()}  # the measured prompts only
-print("RESULT " + json.dumps({"first_sight": first_sight, "warm": warm, "totals": totals, "capacity": capacity}),
-      flush=True)
+print("RESULT " + json.dumps({**phases, "totals": totals, "capacity": capacity}), flush=True)
 """
+
+
+PHASES = ("first_sight", "warm", "cross_engine")
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -112,11 +132,14 @@ def percentile(samples: list[float], q: float) -> float:
 
 
 def run_system(model: str, connector: dict | None, prompts: list[list[int]], round_: int,
-               engine: dict | None = None) -> dict:
+               engine: dict | None = None, cross: bool = False) -> dict:
+    """One engine process of a system: its first-sight and warm TTFTs, or with `cross`, a fresh
+    engine's TTFTs of the prompts the round's first engine computed."""
     # Each round sees new prompts (first token differs): nothing from an earlier round is cached.
     prompts = [[(p[0] + 97 * round_) % 500 + 3] + p[1:] for p in prompts]
     proc = processes.spawn([sys.executable, "-c", RUNNER, json.dumps({"model": model, "connector": connector,
-                                                                      "prompts": prompts, "engine": engine})],
+                                                                      "prompts": prompts, "engine": engine,
+                                                                      "cross": cross})],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         stdout, stderr = proc.communicate(timeout=1800)
@@ -129,6 +152,8 @@ def run_system(model: str, connector: dict | None, prompts: list[list[int]], rou
     return json.loads(line[len("RESULT "):])
 
 
+STORE_BYTES = 4 << 30  # our daemon's DRAM, and vLLM's CPU tier: the same memory budget
+CROSS_ENGINE = ("offloading", "kvstore")  # systems also measured from a second engine
 HYBRID_ENGINE = {"max_model_len": 8192, "max_num_batched_tokens": 256}  # 64x the default window; chunked prefill
 CAPACITY_TARGET = 1.8  # vLLM's KV capacity with the hybrid manager vs forced off, 1:1 sliding/full
 
@@ -148,6 +173,11 @@ def systems_for(model_kind: str, etcd_url: str, storage: str, layerwise: bool,
         "none": (None, {}),
         "example": ({"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                      "kv_connector_extra_config": {"shared_storage_path": storage}}, {}),
+        # vLLM's own CPU tier, as much memory as our daemon's DRAM (benchmarks/offloading_peer.py).
+        "offloading": ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"spec_name": "HostOffloadingSpec",
+                                                      "spec_module_path": "benchmarks.offloading_peer",
+                                                      "cpu_bytes_to_use": STORE_BYTES}}, {}),
         "kvstore": (ours, {}),
     }
     if layerwise:
@@ -167,6 +197,9 @@ def targets_for(model_kind: str, p50: dict, results: dict) -> list[tuple[str, fl
                     CAPACITY_TARGET, ">="))
     else:
         out.append(("kvstore warm / example warm", p50["kvstore", "warm"] / p50["example", "warm"], 0.9, "<="))
+        out.append(("kvstore warm / offloading warm", p50["kvstore", "warm"] / p50["offloading", "warm"], 0.9, "<="))
+        out.append(("kvstore cross_engine / offloading cross_engine",
+                    p50["kvstore", "cross_engine"] / p50["offloading", "cross_engine"], 0.5, "<="))
     return out
 
 
@@ -219,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     storage = tempfile.mkdtemp(prefix="kvstore-example-connector-")
     results = {}
     with EtcdServer() as etcd:
-        daemon, _ = processes.start_store_daemon(["--node", "ttft", "--metadata", etcd.url, "--dram", "4GiB",
+        daemon, _ = processes.start_store_daemon(["--node", "ttft", "--metadata", etcd.url, "--dram", f"{STORE_BYTES}",
                                                   "--insecure"])
         try:
             systems = systems_for(args.model, etcd.url, storage, args.layerwise, args.quick)
@@ -231,14 +264,21 @@ def main(argv: list[str] | None = None) -> int:
                     # Variants sharing the daemon get prompts no other system saw.
                     offset = {"kvstore-layerwise": 50, "kvstore-hma-off": 70}.get(name, 0)
                     r = run_system(model, connector, prompts, round_ + offset, engine)
-                    merged = results.setdefault(name, {"first_sight": [], "warm": [], "totals": {}, "rounds": []})
-                    merged["first_sight"] += r["first_sight"]
-                    merged["warm"] += r["warm"]
+                    runs = [r]
+                    if args.model == "llama" and name in CROSS_ENGINE:
+                        print(f"  round {round_ + 1}/{args.rounds}: {name}, a second engine ...", flush=True)
+                        runs.append(run_system(model, connector, prompts, round_ + offset, engine, cross=True))
+                    merged = results.setdefault(name, {"totals": {}, "cross_totals": {}, "rounds": []})
                     merged["capacity"] = r.get("capacity", {})
-                    merged["rounds"].append({"first_sight_p50_ms": percentile(r["first_sight"], 0.5),
-                                             "warm_p50_ms": percentile(r["warm"], 0.5)})
-                    for key, value in r["totals"].items():
-                        merged["totals"][key] = merged["totals"].get(key, 0) + value
+                    merged["rounds"].append({})
+                    for one in runs:
+                        for phase in PHASES:
+                            if phase in one:
+                                merged.setdefault(phase, []).extend(one[phase])
+                                merged["rounds"][-1][phase] = percentile(one[phase], 0.5)
+                        into = merged["cross_totals" if "cross_engine" in one else "totals"]
+                        for key, value in one["totals"].items():
+                            into[key] = into.get(key, 0) + value
         finally:
             processes.stop(daemon, grace=15)
             shutil.rmtree(storage, ignore_errors=True)
@@ -248,39 +288,42 @@ def main(argv: list[str] | None = None) -> int:
         shape += (f", sliding window {args.window} / full alternating, max_model_len "
                   f"{HYBRID_ENGINE['max_model_len']}")
     print(f"\n  model: {shape}; {args.prompts} prompts of ~{args.prompt_tokens} tokens, {args.rounds} round(s), "
-          "samples pooled")
-    print(f"  {'system':<18}{'first sight p50':>17}{'p99':>9}{'warm p50':>10}{'p99':>9}{'loaded tok':>12}"
-          f"{'dropped':>9}{'load GB/s':>11}{'failed':>10}{'KV tokens':>11}{'max conc':>10}")
+          "samples pooled; cross engine: a second engine's first sight of the first one's prompts")
+    print(f"  {'system':<18}{'first sight p50':>17}{'p99':>9}{'warm p50':>10}{'p99':>9}{'cross p50':>11}"
+          f"{'loaded tok':>12}{'load GB/s':>11}{'failed':>8}{'cross MB':>10}{'KV tokens':>11}{'max conc':>10}")
     records, p50 = [], {}
     for name, r in results.items():
         t = r["totals"]
-        for phase in ("first_sight", "warm"):
-            records.append({"system": name, "phase": phase, "ttft_p50_ms": percentile(r[phase], 0.5),
-                            "ttft_p99_ms": percentile(r[phase], 0.99), "samples_ms": r[phase]})
-            p50[name, phase] = records[-1]["ttft_p50_ms"]
+        for phase in PHASES:
+            if phase in r:
+                records.append({"system": name, "phase": phase, "ttft_p50_ms": percentile(r[phase], 0.5),
+                                "ttft_p99_ms": percentile(r[phase], 0.99), "samples_ms": r[phase]})
+                p50[name, phase] = records[-1]["ttft_p50_ms"]
         gbps = t["load_bytes"] / t["load_seconds"] / 1e9 if t.get("load_seconds") else None
-        first, warm = records[-2], records[-1]
+        cross = r["cross_totals"].get("load_bytes") if "cross_engine" in r else None
         capacity = r.get("capacity") or {}
-        print(f"  {name:<18}{first['ttft_p50_ms']:>17.1f}{first['ttft_p99_ms']:>9.1f}{warm['ttft_p50_ms']:>10.1f}"
-              f"{warm['ttft_p99_ms']:>9.1f}{int(t.get('hit_tokens', 0)) if 'hit_tokens' in t else '-':>12}"
-              f"{int(t.get('dropped_blocks', 0)) if 'dropped_blocks' in t else '-':>9}{'-' if gbps is None else f'{gbps:.2f}':>11}"
-              f"{int(t.get('load_failures', 0)) if 'load_failures' in t else '-':>10}"
+        p = {phase: p50.get((name, phase)) for phase in PHASES}
+        p99 = {rec["phase"]: rec["ttft_p99_ms"] for rec in records if rec["system"] == name}
+        print(f"  {name:<18}{p['first_sight']:>17.1f}{p99['first_sight']:>9.1f}{p['warm']:>10.1f}{p99['warm']:>9.1f}"
+              f"{'-' if p['cross_engine'] is None else format(p['cross_engine'], '.1f'):>11}"
+              f"{int(t['hit_tokens']) if 'hit_tokens' in t else '-':>12}"
+              f"{'-' if gbps is None else f'{gbps:.2f}':>11}"
+              f"{int(t['load_failures']) if 'load_failures' in t else '-':>8}"
+              f"{'-' if cross is None else format(cross / 1e6, '.1f'):>10}"
               f"{capacity.get('kv_cache_size_tokens') or '-':>11}"
               f"{'-' if capacity.get('max_concurrency') is None else format(capacity['max_concurrency'], '.2f'):>10}")
     targets = targets_for(args.model, p50, results)
     print("\n  targets (ratios in this run; per-round ratios in brackets show the noise)")
-    baseline = results.get("none", {}).get("rounds") or [None] * len(results["kvstore"]["rounds"])
-    per_round = [([rk["first_sight_p50_ms"] / rn["first_sight_p50_ms"]] if rn else [])
-                 + [rk["warm_p50_ms"] / rk["first_sight_p50_ms"]]
-                 for rk, rn in zip(results["kvstore"]["rounds"], baseline)]
-    if args.model == "llama":
-        for ratios, rk, re in zip(per_round, results["kvstore"]["rounds"], results["example"]["rounds"]):
-            ratios.append(rk["warm_p50_ms"] / re["warm_p50_ms"])
+    names = list(results)
+    per_round = [[value for _, value, _, _ in
+                  targets_for(args.model, {(n, ph): v for n in names for ph, v in results[n]["rounds"][i].items()},
+                              results)]
+                 for i in range(args.rounds)]
     met = [value >= bound if direction == ">=" else value <= bound for _, value, bound, direction in targets]
     for i, ((label, value, bound, direction), ok) in enumerate(zip(targets, met)):
-        spread = ", ".join(f"{r[i]:.2f}" for r in per_round) if all(len(r) > i for r in per_round) else "capacity"
-        print(f"  {label:<44}{value:>8.2f}  {direction} {bound:<5}{'met' if ok else 'NOT met':<8} [{spread}]")
-    if "kvstore-layerwise" in p50:
+        spread = ", ".join(f"{r[i]:.2f}" for r in per_round) if "capacity" not in label else "capacity"
+        print(f"  {label:<48}{value:>8.2f}  {direction} {bound:<5}{'met' if ok else 'NOT met':<8} [{spread}]")
+    if "kvstore-layerwise" in results:
         print(f"  kvstore-layerwise warm / kvstore warm     {p50['kvstore-layerwise', 'warm'] / p50['kvstore', 'warm']:>8.2f}"
               "  (layer-by-layer in-step loads vs whole loads before the forward)")
     if args.json:
@@ -294,7 +337,9 @@ def main(argv: list[str] | None = None) -> int:
                   for (label, value, bound, direction), ok in zip(targets, met)]
         write_json(args.json, {"meta": meta, "records": records, "ratios": ratios,
                                "capacity": {name: r.get("capacity") for name, r in results.items()},
-                               "totals": {name: r["totals"] for name, r in results.items()}})
+                               "totals": {name: r["totals"] for name, r in results.items()},
+                               "cross_engine_totals": {name: r["cross_totals"] for name, r in results.items()
+                                                       if "cross_engine" in r}})
     return 0
 
 

@@ -240,20 +240,30 @@ def test_gateway_quick(run_benchmark):
 @needs_vllm
 @pytest.mark.timeout(600)
 def test_vllm_ttft_quick(run_benchmark):
+    """Every system of the default run, vLLM's OffloadingConnector among them, and the cross-engine
+    case: a second engine loads from our store what the first computed; vLLM's CPU tier, private
+    to the first engine, gives the second nothing."""
     run = run_benchmark("vllm_ttft", "--quick", timeout=540)
     assert_clean(run)
     doc = run.records
     records = {(r["system"], r["phase"]): r for r in doc["records"]}
-    assert set(records) == {(s, p) for s in ("none", "example", "kvstore") for p in ("first_sight", "warm")}
+    assert set(records) == ({(s, p) for s in ("none", "example", "offloading", "kvstore") for p in ("first_sight", "warm")}
+                            | {(s, "cross_engine") for s in ("offloading", "kvstore")})
     for r in records.values():
         assert len(r["samples_ms"]) == 2 and all(positive(v) for v in r["samples_ms"]), r
         assert positive(r["ttft_p50_ms"]) and positive(r["ttft_p99_ms"]), r
     assert [r["ratio"] for r in doc["ratios"]] == ["kvstore first_sight / none first_sight",
-                                                   "kvstore warm / kvstore first_sight", "kvstore warm / example warm"]
+                                                   "kvstore warm / kvstore first_sight", "kvstore warm / example warm",
+                                                   "kvstore warm / offloading warm",
+                                                   "kvstore cross_engine / offloading cross_engine"]
     assert all(positive(r["value"]) for r in doc["ratios"])
     ours = doc["totals"]["kvstore"]  # the warm pass loaded from the store what the first one saved
     assert ours["saved_blocks"] > 0 and ours["loaded_blocks"] > 0 and ours["hit_tokens"] > 0
     assert ours["load_failures"] == 0 and ours["dropped_blocks"] == 0
+    assert doc["totals"]["offloading"]["load_bytes"] > 0  # vLLM's CPU tier served its own engine's warm pass
+    cross = doc["cross_engine_totals"]
+    assert cross["kvstore"]["hit_tokens"] > 0 and cross["kvstore"]["load_failures"] == 0
+    assert cross["offloading"]["load_bytes"] == 0
 
 
 @needs_etcd

@@ -1,0 +1,112 @@
+"""vLLM's OffloadingConnector with its CPU tier, runnable on a CPU-only host (a benchmark peer).
+
+vLLM 0.32's `CPUOffloadingSpec` refuses to build its worker unless the platform is a CUDA-alike or
+XPU GPU ("CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"): its only copy
+engine is a device kernel over pinned host memory. `HostOffloadingSpec` keeps everything else of
+vLLM's spec as it is (its scheduler side, `CPUOffloadingManager` with LRU eviction, its sizing of
+the CPU tier from `cpu_bytes_to_use`, the connector around it) and swaps only that copy engine for
+the one a CPU host has: page copies between the engine's KV tensors and a host tensor, done on the
+submitting thread.
+
+What that changes against vLLM on a GPU: the copies are synchronous (on a GPU they run on a stream
+of their own, overlapped with the forward), and on a CPU host the "device" KV cache is itself host
+memory, so a load is a host memcpy where a GPU would pay a PCIe copy. Both make this peer *faster*
+than vLLM's CPU tier would be on real hardware relative to recomputing, never slower: a ratio
+against it understates kvstore's margin.
+
+Use: `kv_connector="OffloadingConnector"`, `kv_connector_extra_config={"spec_name":
+"HostOffloadingSpec", "spec_module_path": "benchmarks.offloading_peer", "cpu_bytes_to_use": N}`.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+
+class HostCopyWorker(OffloadingWorker):
+    """vLLM's CPU-tier worker with host page copies in place of its device kernel. The engine's KV
+    tensors and the tier's host tensors are laid out as vLLM's direct layout: one tier row holds
+    `blocks_per_chunk` engine pages. `totals` (per process): bytes and seconds of loads and stores,
+    read by the benchmark as it reads kvstore's connector totals."""
+
+    totals = {"load_bytes": 0, "load_seconds": 0.0, "store_bytes": 0, "store_seconds": 0.0}
+
+    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int) -> None:
+        self.blocks_per_chunk = blocks_per_chunk
+        self.refs = kv_caches.group_data_refs
+        # numpy views: a row copy is a memcpy (3.3 GB/s here), where torch's int8 row indexing ran
+        # at 0.3 GB/s and would have made this peer slower than vLLM's CPU tier can be.
+        self.engine: list[np.ndarray] = []
+        self.tier: list[np.ndarray] = []  # (chunks * blocks_per_chunk, page): one engine page a row
+        self._keep: list[torch.Tensor] = []
+        for t in kv_caches.tensors:
+            page = t.page_size_bytes
+            engine = t.tensor.view(torch.int8).view(-1, page)
+            tier = torch.zeros((num_chunks * blocks_per_chunk, page), dtype=torch.int8)
+            self._keep += [engine, tier]
+            self.engine.append(engine.numpy())
+            self.tier.append(tier.numpy())
+        self.finished: list[TransferResult] = []
+
+    def _tier_rows(self, chunks: np.ndarray, skip: int, count: int) -> list[int]:
+        rows = chunks.astype(np.int64)[:, None] * self.blocks_per_chunk + np.arange(self.blocks_per_chunk)
+        return rows.ravel()[skip:skip + count].tolist()
+
+    def _copy(self, job_id: int, engine_spec: GPULoadStoreSpec, tier_spec: LoadStoreSpec, store: bool) -> bool:
+        assert isinstance(tier_spec, BlockIDsLoadStoreSpec)
+        started = time.perf_counter()
+        engine_ids, chunks = np.asarray(engine_spec.block_ids), np.asarray(tier_spec.block_ids)
+        e_off = c_off = moved = 0
+        for group, (size, first) in enumerate(zip(engine_spec.group_sizes, engine_spec.block_indices)):
+            if size == 0:
+                continue
+            skip = first % self.blocks_per_chunk
+            n_chunks = -(-(size + skip) // self.blocks_per_chunk)
+            e_rows = engine_ids[e_off:e_off + size].tolist()
+            t_rows = self._tier_rows(chunks[c_off:c_off + n_chunks], skip, size)
+            for ref in self.refs[group]:
+                engine, tier, width = self.engine[ref.tensor_idx], self.tier[ref.tensor_idx], ref.page_size_bytes
+                src, dst, src_rows, dst_rows = (engine, tier, e_rows, t_rows) if store else (tier, engine, t_rows, e_rows)
+                for a, b in zip(src_rows, dst_rows):
+                    dst[b, :width] = src[a, :width]
+                moved += size * width
+            e_off, c_off = e_off + size, c_off + n_chunks
+        seconds = time.perf_counter() - started
+        side = "store" if store else "load"
+        self.totals[f"{side}_bytes"] += moved
+        self.totals[f"{side}_seconds"] += seconds
+        self.finished.append(TransferResult(job_id=job_id, success=True, transfer_size=moved, transfer_time=seconds))
+        return True
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        return self._copy(job_id, src_spec, dst_spec, store=True)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        return self._copy(job_id, dst_spec, src_spec, store=False)
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self.finished = self.finished, []
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Every copy ended when it was submitted."""
+
+
+class HostOffloadingSpec(CPUOffloadingSpec):
+    """vLLM's CPU offloading spec whose worker copies with the host (see the module docstring)."""
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if not self._worker:
+            self._worker = HostCopyWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
+        return self._worker
