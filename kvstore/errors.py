@@ -107,6 +107,10 @@ class WrongSize(InvalidRequest):
     """A block size is zero, too large, or does not match the buffer it goes to."""
 
 
+class BlockTooLarge(WrongSize):
+    """A block larger than every live node's DRAM tier: no node has room for it, however empty."""
+
+
 class NoStoreNodes(KVStoreError):
     """No live store node can take the request."""
 

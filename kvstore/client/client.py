@@ -29,6 +29,7 @@ from transfer import Engine
 from ..access import client_secret
 from ..errors import (
     AccessDenied,
+    BlockTooLarge,
     ConnectionReplaced,
     FingerprintMismatch,
     InvalidConfig,
@@ -161,7 +162,7 @@ class Client:
             if size > MAX_BLOCK_BYTES:
                 raise WrongSize(f"a block of {size} bytes is over the {MAX_BLOCK_BYTES >> 20} MiB a node takes")
             if largest and size > largest:
-                raise WrongSize(f"a block of {size} bytes is larger than every store node's DRAM tier "
+                raise BlockTooLarge(f"a block of {size} bytes is larger than every store node's DRAM tier "
                                 f"(the largest holds {largest})")
 
     def cluster_replicas(self) -> int:

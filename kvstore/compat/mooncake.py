@@ -11,8 +11,8 @@ and meanings, so code written for Mooncake Store (or SGLang HiCache's L3) change
 What carries over, as Mooncake answers it (checked against mooncake-transfer-engine 0.3.13):
 keys are strings and values bytes of any size; `get` of a missing key is b"" and `is_exist` 0;
 `put` of a key that exists keeps the first value and returns 0 (`upsert` replaces it); calls that
-return a status give 0 or a negative error code (OBJECT_NOT_FOUND -704 and INVALID_PARAMS -600, as
-Mooncake's); `batch_get_into` returns the bytes each read (the buffer may be larger than the value)
+return a status give 0 or a negative error code (OBJECT_NOT_FOUND -704, INVALID_PARAMS -600,
+NO_AVAILABLE_HANDLE -200 and TRANSFER_FAIL -800, as Mooncake's), batch puts one per key; `batch_get_into` returns the bytes each read (the buffer may be larger than the value)
 or an error; `*_from`/`*_into` take addresses inside buffers given to `register_buffer` (anything
 else is refused, never read or written); tensors round-trip with their dtype and shape.
 
@@ -32,7 +32,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..client import Client
-from ..errors import KVStoreError
+from transfer.errors import TransferError
+
+from ..errors import AllocationFailed, BlockTooLarge, InvalidRequest, KVStoreError
 from ..index.records import MAX_BLOCK_BYTES
 from ..keys import ModelFingerprint, external_hashes
 
@@ -42,6 +44,8 @@ OK = 0
 INTERNAL_ERROR = -1
 INVALID_PARAMS = -600  # as Mooncake: a bad key, size or buffer
 OBJECT_NOT_FOUND = -704  # as Mooncake
+NO_AVAILABLE_HANDLE = -200  # as Mooncake: no room for the value on any node
+TRANSFER_FAIL = -800  # as Mooncake: the bytes did not reach a node
 CHUNK_BYTES = MAX_BLOCK_BYTES  # values above one block's cap are stored as chunks behind a manifest
 _MANIFEST = b"KVSMOON1"
 # Free-form blocks ("bytes" layout): one namespace for whole values, one for chunked values' manifests
@@ -49,6 +53,18 @@ _MANIFEST = b"KVSMOON1"
 VALUES = ModelFingerprint("mooncake-compat", "uint8", 1, 1, 1, 1, kv_layout="bytes", revision="values v1")
 MANIFESTS = ModelFingerprint("mooncake-compat", "uint8", 1, 1, 1, 1, kv_layout="bytes", revision="manifests v1")
 CHUNKS = ModelFingerprint("mooncake-compat", "uint8", 1, 1, 1, 1, kv_layout="bytes", revision="chunks v1")
+
+
+def put_status(error: BaseException) -> int:
+    """Mooncake's status for why a value is on no node (callers such as vLLM's Mooncake connector
+    treat NO_AVAILABLE_HANDLE as "full: skip", anything else as a failure)."""
+    if isinstance(error, (AllocationFailed, BlockTooLarge)):
+        return NO_AVAILABLE_HANDLE
+    if isinstance(error, (InvalidRequest, ValueError)):
+        return INVALID_PARAMS
+    if isinstance(error, (TransferError, ConnectionError, TimeoutError)):
+        return TRANSFER_FAIL
+    return INTERNAL_ERROR
 
 
 class ReplicateConfig:
@@ -161,6 +177,8 @@ class MooncakeDistributedStore:
         return getattr(config, "replica_num", None) if config is not None else None
 
     def _put_views(self, keys: Sequence[str], views: Sequence[memoryview], config: Any) -> list[int]:
+        """One status per key, as Mooncake's batch puts answer: the keys that failed, and only they,
+        carry their own code, so a caller retries exactly those."""
         results, small = [OK] * len(keys), []
         for i, (key, view) in enumerate(zip(keys, views)):
             try:
@@ -176,14 +194,21 @@ class MooncakeDistributedStore:
                 results[i] = INVALID_PARAMS
             except KVStoreError as exc:
                 log.warning("put of %r failed: %s", key[:80], exc)
-                results[i] = INTERNAL_ERROR
+                results[i] = put_status(exc)
         if small:
+            failure: KVStoreError | None = None
             try:
-                self.client.put_many([(h, v) for _, h, v in small], fingerprint=VALUES, replicas=self._replicas(config))
-            except KVStoreError as exc:
+                outcomes = self.client.put_batch([(h, v) for _, h, v in small], fingerprint=VALUES,
+                                                 replicas=self._replicas(config))
+            except KVStoreError as exc:  # the client's configuration: every key alike
                 log.warning("put of %d values failed: %s", len(small), exc)
-                for i, _, _ in small:
-                    results[i] = INTERNAL_ERROR
+                failure, outcomes = exc, []
+            for n, (i, _, _) in enumerate(small):
+                error = failure or outcomes[n].error
+                if error is not None:
+                    results[i] = put_status(error)
+                    if failure is None:
+                        log.warning("put of %r failed: %s", keys[i][:80], outcomes[n].reason or error)
         return results
 
     def _put_chunked(self, key: str, view: memoryview, config: Any) -> None:

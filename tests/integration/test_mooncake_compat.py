@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.compat.mooncake import (CHUNK_BYTES, INVALID_PARAMS, OBJECT_NOT_FOUND, MooncakeDistributedStore,
+from kvstore.compat.mooncake import (CHUNK_BYTES, INVALID_PARAMS, NO_AVAILABLE_HANDLE, OBJECT_NOT_FOUND,
+                                     MooncakeDistributedStore,
                                      ReplicateConfig)
 
 SECRET = "mooncake-compat-secret-0123456789"
@@ -77,3 +78,29 @@ def test_tensors_and_values_larger_than_a_block_round_trip(store):
     assert store.put("big", big) == 0 and store.get_size("big") == big.nbytes
     assert store.get("big") == big.tobytes()
     assert store.remove("big") == 0 and store.is_exist("big") == 0
+
+
+@pytest.mark.parametrize("mode", ["embedded", "cluster"])
+def test_a_batch_answers_each_key_with_its_own_status(mode, etcd_server, spawn_daemon):
+    """A value no node has room for fails alone with Mooncake's NO_AVAILABLE_HANDLE (-200), which
+    vLLM's Mooncake connector reads as "full: skip"; the others in its batch are stored and say 0.
+    Kills: a batch put whose one failure fails (or hides) every key of the round (one put_many for
+    the whole batch), and a full store reported as a generic INTERNAL_ERROR."""
+    s = MooncakeDistributedStore()
+    if mode == "embedded":
+        assert s.setup("localhost", "memory://", 16 << 20) == 0
+    else:
+        cluster = uuid.uuid4().hex[:8]
+        spawn_daemon("mc-small", etcd_server.url, cluster, dram="16MiB", secret=SECRET)
+        assert s.setup("localhost", etcd_server.url, secret=SECRET, cluster=cluster) == 0
+    try:
+        small, huge = np.full(4096, 7, np.uint8), np.zeros(32 << 20, np.uint8)  # huge: over the node's arena
+        for buf in (small, huge):
+            assert s.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+        got = s.batch_put_from(["s1", "huge", "s2"], [small.ctypes.data, huge.ctypes.data, small.ctypes.data + 1],
+                               [4096, huge.nbytes, 4095])
+        assert got == [0, NO_AVAILABLE_HANDLE, 0]
+        assert s.get("s1") == bytes(small) and s.get("s2") == bytes(small[1:]) and s.is_exist("huge") == 0
+        assert s.put_batch(["s3", "huge"], [b"x", bytes(huge)]) == NO_AVAILABLE_HANDLE and s.get("s3") == b"x"
+    finally:
+        s.close()
