@@ -16,6 +16,11 @@ against it understates kvstore's margin.
 
 Use: `kv_connector="OffloadingConnector"`, `kv_connector_extra_config={"spec_name":
 "HostOffloadingSpec", "spec_module_path": "benchmarks.offloading_peer", "cpu_bytes_to_use": N}`.
+
+`HostTieringOffloadingSpec` does the same for vLLM's tiered spec (`TieringOffloadingSpec`: the CPU
+tier plus `secondary_tiers`, e.g. kvstore's tier), whose CPU tier is a shared memory region the
+scheduler's secondary tiers read and write: the same copy engine, with that region as its memory.
+Use `"spec_name": "HostTieringOffloadingSpec"` and the tiered spec's own keys.
 """
 from __future__ import annotations
 
@@ -31,7 +36,9 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
     TransferResult,
 )
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 
 class HostCopyWorker(OffloadingWorker):
@@ -42,26 +49,40 @@ class HostCopyWorker(OffloadingWorker):
 
     totals = {"load_bytes": 0, "load_seconds": 0.0, "store_bytes": 0, "store_seconds": 0.0}
 
-    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int) -> None:
+    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int,
+                 tiers: list[np.ndarray] | None = None) -> None:
+        """`tiers`: the tier's memory, one (num_chunks, blocks_per_chunk * page) array per KV tensor
+        (any row stride: vLLM's shared offload region interleaves tensors within a row); default,
+        host tensors of this worker's own."""
         self.blocks_per_chunk = blocks_per_chunk
         self.refs = kv_caches.group_data_refs
         # numpy views: a row copy is a memcpy (3.3 GB/s here), where torch's int8 row indexing ran
         # at 0.3 GB/s and would have made this peer slower than vLLM's CPU tier can be.
         self.engine: list[np.ndarray] = []
         self.tier: list[np.ndarray] = []  # (chunks * blocks_per_chunk, page): one engine page a row
+        self._pages: list[np.ndarray] = []  # the same memory as (chunk, page in chunk, byte)
         self._keep: list[torch.Tensor] = []
-        for t in kv_caches.tensors:
+        for i, t in enumerate(kv_caches.tensors):
             page = t.page_size_bytes
             engine = t.tensor.view(torch.int8).view(-1, page)
-            tier = torch.zeros((num_chunks * blocks_per_chunk, page), dtype=torch.int8)
-            self._keep += [engine, tier]
+            self._keep.append(engine)
             self.engine.append(engine.numpy())
-            self.tier.append(tier.numpy())
+            if tiers is None:
+                tier = torch.zeros((num_chunks * blocks_per_chunk, page), dtype=torch.int8)
+                self._keep.append(tier)
+                self.tier.append(tier.numpy())
+                self._pages.append(self.tier[-1].reshape(num_chunks, blocks_per_chunk, page))
+            else:
+                given = tiers[i]
+                assert given.shape == (num_chunks, blocks_per_chunk * page), (given.shape, page)
+                self.tier.append(given)
+                self._pages.append(np.lib.stride_tricks.as_strided(
+                    given, (num_chunks, blocks_per_chunk, page), (given.strides[0], page, 1)))
         self.finished: list[TransferResult] = []
 
-    def _tier_rows(self, chunks: np.ndarray, skip: int, count: int) -> list[int]:
-        rows = chunks.astype(np.int64)[:, None] * self.blocks_per_chunk + np.arange(self.blocks_per_chunk)
-        return rows.ravel()[skip:skip + count].tolist()
+    def _tier_rows(self, chunks: np.ndarray, skip: int, count: int) -> list[tuple[int, int]]:
+        """(chunk, page within the chunk) of each engine page, in order."""
+        return [(int(c), j) for c in chunks for j in range(self.blocks_per_chunk)][skip:skip + count]
 
     def _copy(self, job_id: int, engine_spec: GPULoadStoreSpec, tier_spec: LoadStoreSpec, store: bool) -> bool:
         assert isinstance(tier_spec, BlockIDsLoadStoreSpec)
@@ -76,10 +97,13 @@ class HostCopyWorker(OffloadingWorker):
             e_rows = engine_ids[e_off:e_off + size].tolist()
             t_rows = self._tier_rows(chunks[c_off:c_off + n_chunks], skip, size)
             for ref in self.refs[group]:
-                engine, tier, width = self.engine[ref.tensor_idx], self.tier[ref.tensor_idx], ref.page_size_bytes
-                src, dst, src_rows, dst_rows = (engine, tier, e_rows, t_rows) if store else (tier, engine, t_rows, e_rows)
-                for a, b in zip(src_rows, dst_rows):
-                    dst[b, :width] = src[a, :width]
+                engine, pages, width = self.engine[ref.tensor_idx], self._pages[ref.tensor_idx], ref.page_size_bytes
+                if store:
+                    for a, (c, j) in zip(e_rows, t_rows):
+                        pages[c, j, :width] = engine[a, :width]
+                else:
+                    for a, (c, j) in zip(e_rows, t_rows):
+                        engine[a, :width] = pages[c, j, :width]
                 moved += size * width
             e_off, c_off = e_off + size, c_off + n_chunks
         seconds = time.perf_counter() - started
@@ -109,4 +133,22 @@ class HostOffloadingSpec(CPUOffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if not self._worker:
             self._worker = HostCopyWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
+        return self._worker
+
+
+class HostTieringOffloadingSpec(TieringOffloadingSpec):
+    """vLLM's tiered offloading spec whose worker copies with the host into the spec's shared
+    offload region (the memory its scheduler-side secondary tiers see as `primary_kv_view`)."""
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if not self._worker:
+            if self.config.canonical_layout:
+                raise ValueError("HostTieringOffloadingSpec copies vLLM's direct layout only: remove canonical_layout")
+            rank = 0 if self.replicated_layout else self.config.parallel.rank
+            self._region = SharedOffloadRegion(engine_id=self._engine_id, num_chunks=self.num_chunks, rank=rank,
+                                               kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                                               cpu_page_size=self.cpu_page_size_per_worker)
+            tiers = [self._region.create_next_worker_view(t.page_size_bytes * self.blocks_per_chunk).numpy()
+                     for t in kv_caches.tensors]
+            self._worker = HostCopyWorker(kv_caches, self.blocks_per_chunk, self.num_chunks, tiers=tiers)
         return self._worker
