@@ -70,7 +70,7 @@ def dump_vllm(folder: str, dtype: str, prompts: int) -> int:
     `dtype`, then write every block the embedded store holds to folder/kv-DTYPE-N.bin."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from kvstore.integrations.vllm import store as vllm_store
-    from kvstore.integrations.vllm.engine_run import engine
+    from kvstore.integrations.vllm.local_engine import engine
     from kvstore.integrations.vllm.tiny_model import build_tiny_model
 
     model = build_tiny_model(os.path.join(os.path.expanduser("~"), ".cache", "kvstore", "tiny-llama-demo"),

@@ -501,7 +501,7 @@ class ModelRun:
         spec = {"model": self.path, "connector": None, "prompts": self.pool, "max_tokens": 8,
                 "engine": {k: v for k, v in engine_args(self.spec).items() if "lora" not in k}}
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
-        done = subprocess.run([sys.executable, "-m", "kvstore.integrations.vllm.engine_run", json.dumps(spec)],
+        done = subprocess.run([sys.executable, "-m", "kvstore_testing.engine_run", json.dumps(spec)],
                               capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
         line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:

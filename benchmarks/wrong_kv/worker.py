@@ -43,10 +43,10 @@ def _chain(connector: Any) -> Any:
 
 
 def info(llm: Any) -> dict:
-    from kvstore.integrations.vllm.engine_run import _connector
+    from kvstore_testing.engine_run import worker_connector
 
     connector = _scheduler_connector(llm)
-    io = _connector()._io  # the worker side: the bytes of one block of each group
+    io = worker_connector()._io  # the worker side: the bytes of one block of each group
     return {"block_size": connector.block_size, "chain": _chain(connector).digest,
             "groups": [{"index": g.index, "kind": g.kind, "window": g.window, "block_size": g.block_size,
                         "fingerprint": fp.digest, "block_bytes": io.block_bytes[i]}
@@ -78,7 +78,7 @@ def keys(llm: Any, tokens: list[int]) -> dict:
 def run(llm: Any, spec: dict) -> dict:
     from vllm import SamplingParams
 
-    from kvstore.integrations.vllm.engine_run import connector_stats
+    from kvstore_testing.engine_run import connector_stats
 
     connector = _scheduler_connector(llm)
     lora = None
@@ -134,7 +134,7 @@ def main() -> None:
     # Replies on the original stdout only; everything else (vLLM's log lines) goes to stderr.
     reply = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    from kvstore.integrations.vllm.engine_run import engine
+    from kvstore.integrations.vllm.local_engine import engine
 
     connector = {"role": "kv_both", "extra": spec["extra"]}
     llm = engine(spec["model"], connector, **spec.get("engine", {}))

@@ -28,7 +28,7 @@ def model(tmp_path_factory):
 
 
 def run_engine(spec: dict) -> dict:
-    done = subprocess.run([sys.executable, "-m", "kvstore.integrations.vllm.engine_run", json.dumps(spec)],
+    done = subprocess.run([sys.executable, "-m", "kvstore_testing.engine_run", json.dumps(spec)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert line is not None, done.stderr[-3000:]

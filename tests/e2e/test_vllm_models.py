@@ -30,7 +30,7 @@ ENGINE = {"max_model_len": 2048, "max_num_batched_tokens": 2048}
 
 def engine_process(spec: dict) -> subprocess.CompletedProcess:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    return subprocess.run([sys.executable, "-m", "kvstore.integrations.vllm.engine_run", json.dumps(spec)],
+    return subprocess.run([sys.executable, "-m", "kvstore_testing.engine_run", json.dumps(spec)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
 
 

@@ -122,7 +122,7 @@ def _stderr_to(path: str | None) -> Iterator[None]:
 
 
 def _engine(model: str, role: str | None, store_url: str):
-    from .engine_run import engine
+    from .local_engine import engine
 
     # Producer and consumer share this process's embedded store: say so, or the connector refuses.
     extra = {"metadata": store_url, "dram": "512MiB", "process_local": True}

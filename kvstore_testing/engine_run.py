@@ -1,7 +1,7 @@
-"""Run one vLLM engine (single process) over prompts and print JSON results: used by the demo,
-the tests and the TTFT benchmark to put engines in processes of their own.
+"""Run one vLLM engine (single process) over prompts and print JSON results: used by the tests and
+benchmarks to put engines in processes of their own (from a checkout; not part of the product).
 
-    python -m kvstore.integrations.vllm.engine_run '{"model": PATH, "connector": {...} | null,
+    python -m kvstore_testing.engine_run '{"model": PATH, "connector": {...} | null,
         "prompts": [[ids...], ...], "max_tokens": 8, "kv_transfer_params": [...] | null,
         "loras": [{"name": "a", "id": 1, "path": DIR} | null, ...] | null,
         "engine": {"max_model_len": 4096, "disable_hybrid_kv_cache_manager": false, ...}}'
@@ -12,28 +12,10 @@ its KV cache groups (kind, window, layers) and the KV capacity it reports (token
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
-
-def engine(model: str, connector: dict | None, kv_space_gib: int = 1, **engine_args):
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_space_gib))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    kwargs = {}
-    if connector is not None:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm.connector",
-            kv_role=connector.get("role", "kv_both"), kv_connector_extra_config=connector.get("extra", {}),
-            kv_load_failure_policy="recompute")  # a failed load costs a recompute, never a failed request
-    options = dict(dtype="float32", enforce_eager=True, max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=4096,
-                   disable_log_stats=True)
-    options.update(engine_args)
-    return LLM(model=model, **options, **kwargs)
+from kvstore.integrations.vllm.local_engine import engine
 
 
 def engine_info(llm) -> dict:
@@ -57,7 +39,7 @@ def engine_info(llm) -> dict:
     return info
 
 
-def _connector():
+def worker_connector():
     """The worker-side connector of this process (single-process engines), or None: no connector in
     this engine, or it lives in another process."""
     try:
@@ -70,7 +52,7 @@ def _connector():
 
 def flush_saves() -> None:
     """Wait for the connector's background saves; nothing to wait for without ours."""
-    flush = getattr(_connector(), "flush_saves", None)
+    flush = getattr(worker_connector(), "flush_saves", None)
     if flush is not None and not flush():
         raise RuntimeError("the kvstore connector's background saves were still running after 30 s")
 
@@ -78,7 +60,7 @@ def flush_saves() -> None:
 def connector_stats() -> dict:
     """What the worker-side connector of this process moved, once its saves are stored."""
     flush_saves()
-    totals = getattr(_connector(), "totals", None)
+    totals = getattr(worker_connector(), "totals", None)
     return dict(totals.data) if totals is not None else {}
 
 
