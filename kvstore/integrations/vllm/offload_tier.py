@@ -113,6 +113,69 @@ def geometry_of(vllm_config: Any, spec: "OffloadingSpec", chunk_bytes: int) -> C
         hash_algo=str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")))
 
 
+class ChunkMover:
+    """Chunks between vLLM's CPU tier (`rows`: one row a chunk) and the pool, one job per call,
+    on the tier's threads. A job that fails in any way is a failed job, never an exception."""
+
+    def __init__(self, client: Any, fingerprint: ModelFingerprint, rows: np.ndarray) -> None:
+        if rows.ndim != 2 or rows.strides != (rows.shape[1], 1):
+            raise UnsupportedDeployment(f"KVStoreTier expects the CPU tier as rows of whole chunks, got shape "
+                                        f"{rows.shape} strides {rows.strides}")
+        self.client, self.fingerprint, self.rows, self.row = client, fingerprint, rows, int(rows.shape[1])
+        # Loads land straight in the CPU tier: registered once, read into by (offset, length).
+        self.region = client.engine.register(rows, remote_access=False)
+        self._lock = threading.Lock()
+        # What moved (read by tests and benchmarks); the tier adds its lookups.
+        self.totals = {"lookups": 0, "hits": 0, "stored": 0, "already_held": 0, "loaded": 0, "failed_loads": 0,
+                       "failed_stores": 0}
+
+    def key_hash(self, key: OffloadKey) -> bytes:
+        return chunk_hash(self.fingerprint, key)
+
+    def run(self, job: TransferJob) -> JobResult:
+        started = time.monotonic()
+        try:
+            result = self.load(job) if job.is_promotion else self.store(job)
+        except Exception as exc:  # noqa: BLE001 - any failure is a failed job: vLLM recomputes or keeps its copy
+            log.warning("kvstore tier: %s job %d failed: %s", "load" if job.is_promotion else "store", job.job_id, exc)
+            result = JobResult(job_id=job.job_id, success=False)
+            with self._lock:
+                self.totals["failed_loads" if job.is_promotion else "failed_stores"] += len(job.keys)
+        result.transfer_time = time.monotonic() - started
+        return result
+
+    def store(self, job: TransferJob) -> JobResult:
+        keys, chunks = list(job.keys), [int(c) for c in job.chunk_ids]
+        items = [(h, self.rows[c]) for h, c in zip(map(self.key_hash, keys), chunks)
+                 if not self.client.contains(h, self.fingerprint)]
+        results = self.client.put_batch(items, self.fingerprint) if items else []
+        failed = [r for r in results if not r.ok]
+        with self._lock:
+            self.totals["stored"] += len(results) - len(failed)
+            self.totals["already_held"] += len(keys) - len(items)
+            self.totals["failed_stores"] += len(failed)
+        if failed:
+            log.warning("kvstore tier: %d of %d chunks not stored: %s", len(failed), len(items), failed[0])
+        return JobResult(job_id=job.job_id, success=not failed, transfer_bytes=len(items) * self.row)
+
+    def load(self, job: TransferJob) -> JobResult:
+        keys, chunks = list(job.keys), [int(c) for c in job.chunk_ids]
+        outs = [[(self.region, c * self.row, self.row)] for c in chunks]
+        found = self.client.get_many([self.key_hash(k) for k in keys], outs, self.fingerprint)
+        loaded = [k for k, ok in zip(keys, found) if ok]
+        with self._lock:
+            self.totals["loaded"] += len(loaded)
+            self.totals["failed_loads"] += len(keys) - len(loaded)
+        return JobResult(job_id=job.job_id, success=len(loaded) == len(keys), successful_keys=loaded or None,
+                         transfer_bytes=len(loaded) * self.row)
+
+    def close(self) -> None:
+        try:
+            self.client.engine.unregister(self.region)
+        except Exception as exc:  # noqa: BLE001 - the client closed first (interpreter exit)
+            log.debug("kvstore tier: unregistering the CPU tier: %s", exc)
+
+
 class KVStoreTier(SecondaryTierManager):
     """Chunks of vLLM's CPU tier in the kvstore pool (see the module docstring)."""
 
@@ -140,15 +203,8 @@ class KVStoreTier(SecondaryTierManager):
                         "on every engine, or use sha256", algo)
         self.timeout = float(settings.get("timeout", 5.0))
         self.client = store_for({**settings, "timeout": self.timeout})
-        self._rows = np.asarray(primary_kv_view).view(np.uint8)  # (chunks, chunk bytes), the CPU tier itself
-        if self._rows.ndim != 2 or self._rows.strides != (self.block_size_bytes, 1):
-            raise UnsupportedDeployment(f"KVStoreTier expects the CPU tier as rows of whole chunks, got shape "
-                                        f"{self._rows.shape} strides {self._rows.strides}")
-        # What this tier moved (read by tests and benchmarks): chunks and lookups.
-        self.totals = {"lookups": 0, "hits": 0, "stored": 0, "already_held": 0, "loaded": 0, "failed_loads": 0,
-                       "failed_stores": 0}
-        # Loads land straight in the CPU tier: registered once, read into by (offset, length).
-        self._region = self.client.engine.register(self._rows, remote_access=False)
+        self.mover = ChunkMover(self.client, self.fingerprint, np.asarray(primary_kv_view).view(np.uint8))
+        self.totals = self.mover.totals
         self._pool = ThreadPoolExecutor(max_workers=max(1, int(settings.get("threads", 2))),
                                         thread_name_prefix="kvstore-tier")
         self._lock = threading.Lock()
@@ -158,24 +214,21 @@ class KVStoreTier(SecondaryTierManager):
                  self.fingerprint.digest)
 
     # --- the scheduler's calls (cheap, non-blocking) -------------------------------------------
-    def key_hash(self, key: OffloadKey) -> bytes:
-        return chunk_hash(self.fingerprint, key)
-
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         try:
-            found = self.client.contains(self.key_hash(key), self.fingerprint)
+            found = self.client.contains(self.mover.key_hash(key), self.fingerprint)
         except Exception as exc:  # noqa: BLE001 - a closed client is a miss: vLLM computes instead
             log.debug("kvstore tier lookup failed: %s", exc)
             return LookupResult.MISS
-        self.totals["lookups"] += 1
+        self.totals["lookups"] += 1  # the scheduler's thread only
         self.totals["hits"] += int(found)
         return LookupResult.HIT if found else LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        self._submit(self._store, job_metadata)
+        self._submit(job_metadata)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        self._submit(self._load, job_metadata)
+        self._submit(job_metadata)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         with self._lock:
@@ -183,8 +236,9 @@ class KVStoreTier(SecondaryTierManager):
         return done
 
     def has_pending_work(self) -> bool:
+        """Jobs running or results not yet collected: the engine keeps stepping until it has them."""
         with self._lock:
-            return bool(self._pending)
+            return bool(self._pending or self._finished)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -197,14 +251,11 @@ class KVStoreTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
-        try:
-            self.client.engine.unregister(self._region)
-        except Exception as exc:  # noqa: BLE001 - the client closed first (interpreter exit)
-            log.debug("kvstore tier: unregistering the CPU tier: %s", exc)
+        self.mover.close()
 
     # --- the pool's work -----------------------------------------------------------------------
-    def _submit(self, work: Any, job: TransferJob) -> None:
-        future = self._pool.submit(self._run, work, job)
+    def _submit(self, job: TransferJob) -> None:
+        future = self._pool.submit(self._run, job)
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(self._forget)
@@ -213,41 +264,7 @@ class KVStoreTier(SecondaryTierManager):
         with self._lock:
             self._pending.discard(future)
 
-    def _run(self, work: Any, job: TransferJob) -> None:
-        started = time.monotonic()
-        try:
-            result = work(job)
-        except Exception as exc:  # noqa: BLE001 - any failure is a failed job: vLLM recomputes or keeps its copy
-            log.warning("kvstore tier: %s job %d failed: %s", "load" if job.is_promotion else "store", job.job_id, exc)
-            result = JobResult(job_id=job.job_id, success=False)
-            with self._lock:
-                self.totals["failed_loads" if job.is_promotion else "failed_stores"] += len(job.keys)
-        result.transfer_time = time.monotonic() - started
+    def _run(self, job: TransferJob) -> None:
+        result = self.mover.run(job)
         with self._lock:
             self._finished.append(result)
-
-    def _store(self, job: TransferJob) -> JobResult:
-        keys, chunks = list(job.keys), [int(c) for c in job.chunk_ids]
-        items = [(h, self._rows[c]) for h, c in zip(map(self.key_hash, keys), chunks)
-                 if not self.client.contains(h, self.fingerprint)]
-        results = self.client.put_batch(items, self.fingerprint) if items else []
-        failed = [r for r in results if not r.ok]
-        with self._lock:
-            self.totals["stored"] += len(results) - len(failed)
-            self.totals["already_held"] += len(keys) - len(items)
-            self.totals["failed_stores"] += len(failed)
-        if failed:
-            log.warning("kvstore tier: %d of %d chunks not stored: %s", len(failed), len(items), failed[0])
-        return JobResult(job_id=job.job_id, success=not failed, transfer_bytes=len(items) * self.block_size_bytes)
-
-    def _load(self, job: TransferJob) -> JobResult:
-        keys, chunks = list(job.keys), [int(c) for c in job.chunk_ids]
-        row = self.block_size_bytes
-        outs = [[(self._region, c * row, row)] for c in chunks]
-        found = self.client.get_many([self.key_hash(k) for k in keys], outs, self.fingerprint)
-        loaded = [k for k, ok in zip(keys, found) if ok]
-        with self._lock:
-            self.totals["loaded"] += len(loaded)
-            self.totals["failed_loads"] += len(keys) - len(loaded)
-        return JobResult(job_id=job.job_id, success=len(loaded) == len(keys), successful_keys=loaded or None,
-                         transfer_bytes=len(loaded) * row)
