@@ -24,6 +24,9 @@ Use `"spec_name": "HostTieringOffloadingSpec"` and the tiered spec's own keys.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
 import time
 
 import numpy as np
@@ -148,7 +151,16 @@ class HostTieringOffloadingSpec(TieringOffloadingSpec):
             self._region = SharedOffloadRegion(engine_id=self._engine_id, num_chunks=self.num_chunks, rank=rank,
                                                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
                                                cpu_page_size=self.cpu_page_size_per_worker)
+            # The region's file in /dev/shm outlives the process unless removed: vLLM's worker removes it
+            # at its shutdown, which a process that just exits never reaches. Both sides have mapped it
+            # by then; the mappings stay.
+            atexit.register(_remove_file, self._region.mmap_path)
             tiers = [self._region.create_next_worker_view(t.page_size_bytes * self.blocks_per_chunk).numpy()
                      for t in kv_caches.tensors]
             self._worker = HostCopyWorker(kv_caches, self.blocks_per_chunk, self.num_chunks, tiers=tiers)
         return self._worker
+
+
+def _remove_file(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

@@ -56,7 +56,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 raise RuntimeError(f"the tier stored {tier.totals} of {want} chunks in {SETTLE_S} s")
             llm.generate([{"prompt_token_ids": [3 + i, 4, 5]}], nudge, use_tqdm=False)  # steps the engine
     return {"tokens": outputs, "tier": dict(tier.totals), "block_size": block,
-            "fingerprint": tier.fingerprint.digest}
+            "fingerprint": tier.fingerprint.digest,
+            "cpu_tier_file": f"/dev/shm/vllm_offload_{scheduler.vllm_config.kv_transfer_config.engine_id}.mmap"}
 
 
 if __name__ == "__main__":

@@ -80,3 +80,12 @@ def test_weights_rewritten_at_the_same_path_get_no_chunk(engines):
     assert c["tier"]["lookups"] >= 1 and c["tier"]["hits"] == 0 and c["tier"]["loaded"] == 0, c["tier"]
     assert c["fingerprint"] != a["fingerprint"]
     assert c["tokens"] != a["tokens"]  # other weights compute other tokens: the check above is not vacuous
+
+
+def test_the_engines_leave_no_cpu_tier_file_behind(engines):
+    """vLLM's tiered CPU tier lives in a file in /dev/shm (64 MiB per engine here); the host-copy
+    stand-in of its worker (benchmarks/offloading_peer.py) removes it when the engine's process
+    exits. Kills: a stand-in that leaves it, filling /dev/shm run after run."""
+    for run in engines.values():
+        assert run["cpu_tier_file"].startswith("/dev/shm/vllm_offload_")
+        assert not os.path.exists(run["cpu_tier_file"]), run["cpu_tier_file"]
