@@ -86,8 +86,9 @@ def spec(world_size: int = 1, canonical: bool = False) -> SimpleNamespace:
     return SimpleNamespace(config=SimpleNamespace(parallel=parallel, canonical_layout=canonical))
 
 
-def vllm_config(lora: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(lora_config=object() if lora else None, model_config=SimpleNamespace(),
+def vllm_config(lora: bool = False, multimodal: bool = False, embeds: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(lora_config=object() if lora else None,
+                           model_config=SimpleNamespace(is_multimodal_model=multimodal, enable_prompt_embeds=embeds),
                            cache_config=SimpleNamespace(cache_dtype="auto"))
 
 
@@ -95,11 +96,14 @@ def vllm_config(lora: bool = False) -> SimpleNamespace:
     (vllm_config(), spec(world_size=2), "tensor_parallel_size=pipeline_parallel_size=1"),
     (vllm_config(), spec(canonical=True), "remove canonical_layout"),
     (vllm_config(lora=True), spec(), "enable_lora"),
+    (vllm_config(multimodal=True), spec(), "multi_modal_uuids"),
+    (vllm_config(embeds=True), spec(), "multi_modal_uuids"),
 ])
 def test_deployments_the_tier_cannot_key_are_refused_saying_what_to_set(engine, tier_spec, says):
     """A chunk row of a TP/PP engine holds every rank's pages, a canonical layout is another
-    format, and vLLM names an adapter, not its weights: each is refused at start-up with what to
-    set. Kills: a tier that starts anyway and shares chunks it cannot key."""
+    format, vLLM names an adapter, not its weights, and a multimodal item (or prompt embedding) by
+    an identifier a client may reuse: each is refused at start-up with what to set. Kills: a tier
+    that starts anyway and shares chunks it cannot key."""
     from kvstore.integrations.vllm.offload_tier import check_supported
 
     with pytest.raises(UnsupportedDeployment, match=says):

@@ -101,6 +101,12 @@ def check_supported(vllm_config: Any, spec: "OffloadingSpec") -> None:
             "vLLM's offload keys name a LoRA adapter, not its weights: KVStoreTier cannot tell an adapter retrained "
             "in place from the old one. Serve without enable_lora, or use kvstore's own connector "
             "(kv_connector=KVStoreConnector), which keys adapters by their weights")
+    model = getattr(vllm_config, "model_config", None)
+    if getattr(model, "is_multimodal_model", False) or getattr(model, "enable_prompt_embeds", False):
+        raise UnsupportedDeployment(
+            "vLLM's offload keys name a multimodal item by its identifier, which a client may supply "
+            "(multi_modal_uuids) and reuse for another image, and KVStoreTier sees neither an item's content nor "
+            "a prompt embedding's: serve text prompts only, or use kvstore's own connector (kv_connector=KVStoreConnector), which keys items by what the model reads")
     check_kv_scales(vllm_config)
 
 
