@@ -5,6 +5,8 @@ over prompts, and print JSON: each prompt's output tokens and what the tier move
     python -m kvstore_testing.tier_engine '{"model": PATH, "metadata": "etcd://...", "prompts": [[ids...]],
         "max_tokens": 8, "tier": {...extra tier settings}, "settle": true}'
 
+With "reset_to_version" (and the tier's "weight_version_file"), the version is then rewritten, vLLM's
+cache reset with its connector, and the prompts run again ("after_reset": tier hits and loads since).
 With "settle" (the default), after each prompt the engine keeps stepping (one-token requests of an unrelated prompt) until the
 tier has stored or found held every full chunk of the prompt, so that the next engine finds them.
 """
@@ -55,7 +57,20 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the tier stored {tier.totals} of {want} chunks in {SETTLE_S} s")
             llm.generate([{"prompt_token_ids": [3 + i, 4, 5]}], nudge, use_tqdm=False)  # steps the engine
-    return {"tokens": outputs, "tier": dict(tier.totals), "block_size": block,
+    result: dict[str, Any] = {}
+    if spec.get("reset_to_version"):
+        # An in-place weight update as an RL loop does it: the new version written where the tier
+        # reads it, then vLLM's reset with its connector (which drains the tier), then the prompts again.
+        with open(spec["tier"]["weight_version_file"], "w") as f:
+            f.write(spec["reset_to_version"])
+        before = dict(tier.totals)
+        if not llm.reset_prefix_cache(reset_connector=True):
+            raise RuntimeError("vLLM refused the reset")
+        again = [list(llm.generate([{"prompt_token_ids": p}], sampling, use_tqdm=False)[0].outputs[0].token_ids)
+                 for p in spec["prompts"]]
+        result["after_reset"] = {"tokens": again, "hits": tier.totals["hits"] - before["hits"],
+                                 "loaded": tier.totals["loaded"] - before["loaded"]}
+    return {**result, "tokens": outputs, "tier": dict(tier.totals), "block_size": block,
             "fingerprint": tier.fingerprint.digest,
             "cpu_tier_file": f"/dev/shm/vllm_offload_{scheduler.vllm_config.kv_transfer_config.engine_id}.mmap"}
 

@@ -37,16 +37,21 @@ def run_engine(spec: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def engines(etcd_server, tmp_path_factory):
-    """Engine A stores PROMPT through the tier; engine B (same files) runs it; then the weights at
-    the same path are rewritten (a fine-tune redeployed in place) and engine C runs it."""
+    """Engine A stores PROMPT through the tier; engine B (same files) runs it, then takes a new
+    weight version in place and runs it again; then the weights at the same path are rewritten (a
+    fine-tune redeployed in place) and engine C runs it."""
     model = build_tiny_model(str(tmp_path_factory.mktemp("tier-model") / "model"))
     cluster = uuid.uuid4().hex[:8]
     daemon, _ = processes.start_store_daemon(["--node", "tier-store", "--metadata", etcd_server.url, "--cluster",
                                               cluster, "--dram", "256MiB", "--timeout", "2", "--insecure"],
                                              cwd=ROOT)
     try:
-        spec = {"model": model, "metadata": etcd_server.url, "tier": {"cluster": cluster}, "prompts": [PROMPT]}
-        runs = {"a": run_engine(spec), "b": run_engine({**spec, "settle": False})}
+        version = str(tmp_path_factory.mktemp("tier-version") / "weight_version")
+        with open(version, "w") as f:
+            f.write("v1")
+        spec = {"model": model, "metadata": etcd_server.url, "prompts": [PROMPT],
+                "tier": {"cluster": cluster, "weight_version_file": version}}
+        runs = {"a": run_engine(spec), "b": run_engine({**spec, "settle": False, "reset_to_version": "v2"})}
         other = build_tiny_model(str(tmp_path_factory.mktemp("tier-model-seed1") / "model"), seed=1)
         for name in os.listdir(other):
             if name.endswith(".safetensors"):
@@ -80,6 +85,16 @@ def test_weights_rewritten_at_the_same_path_get_no_chunk(engines):
     assert c["tier"]["lookups"] >= 1 and c["tier"]["hits"] == 0 and c["tier"]["loaded"] == 0, c["tier"]
     assert c["fingerprint"] != a["fingerprint"]
     assert c["tokens"] != a["tokens"]  # other weights compute other tokens: the check above is not vacuous
+
+
+def test_an_in_place_weight_update_stops_the_old_chunks(engines):
+    """Engine B loaded A's chunks; then its weight version file says v2 and vLLM's cache is reset
+    with its connector (an RL step's in-place update): the same prompt finds none of the old
+    weights' chunks in the pool. Kills: a tier that keys chunks by the identity it read at
+    start-up (vLLM keeps what secondary tiers hold across a reset)."""
+    b = engines["b"]
+    assert b["tier"]["hits"] >= len(PROMPT) // BLOCK  # before the update it found them
+    assert b["after_reset"]["hits"] == 0 and b["after_reset"]["loaded"] == 0, b["after_reset"]
 
 
 def test_the_engines_leave_no_cpu_tier_file_behind(engines):

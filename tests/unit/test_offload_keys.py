@@ -133,3 +133,21 @@ def test_the_tier_takes_its_own_engines_config_or_refuses():
         connector(config_of("engine-b"), "engine-a")
     mine = config_of("engine-a")
     assert connector(mine, "engine-a") is mine
+
+
+@pytest.mark.parametrize("algo, settings, refused", [
+    ("sha256", {}, False), ("xxhash", {}, True), ("xxhash_cbor", {"trust_noncrypto_hashes": "false"}, True),
+    ("xxhash", {"trust_noncrypto_hashes": True}, False),
+])
+def test_block_hashes_a_client_can_collide_are_refused_unless_trusted(algo, settings, refused):
+    """A chunk in the shared pool is named by vLLM's block hash; with xxhash a client can craft a
+    prompt whose blocks collide with another's and plant KV every engine of the tenant loads.
+    Kills: a tier that takes xxhash without the operator's explicit trust (or reads "false" as yes)."""
+    from kvstore.integrations.vllm.offload_tier import check_block_hashes
+
+    engine = SimpleNamespace(cache_config=SimpleNamespace(prefix_caching_hash_algo=algo))
+    if refused:
+        with pytest.raises(UnsupportedDeployment, match="sha256"):
+            check_block_hashes(engine, settings)
+    else:
+        check_block_hashes(engine, settings)

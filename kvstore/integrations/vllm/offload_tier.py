@@ -60,7 +60,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SETTINGS = ("metadata", "cluster", "secret", "tenant", "tenant_secret", "timeout", "weight_version",
-            "weight_version_file", "weights_digest", "cache_salt", "threads", "dram", "disk", "disk_size")
+            "weight_version_file", "weights_digest", "cache_salt", "threads", "dram", "disk", "disk_size",
+            "trust_noncrypto_hashes")
 CALLER_FRAMES = 12  # the tier is built a few calls below vLLM's connector, which holds the VllmConfig
 NON_CRYPTO_HASHES = ("xxhash", "xxhash_cbor")
 
@@ -108,6 +109,24 @@ def check_supported(vllm_config: Any, spec: "OffloadingSpec") -> None:
             "(multi_modal_uuids) and reuse for another image, and KVStoreTier sees neither an item's content nor "
             "a prompt embedding's: serve text prompts only, or use kvstore's own connector (kv_connector=KVStoreConnector), which keys items by what the model reads")
     check_kv_scales(vllm_config)
+
+
+def check_block_hashes(vllm_config: Any, settings: dict[str, Any]) -> None:
+    """A chunk in the pool is named by vLLM's block hash: refuse hashes a client can collide."""
+    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+    if algo not in NON_CRYPTO_HASHES:
+        return
+    if settings.get("trust_noncrypto_hashes") is not True:
+        # A fleet-wide pool turns one client's crafted block-hash collision into wrong KV for every
+        # engine of the tenant; vLLM itself calls these hashes not collision resistant.
+        raise UnsupportedDeployment(
+            f"prefix_caching_hash_algo={algo} is not collision resistant, and a chunk in the pool is named by that "
+            "hash: use sha256 (vLLM's default), or set trust_noncrypto_hashes=true in the tier's settings where "
+            "every client is trusted")
+    if os.environ.get("PYTHONHASHSEED") is None:
+        log.warning("kvstore tier: prefix_caching_hash_algo=%s without PYTHONHASHSEED seeds vLLM's block hashes per "
+                    "process, so no other engine finds this engine's chunks: set PYTHONHASHSEED to the same value "
+                    "on every engine, or use sha256", algo)
 
 
 def geometry_of(vllm_config: Any, spec: "OffloadingSpec", chunk_bytes: int) -> ChunkGeometry:
@@ -162,7 +181,7 @@ class ChunkMover:
             self.totals["failed_stores"] += len(failed)
         if failed:
             log.warning("kvstore tier: %d of %d chunks not stored: %s", len(failed), len(items), failed[0])
-        return JobResult(job_id=job.job_id, success=not failed, transfer_bytes=len(items) * self.row)
+        return JobResult(job_id=job.job_id, success=not failed, transfer_bytes=(len(items) - len(failed)) * self.row)
 
     def load(self, job: TransferJob) -> JobResult:
         keys, chunks = list(job.keys), [int(c) for c in job.chunk_ids]
@@ -199,14 +218,12 @@ class KVStoreTier(SecondaryTierManager):
         self.locality = Locality(locality) if locality else Locality.REMOTE
         vllm_config = engine_config(offloading_spec.config.engine_id)
         check_supported(vllm_config, offloading_spec)
-        self.fingerprint: ModelFingerprint = chunk_fingerprint(
-            fingerprint_from_vllm(vllm_config, 0, settings, 0), weights_identity(vllm_config, settings),
-            geometry_of(vllm_config, offloading_spec, self.block_size_bytes))
-        algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
-        if algo in NON_CRYPTO_HASHES and os.environ.get("PYTHONHASHSEED") is None:
-            log.warning("kvstore tier: prefix_caching_hash_algo=%s without PYTHONHASHSEED seeds vLLM's block hashes per "
-                        "process, so no other engine finds this engine's chunks: set PYTHONHASHSEED to the same value "
-                        "on every engine, or use sha256", algo)
+        check_block_hashes(vllm_config, settings)
+        self._vllm_config, self._settings = vllm_config, settings
+        self._base = fingerprint_from_vllm(vllm_config, 0, settings, 0)
+        self._geometry = geometry_of(vllm_config, offloading_spec, self.block_size_bytes)
+        self.weights = weights_identity(vllm_config, settings)
+        self.fingerprint: ModelFingerprint = chunk_fingerprint(self._base, self.weights, self._geometry)
         self.timeout = float(settings.get("timeout", 5.0))
         self.client = store_for({**settings, "timeout": self.timeout})
         self.mover = ChunkMover(self.client, self.fingerprint, np.asarray(primary_kv_view).view(np.uint8))
@@ -250,13 +267,35 @@ class KVStoreTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def drain_jobs(self) -> None:
-        """Every job ends: each of its remote steps is bounded by the client's timeout."""
+        """Every job ends (each of its remote steps is bounded by the client's timeout); then the
+        weights' identity is read again. vLLM drains its tiers only in `reset_cache`
+        (`reset_prefix_cache(reset_connector=True)`), which follows an in-place weight update, and
+        keeps what secondary tiers hold: chunks computed with the old weights must not be found
+        under the new ones."""
         with self._lock:
             pending = set(self._pending)
         wait(pending)
+        self.reset_identity()
+
+    def reset_identity(self) -> None:
+        """Key chunks from now on by the weights' identity as it is now (weight files,
+        `weight_version_file`, KVSTORE_WEIGHT_VERSION, `weight_version`); where none of it changed,
+        the weights may have changed in memory only, so by a nonce shared with no other process
+        (as the connector's reset_cache)."""
+        import secrets
+
+        weights = weights_identity(self._vllm_config, self._settings)
+        if weights == self.weights:
+            log.warning("kvstore tier: reset with no new weight version (weight_version_file, KVSTORE_WEIGHT_VERSION) "
+                        "and the same weight files: chunks from now on are keyed to this process")
+            weights = f"nonce {secrets.token_hex(16)}"
+        self.weights = weights
+        self.fingerprint = self.mover.fingerprint = chunk_fingerprint(self._base, weights, self._geometry)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+        # Queued jobs are dropped (vLLM recomputes what they would have loaded); only running ones
+        # touch the CPU tier's memory, and each remote step of theirs has the client's timeout.
+        self._pool.shutdown(wait=True, cancel_futures=True)
         self.mover.close()
 
     # --- the pool's work -----------------------------------------------------------------------
