@@ -65,28 +65,14 @@ options = dict(dtype="float32", enforce_eager=True, max_model_len=2048, max_num_
                disable_log_stats=True)
 options.update(spec.get("engine") or {})
 llm = LLM(model=spec["model"], **options, **kwargs)
-config = llm.llm_engine.vllm_config
-capacity = {"hybrid_kv_cache_manager": not config.scheduler_config.disable_hybrid_kv_cache_manager,
-            "kv_cache_size_tokens": config.cache_config.kv_cache_size_tokens,
-            "max_concurrency": config.cache_config.kv_cache_max_concurrency,
-            "max_model_len": config.model_config.max_model_len}
-try:
-    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
-    groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
-    capacity["groups"] = [get_kv_cache_spec_kind(g.kv_cache_spec).value for g in groups]
-except AttributeError:
-    pass
+from kvstore_testing.engine_run import engine_info, worker_connector as connector
+capacity = engine_info(llm)
+capacity["groups"] = [g["kind"] for g in capacity.get("groups", [])]
 one = SamplingParams(temperature=0, max_tokens=1)
 def ttft(prompt):
     llm.reset_prefix_cache()
     t = time.perf_counter(); llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)
     return (time.perf_counter() - t) * 1e3
-def connector():
-    try:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-        return get_kv_transfer_group()
-    except Exception:
-        return None
 flush = getattr(connector(), "flush_saves", None)
 def settle():
     if flush:
