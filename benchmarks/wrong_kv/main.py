@@ -29,7 +29,14 @@ QUICK = {"dram_bitflip": 3, "nvme_bitflip": 3, "torn_nvme_write": 2, "store_fail
          "wrong_holder": 3, "wire_bitflip": 3, "daemon_killed_mid_load": 2, "adapter_reloaded": 2, "weights_swapped": 1}
 
 
-def plan(quick: bool, faults: int, model: str, models: int) -> Plan:
+def plan(quick: bool, faults: int, model: str, models: int, kinds: tuple[str, ...] = KINDS) -> Plan:
+    """The faults of each kind for `model`; only `kinds` are injected (the others' counts are 0)."""
+    full = _plan(quick, faults, model, models)
+    full.targets = {k: n for k, n in full.targets.items() if k in kinds}
+    return full
+
+
+def _plan(quick: bool, faults: int, model: str, models: int) -> Plan:
     if quick:
         targets = dict(QUICK)
         if not MODELS[model].lora:
@@ -80,8 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--faults", type=int, default=FULL_FAULTS, help="faults in all (full run)")
     parser.add_argument("--models", default=None, help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--kinds", default=None,
+                        help="comma-separated fault kinds to inject (default: all), of " + ", ".join(KINDS))
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
+    chosen = tuple((args.kinds or ",".join(KINDS)).split(","))
+    if [k for k in chosen if k not in KINDS]:
+        parser.error(f"--kinds: unknown {', '.join(k for k in chosen if k not in KINDS)} "
+                     f"(choose from {', '.join(KINDS)})")
     names = (args.models or ("dense" if args.quick else ",".join(MODELS))).split(",")
     unknown = [n for n in names if n not in MODELS]
     if unknown:
@@ -97,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     rng = random.Random(args.seed)
     results = {kind: KindResult(kind, what=WHAT[kind]) for kind in (*KINDS, CONTROL)}
-    plans = {name: plan(args.quick, args.faults, name, len(names)) for name in names}
+    plans = {name: plan(args.quick, args.faults, name, len(names), chosen) for name in names}
     meta = {"command": "python -m benchmarks.wrong_kv " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine(), "quick": args.quick,
+            "machine": machine(), "quick": args.quick, "kinds": list(chosen),
             "models": {n: {"tolerance": MODELS[n].tolerance, "why": MODELS[n].why_tolerance,
                            "targets": plans[n].targets} for n in names}}
     print(f"wrong KV: models {', '.join(names)}; faults planned: "
@@ -138,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     meta["seconds"] = round(time.monotonic() - started, 1)
     meta["machine"]["load_average_end"] = os.getloadavg()
     faults = sum(r["injected"] for r in rows)
+    for row in rows:
+        if row["fault"] != CONTROL and row["fault"] not in chosen:
+            row["note"] = (row["note"] + " not run: not among --kinds").strip()
     kinds = [r for r in rows if r["fault"] != CONTROL and "not run" not in r["note"]]
     targets = {"faults": faults, "every_kind_injected": all(r["injected"] for r in kinds),
                "wrong_tokens": sum(r["wrong_tokens"] for r in rows), "hung": sum(r["hung"] for r in rows),

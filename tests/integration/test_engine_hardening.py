@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests_support import sha, until
-from transfer import Engine, InvalidOp, MissingSecret, PeerUnreachable, ProtocolError, Read, Write
+from transfer import Engine, InvalidOp, MissingSecret, PeerUnreachable, ProtocolError, Read, TransferError, Write
 from transfer.auth import Channel, client_handshake
 from transfer.regions import anonymous_shared, check_sealed
 
@@ -316,6 +316,75 @@ def test_relayed_handshake_cannot_inject_writes(spawn_peer, wire):
         assert peer_proc.sha("numpy") == before
     else:  # the peer's data thread applies it in its own time
         assert until(lambda: peer_proc.sha("numpy") != before)
+
+
+class FlipRelay:
+    """A relay that, once `flip` is set, flips one bit of the next bytes the server sends."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.target = (host, port)
+        self.flip = threading.Event()
+        self.flipped = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, reply: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if reply and self.flip.is_set() and not self.flipped:
+                    self.flipped = True
+                    data = bytes([data[0] ^ 0x10]) + data[1:]
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@pytest.mark.parametrize("wire", ["aead", "plain"])
+def test_a_peer_whose_stream_broke_is_not_alive(spawn_peer, wire):
+    """A corrupted reply breaks its stream for good (aead: the tag fails; plain: the header no
+    longer matches the request), while the peer's control connection stays up. Kills: `Peer.alive`
+    looking at the control connection only: a store client then kept the peer and failed every
+    later read from that node, recomputing forever, until something reset its connections."""
+    peer_proc = spawn_peer(size=1 << 20, secret=SECRET, extra=["--wire", "plain"])
+    desc = json.loads(peer_proc.descriptor)
+    relay = FlipRelay(desc["host"], desc["port"])
+    relayed = dict(desc, port=relay.port, host_id="elsewhere")
+    try:
+        with Engine("victim", listen=None, secret=SECRET, wire=wire, stall_timeout=5.0) as engine:
+            peer = engine.connect(relayed, transport="tcp", streams=1)
+            dst = engine.allocate(64 << 10)
+            remote = peer.region(peer_proc.regions["numpy"])
+            engine.transfer([Read(dst, 0, remote, 0, 64 << 10)])
+            assert peer.alive
+            relay.flip.set()
+            with pytest.raises(TransferError):
+                engine.transfer([Read(dst, 0, remote, 0, 64 << 10)])
+            assert relay.flipped and not peer.alive
+            peer.close()
+            again = engine.connect(relayed, transport="tcp", streams=1)  # what a store client does
+            engine.transfer([Read(dst, 0, again.region(peer_proc.regions["numpy"]), 0, 64 << 10)])
+            assert sha(dst.buffer) == peer_proc.sha("numpy", 0, 64 << 10)
+    finally:
+        relay.close()
 
 
 def raw_write(region: int, offset: int = 0, length: int = 4096) -> bytes:
