@@ -22,7 +22,9 @@ on a machine with a network); without them the parts that need them are skipped,
    layout and kernel split at 4k-token steps, BLNHC at 32k) beside a pinned torch copy of the same
    bytes (kind "kv_copy", benchmarks/kv_copy.py); the Transfer Engine's CUDA regions to and from
    host memory beside the same (kind "te_cuda"); each step through an embedded kvstore, byte for
-   byte (kind "store"); 1 GiB of KV handed from one set of device tensors to another through the
+   byte (kind "store"); a same-host batch get of 32 x 1 MiB with every block's digest verified
+   against the same get unhashed and a memcpy, on the machine's CPUs (kind "verified_get"); 1 GiB
+   of KV handed from one set of device tensors to another through the
    store against the raw device->host->device copy (kind "handoff"); and the engine profile
    `h200-llama3-8b-measured` (scripts/gpu_check_profile.py, under `profiles`, which
    `benchmarks.fleet --profile` reads from the committed benchmarks/results/gpu-check.json).
@@ -612,10 +614,12 @@ def main(argv: list[str] | None = None) -> int:
     for c in checks.results:
         print(f"  {c['status']:<8} {c['name']}" + (f": {c['reason']}" if c.get("reason") else ""))
     for r in document["records"]:
-        if r["kind"] in ("kv_copy", "te_cuda", "handoff"):
+        if r["kind"] in ("kv_copy", "te_cuda", "handoff", "verified_get"):
             print("  " + ", ".join(f"{k} {v}" for k, v in r.items()
                                    if k in ("kind", "device", "direction", "block_tokens", "layout", "digests",
-                                            "step_tokens", "gbps", "limit_gbps", "ratio", "seconds", "raw_seconds")))
+                                            "step_tokens", "gbps", "limit_gbps", "ratio", "seconds", "raw_seconds",
+                                            "cpus", "verified_gbps", "unhashed_gbps", "memcpy_gbps",
+                                            "verified_over_unhashed")))
     if document.get("bandwidth"):
         print("  " + ", ".join(f"{k} {v}" for k, v in document["bandwidth"].items() if k.endswith("gbps")))
     print(f"  wrote {args.out} ({document['seconds']} s)")

@@ -2,7 +2,7 @@
 CUDA machine would (PyTorch's pybind11 headers, the EVP declarations it carries), runs the CPU
 checks (host regions through the Transfer Engine; the connector's per-block and batched copy paths
 in every KV cache layout and kernel split; small steps of benchmarks.kv_copy; steps saved and
-loaded through an embedded kvstore, byte for byte) and records each CUDA part as skipped with its
+loaded through an embedded kvstore, byte for byte; a verified batch get beside an unhashed one) and records each CUDA part as skipped with its
 reason, in one JSON."""
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def test_gpu_check_runs_in_cpu_only_mode(tmp_path):
     for name in ("build native module", "transfer engine: host regions",
                  "connector copy path: CPU tensors, every layout", "connector batched path: CPU tensors, every layout",
                  "kv_copy: a step through the connector's batched path beside a plain copy",
-                 "store: a step saved and loaded through the batched path, byte for byte (cpu)"):
+                 "store: a step saved and loaded through the batched path, byte for byte (cpu)",
+                 "store: a same-host batch get, every block verified, against no digest and memcpy"):
         assert status[name]["status"] == "passed", status[name]
     assert len(status["connector copy path: CPU tensors, every layout"]["detail"]["layouts"]) == 7
     assert len(status["connector batched path: CPU tensors, every layout"]["detail"]["layouts"]) == 14
@@ -48,4 +49,7 @@ def test_gpu_check_runs_in_cpu_only_mode(tmp_path):
     stored = [r for r in doc["records"] if r["kind"] == "store"]
     assert {(r["layout"], r["block_tokens"]) for r in stored} == {(layout, b) for layout in layouts for b in (16, 64)}
     assert all(r["wrong_bytes"] == 0 and r["save_gbps"] > 0 and r["load_gbps"] > 0 for r in stored)
+    [verified] = [r for r in doc["records"] if r["kind"] == "verified_get"]
+    assert verified["cpus"] >= 1 and verified["verified_over_unhashed"] > 0 and verified["memcpy_gbps"] > 0
+    assert len(verified["verified_over_unhashed_rounds"]) == verified["rounds"]
     assert not (tmp_path / "build").exists() and not list(tmp_path.glob("*.so"))  # nothing left behind
