@@ -30,6 +30,9 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from kvstore.errors import KVStoreError
+from transfer.errors import TransferError
+
 FAIL_AFTER_ENV = "KVSTORE_TESTING_FAIL_AFTER_SPAWNS"
 
 _lock = threading.Lock()
@@ -164,7 +167,8 @@ def install_signal_handlers() -> None:
 def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run a program's `main(argv)` so that none of its children outlive it, whatever happens:
     signals unwind it (`install_signal_handlers`), and every child still registered is stopped
-    when it returns or raises. An interruption ends with one line and exit code 128 + signal."""
+    when it returns or raises. An interruption ends with one line and exit code 128 + signal; a
+    typed store or transfer error (etcd timing out, a node refusing) with one line and exit code 1."""
     if threading.current_thread() is threading.main_thread():
         install_signal_handlers()
     prog = prog or os.path.basename(sys.argv[0])
@@ -176,6 +180,9 @@ def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = N
     except Interrupted as exc:
         print(f"{prog}: interrupted (signal {int(exc.code) - 128})", file=sys.stderr)
         return int(exc.code)
+    except (KVStoreError, TransferError) as exc:  # the store or etcd failed it (a timeout, a refusal): one line
+        print(f"{prog}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     finally:
         stop_all()
 
