@@ -66,18 +66,16 @@ import time
 from typing import Any, Callable
 
 from transfer import TransferError
-from transfer.auth import PEER_ID, scoped_peer, server_handshake
+from transfer.auth import server_handshake
 from transfer.descriptor import unix_address, unix_socket_name, unlink_unix
 from transfer.listener import STALE_HANDSHAKE_S, HandshakeBudget, peer_uid, source_of
 
-from ..access import Tenants, denied
+from ..access import Tenants
 from ..codec import check_codec
-from ..errors import AllocationFailed, InvalidRequest, KVStoreError, MetadataError
-from ..index.signatures import RecordSigner
-from ..integrity import DIGEST_BYTES, DIGEST_NAME
+from ..errors import InvalidRequest, KVStoreError
 from ..spin import spin_for
 from ..wire import NEXT_REQUEST_SPIN_S, AttachmentsAltered, Frames, MalformedFrame
-from .store import MAX_BLOCK_BYTES, BlockStore, Update
+from .operations import OpFailed, Sealed, StoreOperations, check_fingerprint, check_hashes
 
 log = logging.getLogger(__name__)
 MAX_ATTACHMENT = 256 << 20
@@ -95,10 +93,6 @@ READ_BYTES = 64 << 20  # raw bytes one `read` may ask for (a client splits large
 
 
 ATTACHMENTS = "_attachments"  # a reply's key for bytes sent after it (never sent as a field)
-
-
-class _Invalid(Exception):
-    pass
 
 
 class SameHostWriter:
@@ -128,69 +122,40 @@ class SameHostWriter:
         return bool(poller.poll(0))
 
 
-def _hashes(values: Any) -> list[bytes]:
-    if not isinstance(values, list):
-        raise _Invalid("hashes: a list of hex strings")
+def _hexes(values: Any, what: str) -> list[bytes]:
+    """A list of hex strings as bytes (what they must hold is the operation's to check)."""
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise OpFailed("invalid", f"{what}: a list of hex strings"
+                       + ("; a client that sends 'checksums' is older than this node" if what == "digests" else ""))
     try:
-        out = [bytes.fromhex(v) for v in values]
-    except (TypeError, ValueError):
-        raise _Invalid("hashes: hex strings") from None
-    if any(len(h) != 16 for h in out):
-        raise _Invalid("hashes: every hash is 16 bytes")
-    return out
-
-
-def _digests(values: Any, n: int) -> list[bytes]:
-    """`n` block digests, hex on the wire; an older client's integer checksums are refused by name."""
-    if not isinstance(values, list) or len(values) != n or not all(isinstance(v, str) for v in values):
-        raise _Invalid(f"digests: {n} hex strings of {DIGEST_BYTES} bytes ({DIGEST_NAME}); a client that "
-                       "sends 'checksums' is older than this node")
-    try:
-        out = [bytes.fromhex(v) for v in values]
+        return [bytes.fromhex(v) for v in values]
     except ValueError:
-        raise _Invalid("digests: hex strings") from None
-    if any(len(d) != DIGEST_BYTES for d in out):
-        raise _Invalid(f"digests: {DIGEST_BYTES} bytes each")
-    return out
+        raise OpFailed("invalid", f"{what}: hex strings") from None
 
 
-def _peer(request: dict, tenant: str) -> str:
-    """The client engine's identity a reserve or commit names: its peer id, scoped by the tenant the
-    connection authenticated as ("" when none)."""
-    peer = request.get("peer")
-    if peer is None or peer == "":
-        return ""
-    if not isinstance(peer, str) or not PEER_ID.fullmatch(peer):
-        raise _Invalid("peer: the client engine's peer_id, 32 hex digits")
-    return scoped_peer(tenant, peer)
-
-
-class _Denied(Exception):
-    pass
-
-
-def _ints(values: Any, what: str, n: int, limit: int = 2**64 - 1) -> list[int]:
-    if not isinstance(values, list) or len(values) != n or \
-            not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= limit for v in values):
-        raise _Invalid(f"{what}: {n} integers in 0..{limit}")
-    return values
+def _sealed(sealed: Sealed, lease: bool = False) -> dict:
+    """A commit's or put's reply."""
+    reply = {"ok": True, "records": [r.hex() if r else None for r in sealed.records], "errors": sealed.errors,
+             "stored": sealed.stored, "used": sealed.used, "capacity": sealed.capacity}
+    if lease:
+        reply["lease"] = [[token, slot.tier.region.id, slot.offset, slot.size] for token, slot in sealed.lease]
+        reply["lease_ttl"] = sealed.lease_ttl
+    return reply
 
 
 class LocalControl:
     """The daemon's same-host socket (see module docstring)."""
 
-    def __init__(self, name: str, secret: bytes, node: str, store: BlockStore,
-                 publish: Callable[[list[Update], bool], None], accepting: Callable[[], bool],
+    def __init__(self, name: str, secret: bytes, ops: StoreOperations,
                  observe: Callable[[str, float], None], tier_reader: Callable[[], tuple[int, bool]] | None,
                  timeout: float,
-                 tcp_host: str | None = None, tcp_port: int = 0, tenants: dict[str, bytes] | None = None,
-                 signer: RecordSigner | None = None) -> None:
-        self.name, self._secret, self._node, self.store = name, secret, node, store
+                 tcp_host: str | None = None, tcp_port: int = 0, tenants: dict[str, bytes] | None = None) -> None:
+        self.name, self._secret, self.ops = name, secret, ops
+        self._node, self.store = ops.node, ops.store
         self._tenants = tenants  # name -> secret of the tenants that may connect besides the cluster
         # Records in replies go sealed, byte for byte as the node publishes them (clients echo them
         # into their mirrors).
-        self._signer = signer or RecordSigner(secret, "default", node, tenants)
-        self._publish, self._accepting, self._observe = publish, accepting, observe
+        self._signer, self._observe = ops.signer, observe
         self._tier_reader, self._timeout = tier_reader, timeout
         self._allowed_uids = {os.geteuid(), 0}
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -214,7 +179,7 @@ class LocalControl:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._accept_loop, name=f"kvs-local-{node}", daemon=True)
+        self._thread = threading.Thread(target=self._accept_loop, name=f"kvs-local-{self._node}", daemon=True)
         self._thread.start()
 
     def _accept_loop(self) -> None:
@@ -349,14 +314,13 @@ class LocalControl:
                 op = str(request.get("op"))
                 try:
                     if remote and op in ("tier", "seals"):
-                        raise _Invalid(f"the {op} fd is only handed out on the same host")
+                        raise OpFailed("invalid", f"the {op} fd is only handed out on the same host")
                     reply, fd = self._handle(op, request, frames, deadline, session.tenant, writer)
-                except _Invalid as exc:
-                    reply, fd = {"ok": False, "code": "invalid", "error": str(exc)}, None
-                except _Denied as exc:
-                    reply, fd = {"ok": False, "code": "denied", "error": str(exc)}, None
+                except OpFailed as exc:
+                    reply, fd = {"ok": False, "code": exc.code, "error": str(exc)}, None
                 except KVStoreError as exc:
-                    reply, fd = self._error(exc), None
+                    failed = self.ops.failure(exc)
+                    reply, fd = {"ok": False, "code": failed.code, "error": str(failed)}, None
                 # Counted before the reply goes out: whoever got the answer also sees it in the metrics.
                 self._observe(f"{'wire' if remote else 'local'}_{op}" if op in OPS else "local_other",
                               time.perf_counter() - started)
@@ -382,58 +346,38 @@ class LocalControl:
                 self._tenant_left(remote, tenant)
             conn.close()
 
-    def _usage(self) -> dict[str, int]:
-        return {"used": self.store.dram.used, "capacity": self.store.dram.capacity}
-
-    def _records(self, fingerprint: str, hashes: list[bytes]) -> list[str | None]:
-        return self._hex(fingerprint, hashes, self.store.records(fingerprint, hashes))
-
-    def _hex(self, fingerprint: str, hashes, records) -> list[str | None]:
-        """Each record sealed, encoded, in hex (None where there is none)."""
-        encode = self._signer.encode
-        return [None if r is None else encode(fingerprint, h, r).hex() for h, r in zip(hashes, records)]
-
     def _handle(self, op: str, request: dict, frames: Frames, deadline: float, tenant: str = "",
                 writer: SameHostWriter | None = None) -> tuple[dict, int | None]:
-        fingerprint = request.get("fp", "")
+        """The reply to one request (and a descriptor to send after it): decoded here, done by the
+        store operations (kvstore.daemon.operations), encoded back."""
+        ops, fingerprint = self.ops, request.get("fp", "")
         if op == "put":
             return self._put(request, frames, deadline, tenant), None
-        if op in ("reserve", "commit", "lookup", "read"):
-            if not isinstance(fingerprint, str):
-                raise _Invalid("fp: a string")
-            refused = denied(tenant, fingerprint)
-            if refused is not None:
-                raise _Denied(refused)
         if op == "reserve":
-            if not self._accepting():
-                return {"ok": False, "code": "refused", "error": f"{self._node} is draining"}, None
-            hashes = _hashes(request.get("hashes"))
-            sizes = _ints(request.get("sizes"), "sizes", len(hashes), MAX_BLOCK_BYTES)
-            try:
-                slots, updates = self.store.reserve(fingerprint, hashes, sizes, _peer(request, tenant),
-                                                    repair=bool(request.get("repair")), writer=writer)
-            except (AllocationFailed, InvalidRequest) as exc:
-                return self._error(exc), None
-            if updates:
-                self._publish(updates, False)
+            reserved = ops.reserve(fingerprint, _hexes(request.get("hashes"), "hashes"), request.get("sizes"),
+                                   tenant=tenant, peer=request.get("peer"), repair=bool(request.get("repair")),
+                                   writer=writer)
             return {"ok": True, "slots": [None if s is None else [t, s.tier.region.id, s.offset, s.size]
-                                          for t, s in slots], **self._usage()}, None
+                                          for t, s in reserved.slots],
+                    "used": reserved.used, "capacity": reserved.capacity}, None
         if op == "commit":
-            tokens = _ints(request.get("tokens"), "tokens", len(request.get("tokens") or []))
-            digests = _digests(request.get("digests"), len(tokens))
-            hashes = _hashes(request["hashes"]) if request.get("hashes") is not None else None
             lease = request.get("lease") or {}
             if not isinstance(lease, dict):
-                raise _Invalid("lease: {size, count}")
-            size, count = _ints([lease.get("size", 1), lease.get("count", 0)], "lease size and count", 2, MAX_BLOCK_BYTES)
-            return self._commit(fingerprint, tokens, digests, bool(request.get("sync")), hashes, size, count,
-                                _peer(request, tenant), writer), None
+                raise OpFailed("invalid", "lease: {size, count}")
+            hashes = request.get("hashes")
+            sealed = ops.commit(fingerprint, request.get("tokens") or [], _hexes(request.get("digests"), "digests"),
+                                tenant=tenant, sync=bool(request.get("sync")),
+                                hashes=None if hashes is None else _hexes(hashes, "hashes"),
+                                lease_size=lease.get("size", 1), lease_count=lease.get("count", 0),
+                                peer=request.get("peer"), writer=writer)
+            return _sealed(sealed, lease=True), None
         if op == "lookup":
-            return {"ok": True, "records": self._records(fingerprint, _hashes(request.get("hashes")))}, None
+            records = ops.lookup(fingerprint, _hexes(request.get("hashes"), "hashes"), tenant=tenant)
+            return {"ok": True, "records": [r.hex() if r else None for r in records]}, None
         if op == "read":
-            return self._read(fingerprint, request), None
+            return self._read(check_fingerprint(fingerprint, tenant), request), None
         if op == "abort":
-            self.store.abort(_ints(request.get("tokens"), "tokens", len(request.get("tokens") or [])))
+            ops.abort(request.get("tokens") or [])
             return {"ok": True}, None
         if op == "tier":
             return self._tier()
@@ -441,16 +385,16 @@ class LocalControl:
             seals = self.store.seals
             return {"ok": True, "region": self.store.dram.region.id, "size": self.store.dram.region.size,
                     "incarnation": seals.incarnation}, seals.reader_fd()
-        raise _Invalid(f"unknown op {op[:40]!r}")
+        raise OpFailed("invalid", f"unknown op {op[:40]!r}")
 
     def _read(self, fingerprint: str, request: dict) -> dict:
         """The `read` op: records and bytes (coded where that gains) of the blocks held here. The
         bytes go as attachments after the reply (`_serve` pops them)."""
-        hashes = _hashes(request.get("hashes"))
+        hashes = check_hashes(_hexes(request.get("hashes"), "hashes"))
         try:
             codec = check_codec(request.get("codec"))
         except InvalidRequest as exc:
-            raise _Invalid(str(exc)) from None
+            raise OpFailed("invalid", str(exc)) from None
         records, parts, total = [], [], 0
         for h in hashes:
             try:
@@ -469,65 +413,23 @@ class LocalControl:
         self.store._count("wire_read_raw_bytes", total)
         return {"ok": True, "records": records, ATTACHMENTS: parts}
 
-    def _error(self, exc: Exception) -> dict:
-        if isinstance(exc, AllocationFailed):
-            if exc.updates:
-                self._publish(exc.updates, False)
-            return {"ok": False, "code": "exhausted", "error": str(exc)}
-        if isinstance(exc, InvalidRequest):
-            return {"ok": False, "code": "invalid", "error": str(exc)}
-        if isinstance(exc, MetadataError):
-            return {"ok": False, "code": "unavailable", "error": f"metadata service: {exc}"}
-        return {"ok": False, "code": "refused", "error": str(exc)}
-
-    def _commit(self, fingerprint: str, tokens: list[int], digests: list[bytes], sync: bool,
-                hashes: list[bytes] | None, lease_size: int, lease_count: int, peer: str = "",
-                writer: SameHostWriter | None = None) -> dict:
-        records: list = []
-        fresh: list = []
-        named: list = []
-        try:
-            # Verified now only when the client waits for publication; else by the verifier, after the answer.
-            errors, updates, leased = self.store.commit_and_lease(
-                fingerprint, tokens, digests, lease_size=lease_size, records=records, fresh=fresh, verify=sync,
-                hashes=hashes, lease_count=lease_count if self._accepting() else 0, peer=peer, writer=writer,
-                named=named)
-        except InvalidRequest as exc:
-            return self._error(exc)
-        if updates:
-            try:
-                self._publish(updates, sync)
-            except (MetadataError, KVStoreError) as exc:
-                return self._error(exc)
-        return {"ok": True, "records": self._hex(fingerprint, named, records), "errors": errors,
-                "stored": sum(fresh),
-                "lease": [[token, slot.tier.region.id, slot.offset, slot.size] for token, slot in leased],
-                "lease_ttl": self.store.reservation_timeout, **self._usage()}
-
     def _put(self, request: dict, frames: Frames, deadline: float, tenant: str = "") -> dict:
         """Reserve, receive the bytes straight into the arena (and, over TCP, check their tag),
         verify, seal: one round trip."""
-        fingerprint = request.get("fp")
-        hashes = _hashes(request.get("hashes"))
-        sizes = _ints(request.get("sizes"), "sizes", len(hashes), MAX_BLOCK_BYTES)
-        digests = _digests(request.get("digests"), len(hashes))
+        sizes = request.get("sizes")
+        if not isinstance(sizes, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                  for n in sizes) or sum(sizes) > MAX_ATTACHMENT:
+            raise OpFailed("invalid", "sizes: integers, the blocks of one put at most 256 MiB")  # the stream is lost
         total = sum(sizes)
-        if not isinstance(fingerprint, str) or total > MAX_ATTACHMENT:
-            raise _Invalid("fp: a string; the blocks of one put at most 256 MiB")  # the stream is lost: close
-        refused = denied(tenant, fingerprint)
-        if refused is not None:
-            frames.discard(total, deadline)  # then answered and closed, as every refused put
-            return {"ok": False, "code": "denied", "error": refused}
         try:
-            if not self._accepting():
-                frames.discard(total, deadline)
-                return {"ok": False, "code": "refused", "error": f"{self._node} is draining: it takes no new blocks"}
-            slots, updates = self.store.reserve(fingerprint, hashes, sizes, repair=bool(request.get("repair")))
-        except (AllocationFailed, InvalidRequest) as exc:
-            frames.discard(total, deadline)
-            return self._error(exc)
-        if updates:
-            self._publish(updates, False)
+            fingerprint, hashes, sizes, digests, reserved = self.ops.begin_put(
+                request.get("fp"), _hexes(request.get("hashes"), "hashes"), sizes,
+                _hexes(request.get("digests"), "digests"), tenant=tenant, repair=bool(request.get("repair")))
+        except OpFailed as exc:
+            if exc.code != "invalid":
+                frames.discard(total, deadline)  # then answered and closed, as every refused put
+            raise
+        slots = reserved.slots
         # Done receiving well before the reservations could expire: an expired slot is given to
         # another block, and bytes still arriving for it would land on that block.
         deadline = min(deadline, time.monotonic() + self.store.reservation_timeout / 2)
@@ -541,21 +443,14 @@ class LocalControl:
             if slots:
                 frames.attachments_end(deadline)  # TCP: their tag, before anything is sealed
         except BaseException as exc:
-            self.store.abort([t for t, s in slots if s is not None])
+            self.ops.abort([t for t, s in slots if s is not None])
             if isinstance(exc, AttachmentsAltered):
                 counters = self.store.counters
                 counters["wire_attachments_refused"] = counters.get("wire_attachments_refused", 0) + 1
                 log.warning("%s: refused a put over TCP whose block bytes were altered in flight", self._node)
             raise
-        sync = bool(request.get("sync"))  # verified and published before the answer
-        errors, records, updates, stored = self.store.commit_reserved(fingerprint, hashes, slots, digests, sync)
-        if updates:
-            try:
-                self._publish(updates, sync)
-            except (MetadataError, KVStoreError) as exc:
-                return self._error(exc)
-        return {"ok": True, "records": self._hex(fingerprint, hashes, records), "errors": errors,
-                "stored": stored, **self._usage()}
+        # sync: verified and published before the answer
+        return _sealed(self.ops.finish_put(fingerprint, hashes, slots, digests, sync=bool(request.get("sync"))))
 
     def _tier(self) -> tuple[dict, int | None]:
         nvme = self.store.nvme

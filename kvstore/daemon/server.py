@@ -40,6 +40,7 @@ from .metrics import DaemonMetrics
 from .oplog import EvictionLog, NeighbourWatch, Throttle
 from .publisher import Publisher
 from .repair import HAND_OFF_S, Repairer
+from .operations import StoreOperations
 from .service import MAX_INLINE_BYTES, StoreControlService
 from .session import NodeSession
 from ..codec import check_codec
@@ -184,20 +185,21 @@ class Daemon:
         # The framed control wire: puts in one round trip and the NVMe tier's fd for same-host clients
         # over an authenticated unix socket; over TCP beside gRPC for others (not when gRPC runs over
         # TLS: the wire does not encrypt).
-        self.local = LocalControl(f"kvstore-local-{uuid.uuid4().hex}", secret, c.node, self.store, self.publish,
-                                  lambda: not self.draining, lambda op, s: self.metrics.latency.labels(op).observe(s),
+        # Every store operation, defined once, behind both transports (the wire here, gRPC below).
+        self.ops = StoreOperations(c.node, self.store, self.publish, lambda: not self.draining, self.signer)
+        self.local = LocalControl(f"kvstore-local-{uuid.uuid4().hex}", secret, self.ops,
+                                  lambda op, s: self.metrics.latency.labels(op).observe(s),
                                   self.disk.reader if self.disk else None, c.timeout,
                                   tcp_host=None if (c.tls_cert and c.tls_key) or c.wire_port is None
                                   else c.listen.rpartition(":")[0].strip("[]"), tcp_port=c.wire_port or 0,
-                                  tenants=c.tenants, signer=self.signer)
+                                  tenants=c.tenants)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
                                   interceptors=[AccessRules(secret, c.admin_token, c.node, c.tenants)],
                                   # no SO_REUSEPORT: a second daemon on a taken port fails, not shares it
                                   options=[("grpc.max_receive_message_length", MAX_INLINE_BYTES + (1 << 20)),
                                            ("grpc.so_reuseport", 0)])
         store_pb2_grpc.add_StoreControlServicer_to_server(
-            StoreControlService(c.node, self.store, self.publish, self.metrics, lambda: not self.draining, self.signer),
-            self.server)
+            StoreControlService(self.ops, self.metrics), self.server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self, self.config.node, self.config.cluster), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
