@@ -10,6 +10,7 @@ from typing import Any
 
 from .access import ensure_private_file
 from .client import Client
+from .client.local_node import InProcessNode
 from .daemon import Daemon, DaemonConfig
 from .keys import ModelFingerprint
 from .sizes import parse_size
@@ -20,6 +21,9 @@ class EmbeddedStore(Client):
     def __init__(self, daemon: Daemon, **client_args: Any) -> None:
         self.daemon = daemon
         super().__init__(daemon.config.metadata, cluster=daemon.config.cluster, **client_args)
+        # Control calls to its own daemon go straight to the daemon's handler, not its unix socket.
+        node = daemon.config.node
+        self.links.in_process[node] = InProcessNode(node, daemon.local.in_process, self.links.timeout)
 
     def close(self) -> None:
         super().close()

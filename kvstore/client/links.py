@@ -71,6 +71,7 @@ class NodeLinks:
         self.nodes: dict[str, NodeLink] = {}
         self.lock = threading.Lock()
         self.locals: dict[str, LocalNode] = {}
+        self.in_process: dict[str, LocalNode] = {}  # nodes this very process serves (library mode)
         self.wires: dict[str, LocalNode] = {}  # the same wire over TCP, to nodes on other hosts
         self.wire_down: dict[str, float] = {}  # node -> until when its wire is left alone (unreachable)
         self.wire_busy: dict[str, float] = {}  # node -> until when both its wires are left alone (refused us)
@@ -132,7 +133,11 @@ class NodeLinks:
 
     def local(self, name: str) -> LocalNode | None:
         """The same-host fast path to `name`, or None (another host, forced TCP, an older daemon)."""
-        if self.transport not in ("auto", "shm") or self.wire_busy.get(name, 0) > time.monotonic():
+        if self.transport not in ("auto", "shm"):
+            return None
+        if (mine := self.in_process.get(name)) is not None:
+            return mine
+        if self.wire_busy.get(name, 0) > time.monotonic():
             return None
         record = self.mirror.nodes.get(name)
         if record is None or record.host != self.here:
@@ -262,5 +267,5 @@ class NodeLinks:
             self.abort(name, tokens)
         for node in self.nodes.values():
             node.guard.retire()  # closed once a call another thread has on it ends
-        for wire in list(self.locals.values()) + list(self.wires.values()):
+        for wire in list(self.locals.values()) + list(self.wires.values()) + list(self.in_process.values()):
             wire.close()

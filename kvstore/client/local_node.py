@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from transfer import Region, _native
 
@@ -85,15 +85,19 @@ class LocalNode:
             raise
         self._pool(frames, keep=bool(reply.get("ok")))  # a refused put may have left its bytes unread
         if not reply.get("ok"):
-            code, error = reply.get("code"), str(reply.get("error", ""))[:500]
-            if code == "invalid":
-                raise WrongSize(error)
-            if code == "exhausted":
-                raise AllocationFailed(error)
-            if code == "denied":
-                raise AccessDenied(f"{self.name}: {error}")
-            raise NodeRefused(f"{self.name}: {error}")
+            raise self.refusal(reply)
         return reply, fd
+
+    def refusal(self, reply: dict) -> Exception:
+        """The typed error a refusing reply maps to."""
+        code, error = reply.get("code"), str(reply.get("error", ""))[:500]
+        if code == "invalid":
+            return WrongSize(error)
+        if code == "exhausted":
+            return AllocationFailed(error)
+        if code == "denied":
+            return AccessDenied(f"{self.name}: {error}")
+        return NodeRefused(f"{self.name}: {error}")
 
     def read(self, message: dict, timeout: float | None = None) -> tuple[dict, list[bytearray]]:
         """A `read` request: its reply and the bytes sent after it, one buffer per record that is
@@ -129,12 +133,7 @@ class LocalNode:
             raise
         self._pool(frames)
         if not reply.get("ok"):
-            code, error = reply.get("code"), str(reply.get("error", ""))[:500]
-            if code == "denied":
-                raise AccessDenied(f"{self.name}: {error}")
-            if code == "invalid":
-                raise WrongSize(error)
-            raise NodeRefused(f"{self.name}: {error}")
+            raise self.refusal(reply)
         return reply, parts
 
     def warm(self, timeout: float) -> None:
@@ -210,6 +209,40 @@ class LocalNode:
             frames.sock.close()
         if tier is not None:
             os.close(tier.fd)
+
+
+class InProcessNode(LocalNode):
+    """A node whose daemon runs in this very process (library mode): each control call goes
+    straight to the daemon's handler (`answer`: LocalControl.in_process) with the requests,
+    replies and errors of the same-host wire, and no socket, framing or session in between. Block
+    bytes still move through the Transfer Engine's shared memory, as on the wire."""
+
+    def __init__(self, name: str, answer: Callable[[dict, Sequence], tuple[dict, int | None, list]],
+                 timeout: float) -> None:
+        super().__init__(name, f"in-process:{name}", b"", "", timeout)
+        self._answer = answer
+        self.reached = True
+
+    def call(self, message: dict, attachments: Sequence = (), want_fd: bool = False,
+             timeout: float | None = None) -> tuple[dict, int | None]:
+        reply, fd, _ = self._answer(message, attachments)
+        if fd is not None and not (want_fd and reply.get("ok")):
+            os.close(fd)
+            fd = None
+        if not reply.get("ok"):
+            raise self.refusal(reply)
+        return reply, fd
+
+    def read(self, message: dict, timeout: float | None = None) -> tuple[dict, list[bytearray]]:
+        reply, fd, parts = self._answer(message, ())
+        if fd is not None:
+            os.close(fd)
+        if not reply.get("ok"):
+            raise self.refusal(reply)
+        return reply, [bytearray(p) for p in parts]  # copies: a slot may be reused once this returns
+
+    def warm(self, timeout: float) -> None:
+        return None
 
 
 def read_block(tier: TierFile, record: BlockRecord, segments: list[tuple[Region, int, int]]) -> bool:

@@ -63,7 +63,7 @@ import struct
 import threading
 import weakref
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from transfer import TransferError
 from transfer.auth import server_handshake
@@ -122,6 +122,39 @@ class SameHostWriter:
         return bool(poller.poll(0))
 
 
+class AttachmentStream:
+    """A put's block bytes handed over in this process (library mode): read from the caller's
+    buffers, in order, where the wire's put reads them off its socket."""
+
+    def __init__(self, attachments: Sequence) -> None:
+        self._parts = [memoryview(a).cast("B") for a in attachments]
+        self._at = 0  # bytes taken from the first part left
+
+    def _take(self, n: int, into: memoryview | None) -> None:
+        done = 0
+        while done < n:
+            if not self._parts:
+                raise ConnectionError("a put announced more block bytes than it sent")
+            part = self._parts[0]
+            step = min(n - done, len(part) - self._at)
+            if into is not None:
+                into[done : done + step] = part[self._at : self._at + step]
+            done, self._at = done + step, self._at + step
+            if self._at == len(part):
+                self._parts.pop(0)
+                self._at = 0
+
+    def recv_into(self, view: memoryview, deadline: float) -> None:
+        self._take(len(view), view)
+
+    def discard(self, n: int, deadline: float) -> None:
+        self._take(n, None)
+
+    def attachments_end(self, deadline: float) -> None:
+        if self._parts:
+            raise ConnectionError("a put sent more block bytes than it announced")
+
+
 def _hexes(values: Any, what: str) -> list[bytes]:
     """A list of hex strings as bytes (what they must hold is the operation's to check)."""
     if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
@@ -156,6 +189,7 @@ class LocalControl:
         # Records in replies go sealed, byte for byte as the node publishes them (clients echo them
         # into their mirrors).
         self._signer, self._observe = ops.signer, observe
+        self._self_writer: SameHostWriter | None = None  # this process, for in_process() puts
         self._tier_reader, self._timeout = tier_reader, timeout
         self._allowed_uids = {os.geteuid(), 0}
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -309,21 +343,8 @@ class LocalControl:
                 except MalformedFrame as exc:
                     frames.send({"ok": False, "code": "invalid", "error": str(exc)})
                     continue
-                deadline = time.monotonic() + self._timeout
-                started = time.perf_counter()
                 op = str(request.get("op"))
-                try:
-                    if remote and op in ("tier", "seals"):
-                        raise OpFailed("invalid", f"the {op} fd is only handed out on the same host")
-                    reply, fd = self._handle(op, request, frames, deadline, session.tenant, writer)
-                except OpFailed as exc:
-                    reply, fd = {"ok": False, "code": exc.code, "error": str(exc)}, None
-                except KVStoreError as exc:
-                    failed = self.ops.failure(exc)
-                    reply, fd = {"ok": False, "code": failed.code, "error": str(failed)}, None
-                # Counted before the reply goes out: whoever got the answer also sees it in the metrics.
-                self._observe(f"{'wire' if remote else 'local'}_{op}" if op in OPS else "local_other",
-                              time.perf_counter() - started)
+                reply, fd = self._answer(op, request, frames, session.tenant, writer, remote)
                 attachments = reply.pop(ATTACHMENTS, ())
                 if fd is not None:
                     try:
@@ -345,6 +366,34 @@ class LocalControl:
             if tenant is not None:
                 self._tenant_left(remote, tenant)
             conn.close()
+
+    def _answer(self, op: str, request: dict, frames: Any, tenant: str, writer: SameHostWriter | None,
+                remote: bool) -> tuple[dict, int | None]:
+        """The reply to one request, failures included (and a descriptor to send after it),
+        counted in the metrics before it goes out: whoever got the answer also sees it there."""
+        started = time.perf_counter()
+        try:
+            if remote and op in ("tier", "seals"):
+                raise OpFailed("invalid", f"the {op} fd is only handed out on the same host")
+            reply, fd = self._handle(op, request, frames, time.monotonic() + self._timeout, tenant, writer)
+        except OpFailed as exc:
+            reply, fd = {"ok": False, "code": exc.code, "error": str(exc)}, None
+        except KVStoreError as exc:
+            failed = self.ops.failure(exc)
+            reply, fd = {"ok": False, "code": failed.code, "error": str(failed)}, None
+        self._observe(f"{'wire' if remote else 'local'}_{op}" if op in OPS else "local_other",
+                      time.perf_counter() - started)
+        return reply, fd
+
+    def in_process(self, request: dict, attachments: Sequence = ()) -> tuple[dict, int | None, list]:
+        """One request from a client in this very process (library mode): what the unix socket
+        would answer, without the socket, the framing or the session. Returns the reply, the
+        descriptor it hands over (the caller's to close) and the bytes a `read` sends after it."""
+        if self._self_writer is None:
+            self._self_writer = SameHostWriter(os.pidfd_open(os.getpid()))
+        reply, fd = self._answer(str(request.get("op")), request, AttachmentStream(attachments), "",
+                                 self._self_writer, remote=False)
+        return reply, fd, list(reply.pop(ATTACHMENTS, ()))
 
     def _handle(self, op: str, request: dict, frames: Frames, deadline: float, tenant: str = "",
                 writer: SameHostWriter | None = None) -> tuple[dict, int | None]:

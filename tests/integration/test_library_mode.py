@@ -41,6 +41,35 @@ def test_put_many_takes_a_zip_and_get_many_reads_the_matched_prefix_into_the_fir
             store.get_many(hashes[:2], outs[:1])
 
 
+def test_control_calls_go_straight_to_the_daemon_in_this_process(tmp_path):
+    """Library mode: puts, gets, the NVMe tier's fd and refusals with their typed errors, all
+    without a connection to the daemon's unix socket. Kills: the embedded store talking to its own
+    daemon over the socket (one authenticated connection, a session, framing and HMACs per call),
+    and an in-process path that loses a refusal's type."""
+    with kvstore.open("memory://", dram="16MiB", disk=str(tmp_path / "kv"), disk_size="1MiB", fingerprint=FP) as store:
+        hashes = kvstore.chain_hashes(FP, list(range(40)))
+        blocks = blocks_for(hashes)
+        assert store.put_many(zip(hashes, blocks)) == len(hashes)
+        outs = [np.zeros_like(b) for b in blocks]
+        assert store.get_many(hashes, outs) == [True] * len(hashes)
+        assert all(np.array_equal(o, b) for o, b in zip(outs, blocks))
+        assert store.stats["local_puts"] >= 1  # the one-round-trip put, bytes with the request
+        node = store.links.local(store.daemon.config.node)
+        assert node is not None and node.tier() is not None  # the NVMe tier's fd, handed over in-process
+        with pytest.raises(WrongSize):
+            node.call({"op": "lookup", "fp": FP.digest, "hashes": ["00"]})
+        assert store.daemon.local._open[False] == 0  # no connection was made to the unix socket
+    big = kvstore.ModelFingerprint("tour-big", "float16", 4, 2, 2, 8, kv_layout="bytes")
+    with kvstore.open("memory://", dram="64MiB", fingerprint=big) as store:
+        large = [np.full(1 << 20, i, np.uint8) for i in range(6)]  # past one request's bytes: reserve, write, commit
+        big_hashes = kvstore.chain_hashes(big, list(range(24)))
+        assert store.put_many(zip(big_hashes, large)) == 6 and store.stats["local_puts"] == 0
+        got = [np.zeros(1 << 20, np.uint8) for _ in large]
+        assert store.get_many(big_hashes, got) == [True] * 6
+        assert all(np.array_equal(g, b) for g, b in zip(got, large))
+        assert store.daemon.local._open[False] == 0
+
+
 def test_a_block_of_the_wrong_size_for_the_fingerprint_is_refused_at_put_and_at_get():
     """A block whose size is not the fingerprint's geometry would be matched as cached and then
     fail every read (a silent False). Kills: no size check at put (the block is accepted and
