@@ -27,20 +27,10 @@ from tests_support import wait_until_stopped
 ENGINE_HEAVY_FILES = ("tests/e2e/", "tests/docs/", "tests/unit/test_ray_app.py", "tests/benchmarks/test_demo.py",
                       "tests/benchmarks/test_vllm_ttft_hybrid.py")
 ENGINE_HEAVY_BENCHMARKS = ("serving", "vllm_ttft", "wrong_kv")  # tests/benchmarks tests that run these start vLLM engines
-# ...except these, which start no engine or one small engine at a time: they join the other worker,
-# whose tests end minutes before the engine group's otherwise (measured with --durations=0: 19.8
-# against 28.5 minutes), while the group's heaviest (several engines, Ray) still never overlap.
-ENGINE_LIGHT = ("tests/docs/test_examples.py::test_every_example_on_the_page_runs_as_written[operations.md]",
-                "tests/docs/test_examples.py::test_every_example_on_the_page_runs_as_written[gateway.md]",
-                "tests/benchmarks/test_quick.py::test_wrong_kv_quick",
-                "tests/benchmarks/test_vllm_ttft_hybrid.py::test_vllm_ttft_hybrid_quick",
-                "tests/e2e/test_vllm_models.py::test_mla_latent_cache_loads_exactly")
 
 
 def engine_heavy(nodeid: str) -> bool:
     path, _, name = nodeid.partition("::")
-    if nodeid in ENGINE_LIGHT:
-        return False
     return path.startswith(ENGINE_HEAVY_FILES) or (
         path.startswith("tests/benchmarks/") and any(b in name for b in ENGINE_HEAVY_BENCHMARKS))
 
