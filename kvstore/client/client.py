@@ -310,9 +310,7 @@ class Client:
         return self.mirror.match(self._fp(fingerprint), hashes).length
 
     def remove(self, hashes: Sequence[bytes], fingerprint: ModelFingerprint | str | None = None) -> int:
-        """Remove blocks from every node holding them; returns copies removed. When it returns,
-        this client no longer lists them (its mirror forgets each removed replica at once, as the
-        watch will tell it later)."""
+        """Remove blocks from every node holding them; returns copies removed."""
         fp = self._fp(fingerprint)
         by_node: dict[str, list[bytes]] = {}
         for h in hashes:
@@ -322,12 +320,10 @@ class Client:
         links = self.links
         for name, hs in by_node.items():
             request = store_pb2.RemoveRequest(fingerprint=fp, hashes=hs)
-            with self.mirror.asking(fp, name, hs) as since:  # a put of them meanwhile (its event) wins
-                try:
-                    reply = links.rpc(links.node(name).stub.Remove, request)
-                except ConnectionReplaced:  # another thread replaced the connection just now: once more on the new one
-                    reply = links.rpc(links.node(name).stub.Remove, request)
-                self.mirror.forget_many(fp, name, hs, since)
+            try:
+                reply = links.rpc(links.node(name).stub.Remove, request)
+            except ConnectionReplaced:  # another thread replaced the connection just now: once more on the new one
+                reply = links.rpc(links.node(name).stub.Remove, request)
             removed += reply.removed
         return removed
 

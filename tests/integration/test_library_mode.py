@@ -70,18 +70,6 @@ def test_control_calls_go_straight_to_the_daemon_in_this_process(tmp_path):
         assert store.daemon.local._open[False] == 0
 
 
-def test_a_removed_block_is_gone_for_its_remover_before_the_watch_says_so(monkeypatch):
-    """Kills: remove() returning while this client still lists the block until its watch event
-    arrives (the Mooncake API's remove-then-is_exist answered 1 under load, against a daemon in
-    its own process): here the watch goes quiet before the removal, and the block must be gone."""
-    with kvstore.open("memory://", dram="16MiB", fingerprint=FP) as store:
-        h = kvstore.chain_hashes(FP, [1, 2, 3, 4])[0]
-        assert store.put(h, np.ones(BLOCK, dtype=np.uint8)) == 1 and store.contains(h)
-        monkeypatch.setattr(store.mirror, "_on_events", lambda events: None)  # no watch event from here on
-        assert store.remove([h]) == 1
-        assert not store.contains(h) and store.match_prefix([h]) == 0
-
-
 def test_a_block_of_the_wrong_size_for_the_fingerprint_is_refused_at_put_and_at_get():
     """A block whose size is not the fingerprint's geometry would be matched as cached and then
     fail every read (a silent False). Kills: no size check at put (the block is accepted and
