@@ -75,7 +75,7 @@ from ..codec import check_codec
 from ..errors import InvalidRequest, KVStoreError
 from ..spin import spin_for
 from ..wire import NEXT_REQUEST_SPIN_S, AttachmentsAltered, Frames, MalformedFrame
-from .operations import OpFailed, Sealed, StoreOperations, check_fingerprint, check_hashes
+from .operations import OpFailed, Sealed, StoreOperations, check_fingerprint, check_hashes, check_ints
 
 log = logging.getLogger(__name__)
 MAX_ATTACHMENT = 256 << 20
@@ -465,11 +465,10 @@ class LocalControl:
     def _put(self, request: dict, frames: Frames, deadline: float, tenant: str = "") -> dict:
         """Reserve, receive the bytes straight into the arena (and, over TCP, check their tag),
         verify, seal: one round trip."""
-        sizes = request.get("sizes")
-        if not isinstance(sizes, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                                                  for n in sizes) or sum(sizes) > MAX_ATTACHMENT:
-            raise OpFailed("invalid", "sizes: integers, the blocks of one put at most 256 MiB")  # the stream is lost
+        sizes = check_ints(request.get("sizes"), "sizes")  # (invalid: the stream is lost, the connection closes)
         total = sum(sizes)
+        if total > MAX_ATTACHMENT:
+            raise OpFailed("invalid", "the blocks of one put at most 256 MiB")
         try:
             fingerprint, hashes, sizes, digests, reserved = self.ops.begin_put(
                 request.get("fp"), _hexes(request.get("hashes"), "hashes"), sizes,

@@ -17,10 +17,10 @@ from ..access import denied
 from ..errors import AllocationFailed, InvalidRequest, KVStoreError, MetadataError
 from ..index.signatures import RecordSigner
 from ..integrity import DIGEST_BYTES, DIGEST_NAME
+from ..keys import HASH_BYTES
 from .slot import Slot
 from .store import MAX_BLOCK_BYTES, BlockStore, Update
 
-HASH_BYTES = 16
 # invalid: the request itself is wrong; exhausted: no room; refused: the node will not (draining,
 # no tier, a store error); unavailable: the metadata service failed it; denied: a tenant named a
 # fingerprint not its own.

@@ -318,31 +318,19 @@ def test_relayed_handshake_cannot_inject_writes(spawn_peer, wire):
         assert until(lambda: peer_proc.sha("numpy") != before)
 
 
-class FlipRelay:
-    """A relay that, once `flip` is set, flips one bit of the next bytes the server sends."""
+class FlipRelay(Relay):
+    """The same relay, injecting nothing: once `flip` is set, it flips one bit of the next bytes the
+    server sends."""
 
     def __init__(self, host: str, port: int) -> None:
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        self.target = (host, port)
         self.flip = threading.Event()
         self.flipped = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(host, port, b"")
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.target)
-            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, reply: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, to_server: bool) -> None:
         try:
             while data := src.recv(65536):
-                if reply and self.flip.is_set() and not self.flipped:
+                if not to_server and self.flip.is_set() and not self.flipped:
                     self.flipped = True
                     data = bytes([data[0] ^ 0x10]) + data[1:]
                 dst.sendall(data)
@@ -353,9 +341,6 @@ class FlipRelay:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-
-    def close(self) -> None:
-        self.server.close()
 
 
 @pytest.mark.parametrize("wire", ["aead", "plain"])
