@@ -58,7 +58,11 @@ Also in each record: `kv_over_time` (every engine's KV usage, running and waitin
 wall second), `gateway_route_reasons` (ours: which term of the policy decided each route),
 `sim_hit_ratio_at_arrival` (the simulator with blocks usable from their request's arrival on,
 beside `sim_hit_ratio`, usable once computed and published), `store_link.save_lag_mean_s`,
-per engine `evicted_blocks`, what else ran (`load_average_at_start`, `beside_at_start`), `run`.
+per engine `evicted_blocks`, what else ran (`load_average_at_start`, `beside_at_start`), `run`,
+`request_rows` (one per request, fields named by `request_fields`: arrival, prompt and output
+tokens, the engine, cached and credited tokens, TTFT, TPOT or the error) and, colocated, `placement` from them
+(`behind_share`: the requests placed behind 8,192 or more prompt tokens still to compute beyond
+what the emptiest engine had at their arrival; `excess_backlog_mean_tokens`).
 `--load` takes a list and `--repeat N` runs each (mode, load, router) N times, the order of the
 routers rotated between runs; `spread` in the JSON (and a table) gives each figure's median and
 range, and ours against the best peer by median goodput. The JSON is rewritten after every run.
@@ -770,7 +774,10 @@ def summarize(args, kind: str, mode: str, store: bool, work, results: list[dict]
         "usage_tiers": {"answers": len(ok), "split": sum(r.get("tiers_sum") is not None for r in ok),
                         "sum_to_cached": sum(r.get("tiers_sum") is True for r in ok)},
         "error_samples": errors[:3], "faults": faults, "skipped": None,
+        "request_fields": list(REQUEST_FIELDS), "request_rows": request_rows(work, results, scale),
     }
+    # P/D answers name the decode engine, not where the prompt was computed: no backlog to read there.
+    record["placement"] = placement(record["request_rows"]) if mode == "colocated" else None
     if gateway:
         record["gateway_routes"] = {k.removeprefix("conductor_gateway_routes_total").strip("{}") or "all":
                                     v - gateway_before.get(k, 0.0) for k, v in gateway.items()
@@ -783,6 +790,49 @@ def summarize(args, kind: str, mode: str, store: bool, work, results: list[dict]
         record["gateway_upstream_failures"] = sum(v - gateway_before.get(k, 0.0) for k, v in gateway.items()
                                                   if k == "conductor_gateway_upstream_failures_total")
     return record
+
+
+REQUEST_FIELDS = ("at_s", "prompt_tokens", "output_tokens", "engine", "cached_tokens", "credited_tokens",
+                  "ttft_ms", "tpot_ms", "error")
+
+
+def request_rows(work, results: list[dict], scale: float) -> list[list]:
+    """One row per request in arrival order (REQUEST_FIELDS; simulated time): what the router sent where
+    and what came of it, so a missed target can be explained request by request."""
+    rows = []
+    for (at, prompt, n), r in zip(work, results):
+        ok = "ttft" in r
+        rows.append([round(at, 3), len(prompt), n, r.get("engine"), r.get("cached"), r.get("credited"),
+                     round(r["ttft"] / scale * 1e3, 1) if ok else None,
+                     round(r["tpot"] / scale * 1e3, 2) if ok else None, None if ok else r.get("error", "")[:80]])
+    return rows
+
+
+BEHIND_TOKENS = 8192  # a request placed behind this many more prefill tokens than the emptiest engine had
+
+
+def placement(rows: list[list]) -> dict:
+    """How well a router spread the prefill work, from the requests' own outcomes: at each arrival, the
+    prompt tokens still to compute (uncached, before their first token) at the engine it went to,
+    against the least such backlog of any engine then. `behind_share`: the share of requests placed
+    behind at least BEHIND_TOKENS more than that least backlog."""
+    ok = [dict(zip(REQUEST_FIELDS, r)) for r in rows if r[REQUEST_FIELDS.index("ttft_ms")] is not None]
+    spans: dict = {}
+    for r in ok:
+        spans.setdefault(r["engine"], []).append(
+            (r["at_s"], r["at_s"] + r["ttft_ms"] / 1e3, r["prompt_tokens"] - (r["cached_tokens"] or 0)))
+    if not ok or len(spans) < 2:
+        return {"behind_share": None, "excess_backlog_mean_tokens": None}
+
+    def backlog(engine, t: float) -> int:
+        return sum(n for start, end, n in spans[engine] if start < t < end)
+
+    excess = []
+    for r in ok:
+        at = r["at_s"]
+        excess.append(backlog(r["engine"], at) - min(backlog(e, at) for e in spans))
+    return {"behind_share": sum(x >= BEHIND_TOKENS for x in excess) / len(excess),
+            "excess_backlog_mean_tokens": sum(excess) / len(excess)}
 
 
 def skipped_record(args, kind: str, mode: str, why: str) -> dict:

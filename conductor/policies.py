@@ -20,6 +20,7 @@ class InstanceView:
     queue_ms: float  # until it could start this prefill
     local_prefix_tokens: int  # leading prompt tokens in its own cache
     decoding: int = 0  # requests decoding there (colocated: each waits out a prefill placed there)
+    kv_fill: float = 0.0  # the share of its KV cache in use: of engines equally fast, the emptier takes it
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,9 @@ class CacheAwareLocal(Policy):
     name = "cache_local"
 
     def choose(self, req, instances):
-        return min((self.estimate(req, i) for i in instances), key=lambda c: (c.predicted_ttft_ms, c.instance))
+        fill = {i.name: i.kv_fill for i in instances}
+        return min((self.estimate(req, i) for i in instances),
+                   key=lambda c: (c.predicted_ttft_ms, fill[c.instance], c.instance))
 
 
 class CacheAwareGlobal(CacheAwareLocal):
@@ -131,14 +134,19 @@ class PrefixAffinity(CacheAwareGlobal):
     def choose(self, req, instances):
         if not instances:
             raise ValueError("no instance to choose from")
+        fill = {i.name: i.kv_fill for i in instances}
         scored = [(self.score(req, i, c), c) for i in instances for c in [self.estimate(req, i)]]
-        best_score, best = min(scored, key=lambda sc: (sc[0], sc[1].instance))
+        best_score, best = min(scored, key=lambda sc: (sc[0], fill[sc[1].instance], sc[1].instance))
         local = {i.name: min(i.local_prefix_tokens, req.prompt_tokens) for i in instances}
         most = max(local.values())
         if most > min(local.values()):  # a prefix only some engines hold (one all hold decides nothing)
             home_score, home = min(((sc, c) for sc, c in scored if local[c.instance] == most),
-                                   key=lambda sc: (sc[0], sc[1].instance))
-            slack = max(self.stay_ms, self.stay_share * best_score)
+                                   key=lambda sc: (sc[0], fill[sc[1].instance], sc[1].instance))
+            # Never wait at home longer than computing what it holds beyond the best engine would
+            # take: a one-block prefix held by a few engines kept 87k-token prompts waiting 0.7 s
+            # behind another prompt while engines sat idle (the share of a long prompt's TTFT is seconds).
+            held = self.cost.prefill_ms(most - local[best.instance], req.prompt_tokens)
+            slack = max(self.stay_ms, min(self.stay_share * best_score, held))
             if home_score <= best_score + slack:
                 return replace(home, reason="local")
         return replace(best, reason="pool" if best.loaded_tokens else "queue")

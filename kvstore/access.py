@@ -76,19 +76,35 @@ def ensure_private_file(path: str, what: str, how: str, announce: str | None = "
     file (its folder made 0700) when there is none, said on stderr as `announce` (None: quietly).
     InsecureFile (a ValueError, in one line saying how to fix it) when it exists but group or
     others may read it, or it holds under 16 bytes."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return read_private_file(path, what), False
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
-        return ensure_private_file(path, what, how, announce)
     import secrets
     import sys
+    import tempfile
 
+    if os.path.exists(path):
+        return read_private_file(path, what), False
     value = secrets.token_urlsafe(32)
-    with os.fdopen(fd, "w") as f:
-        f.write(value + "\n")
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    # Written whole under a private name, then linked into place: link() fails if the path exists,
+    # so of processes starting at once (a cluster's daemons) one creates it and the others read a
+    # complete file, never one still empty.
+    fd, staged = tempfile.mkstemp(dir=folder, prefix=".staging-", text=True)  # 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(value + "\n")
+        try:
+            os.link(staged, path)
+        except FileExistsError:
+            return read_private_file(path, what), False
+        except OSError:  # a file system without hard links: create it in place (0600)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                return read_private_file(path, what), False
+            with os.fdopen(fd, "w") as f:
+                f.write(value + "\n")
+    finally:
+        os.unlink(staged)
     if announce:
         print(f"{announce}: generated {what} in {path} (mode 0600); {how}", file=sys.stderr)
     return value, True

@@ -351,6 +351,10 @@ def test_fleet_quick(run_benchmark):
         assert 0 <= r["beside_cpu_share"] <= 1, r  # what else ran: the routers' runs compare only when alike
         tiers = r["usage_tiers"]  # every answer's cached_tokens split by tier, the tiers summing to it
         assert tiers["answers"] > 0 and tiers["split"] == tiers["sum_to_cached"] == tiers["answers"], r
+        rows = [dict(zip(r["request_fields"], row)) for row in r["request_rows"]]  # each request, where it went
+        assert len(rows) == r["requests"] and all(x["ttft_ms"] > 0 and x["engine"] is not None for x in rows), r
+    placed = records[("colocated", "ours")]["placement"]
+    assert 0 <= placed["behind_share"] <= 1 and placed["excess_backlog_mean_tokens"] >= 0, placed
     assert run.records["calibration"] == [] and run.records["meta"]["quick"] is True
 
 

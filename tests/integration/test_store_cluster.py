@@ -206,5 +206,6 @@ def test_sigterm_unpublishes_at_once(etcd_server, spawn_daemon):
         daemons[0].proc.terminate()
         # gone within 20 s: the revoke did it, not the 60 s lease running out
         assert client.mirror.wait_until(lambda m: daemons[0].name not in m.nodes
-                                        and all(daemons[0].name not in m.lookup(FP, h) for h in hashes), 20)
+                                        and all(daemons[0].name not in m.lookup(FP, h) for h in hashes), 20), \
+            daemons[0].log_path.read_text()[-3000:]
         assert daemons[0].proc.wait(15) == 0

@@ -42,6 +42,22 @@ def test_affinity_keeps_a_prefix_local_until_its_holder_is_too_busy():
     assert (pick.instance, pick.reason) == ("a", "queue")
 
 
+def test_a_short_prefix_does_not_keep_a_long_prompt_waiting_at_home():
+    """Kills: a stay-home slack taken as a share of the best predicted time alone. A long prompt's
+    predicted time is seconds, so half of it kept 87k-token prompts 0.7 s behind another prompt at
+    an engine holding one block more than idle engines (the fleet at load 1.2, 1 route in 5 placed
+    behind 8k tokens or more than the emptiest engine had). Staying home is worth at most computing
+    what home holds beyond the best engine; a long held prefix still keeps its request home."""
+    cost = CostModel()
+    policy = make_policy("affinity", cost)
+    long_prompt = RouteRequest(prompt_tokens=80_000)
+    home = InstanceView("home", queue_ms=700, local_prefix_tokens=512)
+    idle = InstanceView("idle", queue_ms=0, local_prefix_tokens=0)
+    assert policy.choose(long_prompt, [home, idle]).instance == "idle"
+    session = InstanceView("home", queue_ms=700, local_prefix_tokens=60_000)
+    assert policy.choose(long_prompt, [session, idle]).instance == "home"
+
+
 def _stored(hashes: list[int], parent, tokens: list[int]) -> dict:
     return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
             "block_size": BLOCK}

@@ -109,3 +109,30 @@ def test_a_client_refuses_the_cluster_secret_file_when_others_may_read_it(tmp_pa
         client_secret("c1", None)
     os.chmod(path, 0o600)
     assert client_secret("c1", None)[0] == GOOD
+
+
+def test_a_secret_file_created_by_two_processes_at_once_is_read_whole_by_both(tmp_path, monkeypatch):
+    """Two daemons of one cluster starting together both make its admin token file (the fleet
+    benchmark starts a cluster's daemons at once): the one that loses must read the winner's
+    whole token. The loser here runs while the winner draws its token, the moment the file
+    used to exist empty. Kills: creating the file in place and writing the token after
+    (the loser read 0 bytes and refused to start: "holds 0 bytes, fewer than 16")."""
+    import secrets
+
+    from kvstore.access import ensure_private_file
+
+    path = str(tmp_path / "keys" / "cluster.admin-token")
+    draw = secrets.token_urlsafe
+    other: list[tuple[str, bool]] = []  # what the process that started meanwhile got
+
+    def draw_while_another_starts(n: int) -> str:
+        if not other:
+            other.append(("", False))  # once: its own draw is the plain one
+            other[0] = ensure_private_file(path, "an admin token", "", announce=None)
+        return draw(n)
+
+    monkeypatch.setattr(secrets, "token_urlsafe", draw_while_another_starts)
+    value, created = ensure_private_file(path, "an admin token", "", announce=None)
+    assert other[0] == (value, True) and not created  # the other process made it; this one read it whole
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    assert os.listdir(tmp_path / "keys") == ["cluster.admin-token"]  # no staging file left

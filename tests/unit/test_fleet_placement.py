@@ -1,0 +1,32 @@
+"""benchmarks.fleet's placement figure: how far behind other prefills each request was placed,
+read from the requests' own outcomes (arrival, engine, uncached prompt tokens, TTFT)."""
+from __future__ import annotations
+
+from benchmarks.fleet import BEHIND_TOKENS, REQUEST_FIELDS, placement
+
+
+def row(at: float, prompt: int, engine: int, ttft_ms: float, cached: int = 0) -> list:
+    values = {"at_s": at, "prompt_tokens": prompt, "output_tokens": 16, "engine": engine, "cached_tokens": cached,
+              "credited_tokens": 0, "ttft_ms": ttft_ms, "tpot_ms": 10.0, "error": None}
+    return [values[f] for f in REQUEST_FIELDS]
+
+
+def test_a_request_placed_behind_a_long_prefill_while_another_engine_is_empty_counts():
+    """Kills: a backlog that counts the request itself, cached tokens as work, requests whose first
+    token is already out, or failed requests (no TTFT) as work."""
+    failed = row(0.0, 90_000, 1, 0.0)
+    failed[REQUEST_FIELDS.index("ttft_ms")] = None
+    rows = [row(0.0, 20_000, 0, 3000.0),  # engine 0 computes 20k tokens until 3 s
+            row(0.0, 30_000, 1, 1500.0, cached=29_000),  # engine 1: 1k tokens to compute until 1.5 s
+            row(0.0, 50_000, 1, 200.0),  # engine 1: first token out at 0.2 s, no work left at 1 s
+            failed,  # no outcome: no work counted
+            row(1.0, 2_000, 0, 2500.0),  # behind 20k on engine 0 while engine 1 has 1k
+            row(1.0, 2_000, 1, 100.0)]  # engine 1: the least backlog
+    out = placement(rows)
+    assert 20_000 - 1_000 >= BEHIND_TOKENS
+    assert out["behind_share"] == 1 / 5
+    assert out["excess_backlog_mean_tokens"] == (0 + 0 + 0 + 19_000 + 0) / 5
+
+
+def test_one_engine_gives_no_figure():
+    assert placement([row(0.0, 100, 0, 10.0)]) == {"behind_share": None, "excess_backlog_mean_tokens": None}
