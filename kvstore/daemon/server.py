@@ -483,7 +483,7 @@ class Daemon:
             self.publisher.stop()  # the lease revocation below removes whatever it published
         if self.session is not None:
             try:
-                self._call(self.session.close(revoke=True))
+                self._call(self.session.close(revoke=True), timeout=self.config.timeout * 4)  # two attempts
             except (MetadataError, TimeoutError) as exc:
                 log.warning("could not revoke the lease of %s (it will expire): %s", self.config.node, exc)
         if self.metrics is not None:

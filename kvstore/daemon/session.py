@@ -8,7 +8,7 @@ import asyncio
 import logging
 from typing import Callable, Iterable, Sequence
 
-from ..errors import LeaseExpired, MetadataError
+from ..errors import LeaseExpired, MetadataError, MetadataUnavailable
 from ..index.records import BlockRecord, Layout, NodeRecord
 from ..index.signatures import RecordSigner
 from ..metadata import Lease, Metadata, Put
@@ -88,8 +88,11 @@ class NodeSession:
         keys = [self.layout.block_key(fingerprint, h, self.node.name) for h in hashes]
         return await self.metadata.delete_many(keys)
 
-    async def close(self, revoke: bool = True) -> None:
-        """Stop the keep-alive; revoke the lease (drop every record) unless told not to."""
+    async def close(self, revoke: bool = True, attempts: int = 2) -> None:
+        """Stop the keep-alive; revoke the lease (drop every record) unless told not to. A revoke that
+        times out or finds etcd unavailable is tried again (`attempts` in all): one missed leaves the
+        node's records in every mirror until the lease runs out (up to its TTL), and an etcd busy
+        with other writers can hold a single attempt past its timeout."""
         if self._keepalive is not None:
             self._keepalive.cancel()
             try:
@@ -98,5 +101,13 @@ class NodeSession:
                 pass
             self._keepalive = None
         if revoke and self.lease is not None:
-            await self.metadata.lease_revoke(self.lease)
+            for attempt in range(1, attempts + 1):
+                try:
+                    await self.metadata.lease_revoke(self.lease)
+                    break
+                except MetadataUnavailable as exc:
+                    if attempt == attempts:
+                        raise
+                    log.info("revoking the lease of %s failed (%s): trying again", self.node.name, exc)
+                    await asyncio.sleep(0.2)
             self.lease = None
