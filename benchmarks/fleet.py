@@ -815,22 +815,26 @@ def placement(rows: list[list]) -> dict:
     """How well a router spread the prefill work, from the requests' own outcomes: at each arrival, the
     prompt tokens still to compute (uncached, before their first token) at the engine it went to,
     against the least such backlog of any engine then. `behind_share`: the share of requests placed
-    behind at least BEHIND_TOKENS more than that least backlog."""
+    behind at least BEHIND_TOKENS more than that least backlog. One sweep over the arrivals in time
+    order (a request's span counts strictly after its arrival and until its first token)."""
     ok = [dict(zip(REQUEST_FIELDS, r)) for r in rows if r[REQUEST_FIELDS.index("ttft_ms")] is not None]
-    spans: dict = {}
-    for r in ok:
-        spans.setdefault(r["engine"], []).append(
-            (r["at_s"], r["at_s"] + r["ttft_ms"] / 1e3, r["prompt_tokens"] - (r["cached_tokens"] or 0)))
-    if not ok or len(spans) < 2:
+    engines = {r["engine"] for r in ok}
+    if len(engines) < 2:
         return {"behind_share": None, "excess_backlog_mean_tokens": None}
-
-    def backlog(engine, t: float) -> int:
-        return sum(n for start, end, n in spans[engine] if start < t < end)
-
+    work = [(r["at_s"], r["at_s"] + r["ttft_ms"] / 1e3, r["engine"], r["prompt_tokens"] - (r["cached_tokens"] or 0))
+            for r in ok]
+    starts, ends = sorted(work), sorted(work, key=lambda w: w[1])
+    backlog = dict.fromkeys(engines, 0)
+    began = ended = 0
     excess = []
-    for r in ok:
-        at = r["at_s"]
-        excess.append(backlog(r["engine"], at) - min(backlog(e, at) for e in spans))
+    for at, engine in sorted((r["at_s"], r["engine"]) for r in ok):
+        while began < len(starts) and starts[began][0] < at:
+            backlog[starts[began][2]] += starts[began][3]
+            began += 1
+        while ended < len(ends) and ends[ended][1] <= at:
+            backlog[ends[ended][2]] -= ends[ended][3]
+            ended += 1
+        excess.append(backlog[engine] - min(backlog.values()))
     return {"behind_share": sum(x >= BEHIND_TOKENS for x in excess) / len(excess),
             "excess_backlog_mean_tokens": sum(excess) / len(excess)}
 

@@ -107,8 +107,8 @@ class Router:
         # fleet's placement figure, load 1.2), since many engines sat near full KV at once. Only the
         # pull of a cached prefix is room-checked: an engine it would overflow gets no credit for it.
         candidates = prefills or decodes
-        full = set() if prefills else {c.name for c in decodes} - {c.name for c in roomy}
-        views = [InstanceView(c.name, c.queue_ms, 0 if c.name in full else credit(c.name),
+        room = {c.name for c in roomy}
+        views = [InstanceView(c.name, c.queue_ms, credit(c.name) if prefills or c.name in room else 0,
                               0 if prefills else max(c.running, c.sent), _fill(c)) for c in candidates]
         choice = self.policy.choose(request, views)
         if self.spread and not prefills and request.session is None and len(views) > 1:
