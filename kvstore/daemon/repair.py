@@ -7,7 +7,11 @@ under its name counts: its address changed), while work is left, and every `full
 safety net. A replica that leaves the index while its node stays (evicted by a full node, removed,
 or the records of a node's previous run expiring after it came back) is looked at at once: the
 watch wakes the repairer, which checks those blocks alone (until the copy lands, that block has one
-replica fewer: the smaller that window, the fewer blocks a second failure can take).
+replica fewer: the smaller that window, the fewer blocks a second failure can take). A block sealed
+here a moment ago may look short only because its other holders' records are still on their way
+(each node publishes its own, in batches): the repairer asks those nodes before copying it, so a put
+does not end up with a third replica on a node its writer left out, and a truly short block is still
+copied at once.
 `under_replicated` counts the blocks this node is responsible for that still lack replicas (summed
 over nodes by `kvstore admin status`).
 
@@ -43,6 +47,7 @@ HAND_OFF_S = 30.0  # a graceful stop copies blocks for at most this long, then l
 HAND_OFF_RETRY_S = 0.5  # a hand-off batch that failed (every target busy or down) is tried again after this
 WAKE_BATCH_S = 0.05  # a replica removal wakes the repairer this long later: a burst of removals is one round
 ROOM_FRACTION = 0.9  # a repair copy goes only to a node using less than this share of its capacity
+PUBLISH_GRACE_S = 5.0  # a block sealed here less than this long ago may have holders not listed yet
 
 
 def has_room(record) -> bool:
@@ -230,25 +235,59 @@ class Repairer:
     def _live(self) -> dict[str, object]:
         return {name: rec for name, rec in self._client.mirror.nodes.items() if not rec.draining}
 
-    def _held(self, blocks: set[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
-        """Those of `blocks` this node holds (sealed), sorted."""
-        by_fp: dict[str, list[bytes]] = {}
-        for fingerprint, block_hash in blocks:
-            by_fp.setdefault(fingerprint, []).append(block_hash)
-        return sorted((fp, h) for fp, hashes in by_fp.items()
-                      for h, record in zip(hashes, self.store.records(fp, hashes)) if record is not None)
+    def _unlisted_holders(self, fingerprint: str, hashes: list[bytes], listed: tuple[str, ...],
+                          live: dict[str, object]) -> dict[bytes, set[str]]:
+        """The live nodes not in `listed` that hold each of `hashes` (sealed here a moment ago)
+        though the index does not list them yet, as the nodes themselves answer. A node that does not
+        answer holds nothing here: a needless copy costs room, a missed one a block."""
+        held: dict[bytes, set[str]] = {}
+        for name in live:
+            if name == self.node or name in listed:
+                continue
+            try:
+                records = self._client.reads.lookup(name, fingerprint, hashes)
+            except Exception:  # noqa: BLE001 - busy or gone: copy as if it held nothing
+                continue
+            for h, record in zip(hashes, records):
+                if record is not None:
+                    held.setdefault(h, set()).add(name)
+        return held
+
+    def _regroup_unlisted(self, groups: dict[tuple[str, tuple[str, ...]], list[bytes]],
+                          young: dict[tuple[str, tuple[str, ...]], list[bytes]], live: dict[str, object]) -> None:
+        """Move each `young` block of `groups` (short blocks by fingerprint and listed holders) that
+        other nodes hold unlisted to its true group, or out where that makes it whole or another
+        node's to repair."""
+        for group, hashes in young.items():
+            fingerprint, listed = group
+            unlisted = self._unlisted_holders(fingerprint, hashes, listed, live)
+            if not unlisted:
+                continue
+            groups[group] = [h for h in groups[group] if h not in unlisted]
+            if not groups[group]:
+                del groups[group]
+            for h, more in unlisted.items():
+                holders = {*listed, *more}
+                if len(holders) < self.replicas and min(holders) == self.node:
+                    groups.setdefault((fingerprint, tuple(sorted(holders))), []).append(h)
 
     def scan(self, only: set[tuple[str, bytes]] | None = None) -> int:
         """One pass: count and repair what this node is responsible for (of `only`, the blocks one
         of whose replicas left the index, when given); returns blocks still short."""
         mirror, live = self._client.mirror, self._live()
-        keys = [key for key, _slot in self.store.keys()] if only is None else self._held(only)
+        held = self.store.keys() if only is None else self.store.sealed(sorted(only))
+        young_after = time.monotonic() - PUBLISH_GRACE_S
         groups: dict[tuple[str, tuple[str, ...]], list[bytes]] = {}
-        for fingerprint, block_hash in keys:
+        young: dict[tuple[str, tuple[str, ...]], list[bytes]] = {}
+        for (fingerprint, block_hash), slot in held:
             holders = {n for n in mirror.lookup(fingerprint, block_hash) if n in live} | {self.node}
             if len(holders) >= self.replicas or min(holders) != self.node:
                 continue
-            groups.setdefault((fingerprint, tuple(sorted(holders))), []).append(block_hash)
+            group = (fingerprint, tuple(sorted(holders)))
+            groups.setdefault(group, []).append(block_hash)
+            if slot.held_since > young_after:
+                young.setdefault(group, []).append(block_hash)
+        self._regroup_unlisted(groups, young, live)
         short = sum(len(hashes) for hashes in groups.values())
         if only is not None and not short:
             return 0  # a look at a few blocks: the count stays the last full scan's

@@ -39,6 +39,10 @@ class Slot:
     # A process on this host that maps the arena and may write this pending slot (`gone()` once it
     # has exited), for a reservation or lease asked for over the unix socket; None otherwise.
     writer: Any = None
+    # When the block was first sealed on this node (monotonic; a move between tiers keeps it). Replica
+    # repair asks the other nodes about a block this young before copying it: their records of it
+    # may still be on their way.
+    held_since: float = 0.0
 
     @property
     def span(self) -> int:
@@ -70,6 +74,8 @@ class Tier:
         old = self.sealed.get(slot.key)
         if old is not None:
             self._account(old, -1)
+        if not slot.held_since:
+            slot.held_since = time.monotonic()
         self.sealed[slot.key] = slot
         self._account(slot, 1)
 

@@ -192,6 +192,12 @@ class BlockStore(SlotGrants, Sealing, Tiering, TierUpkeep):
                      if fingerprint is None or k[0] == fingerprint]
         return sorted(found, key=lambda item: item[0])
 
+    def sealed(self, keys: Sequence[Key]) -> list[tuple[Key, Slot]]:
+        """Those of `keys` held sealed here, with their slots, sorted."""
+        with self.lock:
+            found = [(key, slot) for key in keys if (slot := self.find(key)) is not None]
+        return sorted(found, key=lambda item: item[0])
+
     def remove(self, fingerprint: str, hashes: Sequence[bytes]) -> tuple[int, list[Update]]:
         updates: list[Update] = []
         for span in spans(hashes):

@@ -189,7 +189,8 @@ class TierUpkeep:
                 if nvme.sealed.get(slot.key) is not slot:
                     nvme.allocator.release(offset, len(frame))
                     continue
-                new = Slot(slot.key, nvme, offset, slot.size, slot.digest, codec=codec, stored=len(frame))
+                new = Slot(slot.key, nvme, offset, slot.size, slot.digest, codec=codec, stored=len(frame),
+                           held_since=slot.held_since)
                 nvme.keep(new)  # its place in the eviction order stays
                 if self.journal is not None:  # the new place first: the old one is superseded by it
                     self.journal.put(slot.key[0], slot.key[1], offset, slot.size, len(frame), codec, slot.digest)

@@ -154,7 +154,7 @@ class Tiering:
             self._count("io_errors")
             return False
         self._drop(slot)
-        self._seal_nvme(Slot(slot.key, nvme, offset, slot.size, slot.digest), updates)
+        self._seal_nvme(Slot(slot.key, nvme, offset, slot.size, slot.digest, held_since=slot.held_since), updates)
         self._count("demotions")
         return True
 
@@ -204,7 +204,7 @@ class Tiering:
             self._count("corrupt_blocks_nvme")
             updates.append((slot.key[0], slot.key[1], None))
             return
-        moved = Slot(slot.key, dram, offset, slot.size, slot.digest)
+        moved = Slot(slot.key, dram, offset, slot.size, slot.digest, held_since=slot.held_since)
         dram.keep(moved)
         self._number(moved)  # its bytes were checked on the way up
         dram.policy.insert(slot.key)

@@ -61,14 +61,23 @@ def holders(client: Client, nodes: list[str], hashes: list[bytes]) -> list[int]:
     return counts
 
 
-def store_on_a_and_b(client: Client, metadata: str, cluster: str, hashes: list[bytes]) -> None:
-    """Once node-a, node-b and node-c are up: every block on node-a and node-b only (as a full
-    node's puts are pinned to it and one partner), both replicas published for everyone."""
-    assert client.mirror.wait_until(lambda m: len(m.nodes) == 3, 10)
-    assert client.put_many([(h, content(h)) for h in hashes], exclude={"node-c"}) == 2 * len(hashes)
+def store_on_a_and_b(client: Client, metadata: str, cluster: str, hashes: list[bytes], start_c):
+    """Once node-a and node-b are up: every block on both, both replicas published for everyone;
+    then node-c joins (`start_c()`, returned) and holds none of them. Node-c joins only then: a
+    repair round the join sets off while the put's records are still on their way could copy a
+    block that looks short to node-c (the repairer asks the holders first, but a holder still
+    verifying a large put says it has nothing)."""
+    assert client.mirror.wait_until(lambda m: len(m.nodes) == 2, 10)
+    assert client.put_many([(h, content(h)) for h in hashes]) == 2 * len(hashes)
     with Client(metadata, cluster=cluster, fingerprint=FP, timeout=3.0) as observer:
-        wait_for(lambda: all(set(observer.mirror.lookup(FP.digest, h)) == {"node-a", "node-b"} for h in hashes),
-                 10, "both replicas published")
+        def holders() -> set[tuple[str, ...]]:
+            return {tuple(sorted(observer.mirror.lookup(FP.digest, h))) for h in hashes}
+
+        assert until(lambda: holders() == {("node-a", "node-b")}, 10, every=0.2), \
+            f"timed out waiting for both replicas published: the blocks' holders {sorted(holders())}"
+    node_c = start_c()
+    assert client.mirror.wait_until(lambda m: len(m.nodes) == 3, 10)
+    return node_c
 
 
 def test_survivors_re_replicate_after_a_node_dies(etcd_server, spawn_daemon):
@@ -116,11 +125,11 @@ def test_a_graceful_stop_hands_off_the_replicas_it_would_leave_short(etcd_server
     leaver = spawn_daemon("node-a", etcd_server.url, cluster, extra=extra, lease_ttl=2)
     # Its lease outlasts the pause below: it is still a holder while node-a leaves.
     partner = spawn_daemon("node-b", etcd_server.url, cluster, extra=extra, lease_ttl=10)
-    spawn_daemon("node-c", etcd_server.url, cluster, extra=extra, lease_ttl=2)
     hashes = external_hashes(list(range(100, 140)), FP)
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, timeout=3.0, replicas=2) as client:
         mirror = client.mirror
-        store_on_a_and_b(client, etcd_server.url, cluster, hashes)
+        store_on_a_and_b(client, etcd_server.url, cluster, hashes,
+                         lambda: spawn_daemon("node-c", etcd_server.url, cluster, extra=extra, lease_ttl=2))
 
         partner.pause()  # the other holder: no repair from it
         assert leaver.terminate() == 0  # graceful
@@ -143,11 +152,11 @@ def test_a_hand_off_tries_again_when_its_targets_are_busy(etcd_server, spawn_dae
     leaver = spawn_daemon("node-a", etcd_server.url, cluster, extra=extra, lease_ttl=2)
     # Leases that outlast their pauses below: both stay in the index while node-a leaves.
     partner = spawn_daemon("node-b", etcd_server.url, cluster, extra=extra, lease_ttl=12)
-    target = spawn_daemon("node-c", etcd_server.url, cluster, extra=extra, lease_ttl=12)
     hashes = external_hashes(list(range(400, 440)), FP)
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, timeout=3.0, replicas=2) as client:
         mirror = client.mirror
-        store_on_a_and_b(client, etcd_server.url, cluster, hashes)
+        target = store_on_a_and_b(client, etcd_server.url, cluster, hashes,
+                                  lambda: spawn_daemon("node-c", etcd_server.url, cluster, extra=extra, lease_ttl=12))
 
         partner.pause()  # the other holder: no repair from it
         target.pause()  # the only node to hand off to: silent past every timeout for now
