@@ -24,13 +24,21 @@ from tests_support import wait_until_stopped
 # Tests that start vLLM engines or Ray take both cores and gigabytes each: they run one after
 # another on one worker (one group), while the other worker takes the rest; two of them at once
 # on a 2-core machine only trade places in the queue for a core.
-ENGINE_HEAVY_FILES = ("tests/e2e/", "tests/docs/", "tests/unit/test_ray_app.py", "tests/benchmarks/test_demo.py",
+ENGINE_HEAVY_FILES = ("tests/e2e/", "tests/docs/", "tests/benchmarks/test_demo.py",
                       "tests/benchmarks/test_vllm_ttft_hybrid.py")
 ENGINE_HEAVY_BENCHMARKS = ("serving", "vllm_ttft", "wrong_kv")  # tests/benchmarks tests that run these start vLLM engines
+# End-to-end files that start no engine: vLLM's scheduler in-process with model outputs mocked (the
+# vllm_harness), about 90 s of one core between them. Any worker takes them, so the engine group,
+# the suite's longest queue, does not wait for them.
+IN_PROCESS_VLLM_FILES = ("tests/e2e/test_vllm_shapes.py", "tests/e2e/test_vllm_batched_copy.py",
+                         "tests/e2e/test_vllm_scheduler.py", "tests/e2e/test_vllm_identity.py",
+                         "tests/e2e/test_vllm_hybrid.py", "tests/e2e/test_vllm_hits.py")
 
 
 def engine_heavy(nodeid: str) -> bool:
     path, _, name = nodeid.partition("::")
+    if path.startswith(IN_PROCESS_VLLM_FILES):
+        return False
     return path.startswith(ENGINE_HEAVY_FILES) or (
         path.startswith("tests/benchmarks/") and any(b in name for b in ENGINE_HEAVY_BENCHMARKS))
 
