@@ -15,40 +15,27 @@ answer says `stale=True`.
 from __future__ import annotations
 
 import asyncio
-import binascii
 import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
 from ..aio import bounded, quiet, shared_loop
 from ..errors import InvalidRecord, KVStoreError, MetadataError, MetadataUnavailable, WatchCompacted
-from ..keys import HASH_BYTES, ModelFingerprint
+from ..keys import ModelFingerprint
 from ..metadata import Metadata, Page, WatchEvent, check_metadata_url, open_metadata, prefix_end
 from ..outage_log import OutageLog
-from .records import BLOCK_RECORD_BYTES, BLOCK_RECORD_VERSION, MAC_BYTES, TIERS, BlockRecord, Layout, NodeRecord, \
-    check_name
+from .mirror_tables import MirrorTables, Placement, Snapshot
+from .records import BlockRecord, Layout, NodeRecord
 from .signatures import RecordVerifier
 from .snapshot import load_prefix
-from .table import NO_IDS, BlockTable, as_words
+from .table import NO_IDS
 
 log = logging.getLogger(__name__)
-# The records a page of one fingerprint takes in bulk: the common one (raw, the node's MAC), and a
-# tenant's (with the tenant's MAC too); anything else goes through the one-key path.
-_RECORD_SIZES = (BLOCK_RECORD_BYTES, BLOCK_RECORD_BYTES + MAC_BYTES)
 REFUSED_LOG_S = 30.0  # records failing their seal: a line at the first, then at most this often
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where one block is held: (node, tier) per replica. Shared by every block placed alike."""
-
-    locations: tuple[tuple[str, str], ...]
-    nodes: frozenset[str]
 
 
 class Match:
@@ -74,27 +61,6 @@ class Match:
 
     def __repr__(self) -> str:
         return f"Match(length={self.length}, stale={self.stale}, loading={self.loading})"
-
-
-class _Snapshot:
-    """Everything the mirror knows; replaced whole on resync."""
-
-    def __init__(self) -> None:
-        self.nodes: dict[str, NodeRecord] = {}
-        self.segments: dict[str, str] = {}
-        # fingerprint -> its blocks. A record is the encoded BlockRecord prefixed with the owner's
-        # node number (u16).
-        self.blocks: dict[str, BlockTable] = {}
-
-    def table(self, fingerprint: str) -> BlockTable:
-        table = self.blocks.get(fingerprint)
-        if table is None:
-            table = self.blocks[fingerprint] = BlockTable()
-        return table
-
-    @property
-    def block_count(self) -> int:
-        return sum(len(t) for t in list(self.blocks.values()))
 
 
 def _fingerprint_id(fingerprint: ModelFingerprint | str) -> str:
@@ -125,16 +91,10 @@ class IndexMirror:
         check_metadata_url(metadata_url)  # a typo fails here, at once, not after the first load's timeout
         self.url, self.layout = metadata_url, Layout(cluster)
         self.stale_after, self.timeout = stale_after, timeout
-        self._root = self.layout.root.encode()
-        self._blocks_prefix = self.layout.blocks_prefix().encode()
-        self._snapshot = _Snapshot()
-        self._fresh: _Snapshot | None = None  # the snapshot being loaded
-        self._node_names: list[str] = []
-        self._node_numbers: dict[str, int] = {}
-        self._node_tags: dict[bytes, bytes] = {}  # b"/<node>" (a key's tail) -> its u16 number
-        self._placements: list[Placement] = []  # placement id -> placement; append-only
-        self._placement_ids: dict[frozenset, int] = {}
-        self._single = np.full(0, -1, np.int32)  # node * len(TIERS) + tier -> id of that lone replica
+        self.tables = MirrorTables(self.layout)  # node numbers, placements, applying changes
+        self._root, self._blocks_prefix = self.tables.root, self.tables.blocks_prefix
+        self._snapshot = Snapshot()
+        self._fresh: Snapshot | None = None  # the snapshot being loaded
         self._revision = 0
         # Who asked a node about blocks (`asking`) learns from its answer only what no watch event
         # that arrived meanwhile has settled: the open questions (fingerprint, node, hashes), the
@@ -160,7 +120,6 @@ class IndexMirror:
         self.resyncs = 0  # complete snapshots loaded (the first included)
         self.resumes = 0  # watches resumed from the last applied revision after a disconnect
         self._reload = False  # a watch said its history was compacted: the next connection loads a snapshot
-        self.malformed = 0
         # Records `lookup` dropped because their seal was not their node's (kvstore.index.signatures);
         # `verifier` checks every lookup that brings none of its own.
         self.verifier = verifier
@@ -238,10 +197,15 @@ class IndexMirror:
     def block_count(self) -> int:
         return self._snapshot.block_count
 
+    @property
+    def malformed(self) -> int:
+        """Index entries ignored as malformed."""
+        return self.tables.malformed
+
     def match(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes]) -> Match:
         """How many leading `hashes` are cached anywhere, and where each of them is."""
         loading = self._loading
-        return Match(self._prefix_ids(fingerprint, hashes), self._placements, self.stale, loading)
+        return Match(self._prefix_ids(fingerprint, hashes), self.tables.placements, self.stale, loading)
 
     def _prefix_ids(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes]) -> np.ndarray:
         table = self._snapshot.blocks.get(_fingerprint_id(fingerprint))
@@ -255,9 +219,10 @@ class IndexMirror:
         if not len(ids):
             return {}
         lengths: dict[str, int] = {}
-        alive = set(self._placements[int(ids[0])].nodes)
+        placements = self.tables.placements
+        alive = set(placements[int(ids[0])].nodes)
         for start in (np.flatnonzero(ids[1:] != ids[:-1]) + 1).tolist():  # where the placement changes
-            nodes = self._placements[int(ids[start])].nodes
+            nodes = placements[int(ids[start])].nodes
             for node in alive - nodes:
                 lengths[node] = start
             alive &= nodes
@@ -284,13 +249,13 @@ class IndexMirror:
         if entry is None:
             return {}
         raws = entry if isinstance(entry, tuple) else (entry,)
-        names = self._node_names
+        node_of = self.tables.node_of
         verifier = verifier or self.verifier
         if verifier is None:
-            return {names[int.from_bytes(r[:2], "little")]: BlockRecord.decode(r[2:]) for r in raws}
+            return {node_of(r): BlockRecord.decode(r[2:]) for r in raws}
         found = {}
         for r in raws:
-            node = names[int.from_bytes(r[:2], "little")]
+            node = node_of(r)
             if verifier.check(fp, bytes(block_hash), node, r[2:]):
                 found[node] = BlockRecord.decode(r[2:])
             else:
@@ -365,7 +330,7 @@ class IndexMirror:
                 try:
                     for snap in snaps:
                         if not (news and snap is self._snapshot):
-                            self._apply_block(snap, kind, fp, block_hash, node, value)
+                            self.tables.apply_block(snap, kind, fp, block_hash, node, value)
                 except (InvalidRecord, ValueError) as exc:
                     bad = exc if isinstance(exc, InvalidRecord) else InvalidRecord(str(exc))
         with self._changed:
@@ -397,141 +362,6 @@ class IndexMirror:
 
         with self._changed:
             return self._changed.wait_for(holds, timeout)
-
-    # --- applying changes (mirror thread; callers hold _apply_lock) ---------------------------------
-    def _node_number(self, node: str) -> int:
-        number = self._node_numbers.get(node)
-        if number is None:
-            check_name("node", node)
-            number = self._node_numbers[node] = len(self._node_names)
-            self._node_names.append(node)
-        return number
-
-    def _placement_id(self, raws: tuple[bytes, ...]) -> int:
-        spots = frozenset((int.from_bytes(r[:2], "little"), r[3]) for r in raws)
-        pid = self._placement_ids.get(spots)
-        if pid is None:
-            locations = tuple(sorted((self._node_names[n], TIERS[t]) for n, t in spots))
-            pid = self._placement_ids[spots] = len(self._placements)
-            self._placements.append(Placement(locations, frozenset(n for n, _ in locations)))
-        return pid
-
-    def _apply(self, snap: _Snapshot, kind: str, key: bytes, value: bytes) -> tuple[str, bytes, str] | None:
-        """Apply one key's change; returns the block replica it was about, if any."""
-        rest = key[len(self._root):].decode()
-        section, _, name = rest.partition("/")
-        if section == "blocks":
-            fingerprint, hash_hex, node = name.split("/", 2)
-            replica = (fingerprint, bytes.fromhex(hash_hex), node)
-            self._apply_block(snap, kind, *replica, value)
-            return replica
-        elif section == "nodes":
-            if kind == "put":
-                snap.nodes[name] = NodeRecord.decode(value)
-            else:
-                snap.nodes.pop(name, None)
-        elif section == "segments":
-            if kind == "put":
-                snap.segments[name] = value.decode()
-            else:
-                snap.segments.pop(name, None)
-
-    def _apply_block(self, snap: _Snapshot, kind: str, fingerprint: str, block_hash: bytes, node: str,
-                     value: bytes) -> None:
-        if len(block_hash) != HASH_BYTES:
-            raise InvalidRecord(f"block hash of {len(block_hash)} bytes")
-        table = snap.table(fingerprint)
-        number = self._node_number(node).to_bytes(2, "little")
-        entry = table.records.get(block_hash)
-        if kind == "put":
-            if entry == number + value:  # known already: the watch echoing a putting client's own block
-                return
-            BlockRecord.decode(value)  # refuse what we could not serve later
-        raws = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
-        kept = tuple(r for r in raws if r[:2] != number)
-        if kind == "put":
-            kept = tuple(sorted(kept + (number + value,)))
-        if kept:
-            table.set(block_hash, kept[0] if len(kept) == 1 else kept, self._placement_id(kept))
-        elif entry is not None:
-            table.remove(block_hash)
-
-    def _apply_slowly(self, snap: _Snapshot, keys: Sequence[bytes], values: Sequence[bytes]) -> None:
-        for key, value in zip(keys, values):
-            try:
-                self._apply(snap, "put", key, value)
-            except (InvalidRecord, ValueError, UnicodeDecodeError) as exc:
-                self.malformed += 1
-                if self.malformed <= 10:
-                    log.warning("ignoring malformed index entry %r: %s", key[:200], exc)
-
-    def _single_ids(self, codes: np.ndarray) -> np.ndarray:
-        """Placement id of each lone replica (node * len(TIERS) + tier), interning new ones."""
-        top = int(codes.max()) + 1
-        if top > len(self._single):
-            grown = np.full(max(top, 2 * len(self._single)), -1, np.int32)
-            grown[:len(self._single)] = self._single
-            self._single = grown
-        pids = self._single[codes]
-        if (pids < 0).any():
-            for code in np.unique(codes[pids < 0]).tolist():
-                node, tier = divmod(code, len(TIERS))
-                raw = node.to_bytes(2, "little") + bytes((BLOCK_RECORD_VERSION, tier))
-                self._single[code] = self._placement_id((raw,))
-            pids = self._single[codes]
-        return pids
-
-    def _load_page(self, snap: _Snapshot, page: Page) -> None:
-        """A page of block records in bulk; anything unusual (replicas in the page, blocks already
-        known, malformed entries) goes through the one-key path."""
-        keys, values, n = page.keys, page.values, len(page.keys)
-        first, plen = keys[0], len(self._blocks_prefix)
-        cut = first.find(b"/", plen) + 1
-        base = first[:cut]
-        if not cut or not keys[-1].startswith(base) or not first.startswith(self._blocks_prefix):
-            return self._apply_slowly(snap, keys, values)  # spans fingerprints (sorted: ends decide)
-        try:
-            fingerprint = base[plen:-1].decode("ascii")
-            unhex = binascii.a2b_hex
-            hashes = [unhex(k[cut:cut + 32]) for k in keys]
-            tags = [k[cut + 32:] for k in keys]
-            numbers = list(map(self._node_tags.get, tags))
-            if None in numbers:
-                for tag in set(tags) - self._node_tags.keys():
-                    if not tag.startswith(b"/"):
-                        raise ValueError("hash is not 32 hex digits")
-                    self._node_tags[tag] = self._node_number(tag[1:].decode("ascii")).to_bytes(2, "little")
-                numbers = list(map(self._node_tags.get, tags))
-            size = len(values[0])
-            joined = b"".join(values)
-            if size not in _RECORD_SIZES or len(joined) != size * n:
-                raise ValueError("record of the wrong size")
-            heads = np.frombuffer(joined, np.uint8).reshape(n, size)[:, :2]
-            if (heads[:, 0] != BLOCK_RECORD_VERSION).any() or (heads[:, 1] >= len(TIERS)).any():
-                raise ValueError("record version or tier not understood")
-        except (ValueError, InvalidRecord, UnicodeDecodeError):
-            return self._apply_slowly(snap, keys, values)
-        table = snap.table(fingerprint)
-        words = as_words(hashes)
-        odd = np.zeros(n, bool)  # replicas side by side in the page, or blocks the table has already
-        same = (words[1:] == words[:-1]).all(1)
-        odd[1:] |= same
-        odd[:-1] |= same
-        known = table.records.keys() & hashes
-        if known:
-            odd |= np.fromiter((h in known for h in hashes), bool, n)
-        codes = np.frombuffer(b"".join(numbers), "<u2").astype(np.int64) * len(TIERS) + heads[:, 1]
-        pids = self._single_ids(codes)
-        records = list(map(bytes.__add__, numbers, values))
-        if page.more:
-            table.reserve(len(table) + page.count)
-        if odd.any():
-            normal = np.flatnonzero(~odd).tolist()
-            table.add([hashes[i] for i in normal], [records[i] for i in normal], pids[normal])
-            rest = np.flatnonzero(odd).tolist()
-            self._apply_slowly(snap, [keys[i] for i in rest], [values[i] for i in rest])
-        else:
-            table.add(hashes, records, pids)
 
     # --- the follower loop ----------------------------------------------------------------------
     async def _follow(self) -> None:
@@ -566,17 +396,17 @@ class IndexMirror:
                     pass
                 backoff = min(backoff * 2, 1.0)
 
-    async def _load_snapshot(self, metadata: Metadata) -> tuple[_Snapshot, int]:
+    async def _load_snapshot(self, metadata: Metadata) -> tuple[Snapshot, int]:
         """Nodes and segments, then every block record, all at the revision of the first read."""
         nodes_prefix, segments_prefix = self._root + b"nodes/", self._root + b"segments/"
         nodes = await metadata.range_page(nodes_prefix, prefix_end(nodes_prefix), timeout=self.timeout)
         revision = nodes.revision
         segments = await metadata.range_page(segments_prefix, prefix_end(segments_prefix), revision=revision,
                                              timeout=self.timeout)
-        snap = _Snapshot()
+        snap = Snapshot()
         with self._apply_lock:
             for page in (nodes, segments):
-                self._apply_slowly(snap, page.keys, page.values)
+                self.tables.apply_slowly(snap, page.keys, page.values)
             self._fresh, self._fresh_base = snap, revision
             if not self._synced.is_set():  # nothing better to answer from: serve it as it fills
                 self._snapshot = snap
@@ -585,7 +415,7 @@ class IndexMirror:
 
         def take(page: Page) -> None:
             with self._apply_lock:
-                self._load_page(snap, page)
+                self.tables.load_page(snap, page)
 
         await load_prefix(metadata, self._blocks_prefix, revision, take, timeout=self.timeout)
         return snap, revision
@@ -679,7 +509,7 @@ class IndexMirror:
     def _on_event(self, event: WatchEvent) -> None:
         """One event into the current snapshot (the caller holds _apply_lock)."""
         try:
-            replica = self._apply(self._snapshot, event.kind, event.key, event.value)
+            replica = self.tables.apply(self._snapshot, event.kind, event.key, event.value)
         except (InvalidRecord, ValueError, UnicodeDecodeError) as exc:
             log.warning("ignoring malformed index event %r: %s", event.key[:200], exc)
             replica = None

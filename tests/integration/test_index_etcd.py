@@ -191,7 +191,7 @@ def test_a_revision_is_announced_only_once_all_its_events_are_applied(etcd_serve
     layout = Layout(cluster)
     held, release, answered = threading.Event(), threading.Event(), threading.Event()
     mirror = IndexMirror(etcd_server.url, cluster).start()
-    real_apply, blocks = mirror._apply, []
+    real_apply, blocks = mirror.tables.apply, []
 
     def held_apply(snap, kind, key, value):
         if b"/blocks/" in key:
@@ -226,7 +226,7 @@ def test_a_revision_is_announced_only_once_all_its_events_are_applied(etcd_serve
 
     try:
         assert mirror.wait_loaded(10)
-        monkeypatch.setattr(mirror, "_apply", held_apply)
+        monkeypatch.setattr(mirror.tables, "apply", held_apply)
         asyncio.run(scenario())
     finally:
         release.set()

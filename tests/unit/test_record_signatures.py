@@ -11,6 +11,7 @@ import pytest
 
 from kvstore.daemon.session import NodeSession
 from kvstore.index import IndexMirror
+from kvstore.index.mirror_tables import MirrorTables
 from kvstore.index.records import BLOCK_RECORD_BYTES, MAC_BYTES, BlockRecord, Layout, NodeRecord
 from kvstore.index.signatures import RecordSigner, RecordVerifier
 from kvstore.keys import ModelFingerprint, external_hashes
@@ -118,13 +119,13 @@ async def test_sealed_records_load_in_bulk(fingerprint, monkeypatch):
     tenant's, 16 bytes longer). Kills: a bulk path still sized for unsigned records (every page
     through the one-key path: a snapshot several times slower)."""
     slow: list[int] = []  # block records that took the one-key path
-    real = IndexMirror._apply_slowly
+    real = MirrorTables.apply_slowly
 
     def counted(self, snap, keys, values):
         slow.append(sum(b"/blocks/" in k for k in keys))
         return real(self, snap, keys, values)
 
-    monkeypatch.setattr(IndexMirror, "_apply_slowly", counted)
+    monkeypatch.setattr(MirrorTables, "apply_slowly", counted)
     url, layout = f"memory://{uuid.uuid4().hex[:10]}", Layout("c")
     session = NodeSession(open_metadata(url), layout, NodeRecord("node-a", "a:1"), ttl=30, signer=signer())
     await session.start()
