@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import uuid
 
 import pytest
@@ -19,6 +18,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is part of the test install (scripts/install-test-deps.sh)")
 
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
+from kvstore_testing.engine_fork import engine_forks  # noqa: E402
 from kvstore_testing.tiny_models import build_tiny_mamba_hybrid, build_tiny_mla_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,8 +30,7 @@ ENGINE = {"max_model_len": 2048, "max_num_batched_tokens": 2048}
 
 def engine_process(spec: dict) -> subprocess.CompletedProcess:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    return subprocess.run([sys.executable, "-m", "kvstore_testing.engine_run", json.dumps(spec)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    return engine_forks().run(spec, env=env, cwd=ROOT, timeout=300)
 
 
 def run_engine(spec: dict) -> dict:

@@ -1,0 +1,179 @@
+"""Engine runs forked from one process that has imported vLLM already (tests only, not the product).
+
+A test that runs a vLLM engine in a process of its own (`python -m kvstore_testing.engine_run
+SPEC`) spends about half of that process's life importing vLLM: 8-16 s of the suite's 2 vCPUs, for
+each of the few dozen engines the suite starts. `EngineForks` starts one server process that
+imports vLLM (and only vLLM and what it pulls in: nothing of kvstore, whose modules may read the
+environment as they load), then forks a child per run. The child takes the run's environment and
+working directory, imports kvstore_testing.engine_run, runs `run(spec)` and prints its RESULT line
+as the module's main would, with stdout and stderr in files of its own; the caller gets the same
+CompletedProcess a subprocess.run of the module gives. Only the import is shared: the server has
+run nothing of vLLM's when it forks, so each child builds its engine from scratch. Where the server
+cannot start (or KVSTORE_TEST_ENGINE_FORKS=0), runs are plain processes.
+
+    python -m kvstore_testing.engine_fork    # the server: one JSON request per line on stdin
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+READY = "ready"
+START_TIMEOUT_S = 300.0  # importing vLLM on a loaded 2-vCPU machine
+
+
+class EngineForks:
+    """A client of one fork server, started at the first run (see module docstring)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._buffer = b""
+        self._broken = os.environ.get("KVSTORE_TEST_ENGINE_FORKS", "1") == "0"
+        self._lock = threading.Lock()
+
+    def run(self, spec: dict, *, env: dict | None = None, cwd: str | None = None,
+            timeout: float = 300.0) -> subprocess.CompletedProcess:
+        """What `subprocess.run([python, -m, kvstore_testing.engine_run, SPEC], capture_output=True,
+        text=True, env=env, cwd=cwd, timeout=timeout)` returns, from a forked child."""
+        args = [sys.executable, "-m", "kvstore_testing.engine_run", json.dumps(spec)]
+        with self._lock:
+            if not self._broken and self._proc is None:
+                self._start()
+            if self._broken:
+                return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+            return self._forked(args, spec, dict(os.environ if env is None else env), cwd or os.getcwd(), timeout)
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.stdin.close()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def _start(self) -> None:
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-m", "kvstore_testing.engine_fork"], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            if self._line(time.monotonic() + START_TIMEOUT_S) != {"state": READY}:
+                raise RuntimeError("the engine fork server did not say it was ready")
+            atexit.register(self.close)
+        except (OSError, RuntimeError, ValueError):
+            self.close()
+            self._broken = True  # plain processes from now on
+
+    def _forked(self, args: list[str], spec: dict, env: dict, cwd: str,
+                timeout: float) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory(prefix="kvstore-engine-fork-") as scratch:
+            out, err = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
+            request = {"spec": spec, "env": env, "cwd": cwd, "stdout": out, "stderr": err}
+            self._proc.stdin.write((json.dumps(request) + "\n").encode())
+            self._proc.stdin.flush()
+            deadline = time.monotonic() + timeout
+            pid = self._line(deadline)["pid"]
+            try:
+                code = self._line(deadline)["rc"]
+            except TimeoutError:
+                os.kill(pid, signal.SIGKILL)
+                self._line(time.monotonic() + 30)  # the server reaps it and says so
+                raise subprocess.TimeoutExpired(args, timeout, output=_read(out), stderr=_read(err)) from None
+            return subprocess.CompletedProcess(args, code, _read(out), _read(err))
+
+    def _line(self, deadline: float) -> dict:
+        """The server's next JSON line; TimeoutError past `deadline`, RuntimeError if it ended."""
+        fd = self._proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the engine fork server did not answer in time")
+            if select.select([fd], [], [], left)[0]:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    self._broken = True
+                    raise RuntimeError("the engine fork server ended")
+                self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return json.loads(line)
+
+
+_shared: EngineForks | None = None
+
+
+def engine_forks() -> EngineForks:
+    """This process's one EngineForks (its server starts at the first run)."""
+    global _shared
+    if _shared is None:
+        _shared = EngineForks()
+    return _shared
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+def _child(request: dict) -> None:
+    """In the forked child: the run's files, environment and folder, then engine_run's main."""
+    code = 1
+    try:
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.path[0] = request["cwd"]  # where `python -m` run there would look first
+        from kvstore_testing.engine_run import run
+
+        print("RESULT " + json.dumps(run(request["spec"])), flush=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - the child's failure is its stderr and exit code
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve() -> None:
+    """The server: import vLLM, then fork one child per request line, answering its pid and, once
+    it ended, its exit code."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # what imports print must not reach the answers
+    import vllm  # noqa: F401 - the point: children inherit it imported
+    from vllm import LLM, SamplingParams  # noqa: F401
+    from vllm.v1.engine import llm_engine  # noqa: F401
+
+    answers.write(json.dumps({"state": READY}) + "\n")
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            answers.close()
+            _child(request)
+        answers.write(json.dumps({"pid": pid}) + "\n")
+        _, status = os.waitpid(pid, 0)
+        answers.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
+
+
+if __name__ == "__main__":
+    serve()
