@@ -24,7 +24,7 @@ from tests_support import wait_until_stopped
 # Tests that start vLLM engines or Ray take both cores and gigabytes each: they run one after
 # another on one worker (one group), while the other worker takes the rest; two of them at once
 # on a 2-core machine only trade places in the queue for a core.
-ENGINE_HEAVY_FILES = ("tests/e2e/", "tests/docs/", "tests/benchmarks/test_demo.py",
+ENGINE_HEAVY_FILES = ("tests/e2e/", "tests/docs/", "tests/unit/test_ray_app.py", "tests/benchmarks/test_demo.py",
                       "tests/benchmarks/test_vllm_ttft_hybrid.py")
 ENGINE_HEAVY_BENCHMARKS = ("serving", "vllm_ttft", "wrong_kv")  # tests/benchmarks tests that run these start vLLM engines
 # End-to-end files that start no engine: vLLM's scheduler in-process with model outputs mocked (the

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+from tests_support import as_foreground
 
 ROOT = Path(__file__).resolve().parents[2]
 REAPER = Path(__file__).resolve().parent / "reaper.py"
@@ -36,13 +37,12 @@ class Started:
     def __init__(self, name: str, args: list[str], report: Path, timeout: float, env: dict | None = None) -> None:
         self.report, self.timeout = report, timeout
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # SIGINT as a terminal gives it, whatever this pytest inherited: an ignored SIGINT passes to
+        # children through exec, and the Ctrl-C test would see the benchmark run on to its end.
         self.proc = subprocess.Popen(
-            [sys.executable, str(REAPER), "--report", str(report), "--timeout", str(timeout), "--",
-             sys.executable, "-m", f"benchmarks.{name}", *args],
-            cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            # SIGINT as a terminal gives it, whatever this pytest inherited: an ignored SIGINT passes to
-            # children through exec, and the Ctrl-C test would see the benchmark run on to its end.
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            as_foreground([sys.executable, str(REAPER), "--report", str(report), "--timeout", str(timeout), "--",
+                           sys.executable, "-m", f"benchmarks.{name}", *args]),
+            cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     def benchmark_pid(self, timeout: float = 30.0) -> int:
         """The benchmark's own pid (the reaper's one child at first)."""

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+from tests_support import as_foreground
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 WRITER = r'''
@@ -43,19 +45,12 @@ except BaseException as exc:
 '''
 
 
-def terminal_ctrl_c() -> None:
-    """Ctrl-C as a terminal's foreground job gets it: a suite run as a background job (`cmd &` in a
-    script) starts with SIGINT ignored, which its children would inherit."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def test_ctrl_c_stops_a_writing_client_with_keyboard_interrupt(etcd_server):
     """Kills: a put loop that treats any exception, KeyboardInterrupt included, as a node's failure
     (the node is marked down and the put moves on): the script then ends with NoStoreNodes, as the
     daemon beside it stopped too, not with the user's interrupt."""
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, etcd_server.url], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
-                            preexec_fn=terminal_ctrl_c)
+    proc = subprocess.Popen(as_foreground([sys.executable, "-c", WRITER, etcd_server.url]), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
     try:
         assert proc.stdout.readline().strip() == "writing", proc.stderr.read()
         time.sleep(0.5)  # puts under way

@@ -9,6 +9,7 @@ import sys
 import time
 
 from kvstore.daemon.host_room import memory_limit
+from tests_support import as_foreground
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,13 +32,10 @@ def test_ctrl_c_while_the_dram_tier_fills_stops_the_daemon_in_one_line(etcd_serv
     start-up interrupted with a traceback instead of one line and exit 130."""
     limit, _ = memory_limit()
     dram = min(4 << 30, (limit or 8 << 30) // 4)
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--node", "ctrl-c", "--insecure",
-                             "--metadata", etcd_server.url, "--dram", str(dram), "--metrics-port", "0"],
+    proc = subprocess.Popen(as_foreground([sys.executable, "-m", "kvstore.cli", "serve", "--node", "ctrl-c", "--insecure",
+                                           "--metadata", etcd_server.url, "--dram", str(dram), "--metrics-port", "0"]),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            # as a terminal's foreground job: a suite run as a background job (`cmd &`
-                            # in a script) starts with SIGINT ignored, which the daemon would inherit
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         deadline = time.monotonic() + 120
         while resident(proc.pid) < 256 << 20:  # the arena is filling

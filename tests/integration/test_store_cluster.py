@@ -1,8 +1,6 @@
 """The store as deployed: real etcd, three daemons in their own processes, clients here."""
 from __future__ import annotations
 
-import resource
-import signal
 import subprocess
 import sys
 import time
@@ -18,6 +16,7 @@ from kvstore.errors import WrongSize
 from kvstore.errors import AuthenticationFailed, FingerprintMismatch
 from kvstore.keys import ModelFingerprint, chain_hashes, external_hashes
 from kvstore.store.v1 import store_pb2, store_pb2_grpc
+from tests_support import as_foreground
 
 FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64, kv_layout="bytes")
 BLOCK = 256 * 1024
@@ -154,19 +153,16 @@ def test_capacity_is_never_exceeded_and_errors_are_typed(etcd_server, spawn_daem
 
 
 def test_full_disk_fails_daemon_start_with_a_clear_error(etcd_server, spawn_daemon):
-    def small_disk():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # the "disk" holds 1 MiB
-
     name = uuid.uuid4().hex[:8]
     import os
     import tempfile
 
     folder = tempfile.mkdtemp()
-    done = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--node", "full", "--metadata",
-                           etcd_server.url, "--cluster", name, "--dram", "512KiB", "--disk-dir", folder, "--disk", "8MiB",
-                           "--insecure"],
-                          capture_output=True, text=True, timeout=60, preexec_fn=small_disk)
+    done = subprocess.run(as_foreground([sys.executable, "-m", "kvstore.cli", "serve", "--node", "full", "--metadata",
+                                         etcd_server.url, "--cluster", name, "--dram", "512KiB", "--disk-dir", folder,
+                                         "--disk", "8MiB", "--insecure"],
+                                        file_size_limit=1 << 20),  # the "disk" holds 1 MiB
+                          capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert "cannot start full: TransferIOError" in done.stderr and "allocate" in done.stderr
     assert "Traceback" not in done.stderr
