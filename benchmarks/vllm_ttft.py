@@ -42,13 +42,13 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 from benchmarks.records import write_json
 from kvstore_testing import processes
+from kvstore_testing.engine_fork import engine_forks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = """
@@ -123,18 +123,14 @@ def run_system(model: str, connector: dict | None, prompts: list[list[int]], rou
     engine's TTFTs of the prompts the round's first engine computed."""
     # Each round sees new prompts (first token differs): nothing from an earlier round is cached.
     prompts = [[(p[0] + 97 * round_) % 500 + 3] + p[1:] for p in prompts]
-    proc = processes.spawn([sys.executable, "-c", RUNNER, json.dumps({"model": model, "connector": connector,
-                                                                      "prompts": prompts, "engine": engine,
-                                                                      "cross": cross})],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        stdout, stderr = proc.communicate(timeout=1800)
-    finally:
-        processes.stop(proc)
-    line = next((l for l in stdout.splitlines() if l.startswith("RESULT ")), None)
+    spec = {"model": model, "connector": connector, "prompts": prompts, "engine": engine, "cross": cross}
+    # A fork of one process that imported vLLM already: the same fresh engine, without paying the
+    # import (most of a tiny engine's start) once per system and round.
+    done = engine_forks().python(["-c", RUNNER, json.dumps(spec)], cwd=ROOT, timeout=1800)
+    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"the {connector and connector['kv_connector'] or 'plain'} engine failed "
-                           f"(exit code {proc.returncode}):\n{stderr[-3000:]}")
+                           f"(exit code {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(line[len("RESULT "):])
 
 

@@ -1,15 +1,18 @@
-"""Engine runs forked from one process that has imported vLLM already (tests only, not the product).
+"""Engine runs forked from one process that has imported vLLM already (tests and benchmarks, not
+the product).
 
-A test that runs a vLLM engine in a process of its own (`python -m kvstore_testing.engine_run
-SPEC`) spends about half of that process's life importing vLLM: 8-16 s of the suite's 2 vCPUs, for
-each of the few dozen engines the suite starts. `EngineForks` starts one server process that
-imports vLLM (and only vLLM and what it pulls in: nothing of kvstore, whose modules may read the
-environment as they load), then forks a child per run. The child takes the run's environment and
-working directory, imports kvstore_testing.engine_run, runs `run(spec)` and prints its RESULT line
-as the module's main would, with stdout and stderr in files of its own; the caller gets the same
-CompletedProcess a subprocess.run of the module gives. Only the import is shared: the server has
-run nothing of vLLM's when it forks, so each child builds its engine from scratch. Where the server
-cannot start (or KVSTORE_TEST_ENGINE_FORKS=0), runs are plain processes.
+A Python process that runs a vLLM engine (`python -m kvstore_testing.engine_run SPEC`, a
+benchmark's engine script) spends about half of its life importing vLLM: 8-16 s of the suite's 2
+vCPUs, for each of the few dozen engines the suite starts. `EngineForks` starts one server process
+that imports vLLM (and only vLLM and what it pulls in: nothing of kvstore, whose modules may read
+the environment as they load), then forks a child per run. The child takes the run's environment,
+working directory and argv and runs it as `python -m MODULE ...` or `python -c CODE ...` would,
+with stdout and stderr in files of its own; the caller gets the CompletedProcess a subprocess.run
+of the same command gives. Only the import is shared: the server has run nothing of vLLM's when it
+forks, so each child builds its engine from scratch. The server is a `processes.spawn` child (a
+group of its own, which its forks stay in: stopping it stops a run in flight too, when the program
+ends or is interrupted). Where it cannot start (or KVSTORE_TEST_ENGINE_FORKS=0), runs are plain
+processes.
 
     python -m kvstore_testing.engine_fork    # the server: one JSON request per line on stdin
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import runpy
 import select
 import signal
 import subprocess
@@ -44,40 +48,48 @@ class EngineForks:
             timeout: float = 300.0) -> subprocess.CompletedProcess:
         """What `subprocess.run([python, -m, kvstore_testing.engine_run, SPEC], capture_output=True,
         text=True, env=env, cwd=cwd, timeout=timeout)` returns, from a forked child."""
-        args = [sys.executable, "-m", "kvstore_testing.engine_run", json.dumps(spec)]
+        return self.python(["-m", "kvstore_testing.engine_run", json.dumps(spec)], env=env, cwd=cwd, timeout=timeout)
+
+    def python(self, argv: list[str], *, env: dict | None = None, cwd: str | None = None,
+               timeout: float = 300.0) -> subprocess.CompletedProcess:
+        """What `subprocess.run([python, *argv], capture_output=True, text=True, env=env, cwd=cwd,
+        timeout=timeout)` returns, from a forked child; `argv` is `-m MODULE ARGS...` or `-c CODE ARGS...`."""
+        if len(argv) < 2 or argv[0] not in ("-m", "-c"):
+            raise ValueError(f"argv must start with -m MODULE or -c CODE, not {argv[:1]}")
+        args = [sys.executable, *argv]
         with self._lock:
             if not self._broken and self._proc is None:
                 self._start()
             if self._broken:
                 return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
-            return self._forked(args, spec, dict(os.environ if env is None else env), cwd or os.getcwd(), timeout)
+            return self._forked(args, dict(os.environ if env is None else env), cwd or os.getcwd(), timeout)
 
     def close(self) -> None:
+        from kvstore_testing import processes  # the client's side only: the server imports nothing of kvstore
+
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.stdin.close()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if proc is not None:
+            processes.stop(proc, grace=10.0)  # its group: a run still going goes with it
 
     def _start(self) -> None:
+        from kvstore_testing import processes
+
         try:
-            self._proc = subprocess.Popen([sys.executable, "-m", "kvstore_testing.engine_fork"], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            self._proc = processes.spawn([sys.executable, "-m", "kvstore_testing.engine_fork"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
             if self._line(time.monotonic() + START_TIMEOUT_S) != {"state": READY}:
                 raise RuntimeError("the engine fork server did not say it was ready")
             atexit.register(self.close)
+        except processes.InjectedFailure:  # a test crashing the caller with the server up
+            raise
         except (OSError, RuntimeError, ValueError):
             self.close()
             self._broken = True  # plain processes from now on
 
-    def _forked(self, args: list[str], spec: dict, env: dict, cwd: str,
-                timeout: float) -> subprocess.CompletedProcess:
+    def _forked(self, args: list[str], env: dict, cwd: str, timeout: float) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory(prefix="kvstore-engine-fork-") as scratch:
             out, err = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
-            request = {"spec": spec, "env": env, "cwd": cwd, "stdout": out, "stderr": err}
+            request = {"argv": args[1:], "env": env, "cwd": cwd, "stdout": out, "stderr": err}
             self._proc.stdin.write((json.dumps(request) + "\n").encode())
             self._proc.stdin.flush()
             deadline = time.monotonic() + timeout
@@ -127,7 +139,8 @@ def _read(path: str) -> str:
 
 
 def _child(request: dict) -> None:
-    """In the forked child: the run's files, environment and folder, then engine_run's main."""
+    """In the forked child: the run's files, environment and folder, then its module or code as
+    `__main__`, as `python -m MODULE` or `python -c CODE` started in that folder would run it."""
     code = 1
     try:
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
@@ -137,10 +150,14 @@ def _child(request: dict) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        sys.path[0] = request["cwd"]  # where `python -m` run there would look first
-        from kvstore_testing.engine_run import run
-
-        print("RESULT " + json.dumps(run(request["spec"])), flush=True)
+        sys.path[0] = request["cwd"]  # where `python -m` or `-c` run there would look first
+        flag, target, *rest = request["argv"]
+        if flag == "-m":
+            sys.argv = [target, *rest]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = ["-c", *rest]
+            exec(compile(target, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1

@@ -8,6 +8,7 @@ starts, then the call that started it raises, as a bug after that point would.""
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import signal
 import time
@@ -45,7 +46,7 @@ def test_serving_failing_with_its_engines_up_leaves_nothing(tmp_path):
     pytest.param("store", 2, "etcd and a kvstore serve daemon", marks=needs_etcd, id="store"),
     pytest.param("faults", 3, "etcd and two kvstore serve daemons", marks=needs_etcd, id="faults"),
     pytest.param("gateway", 1, "a conductor serve gateway", id="gateway"),
-    pytest.param("vllm_ttft", 3, "etcd, the daemon and a vLLM engine process", marks=[needs_etcd, needs_vllm],
+    pytest.param("vllm_ttft", 3, "etcd, the daemon and the process its engines fork from", marks=[needs_etcd, needs_vllm],
                  id="vllm_ttft"),
 ])
 def test_benchmark_failing_with_children_up_leaves_nothing(tmp_path, name, spawns, what):
@@ -68,21 +69,28 @@ def wait_for_children(run: Started, needle: str, count: int, timeout: float = 12
                          f"{[describe(p) for p in descendants(run.proc.pid)]}")
 
 
-@pytest.mark.parametrize("name, args, sig, needle", [
-    pytest.param("serving", ["--modes", "pd"], signal.SIGTERM, "VLLM::EngineCore", marks=[needs_etcd, needs_vllm],
+@pytest.mark.parametrize("name, args, sig, needle, count", [
+    pytest.param("serving", ["--modes", "pd"], signal.SIGTERM, "VLLM::EngineCore", 1, marks=[needs_etcd, needs_vllm],
                  id="serving-SIGTERM"),
-    pytest.param("store", [], signal.SIGINT, "kvstore.cli serve", marks=needs_etcd, id="store-SIGINT"),
-    pytest.param("transfer", [], signal.SIGHUP, "benchmarks.transfer --serve", id="transfer-SIGHUP"),
+    # Two: the fork server and an engine run forked from it (same command line).
+    pytest.param("vllm_ttft", [], signal.SIGINT, "kvstore_testing.engine_fork", 2, marks=[needs_etcd, needs_vllm],
+                 id="vllm_ttft-SIGINT"),
+    pytest.param("store", [], signal.SIGINT, "kvstore.cli serve", 1, marks=needs_etcd, id="store-SIGINT"),
+    pytest.param("transfer", [], signal.SIGHUP, "benchmarks.transfer --serve", 1, id="transfer-SIGHUP"),
 ])
-def test_interrupted_benchmark_leaves_nothing(tmp_path, name, args, sig, needle):
+def test_interrupted_benchmark_leaves_nothing(tmp_path, name, args, sig, needle, count):
     """The broken variant this kills: a benchmark stopped from outside (Ctrl-C, `kill`, a closed
     terminal) while its children run: before, SIGTERM and SIGHUP ended Python at once, no
     `finally` ran, and etcd, daemons and `vllm serve` engines with their engine cores (each in a
-    group of its own) lived on. Serving is stopped once an engine core runs (P/D only: 2 engines)."""
+    group of its own) lived on. Serving is stopped once an engine core runs (P/D only: 2 engines);
+    vllm_ttft once an engine runs forked from its fork server, that run frozen (SIGSTOP) first so it
+    cannot end on its own: a fork that left the server's group (os.setsid in the child) outlives it."""
     run = Started(name, ["--quick", *args], tmp_path / "reaper.json", timeout=240)
     try:
-        wait_for_children(run, needle, 1, timeout=180)  # serving: an engine core, its vllm serve's child
+        found = wait_for_children(run, needle, count, timeout=180)  # serving: an engine core, its vllm serve's child
         time.sleep(0.5)  # the children are past their start
+        if count > 1:  # the newest: the run forked from the first
+            os.kill(max(int(d.split(":")[0]) for d in found), signal.SIGSTOP)
         run.signal(sig)
     finally:
         code, output, left = run.finish()
