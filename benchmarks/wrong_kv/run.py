@@ -493,16 +493,15 @@ class ModelRun:
         """The baselines (this engine, the connector bypassed) against an engine without any
         connector, in a process of its own: the same tokens, cumulative logprobs within tolerance."""
         import json
-        import subprocess
-        import sys
+
+        from kvstore_testing.engine_fork import engine_forks
 
         from .engine import ROOT
 
         spec = {"model": self.path, "connector": None, "prompts": self.pool, "max_tokens": 8,
                 "engine": {k: v for k, v in engine_args(self.spec).items() if "lora" not in k}}
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
-        done = subprocess.run([sys.executable, "-m", "kvstore_testing.engine_run", json.dumps(spec)],
-                              capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+        done = engine_forks().run(spec, env=env, cwd=ROOT, timeout=900)  # a fork: vLLM's import paid once
         line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
             raise RuntimeError(f"the engine without a connector failed: {done.stderr[-2000:]}")

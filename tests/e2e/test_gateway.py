@@ -73,8 +73,12 @@ class Deployment:
                 args += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                                            "endpoint": zmq})]
                 events += ["--kv-events", f"http://127.0.0.1:{port}={zmq}"]
+            # The prefill engines run their worker in the engine core (one import less each on the
+            # suite's 2 vCPUs); the decode engine keeps vLLM's default worker process, so the
+            # connector's metadata crosses a process boundary as it does in most deployments.
+            env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if role == "kv_producer" else None
             self.engines.append(VllmServer(self.model, connector(role, etcd_url, self.cluster, secret),
-                                           tmp / f"engine{i}.log", port=port, extra_args=args, wait=False))
+                                           tmp / f"engine{i}.log", port=port, extra_args=args, wait=False, env=env))
         for engine in self.engines:
             engine.wait_ready(420)
         self.prefill, self.decode = self.engines[:2], self.engines[2]
