@@ -28,7 +28,7 @@ from ..access import AccessRules, Tenants
 from ..admin.service import AdminService
 from ..admin.v1 import admin_pb2, admin_pb2_grpc
 from ..aio import shared_loop
-from ..errors import KVStoreError, MetadataError, NoStoreNodes
+from ..errors import KVStoreError, MetadataError, MetadataTimeout, NoStoreNodes
 from ..index.records import Layout, NodeRecord, check_name
 from ..index.signatures import RecordSigner
 from ..metadata import open_metadata
@@ -52,6 +52,7 @@ from .verifier import Verifier
 
 log = logging.getLogger(__name__)
 DRAIN_BATCH = 32  # blocks moved per round of a drain
+REGISTER_ATTEMPTS = 3  # a start-up registration that timed out is tried this many times in all
 
 
 @dataclass
@@ -215,7 +216,8 @@ class Daemon:
         if port == 0:
             raise OSError(f"cannot listen on {c.listen} (--listen): the address is in use or not this host's")
         self.address = f"{c.listen.rpartition(':')[0]}:{port}"
-        self._call(self._register())
+        # Each attempt is a lease grant and a write, each bounded by the timeout; a pause between.
+        self._call(self._register(), timeout=c.timeout * (2 * REGISTER_ATTEMPTS + 1) + REGISTER_ATTEMPTS)
         return self
 
     def enable_reflection(self) -> None:
@@ -258,7 +260,19 @@ class Daemon:
             segment["kvstore_wire"] = self.local.tcp_address  # the same wire over TCP, for other hosts
         self.session = NodeSession(metadata, self.layout, self.node_record(), json.dumps(segment, separators=(",", ":")),
                                    ttl=self.config.lease_ttl, on_lease_lost=self._lease_lost, signer=self.signer)
-        await self.session.start()
+        # A loaded etcd can miss one deadline (seen when a machine starts many daemons at once): a
+        # timed-out registration is tried again before the start fails. A refused connection or a
+        # refusal is not: that etcd is not there, or says no, and one line says so at once.
+        for attempt in range(1, REGISTER_ATTEMPTS + 1):
+            try:
+                await self.session.start()
+                return
+            except MetadataTimeout as exc:
+                if attempt == REGISTER_ATTEMPTS:
+                    raise
+                log.warning("node %s: registering with the metadata service timed out (attempt %d of %d, "
+                            "trying again): %s", self.config.node, attempt, REGISTER_ATTEMPTS, exc)
+                await asyncio.sleep(min(1.0, self.config.timeout / 2))
 
     def _lease_lost(self) -> None:
         """Our lease expired (etcd unreachable too long): register again and republish every block."""
