@@ -1,7 +1,7 @@
 """Soak: a small cluster under steady mixed load for N minutes; what grows, what slows down.
 
     python -m benchmarks.soak --minutes 5 --json PATH
-    python -m benchmarks.soak --quick --json PATH      # 1 minute (CI), 15-second buckets
+    python -m benchmarks.soak --quick --json PATH      # 30 seconds (CI), 7.5-second buckets
 
 3 daemons (`kvstore serve`, each with a small DRAM tier and a small NVMe tier) on a real etcd, and
 several client processes doing random puts, gets and removes (50% gets, 40% puts, 10% removes) over a
@@ -359,13 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("kvstore").setLevel(logging.ERROR)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the record here")
-    parser.add_argument("--quick", action="store_true", help="1 minute, 15-second buckets, 15 s warm-up (CI)")
+    parser.add_argument("--quick", action="store_true", help="30 seconds, 7.5-second buckets, 7.5 s warm-up, samples every 2.5 s (CI)")
     parser.add_argument("--minutes", type=float, default=None, help="length of the load (default 5; at most 1440)")
     parser.add_argument("--clients", type=int, default=3, help="client processes")
     parser.add_argument("--load", type=float, default=0.7, help="fraction of the warm-up's rate held after it")
     parser.add_argument("--warmup", type=float, default=None, help="seconds flat out before pacing (default 60)")
     parser.add_argument("--bucket", type=float, default=None, help="seconds per latency bucket (default 60)")
-    parser.add_argument("--sample", type=float, default=5.0, help="seconds between process samples")
+    parser.add_argument("--sample", type=float, default=None, help="seconds between process samples (default 5)")
     parser.add_argument("--no-compaction", dest="compaction", action="store_false",
                         help="run etcd without auto-compaction and with its default --snapshot-count (its "
                              "history, and memory, then grow for as long as the run)")
@@ -378,9 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         args.seed = int(args.seed)
         return worker(args)
-    args.minutes = args.minutes if args.minutes is not None else (1.0 if args.quick else 5.0)
-    args.warmup = args.warmup if args.warmup is not None else (15.0 if args.quick else 60.0)
-    args.bucket = args.bucket if args.bucket is not None else (15.0 if args.quick else 60.0)
+    args.minutes = args.minutes if args.minutes is not None else (0.5 if args.quick else 5.0)
+    args.warmup = args.warmup if args.warmup is not None else (7.5 if args.quick else 60.0)
+    args.bucket = args.bucket if args.bucket is not None else (7.5 if args.quick else 60.0)
+    args.sample = args.sample if args.sample is not None else (2.5 if args.quick else 5.0)
     if not 0 < args.minutes <= 1440 or args.clients < 1 or not 0 < args.load <= 1 or args.bucket <= 0 \
             or args.sample <= 0 or not 0 <= args.warmup < args.minutes * 60:
         parser.error("--minutes in (0, 1440], --clients >= 1, --load in (0, 1], --bucket and --sample above 0, "

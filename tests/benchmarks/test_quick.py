@@ -171,7 +171,7 @@ def test_faults_quick(run_benchmark):
 
 @needs_etcd
 def test_soak_quick(run_benchmark):
-    """A minute of mixed puts/gets/removes over a key space larger than the cluster (3 daemons with
+    """Half a minute of mixed puts/gets/removes over a key space larger than the cluster (3 daemons with
     DRAM and NVMe tiers), 3 client processes: every op ran in every bucket, no wrong bytes, every
     process sampled with RSS, fds and threads, growth and p99 ratios computed, and the nodes really
     demoted and evicted (the load is the one the soak claims)."""
