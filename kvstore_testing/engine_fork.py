@@ -164,7 +164,8 @@ def _child(request: dict) -> None:
     except BaseException:  # noqa: BLE001 - the child's failure is its stderr and exit code
         traceback.print_exc()
     finally:
-        try:
+        try:  # what the run registered to happen at exit (a file to remove, say), as a normal exit does
+            atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
         finally:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import uuid
 
 import pytest
@@ -17,6 +15,7 @@ pytest.importorskip("vllm", reason="the vllm extra is part of the test install (
 
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
 from kvstore_testing import processes  # noqa: E402
+from kvstore_testing.engine_fork import engine_forks  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BLOCK = 128  # vLLM's CPU block size: one offloaded chunk
@@ -24,14 +23,10 @@ PROMPT = [(13 * i + 7) % 500 + 3 for i in range(600)]  # 4 full chunks and an 88
 
 
 def run_engine(spec: dict) -> dict:
-    proc = processes.spawn([sys.executable, "-m", "kvstore_testing.tier_engine", json.dumps(spec)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        processes.stop(proc)
-    line = next((l for l in stdout.splitlines() if l.startswith("RESULT ")), None)
-    assert line is not None, stderr[-4000:]
+    """One engine run, forked from a process that imported vLLM already (kvstore_testing.engine_fork)."""
+    done = engine_forks().python(["-m", "kvstore_testing.tier_engine", json.dumps(spec)], cwd=ROOT, timeout=300)
+    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert line is not None, done.stderr[-4000:]
     return json.loads(line[len("RESULT "):])
 
 
