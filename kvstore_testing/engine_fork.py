@@ -68,7 +68,7 @@ class EngineForks:
         from kvstore_testing import processes  # the client's side only: the server imports nothing of kvstore
 
         proc, self._proc = self._proc, None
-        if proc is not None:
+        if proc is not None and proc.returncode is None:  # not reaped yet (processes.stop_all may have)
             processes.stop(proc, grace=10.0)  # its group: a run still going goes with it
 
     def _start(self) -> None:
