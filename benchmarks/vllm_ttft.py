@@ -48,7 +48,7 @@ import time
 
 from benchmarks.records import write_json
 from kvstore_testing import processes
-from kvstore_testing.engine_fork import engine_forks
+from kvstore_testing.engine_fork import engine_forks, result_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = """
@@ -127,11 +127,7 @@ def run_system(model: str, connector: dict | None, prompts: list[list[int]], rou
     # A fork of one process that imported vLLM already: the same fresh engine, without paying the
     # import (most of a tiny engine's start) once per system and round.
     done = engine_forks().python(["-c", RUNNER, json.dumps(spec)], cwd=ROOT, timeout=1800)
-    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"the {connector and connector['kv_connector'] or 'plain'} engine failed "
-                           f"(exit code {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    return result_of(done, f"the {connector and connector['kv_connector'] or 'plain'} engine")
 
 
 STORE_BYTES = 4 << 30  # our daemon's DRAM, and vLLM's CPU tier: the same memory budget

@@ -32,6 +32,7 @@ import time
 import traceback
 
 READY = "ready"
+RESULT = "RESULT "  # the line an engine run prints its JSON result on (engine_run, tier_engine, benchmark scripts)
 START_TIMEOUT_S = 300.0  # importing vLLM on a loaded 2-vCPU machine
 
 
@@ -117,6 +118,19 @@ class EngineForks:
                 self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
         return json.loads(line)
+
+
+class EngineRunFailed(RuntimeError):
+    """An engine run printed no RESULT line (it failed or was killed); the message ends with its stderr."""
+
+
+def result_of(done: subprocess.CompletedProcess, what: str = "the engine run") -> dict:
+    """The JSON an engine run printed on its RESULT line; EngineRunFailed, with its exit code and
+    the tail of its stderr, where it printed none."""
+    line = next((line for line in done.stdout.splitlines() if line.startswith(RESULT)), None)
+    if line is None:
+        raise EngineRunFailed(f"{what} failed (exit code {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(line[len(RESULT):])
 
 
 _shared: EngineForks | None = None

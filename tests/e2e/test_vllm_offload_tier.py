@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="the vllm extra is part of the test install (
 
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
 from kvstore_testing import processes  # noqa: E402
-from kvstore_testing.engine_fork import engine_forks  # noqa: E402
+from kvstore_testing.engine_fork import engine_forks, result_of  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BLOCK = 128  # vLLM's CPU block size: one offloaded chunk
@@ -24,10 +24,8 @@ PROMPT = [(13 * i + 7) % 500 + 3 for i in range(600)]  # 4 full chunks and an 88
 
 def run_engine(spec: dict) -> dict:
     """One engine run, forked from a process that imported vLLM already (kvstore_testing.engine_fork)."""
-    done = engine_forks().python(["-m", "kvstore_testing.tier_engine", json.dumps(spec)], cwd=ROOT, timeout=300)
-    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
-    assert line is not None, done.stderr[-4000:]
-    return json.loads(line[len("RESULT "):])
+    return result_of(engine_forks().python(["-m", "kvstore_testing.tier_engine", json.dumps(spec)], cwd=ROOT,
+                                           timeout=300))
 
 
 @pytest.fixture(scope="module")
