@@ -29,9 +29,9 @@ import numpy as np
 from benchmarks.records import write_json
 from kvstore import Client
 from kvstore.keys import ModelFingerprint, external_hashes
-from kvstore.store.v1 import store_pb2, store_pb2_grpc
 from kvstore_testing import processes
 from kvstore_testing.etcd import EtcdServer
+from kvstore_testing.node_status import node_counters
 
 KIB, MIB = 1024, 1 << 20
 FP = ModelFingerprint("bench-restart", "bfloat16", 128, 4, 4, 64, kv_layout="bytes")
@@ -63,9 +63,7 @@ class Node:
         self.control = json.loads(line)["control"]
 
     def counters(self) -> dict[str, float]:
-        with grpc.insecure_channel(self.control) as channel:
-            stub = store_pb2_grpc.StoreControlStub(channel)
-            return dict(stub.Stats(store_pb2.StatsRequest(), timeout=5).counters)
+        return node_counters(self.control)
 
     def wait_restored(self, timeout: float = 120) -> float:
         started = time.monotonic()

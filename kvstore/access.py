@@ -1,34 +1,24 @@
-"""Who may call what on a daemon's gRPC port: store clients prove they know the cluster secret (or
-their tenant's) with a fresh token per call, bound to the call's request body; admin calls that
-change the cluster or list its blocks carry the admin bearer token (when one is configured).
+"""Who may call what on a daemon's gRPC port (the admin API): calls that change the cluster or
+list its blocks carry the admin bearer token (when one is configured); the store operations are
+not served there (the framed wire, kvstore.daemon.local, authenticates its sessions with the
+cluster secret or a tenant's).
 
-A control token is `KVS2 <client>.<time>.<nonce>.<mac>[.<tenant>]`, the MAC taken under a key
-derived for the node being called from the cluster secret (or the tenant's own secret), over the
-method, tenant, client, time, nonce and a BLAKE3 hash of the serialized request. A token works
-once, for one method with one request body on one node, within TOKEN_WINDOW_S of its time: one
-seen on the wire can neither be replayed nor carry another request.
-
-Tenants: a daemon given a tenants file (`load_tenants`) also takes tokens made with a tenant's
-secret; such a call may only name fingerprints of that tenant (`kvstore.keys.fingerprint_tenant`),
-else PERMISSION_DENIED. The cluster secret's holder is the operator, trusted with everything.
+Tenants: a daemon given a tenants file (`load_tenants`) also admits wire sessions made with a
+tenant's secret; such a session may only name fingerprints of that tenant (`denied`,
+`kvstore.keys.fingerprint_tenant`). The cluster secret's holder is the operator, trusted with
+everything.
 
 Secret files (cluster secret, admin token, tenants) are refused when group or others may read
 them, or when they hold fewer than MIN_SECRET_BYTES (`read_private_file`).
 """
 from __future__ import annotations
 
-import collections
-import contextvars
-import hashlib
 import hmac
 import os
 import stat
-import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import blake3
 import grpc
 
 from transfer.auth import TENANT_NAME, TENANT_RULE
@@ -40,16 +30,7 @@ MUTATING = {"/kvstore.admin.v1.Admin/Evict", "/kvstore.admin.v1.Admin/Drain", "/
 # Admin calls that answer with block hashes and digests: the admin token too. GetNodeStatus and
 # ClusterStatus stay open: they carry the counters /metrics serves without authentication.
 LISTING = {"/kvstore.admin.v1.Admin/ListBlocks", "/kvstore.admin.v1.Admin/Query"}
-CONTROL_PREFIX = "/kvstore.store.v1.StoreControl/"
-# StoreControl calls whose request names a fingerprint: a tenant may name only its own.
-SCOPED = {CONTROL_PREFIX + m for m in ("Reserve", "Commit", "Put", "Touch", "Remove", "Lookup")}
-TOKEN_SCHEME = "KVS2"
-TOKEN_WINDOW_S = 60.0
 MIN_SECRET_BYTES = 16
-# Tokens remembered per daemon: every token seen inside its window is kept (forgetting one would let
-# it be replayed); at this many, new tokens are refused until old ones leave the window.
-_MAX_SEEN = 1_000_000
-_tenant: contextvars.ContextVar[str] = contextvars.ContextVar("kvstore_tenant", default="")
 
 
 def secret_path(cluster: str) -> str:
@@ -248,116 +229,6 @@ def client_secret(cluster: str, given: str | None) -> tuple[str | None, str]:
     return secret, f"the file {path}, left by an earlier `kvstore serve`"
 
 
-def node_key(secret: bytes, node: str) -> bytes:
-    """The key for calls to `node`: a token for one node proves nothing to another."""
-    return hmac.new(secret, b"kvstore-store-control/" + node.encode(), hashlib.sha256).digest()
-
-
-def body_hash(body: bytes) -> str:
-    """What a token binds of its call's request: BLAKE3-256 of the serialized request (3x the speed
-    of SHA-256 here on a 256 KiB Put)."""
-    return blake3.blake3(body, max_threads=1).hexdigest()
-
-
-def _mac(key: bytes, method: str, tenant: str, client: str, stamp: str, nonce: str, body: str) -> str:
-    return hmac.new(key, f"{method}|{tenant}|{client}|{stamp}|{nonce}|{body}".encode(), hashlib.sha256).hexdigest()
-
-
-def control_token(secret: bytes, node: str, method: str, client: str, now: float | None = None, *,
-                  body: bytes = b"", tenant: str = "") -> str:
-    """A one-time token for calling `method` on `node` with the serialized request `body`
-    (`tenant`: `secret` is that tenant's); never contains the secret."""
-    stamp, nonce = f"{time.time() if now is None else now:.3f}", os.urandom(12).hex()
-    client = client.replace(".", "_").replace(" ", "_")[:64]
-    mac = _mac(node_key(secret, node), method, tenant, client, stamp, nonce, body_hash(body))
-    return f"{TOKEN_SCHEME} {client}.{stamp}.{nonce}.{mac}" + (f".{tenant}" if tenant else "")
-
-
-class _ClientCallDetails(collections.namedtuple(
-        "_ClientCallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
-        grpc.ClientCallDetails):
-    pass
-
-
-class ControlAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Client side: adds a fresh control token, bound to the request, to every call on a channel
-    to `node` (`tenant`: as that tenant, `secret` being its own)."""
-
-    def __init__(self, secret: bytes, node: str, client: str, tenant: str = "") -> None:
-        self._secret, self._node, self._client, self._tenant = secret, node, client, tenant
-
-    def _details(self, details, request):
-        metadata = [(k, v) for k, v in (details.metadata or []) if k != "authorization"]
-        # A generic method's request may already be its bytes; a message is bound as it goes on the wire.
-        body = bytes(request) if isinstance(request, (bytes, bytearray, memoryview)) else request.SerializeToString()
-        metadata.append(("authorization", control_token(self._secret, self._node, details.method, self._client,
-                                                        body=body, tenant=self._tenant)))
-        return _ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
-                                  getattr(details, "wait_for_ready", None), getattr(details, "compression", None))
-
-    def intercept_unary_unary(self, continuation, details, request):
-        return continuation(self._details(details, request), request)
-
-    def intercept_unary_stream(self, continuation, details, request):
-        return continuation(self._details(details, request), request)
-
-
-class TokenCheck:
-    """Server side: accepts each valid control token once (made with the cluster secret, or with
-    the secret of one of `tenants`)."""
-
-    def __init__(self, secret: bytes, node: str, tenants: Mapping[str, bytes] | None = None) -> None:
-        self._key = node_key(secret, node)
-        self._tenant_keys = {name: node_key(s, node) for name, s in (tenants or {}).items()}
-        self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def verify(self, token: str, method: str, now: float | None = None, *, body: bytes = b"") -> str | None:
-        """None when the token is good for this call (`body`: its serialized request), else why not."""
-        return self.authenticate(token, method, now, body=body)[0]
-
-    def authenticate(self, token: str, method: str, now: float | None = None, *, body: bytes = b""
-                     ) -> tuple[str | None, str]:
-        """(None, tenant) when the token is good for this call ("" : the cluster secret's holder),
-        else (why not, "")."""
-        now = time.time() if now is None else now
-        scheme, _, rest = token.partition(" ")
-        parts = rest.split(".", 5)
-        if scheme == "KVS1":
-            return "a control token from a client older than this node (it binds no request): upgrade the client", ""
-        if scheme != TOKEN_SCHEME or len(parts) not in (5, 6):
-            return "missing or malformed cluster token", ""
-        client, whole, frac, nonce, mac = parts[:5]
-        tenant = parts[5] if len(parts) == 6 else ""
-        stamp = f"{whole}.{frac}"
-        try:
-            at = float(stamp)
-        except ValueError:
-            return "malformed cluster token", ""
-        key = self._tenant_keys.get(tenant) if tenant else self._key
-        if key is None or not hmac.compare_digest(_mac(key, method, tenant, client, stamp, nonce, body_hash(body)),
-                                                  mac):
-            return ("wrong cluster token (wrong secret, node, method or request body)" if not tenant else
-                    f"wrong token for tenant {tenant[:64]!r} (no such tenant here, or a wrong secret, node, method "
-                    "or request body)"), ""
-        if abs(now - at) > TOKEN_WINDOW_S:
-            return "expired cluster token (check the clocks)", ""
-        with self._lock:
-            while self._seen and next(iter(self._seen.values())) < now - 2 * TOKEN_WINDOW_S:
-                self._seen.popitem(last=False)
-            if mac in self._seen:
-                return "replayed cluster token", ""
-            if len(self._seen) >= _MAX_SEEN:
-                return f"too many calls in the last {2 * TOKEN_WINDOW_S:.0f} s to remember them all: retry", ""
-            self._seen[mac] = now
-        return None, tenant
-
-
-def current_tenant() -> str:
-    """The tenant the StoreControl call being handled authenticated as ("" : the cluster secret)."""
-    return _tenant.get()
-
-
 def denied(tenant: str, fingerprint: str) -> str | None:
     """Why `tenant` may not name `fingerprint` (None: it may). The cluster ("") may name any."""
     if not tenant or fingerprint_tenant(fingerprint) == tenant:
@@ -367,14 +238,10 @@ def denied(tenant: str, fingerprint: str) -> str | None:
 
 
 class AccessRules(grpc.ServerInterceptor):
-    """StoreControl calls need a control token bound to their request (when a secret is set), and
-    a tenant's name only that tenant's fingerprints; mutating and block-listing Admin calls need
-    the admin bearer token (when one is configured); everything else is open (the daemon listens
-    on loopback unless told otherwise)."""
+    """Mutating and block-listing Admin calls need the admin bearer token (when one is configured);
+    everything else on the gRPC port is open (the daemon listens on loopback unless told otherwise)."""
 
-    def __init__(self, secret: bytes, admin_token: str | None, node: str,
-                 tenants: Mapping[str, bytes] | None = None) -> None:
-        self._control = TokenCheck(secret, node, tenants) if secret else None
+    def __init__(self, admin_token: str | None) -> None:
         self._admin = f"Bearer {admin_token}" if admin_token else None
 
     @staticmethod
@@ -390,38 +257,10 @@ class AccessRules(grpc.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(stream)
         return grpc.unary_unary_rpc_method_handler(unary)
 
-    def _checked(self, handler, method: str, token: str):
-        """`handler` taking the raw request: its token is checked against those bytes, then it is
-        parsed and, for a tenant, its fingerprint checked, before the service sees it."""
-        if handler is None or handler.request_streaming or handler.response_streaming:
-            return self._deny(handler, grpc.StatusCode.UNIMPLEMENTED, "not a StoreControl call")
-        parse, behaviour = handler.request_deserializer, handler.unary_unary
-        control = self._control
-
-        def unary(raw: bytes, context):
-            why, tenant = control.authenticate(token, method, body=raw)
-            if why is not None:
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
-            request = parse(raw) if parse is not None else raw
-            if tenant and method in SCOPED:
-                refused = denied(tenant, request.fingerprint)
-                if refused is not None:
-                    context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
-            scope = _tenant.set(tenant)
-            try:
-                return behaviour(request, context)
-            finally:
-                _tenant.reset(scope)
-
-        return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=None,
-                                                   response_serializer=handler.response_serializer)
-
     def intercept_service(self, continuation, details):
-        sent = dict(details.invocation_metadata).get("authorization", "")
         method = details.method
-        if method.startswith(CONTROL_PREFIX) and self._control:
-            return self._checked(continuation(details), method, sent)
         if (method in MUTATING or method in LISTING) and self._admin:
+            sent = dict(details.invocation_metadata).get("authorization", "")
             if not sent:
                 what = "changes the cluster" if method in MUTATING else "lists the node's blocks"
                 return self._deny(continuation(details), grpc.StatusCode.UNAUTHENTICATED,
@@ -429,4 +268,3 @@ class AccessRules(grpc.ServerInterceptor):
             if not hmac.compare_digest(sent, self._admin):
                 return self._deny(continuation(details), grpc.StatusCode.PERMISSION_DENIED, "wrong admin token")
         return continuation(details)
-

@@ -125,12 +125,8 @@ class NodeRefused(KVStoreError):
 
 class ConnectionsExhausted(NodeRefused):
     """A node's control wire refused a new connection: its connections, or the caller's tenant's
-    share of them, are all open. The node still serves the caller on another path (a client falls
-    back to gRPC)."""
-
-
-class ConnectionReplaced(KVStoreError, ConnectionError):
-    """The client replaced its connection to a node (it failed) before this call could use the old one."""
+    share of them, are all open (a client's control call waits for one within its timeout, then
+    raises this; its wire reads go through the Transfer Engine meanwhile)."""
 
 
 class StoreClosed(KVStoreError):
@@ -150,4 +146,4 @@ class AccessDenied(KVStoreError, PermissionError):
 
 
 __all__ += ["AllocationFailed", "InvalidRequest", "WrongSize", "NoStoreNodes", "PutFailed", "NodeRefused",
-            "ConnectionsExhausted", "ConnectionReplaced", "StoreClosed", "InvalidConfig", "InsecureFile", "AccessDenied"]
+            "ConnectionsExhausted", "StoreClosed", "InvalidConfig", "InsecureFile", "AccessDenied"]

@@ -1,7 +1,8 @@
 """The framed control wire: length-prefixed JSON frames, each with an HMAC under the session key
 over its sequence number (so frames cannot be injected, replayed or reordered), and raw block bytes
 after a frame. Spoken by a store daemon's unix socket and its TCP twin (`kvstore.daemon.local`)
-and their clients.
+and their clients: the one protocol of the store operations. Over TCP it may run inside TLS (a
+node with --tls-cert): the same frames and tags, encrypted.
 
 Over TCP the raw bytes after a frame (attachments) are authenticated too: a 32-byte tag follows
 them, keyed BLAKE3 under a key derived from the sender's session key, over the sequence number of
@@ -17,6 +18,7 @@ from __future__ import annotations
 import hmac
 import json
 import socket
+import ssl
 import struct
 import time
 from typing import Any, Sequence
@@ -72,6 +74,9 @@ class Frames:
         self._buf = bytearray(self.BUFFER)
         self._view = memoryview(self._buf)
         self._head = self._tail = 0  # bytes received but not consumed yet
+        # A TLS socket (the TCP wire of a node with --tls-cert) has no gather write, and may hold
+        # decrypted bytes that its descriptor no longer shows as readable.
+        self._tls = isinstance(sock, ssl.SSLSocket)
         sock.settimeout(timeout)
 
     @staticmethod
@@ -107,6 +112,10 @@ class Frames:
             for part in parts[1:]:
                 tag.update(part)
             parts.append(memoryview(self._sealed_by(tag, self._sent - 1)))
+        if self._tls:
+            for part in parts:
+                self.sock.sendall(part)
+            return
         while parts:
             sent = self.sock.sendmsg(parts[:512])
             while parts and sent >= parts[0].nbytes:
@@ -154,7 +163,7 @@ class Frames:
             self.sock.settimeout(max(left, 0.0))
             try:
                 return self.sock.recv_into(view)
-            except BlockingIOError:  # past the deadline and nothing buffered
+            except (BlockingIOError, ssl.SSLWantReadError):  # past the deadline and nothing buffered
                 raise TimeoutError("no data before the deadline") from None
             finally:
                 self.sock.settimeout(self.timeout)
@@ -207,7 +216,7 @@ class Frames:
         that long instead (a server waiting for the next request; ConnectionAbortedError after it),
         the rest still has `timeout`. `exact`: read nothing past the frame (a descriptor follows it).
         `spin`: first poll this many seconds without the GIL for the frame to arrive."""
-        if spin and self._tail - self._head < 4:
+        if spin and self._tail - self._head < 4 and not (self._tls and self.sock.pending()):
             wait_readable(self.sock.fileno(), spin)
         deadline = None if idle else time.monotonic() + timeout
         self._fill(4, deadline, time.monotonic() + idle if idle else None, exact)
@@ -240,11 +249,12 @@ class Frames:
 
 
 def connect(name: str, secret: bytes, client: str, timeout: float, connect_timeout: float | None = None,
-            tenant: str = "") -> Frames:
+            tenant: str = "", tls: ssl.SSLContext | None = None) -> Frames:
     """A client's authenticated connection to a daemon's control wire: its same-host socket, or
     `tcp://host:port` (the same wire over TCP, attachments sealed). Connecting and the handshake
     take at most `connect_timeout` (default `timeout`); every later send and receive, `timeout`.
-    `tenant`: authenticate as that tenant, `secret` being its own. ConnectionsExhausted when the
+    `tenant`: authenticate as that tenant, `secret` being its own. `tls`: over TCP, speak TLS
+    (the node's certificate checked against its roots and its address). ConnectionsExhausted when the
     node admits no more connections (of this tenant's, or at all) on this socket."""
     tcp = name.startswith(TCP_SCHEME)
     if tcp:
@@ -261,6 +271,8 @@ def connect(name: str, secret: bytes, client: str, timeout: float, connect_timeo
         if tcp:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.connect((host, port))
+            if tls is not None:
+                sock = tls.wrap_socket(sock, server_hostname=host)  # the TLS handshake, within `within`
         else:
             sock.connect(unix_address(name))
         session = client_handshake(sock, secret, "ctl", client, wire="plain", timeout=within, tenant=tenant)

@@ -6,7 +6,7 @@
 #
 # The GPU check unpacks every wheel in DIR (or $GPU_CHECK_WHEELS) into its scratch directory; the
 # store parts also need the generated kvstore/*/v1 modules of a built checkout. Both travel with
-# the checkout (DIR is ignored by git: name it, and kvstore/admin/v1 and kvstore/store/v1, among
+# the checkout (DIR is ignored by git: name it, and kvstore/admin/v1, among
 # the paths a remote run carries).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -5,8 +5,9 @@ place -> reserve/lease -> write -> commit -> learn) and what it returns (`result
 `KeyPut` per key), the read pipeline (`read_path`: locate -> land -> read -> recheck -> report) and
 one node's reads (`node_reads`), the connections to nodes (`links`), where a put goes
 (`placement`), slots a node leased for the next put (`leases`), where a get's bytes land and
-whether they are right (`reads`), batched hit reports (`reports`), a node's gRPC channel that
-closes only when idle (`channel_guard`) and the same-host node over the framed wire (`local_node`).
+whether they are right (`reads`), batched hit reports (`reports`) and a node's framed control
+wire, the one protocol of the store operations (`local_node`: its unix socket on this host, TCP or
+TLS from elsewhere).
 """
 from .client import AsyncClient, Client
 from .results import KeyPut, PutResult

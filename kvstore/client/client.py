@@ -30,7 +30,6 @@ from ..access import client_secret
 from ..errors import (
     AccessDenied,
     BlockTooLarge,
-    ConnectionReplaced,
     FingerprintMismatch,
     InvalidConfig,
     NoStoreNodes,
@@ -42,7 +41,6 @@ from ..codec import check_codec
 from ..index.records import MAX_BLOCK_BYTES
 from ..index.signatures import RecordVerifier
 from ..keys import HASH_BYTES, ModelFingerprint, fingerprint_tenant
-from ..store.v1 import store_pb2
 from .links import NodeLinks
 from .put_path import PutBatch, PutPipeline, key_results
 from .read_path import ReadPipeline, host_bytes
@@ -317,14 +315,9 @@ class Client:
             for name in self.mirror.lookup(fp, bytes(h)):
                 by_node.setdefault(name, []).append(bytes(h))
         removed = 0
-        links = self.links
         for name, hs in by_node.items():
-            request = store_pb2.RemoveRequest(fingerprint=fp, hashes=hs)
-            try:
-                reply = links.rpc(links.node(name).stub.Remove, request)
-            except ConnectionReplaced:  # another thread replaced the connection just now: once more on the new one
-                reply = links.rpc(links.node(name).stub.Remove, request)
-            removed += reply.removed
+            reply, _ = self.links.control(name).call({"op": "remove", "fp": fp, "hashes": [h.hex() for h in hs]})
+            removed += int(reply.get("removed", 0))
         return removed
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import mmap
 import os
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import Callable, Sequence
 from transfer import Region, _native
 
 from ..codec import CodecError, decode
-from ..errors import AccessDenied, AllocationFailed, AuthenticationFailed, NodeRefused, WrongSize
+from ..errors import AccessDenied, AllocationFailed, AuthenticationFailed, ConnectionsExhausted, NodeRefused, WrongSize
 from ..index.records import MAX_BLOCK_BYTES, BlockRecord
 from ..seals import SealView
 from ..spin import spin_for
@@ -23,6 +24,9 @@ from ..wire import REPLY_SPIN_S, Frames, connect
 
 LOCAL_CONNECTIONS = 32  # idle same-host connections kept per node (one per concurrent caller)
 POOLED_IDLE_S = 60.0  # a pooled connection idle longer is dropped: the node closes them after 120 s
+# A node that admits no more of this client's connections (its share, or all, open): a control call
+# waits, within its timeout, for one of ours to come back to the pool or for the node to admit it.
+BUSY_PAUSES_S = (0.005, 0.02, 0.05, 0.1, 0.2)
 DIRECT_ALIGN = 4096
 
 
@@ -41,8 +45,9 @@ class LocalNode:
     on this host, its NVMe tier fd."""
 
     def __init__(self, name: str, address: str, secret: bytes, client: str, timeout: float,
-                 secret_source: str = "", tenant: str = "") -> None:
+                 secret_source: str = "", tenant: str = "", tls: ssl.SSLContext | None = None) -> None:
         self.name, self.address, self._secret, self._client, self.timeout = name, address, secret, client, timeout
+        self._tls = tls  # over TCP: TLS, the node's certificate checked against these roots
         self._tenant = tenant  # authenticates as this tenant (`secret` is its own) when set
         self._secret_source = secret_source  # where the secret came from, in words, for a refusal's message
         self._idle: list[tuple[Frames, float]] = []  # (connection, when it was last used)
@@ -58,17 +63,7 @@ class LocalNode:
              timeout: float | None = None) -> tuple[dict, int | None]:
         """One request and its reply (and fd) within `timeout` (default: this node's). Raises the
         typed error a refusal maps to."""
-        frames, stale = None, []
-        with self._lock:
-            old_enough = time.monotonic() - POOLED_IDLE_S
-            while self._idle and self._idle[0][1] < old_enough:  # oldest first: free their fds too
-                stale.append(self._idle.pop(0)[0])
-            if self._idle:
-                frames = self._idle.pop()[0]
-        for old in stale:
-            old.sock.close()
-        if frames is None:
-            frames = self._connect(None)
+        frames = self._pooled() or self._connect_waiting(time.monotonic() + (timeout or self.timeout))
         fd = None
         try:
             frames.send(message, attachments)  # each send bounded by the socket's timeout
@@ -87,6 +82,38 @@ class LocalNode:
         if not reply.get("ok"):
             raise self.refusal(reply)
         return reply, fd
+
+    def _pooled(self) -> Frames | None:
+        """An idle pooled connection, or None (those idle too long are closed on the way)."""
+        frames, stale = None, []
+        with self._lock:
+            old_enough = time.monotonic() - POOLED_IDLE_S
+            while self._idle and self._idle[0][1] < old_enough:  # oldest first: free their fds too
+                stale.append(self._idle.pop(0)[0])
+            if self._idle:
+                frames = self._idle.pop()[0]
+        for old in stale:
+            old.sock.close()
+        return frames
+
+    def _connect_waiting(self, deadline: float) -> Frames:
+        """A new connection; while the node admits none, one of ours back in the pool, until
+        `deadline` (then what the last attempt raised). Not admitted: refused after the handshake
+        (ConnectionsExhausted), or closed during it, where a TCP wire's handshake slots are all
+        taken (a stalled one gives its slot to a newcomer after transfer.listener.STALE_HANDSHAKE_S)."""
+        pauses = iter(BUSY_PAUSES_S)
+        while True:
+            try:
+                return self._connect(None)
+            except ConnectionRefusedError:
+                raise  # nothing listens there: the node is down
+            except (ConnectionsExhausted, ConnectionError):
+                pause = next(pauses, BUSY_PAUSES_S[-1])
+                if time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)  # a backoff bounded by the caller's deadline, not a wait for a signal
+            if (frames := self._pooled()) is not None:
+                return frames
 
     def refusal(self, reply: dict) -> Exception:
         """The typed error a refusing reply maps to."""
@@ -143,7 +170,10 @@ class LocalNode:
     def _connect(self, connect_timeout: float | None) -> Frames:
         try:
             frames = connect(self.address, self._secret, self._client, self.timeout, connect_timeout=connect_timeout,
-                             tenant=self._tenant)
+                             tenant=self._tenant, tls=self._tls)
+        except ssl.SSLCertVerificationError as exc:
+            raise AuthenticationFailed(f"node {self.name}'s TLS certificate does not verify against this client's "
+                                       f"roots (tls_ca): {exc.verify_message}") from None
         except AuthenticationFailed as exc:
             whose = f"tenant {self._tenant!r}'s secret" if self._tenant else "cluster secret"
             raise AuthenticationFailed(f"node {self.name} refused this client's {whose} "

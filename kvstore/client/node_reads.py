@@ -44,7 +44,7 @@ class NodeReader:
                   ) -> list[int]:
         """Indexes of `wanted` read from `name` whose bytes match their digest."""
         links = self.links
-        if self.wire_codec and staged is None and fp and links.local(name) is None:
+        if self.wire_codec and staged is None and fp and links.local(name) is None and not links.is_busy(name):
             wire = links.wire(name)
             if wire is not None:
                 return self.read_wire(name, wire, fp, hashes, wanted, targets)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Collection, Iterable
+from typing import Collection, Iterable
 
 from ..index.records import NodeRecord
 
@@ -78,10 +78,9 @@ class PutPlacement:
             else:
                 self._inflight.pop(name, None)
 
-    def seen(self, name: str, reply: Any) -> None:
-        """Note the DRAM use a node's reply (a wire dict or a gRPC message) reported, if it did."""
-        used = reply.get("used") if isinstance(reply, dict) else getattr(reply, "used", None)
-        capacity = reply.get("capacity") if isinstance(reply, dict) else getattr(reply, "capacity", None)
+    def seen(self, name: str, reply: dict) -> None:
+        """Note the DRAM use a node's reply reported, if it did."""
+        used, capacity = reply.get("used"), reply.get("capacity")
         if isinstance(used, int) and isinstance(capacity, int) and capacity > 0:
             with self._lock:
                 self._usage[name] = (used, capacity, time.monotonic())

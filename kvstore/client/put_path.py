@@ -19,8 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Collection
 
-import grpc
-
 from transfer import Region, TransferError, TransferTimeout, Write
 
 from ..errors import (
@@ -35,18 +33,17 @@ from ..errors import (
     WrongSize,
 )
 from ..integrity import block_digests
-from ..store.v1 import store_pb2
 from .links import NodeLinks
 from .local_node import LocalNode
 from .results import KeyPut, PutResult
 
 log = logging.getLogger(__name__)
 LOCAL_INLINE_MAX = 4 << 20  # same host: puts up to this many bytes carry them in the one request
-GRPC_INLINE_MAX = 256 << 10  # other hosts: puts up to this many bytes carry them in one call
+WIRE_INLINE_MAX = 256 << 10  # other hosts: puts up to this many bytes carry them in one call
 SYNC_PUBLISH_WAITS = 4  # a sync put answers within this many timeouts (the node waits up to 3 to publish)
 # A node's failure that is about the node (down, refused, malformed answer), not the request: the
 # node is left alone for a while and its keys go to the next one.
-NODE_FAILURES = (TransferError, grpc.RpcError, NoStoreNodes, NodeRefused, OSError, ValueError)
+NODE_FAILURES = (TransferError, NoStoreNodes, NodeRefused, OSError, ValueError)
 
 
 @dataclass
@@ -157,6 +154,8 @@ class PutPipeline:
                     if strict and not self.repair:
                         raise
                     note(refusals, holders, pending, name, exc)  # full (of last copies): the next node, if any
+                except ConnectionsExhausted as exc:  # alive, but no connection for us in time: not marked down
+                    note(refusals, holders, pending, name, exc)
                 except NODE_FAILURES as exc:
                     if isinstance(exc, WrongSize):
                         raise
@@ -170,15 +169,7 @@ class PutPipeline:
 
     def put_round(self, name: str, batch: PutBatch, keys: list[int], since: int) -> Round:
         """One round of blocks onto `name` (`since`: from the mirror's `asking`, taken before the
-        round's first request). A node that refuses this client a control-wire connection (nothing
-        was asked on it) gets the round again over gRPC."""
-        try:
-            return self._put_once(name, batch, keys, since)
-        except ConnectionsExhausted as exc:
-            self.links.busy(name, exc)
-            return self._put_once(name, batch, keys, since)
-
-    def _put_once(self, name: str, batch: PutBatch, keys: list[int], since: int) -> Round:
+        round's first request)."""
         local = self.links.local(name)
         size = sum(batch.views[i].nbytes for i in keys)
         sync = self.publish == "sync"
@@ -189,36 +180,30 @@ class PutPipeline:
             self.links.stats["local_puts"] += 1
             return self.learn(name, batch.fp, [batch.hashes[i] for i in keys], reply, since)
         wire = self.links.control(name)
-        if local is None and size <= GRPC_INLINE_MAX:  # one round trip over the TCP wire (or gRPC)
+        if local is None and size <= WIRE_INLINE_MAX:  # one round trip over the TCP wire
             reply = self.put_inline(name, wire, batch, keys, sync, answer_within)
-            if wire is not None:
-                self.links.stats["wire_puts"] += 1
+            self.links.stats["wire_puts"] += 1
             return self.learn(name, batch.fp, [batch.hashes[i] for i in keys], reply, since)
         return self.put_by_engine(name, wire, batch, keys, since, sync, answer_within)
 
     # --- small rounds: the bytes with the request ---------------------------------------------
-    def put_inline(self, name: str, wire: LocalNode | None, batch: PutBatch, keys: list[int], sync: bool,
-                   answer_within: float) -> Any:
-        """One control call carrying the blocks: over `wire` (framed), else gRPC. Returns the reply."""
+    def put_inline(self, name: str, wire: LocalNode, batch: PutBatch, keys: list[int], sync: bool,
+                   answer_within: float) -> dict:
+        """One control call carrying the blocks. Returns the reply."""
         hashes, views = [batch.hashes[i] for i in keys], [batch.views[i] for i in keys]
         self.links.stats["control_calls"] += 1
-        if wire is not None:
-            reply, _ = wire.call({"op": "put", "fp": batch.fp, "hashes": [h.hex() for h in hashes],
-                                  "sizes": [v.nbytes for v in views],
-                                  "digests": [d.hex() for d in batch.digests_of(keys)], "sync": sync,
-                                  **self._repair_field}, views, timeout=answer_within)
-            return reply
-        return self.links.rpc(self.links.node(name).stub.Put, store_pb2.PutRequest(
-            fingerprint=batch.fp, hashes=hashes, payloads=[bytes(v) for v in views], digests=batch.digests_of(keys),
-            client=self.links.engine.name, sync=sync, repair=self.repair), answer_within)
+        reply, _ = wire.call({"op": "put", "fp": batch.fp, "hashes": [h.hex() for h in hashes],
+                              "sizes": [v.nbytes for v in views],
+                              "digests": [d.hex() for d in batch.digests_of(keys)], "sync": sync,
+                              **self._repair_field}, views, timeout=answer_within)
+        return reply
 
     # --- large rounds: reserve or lease -> write -> commit ------------------------------------
-    def put_by_engine(self, name: str, wire: LocalNode | None, batch: PutBatch, keys: list[int], since: int,
+    def put_by_engine(self, name: str, wire: LocalNode, batch: PutBatch, keys: list[int], since: int,
                       sync: bool, answer_within: float) -> Round:
         """Large blocks: write them with the engine (into the node's mapped arena on this host)
         into slots leased by an earlier commit, or else reserved now, then commit them (asking for
-        slots for the next put of this shape). Control calls go over `wire` where there is one,
-        else gRPC."""
+        slots for the next put of this shape). Control calls go over `wire`."""
         links = self.links
         node = links.node(name)
         regs = batch.regions_of(links, keys)
@@ -251,7 +236,7 @@ class PutPipeline:
             links.abort(name, tokens)
             raise
 
-    def reserve(self, name: str, node: Any, wire: LocalNode | None, fp: str, hashes: list[bytes],
+    def reserve(self, name: str, node: Any, wire: LocalNode, fp: str, hashes: list[bytes],
                 regs: list[Region], size: int, peer: str) -> Slots:
         """Slots for the blocks the node does not hold: leased by an earlier commit, else reserved now."""
         links = self.links
@@ -261,16 +246,10 @@ class PutPipeline:
         if leased is not None:
             return Slots([(i, slot.token, slot.region, slot.offset) for i, slot in enumerate(leased)], True, 0)
         links.stats["control_calls"] += 1
-        if wire is not None:
-            reply, _ = wire.call({"op": "reserve", "fp": fp, "hashes": [h.hex() for h in hashes],
-                                  "sizes": [r.size for r in regs], **({"peer": peer} if peer else {}),
-                                  **self._repair_field})
-            slots = [(i, s[0], s[1], s[2]) for i, s in enumerate(reply["slots"]) if s is not None]
-        else:
-            reply = links.rpc(node.stub.Reserve, store_pb2.ReserveRequest(
-                fingerprint=fp, hashes=hashes, sizes=[r.size for r in regs], client=links.engine.name, peer=peer,
-                repair=self.repair))
-            slots = [(i, s.token, s.region, s.offset) for i, s in enumerate(reply.slots) if not s.exists]
+        reply, _ = wire.call({"op": "reserve", "fp": fp, "hashes": [h.hex() for h in hashes],
+                              "sizes": [r.size for r in regs], **({"peer": peer} if peer else {}),
+                              **self._repair_field})
+        slots = [(i, s[0], s[1], s[2]) for i, s in enumerate(reply["slots"]) if s is not None]
         links.placement.seen(name, reply)
         return Slots(slots, False, len(hashes) - len(slots))  # slots come only for blocks the node lacks
 
@@ -283,8 +262,8 @@ class PutPipeline:
         finally:
             moving.wait(self.links.timeout)
 
-    def commit(self, name: str, node: Any, wire: LocalNode | None, fp: str, hashes: list[bytes], got: Slots,
-               digests: list[bytes], size: int, count: int, peer: str, sync: bool, answer_within: float) -> Any:
+    def commit(self, name: str, node: Any, wire: LocalNode, fp: str, hashes: list[bytes], got: Slots,
+               digests: list[bytes], size: int, count: int, peer: str, sync: bool, answer_within: float) -> dict:
         """Seal the written slots (naming the blocks of leased ones) and ask for slots for the next
         put of this shape; keeps those granted. Returns the node's answer."""
         links = self.links
@@ -295,48 +274,37 @@ class PutPipeline:
         # Enough slots for another put like this one, less what is leased already.
         want = links.leases.wanted(node, name, fp, size, count)
         asked = time.monotonic()
-        if wire is not None:
-            commit, _ = wire.call({"op": "commit", "fp": fp, "tokens": tokens,
-                                   "digests": [digests[i].hex() for i, _, _, _ in slots],
-                                   "sync": sync, "lease": {"size": size, "count": want},
-                                   **({"hashes": [h.hex() for h in named]} if named else {}),
-                                   **({"peer": peer} if peer else {})},
-                                  timeout=answer_within)
-            granted = [(t, r, o) for t, r, o, n in commit.get("lease") or [] if n == size]
-            ttl = commit.get("lease_ttl")
-        else:
-            commit = links.rpc(node.stub.Commit, store_pb2.CommitRequest(
-                fingerprint=fp, tokens=tokens, digests=[digests[i] for i, _, _, _ in slots],
-                sync=sync, hashes=named or [], lease_size=size, lease_count=want, peer=peer),
-                answer_within)
-            granted = [(s.token, s.region, s.offset) for s in commit.lease if s.size == size]
-            ttl = commit.lease_ttl
-        never_usable = links.leases.keep(node, name, fp, size, granted, asked, ttl)
+        commit, _ = wire.call({"op": "commit", "fp": fp, "tokens": tokens,
+                               "digests": [digests[i].hex() for i, _, _, _ in slots],
+                               "sync": sync, "lease": {"size": size, "count": want},
+                               **({"hashes": [h.hex() for h in named]} if named else {}),
+                               **({"peer": peer} if peer else {})},
+                              timeout=answer_within)
+        granted = [(t, r, o) for t, r, o, n in commit.get("lease") or [] if n == size]
+        never_usable = links.leases.keep(node, name, fp, size, granted, asked, commit.get("lease_ttl"))
         if never_usable:  # back at once (and no more are asked for)
             links.abort(name, never_usable)
         return commit
 
     # --- learn ---------------------------------------------------------------------------------
-    def learn(self, name: str, fp: str, hashes: list[bytes], reply: Any, since: int) -> Round:
-        """Check a put's answer (a framed-wire dict with hex records, or a gRPC reply), teach our
-        own mirror what is now stored there; returns how many blocks are new there, how many it held
-        already, and the blocks it refused, with its reasons."""
+    def learn(self, name: str, fp: str, hashes: list[bytes], reply: dict, since: int) -> Round:
+        """Check a put's answer, teach our own mirror what is now stored there; returns how many
+        blocks are new there, how many it held already, and the blocks it refused, with its reasons."""
         self.links.placement.seen(name, reply)
-        hex_records = isinstance(reply, dict)
-        errors, records = (reply["errors"], reply["records"]) if hex_records else (reply.errors, reply.records)
+        errors, records = reply["errors"], reply["records"]
         refused = {i: error for i, error in enumerate(errors) if error}
         learned = []
         for h, error, raw in zip(hashes, errors, records):
             if not error and raw:
                 try:
-                    learned.append((h, bytes.fromhex(raw) if hex_records else bytes(raw)))
+                    learned.append((h, bytes.fromhex(raw)))
                 except ValueError:
                     continue
         try:  # read-your-writes: no wait for the watch (unless its newer news came first)
             self.links.mirror.remember_many(fp, name, learned, since)
         except KVStoreError:
             pass  # a malformed record is left for the watch to bring (or not)
-        stored = reply.get("stored") if hex_records else getattr(reply, "stored", None)
+        stored = reply.get("stored")
         taken = len(errors) - len(refused)
         stored = taken if stored is None else int(stored)
         return Round(stored, max(0, taken - stored), refused)

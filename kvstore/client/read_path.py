@@ -14,14 +14,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
-import grpc
-
 from transfer import Region, TransferError
 
-from ..errors import AuthenticationFailed, ConnectionReplaced, ConnectionsExhausted, KVStoreError, WrongSize
+from ..errors import AuthenticationFailed, KVStoreError, WrongSize
 from ..index.records import BlockRecord
 from ..index.signatures import RecordVerifier
-from ..store.v1 import store_pb2
 from .links import NodeLinks
 from .node_reads import NodeReader, Targets
 from .reads import VerifiedSlots
@@ -207,7 +204,7 @@ class ReadPipeline:
                 fresh = self.lookup(name, fp, asked)
             except AuthenticationFailed:
                 raise
-            except (grpc.RpcError, KVStoreError, TransferError, OSError, ValueError) as exc:
+            except (KVStoreError, TransferError, OSError, ValueError) as exc:
                 log.debug("lookup at %s failed: %s", name, exc)
                 return [], set()
             gone = {i for (i, _), now in zip(wanted, fresh) if now is None}
@@ -228,24 +225,14 @@ class ReadPipeline:
 
     def lookup(self, name: str, fp: str, hashes: list[bytes]) -> list[BlockRecord | None]:
         """The node's current record of each block (None where it does not hold it)."""
-        links = self.links
-        wire = links.control(name)
-        if wire is not None:
-            try:
-                reply, _ = wire.call({"op": "lookup", "fp": fp, "hashes": [h.hex() for h in hashes]})
-            except ConnectionsExhausted as exc:
-                links.busy(name, exc)
-                return self.lookup(name, fp, hashes)
-            records = reply.get("records")
-            if not isinstance(records, list) or not all(r is None or isinstance(r, str) for r in records):
-                raise ValueError(f"{name} answered a malformed lookup")
-            raws = [None if r is None else bytes.fromhex(r) for r in records]
-        else:
-            reply = links.rpc(links.node(name).stub.Lookup, store_pb2.LookupRequest(fingerprint=fp, hashes=hashes))
-            raws = [bytes(r) or None for r in reply.records]
+        reply, _ = self.links.control(name).call({"op": "lookup", "fp": fp, "hashes": [h.hex() for h in hashes]})
+        records = reply.get("records")
+        if not isinstance(records, list) or not all(r is None or isinstance(r, str) for r in records):
+            raise ValueError(f"{name} answered a malformed lookup")
+        raws = [None if r is None else bytes.fromhex(r) for r in records]
         if len(raws) != len(hashes):
             raise ValueError(f"{name} answered {len(raws)} records for {len(hashes)} blocks")
-        # A reply altered on the way (gRPC without TLS) names no other bytes either: as not held.
+        # A reply altered on the way (a relay without the session key) names no other bytes either.
         check = self.records.check
         return [None if raw is None or not check(fp, h, name, raw) else BlockRecord.decode(raw)
                 for h, raw in zip(hashes, raws)]
@@ -253,14 +240,8 @@ class ReadPipeline:
     # --- report ----------------------------------------------------------------------------------
     def touch(self, name: str, fp: str, hits: list[bytes], corrupt: list[bytes]) -> None:
         """Send one hit report to `name` (HitReports' sender); best effort."""
-        links = self.links
         try:
-            node = links.nodes.get(name) or links.node(name)  # tier-fd readers may not have it yet
-        except (KVStoreError, TransferError, OSError) as exc:
-            log.debug("touch to %s skipped: %s", name, exc)
-            return
-        try:
-            node.stub.Touch(store_pb2.TouchRequest(fingerprint=fp, hashes=hits, corrupt=corrupt),
-                            timeout=links.timeout, metadata=links.metadata)
-        except (grpc.RpcError, ConnectionReplaced) as exc:
+            self.links.control(name).call({"op": "touch", "fp": fp, "hashes": [h.hex() for h in hits],
+                                           "corrupt": [h.hex() for h in corrupt]})
+        except (KVStoreError, TransferError, OSError, ValueError) as exc:
             log.debug("touch to %s failed: %s", name, exc)

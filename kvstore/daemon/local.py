@@ -1,5 +1,6 @@
-"""The framed control wire of a store daemon: an abstract unix socket for clients on this host,
-and (unless gRPC runs over TLS) a TCP socket beside the gRPC one for clients elsewhere.
+"""The framed control wire of a store daemon, the one protocol of its store operations: an abstract
+unix socket for clients on this host, and a TCP socket (TLS with the node's --tls-cert) for
+clients elsewhere. Library mode calls the same handler in-process (`LocalControl.in_process`).
 
 Who may connect: over the unix socket, processes of the daemon's own user (or root), checked with
 SO_PEERCRED; over TCP, anyone, at most HANDSHAKES_PER_SOURCE of them per source (an IPv4 /24 or
@@ -11,9 +12,8 @@ control frame afterwards carries an HMAC under the session key over its sequence
 (`kvstore.wire`), so frames cannot be injected, replayed or reordered. Block bytes follow a `put`
 frame raw; over TCP a tag under the session key, bound to that frame's sequence number, follows
 them, so bytes altered on the way are refused before anything is sealed (and the authenticated
-frame names each block's BLAKE3 digest, which the daemon verifies before sealing too). They still
-travel in the clear: run gRPC over TLS, which turns this TCP socket off, where they must not be
-read. The NVMe tier's fd is only handed out over the unix socket.
+frame names each block's BLAKE3 digest, which the daemon verifies before sealing too). Without
+TLS they travel in the clear. The NVMe tier's fd is only handed out over the unix socket.
 
 A client authenticated as a tenant may name only that tenant's fingerprints (`tenant:...`) in a
 put, reserve, commit or lookup (else code `denied`), and the slots it reserves or leases are
@@ -23,7 +23,8 @@ Admission: right after the handshake the node sends one frame, {ok: true}, or {o
 busy, error} and closes: when the socket's MAX_CONNECTIONS authenticated connections are open, or
 when the client's tenant holds its share of them (`connections=N` on its line of the tenants file;
 by default an equal share, one left over for the cluster's own clients), so one tenant cannot take
-every slot. A refused client knows why (kvstore.errors.ConnectionsExhausted) and uses gRPC instead.
+every slot. A refused client knows why (kvstore.errors.ConnectionsExhausted) and waits for one of
+its own connections to come free.
 
 Requests (one reply frame each):
   put      {fp, hashes (hex), sizes, digests (hex), sync, repair?} + the bytes -> {records, errors, used, capacity}
@@ -39,6 +40,9 @@ Requests (one reply frame each):
            name the blocks written into leased slots; `lease` asks for slots for the next put (granted
            from free space only, maybe fewer or none), which that put writes before its commit names them
   abort    {tokens} -> {}
+  touch    {fp, hashes (hex), corrupt (hex)} -> {}: blocks read (kept warm), and those a reader found
+           corrupt (dropped)
+  remove   {fp, hashes (hex)} -> {removed}: the blocks dropped, visible everywhere when it answers
   lookup   {fp, hashes} -> {records: [hex | null]}: where this node holds the blocks now
   read     {fp, hashes, codec?} -> {records: [hex | null]} + each held block's bytes: the wire codec
            (`Client(wire_codec="lz4")`, for readers on other hosts over slow links): a block is sent
@@ -59,6 +63,7 @@ import os
 import select
 import selectors
 import socket
+import ssl
 import struct
 import threading
 import weakref
@@ -88,7 +93,7 @@ HANDSHAKES_PER_SOURCE = 16
 # An idle connection is closed after this long, so clients' pools cannot hold every slot for good
 # (clients drop pooled connections idle for half of it: kvstore.client.local_node.POOLED_IDLE_S).
 IDLE_S = 120.0
-OPS = ("put", "reserve", "commit", "abort", "tier", "seals", "lookup", "read")
+OPS = ("put", "reserve", "commit", "abort", "touch", "remove", "tier", "seals", "lookup", "read")
 READ_BYTES = 64 << 20  # raw bytes one `read` may ask for (a client splits larger gets)
 
 
@@ -182,8 +187,11 @@ class LocalControl:
     def __init__(self, name: str, secret: bytes, ops: StoreOperations,
                  observe: Callable[[str, float], None], tier_reader: Callable[[], tuple[int, bool]] | None,
                  timeout: float,
-                 tcp_host: str | None = None, tcp_port: int = 0, tenants: dict[str, bytes] | None = None) -> None:
+                 tcp_host: str | None = None, tcp_port: int = 0, tenants: dict[str, bytes] | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.name, self._secret, self.ops = name, secret, ops
+        self._tls = tls  # the TCP socket speaks TLS (the node's --tls-cert) when set
+        self.tls = tls is not None
         self._node, self.store = ops.node, ops.store
         self._tenants = tenants  # name -> secret of the tenants that may connect besides the cluster
         # Records in replies go sealed, byte for byte as the node publishes them (clients echo them
@@ -297,7 +305,7 @@ class LocalControl:
             if held >= share:
                 return (f"tenant {tenant!r} holds its share of {share} connections to {self._node}'s "
                         f"{'TCP wire' if remote else 'same-host socket'} (of {MAX_CONNECTIONS}): close idle ones, "
-                        "or call over gRPC")
+                        "or wait for one to come free")
             self._tenant_open[(remote, tenant)] = held + 1
         return None
 
@@ -311,8 +319,12 @@ class LocalControl:
         remote = bool(source)  # over TCP: no descriptors to hand out
         counted = not remote  # holds an open slot (a TCP connection once it has authenticated)
         tenant = None  # the tenant whose share this connection holds a slot of
+        raw = conn  # kept open: stalled handshakes and close() shut it down (TLS wraps a duplicate)
         try:
             try:
+                if remote and self._tls is not None:
+                    conn.settimeout(self._timeout)
+                    conn = self._tls.wrap_socket(raw.dup(), server_side=True)  # TLS handshake first
                 session = server_handshake(conn, self._secret, self._node, wire="plain", timeout=self._timeout,
                                            tenants=self._tenants)
             except BaseException:
@@ -322,7 +334,7 @@ class LocalControl:
             if remote:
                 counted = self._handshake_over(source, ticket, authenticated=True)
             frames = Frames(conn, session.tx, session.rx, self._timeout, sealed=remote)  # TCP: attachments tagged
-            # Admitted or refused, in a frame: a refused client knows why and goes to gRPC, instead
+            # Admitted or refused, in a frame: a refused client knows why and waits, instead
             # of meeting a closed connection it cannot tell from a dead node.
             why, reason = (None, "") if counted else (f"{self._node} has all {MAX_CONNECTIONS} connections of its "
                                                        f"{'TCP wire' if remote else 'same-host socket'} open", "full")
@@ -360,12 +372,13 @@ class LocalControl:
             log.debug("%s: same-host connection ended: %s", self._node, exc)
         finally:
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.discard(raw)
                 if counted:
                     self._open[remote] -= 1
             if tenant is not None:
                 self._tenant_left(remote, tenant)
             conn.close()
+            raw.close()
 
     def _answer(self, op: str, request: dict, frames: Any, tenant: str, writer: SameHostWriter | None,
                 remote: bool) -> tuple[dict, int | None]:
@@ -428,6 +441,13 @@ class LocalControl:
         if op == "abort":
             ops.abort(request.get("tokens") or [])
             return {"ok": True}, None
+        if op == "touch":
+            ops.touch(fingerprint, _hexes(request.get("hashes"), "hashes"),
+                      _hexes(request.get("corrupt", []), "corrupt"), tenant=tenant)
+            return {"ok": True}, None
+        if op == "remove":
+            removed = ops.remove(fingerprint, _hexes(request.get("hashes"), "hashes"), tenant=tenant)
+            return {"ok": True, "removed": removed}, None
         if op == "tier":
             return self._tier()
         if op == "seals":

@@ -1,10 +1,9 @@
 """The store operations a daemon serves, each defined once: the checks on its arguments, what it
 does to the store and the index, and its result per key.
 
-The two transports only translate: gRPC (service.py: protobuf messages, errors as status codes)
-and the framed wire (local.py: JSON frames, bytes in hex, block bytes as attachments). Both call
-these, so a check, a refusal or a result cannot differ between them. A failure is an `OpFailed`
-with one of CODES, which each transport renders its own way.
+Their one protocol, the framed wire (local.py: JSON frames, bytes in hex, block bytes as
+attachments; its unix socket, its TCP or TLS socket, and library mode's in-process calls), only
+translates. A failure is an `OpFailed` with one of CODES, which the wire sends as its error code.
 """
 from __future__ import annotations
 
@@ -184,23 +183,6 @@ class StoreOperations:
         self._published(updates, sync)  # queued; published before the answer only when asked
         return Sealed(errors, self._encoded(fingerprint, named, records), sum(fresh), lease=leased,
                       lease_ttl=self.store.reservation_timeout, **self._usage())
-
-    def put_inline(self, fingerprint: Any, hashes: Sequence[Any], payloads: Sequence, digests: Sequence[Any], *,
-                   tenant: str, sync: bool, repair: bool = False) -> Sealed:
-        """Store blocks whose bytes came with the request: reserve, copy, verify, seal."""
-        fingerprint, hashes = check_fingerprint(fingerprint, tenant), check_hashes(hashes)
-        if len(payloads) != len(hashes):
-            raise OpFailed("invalid", f"{DIGESTS_WANTED}: payloads and digests, one per hash")
-        digests = check_digests(digests, len(hashes))
-        self._check_accepting()
-        try:
-            errors, records, updates, stored = self.store.put_inline(fingerprint, hashes, list(payloads), digests,
-                                                                     verify=sync, repair=repair)
-        except KVStoreError as exc:
-            raise self.failure(exc) from None
-        self._published(updates, sync)
-        return Sealed(errors, self._encoded(fingerprint, hashes, records), stored, lease=[], lease_ttl=0.0,
-                      **self._usage())
 
     def begin_put(self, fingerprint: Any, hashes: Sequence[Any], sizes: Any, digests: Sequence[Any], *,
                   tenant: str, repair: bool = False) -> tuple[str, list[bytes], list[int], list[bytes], Reserved]:

@@ -210,22 +210,6 @@ class Sealing:
             self._verified.notify_all()  # sealed blocks can be evicted: a waiting reserve may fit now
             return updates
 
-    def put_inline(self, fingerprint: str, hashes: Sequence[bytes], payloads: Sequence, digests: Sequence[bytes],
-                   verify: bool = True, repair: bool = False
-                   ) -> tuple[list[str], list[BlockRecord | None], list[Update], int]:
-        """Reserve (`repair` as for reserve), copy in and commit (`verify` as for commit) blocks whose
-        bytes came with the request, in one call. Returns what `commit_reserved` does, with the
-        reserve's updates too."""
-        if not (len(hashes) == len(payloads) == len(digests)):
-            raise WrongSize(f"{len(hashes)} hashes, {len(payloads)} payloads, {len(digests)} digests")
-        slots, updates = self.reserve(fingerprint, hashes, [len(p) for p in payloads], repair=repair)
-        arena = self.dram.region.buffer
-        for (_, slot), payload in zip(slots, payloads):
-            if slot is not None:
-                arena[slot.offset : slot.offset + slot.size] = payload
-        errors, records, sealed, stored = self.commit_reserved(fingerprint, hashes, slots, digests, verify)
-        return errors, records, updates + sealed, stored
-
     def commit_reserved(self, fingerprint: str, hashes: Sequence[bytes], slots: list[tuple[int, Slot | None]],
                         digests: Sequence[bytes], verify: bool) -> tuple[list[str], list[BlockRecord | None],
                                                                           list[Update], int]:

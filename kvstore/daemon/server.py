@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 import threading
 import time
 import uuid
@@ -33,7 +34,6 @@ from ..index.records import Layout, NodeRecord, check_name
 from ..index.signatures import RecordSigner
 from ..metadata import open_metadata
 from ..outage_log import OutageLog
-from ..store.v1 import store_pb2, store_pb2_grpc
 from .host_room import check_dram
 from .local import LocalControl
 from .metrics import DaemonMetrics
@@ -41,7 +41,6 @@ from .oplog import EvictionLog, NeighbourWatch, Throttle
 from .publisher import Publisher
 from .repair import HAND_OFF_S, Repairer
 from .operations import StoreOperations
-from .service import MAX_INLINE_BYTES, StoreControlService
 from .session import NodeSession
 from ..codec import check_codec
 from ..tiers.disk import DiskTierFile
@@ -183,24 +182,23 @@ class Daemon:
                                    self.metrics.publish_delay.observe, window=min(max(c.publish_window, 0.0), c.timeout))
         self.metrics.publish_pending = lambda: self.publisher.pending
         self.verifier = Verifier(self.store, self.publish, c.node)  # puts answered before their digest pass
-        # The framed control wire: puts in one round trip and the NVMe tier's fd for same-host clients
-        # over an authenticated unix socket; over TCP beside gRPC for others (not when gRPC runs over
-        # TLS: the wire does not encrypt).
-        # Every store operation, defined once, behind both transports (the wire here, gRPC below).
+        # The framed control wire, the one protocol of the store operations: puts in one round trip
+        # and the NVMe tier's fd for same-host clients over an authenticated unix socket; over TCP
+        # (TLS with --tls-cert) for others. gRPC below serves the admin API only.
         self.ops = StoreOperations(c.node, self.store, self.publish, lambda: not self.draining, self.signer)
+        tls = None
+        if c.tls_cert and c.tls_key:
+            tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            tls.load_cert_chain(c.tls_cert, c.tls_key)
         self.local = LocalControl(f"kvstore-local-{uuid.uuid4().hex}", secret, self.ops,
                                   lambda op, s: self.metrics.latency.labels(op).observe(s),
                                   self.disk.reader if self.disk else None, c.timeout,
-                                  tcp_host=None if (c.tls_cert and c.tls_key) or c.wire_port is None
-                                  else c.listen.rpartition(":")[0].strip("[]"), tcp_port=c.wire_port or 0,
-                                  tenants=c.tenants)
+                                  tcp_host=None if c.wire_port is None else c.listen.rpartition(":")[0].strip("[]"),
+                                  tcp_port=c.wire_port or 0, tenants=c.tenants, tls=tls)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
-                                  interceptors=[AccessRules(secret, c.admin_token, c.node, c.tenants)],
+                                  interceptors=[AccessRules(c.admin_token)],
                                   # no SO_REUSEPORT: a second daemon on a taken port fails, not shares it
-                                  options=[("grpc.max_receive_message_length", MAX_INLINE_BYTES + (1 << 20)),
-                                           ("grpc.so_reuseport", 0)])
-        store_pb2_grpc.add_StoreControlServicer_to_server(
-            StoreControlService(self.ops, self.metrics), self.server)
+                                  options=[("grpc.so_reuseport", 0)])
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self, self.config.node, self.config.cluster), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -222,8 +220,7 @@ class Daemon:
 
     def enable_reflection(self) -> None:
         """Let generic tools (grpcurl, grpc_cli) list and call the services."""
-        names = [store_pb2.DESCRIPTOR.services_by_name["StoreControl"].full_name,
-                 admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        names = [admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
 
     def serve(self) -> None:
@@ -258,6 +255,7 @@ class Daemon:
         segment["kvstore_local"] = self.local.name  # same-host clients' fast path (EngineDescriptor ignores it)
         if self.local.tcp_address:
             segment["kvstore_wire"] = self.local.tcp_address  # the same wire over TCP, for other hosts
+            segment["kvstore_wire_tls"] = self.local.tls  # ... over TLS: a client without roots says so
         self.session = NodeSession(metadata, self.layout, self.node_record(), json.dumps(segment, separators=(",", ":")),
                                    ttl=self.config.lease_ttl, on_lease_lost=self._lease_lost, signer=self.signer)
         # A loaded etcd can miss one deadline (seen when a machine starts many daemons at once): a

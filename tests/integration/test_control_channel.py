@@ -1,62 +1,135 @@
-"""The store control channel against a real daemon: TLS like the admin API, and per-call tokens
-bound to the node and method that a captured one cannot be replayed."""
+"""The store's control wire over TLS against a real daemon in its own process (`kvstore serve
+--tls-cert/--tls-key`): every store operation a client on another host makes (puts small and
+large, lookups, reads, removals, hit reports) crosses it encrypted; a client without the roots,
+or with the wrong ones, is refused in one clear line."""
 from __future__ import annotations
 
+import json
+import socket
+import ssl
 import subprocess
+import threading
 import uuid
 
-import grpc
 import numpy as np
 import pytest
 
 from kvstore import Client
-from kvstore.access import control_token
+from kvstore.errors import AuthenticationFailed, InvalidConfig, KVStoreError
 from kvstore.keys import ModelFingerprint, external_hashes
-from kvstore.store.v1 import store_pb2, store_pb2_grpc
+from kvstore.wire import tcp_endpoint
 
 FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64, kv_layout="bytes")
 BLOCK = 64 * 1024
 SECRET = "control-secret-0123456789"
-STATS = "/kvstore.store.v1.StoreControl/Stats"
 
 
-@pytest.fixture
-def tls_files(tmp_path):
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+def certificate(tmp_path, name: str) -> tuple:
+    key, cert = tmp_path / f"{name}-key.pem", tmp_path / f"{name}-cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=kvstore-test", "-addext", "subjectAltName=IP:127.0.0.1"],
+                    "-days", "1", "-subj", f"/CN={name}", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True)
     return key, cert
 
 
-def test_control_calls_over_tls_with_one_time_tokens(etcd_server, spawn_daemon, tls_files):
-    key, cert = tls_files
+class Recorder:
+    """A TCP relay that keeps every byte the client sends: what someone on the path reads."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream, self.seen = upstream, bytearray()
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream, timeout=10)
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
+        try:
+            while chunk := src.recv(1 << 16):
+                if record:
+                    self.seen += chunk
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._server.close()
+
+
+@pytest.fixture
+def tls_node(etcd_server, spawn_daemon, tmp_path):
+    key, cert = certificate(tmp_path, "kvstore-node")
     cluster = uuid.uuid4().hex[:8]
     node = spawn_daemon("ctl-node", etcd_server.url, cluster, secret=SECRET,
                         extra=["--tls-cert", str(cert), "--tls-key", str(key)])
-    h = external_hashes([7], FP)[0]
-    data = np.random.default_rng(7).integers(0, 256, BLOCK, dtype=np.uint8)
-    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, tls_ca=str(cert)) as client:
+    return node, cluster, cert
+
+
+def test_every_store_operation_crosses_the_tcp_wire_encrypted(etcd_server, tls_node, monkeypatch):
+    """Kills: a TCP wire left in the clear on a node with --tls-cert (the relay would read the
+    frames' JSON and the blocks' bytes)."""
+    node, cluster, cert = tls_node
+    rng = np.random.default_rng(7)
+    small = rng.integers(0, 256, BLOCK, dtype=np.uint8)  # inline, with the request
+    large = rng.integers(0, 256, 1 << 20, dtype=np.uint8)  # reserve, engine write, commit
+    h_small, h_large = external_hashes([7, 8], FP)
+    # transport="tcp": on this host the client would otherwise use the daemon's unix socket, which
+    # never touches the network. Its control wire goes through a relay that records what it sends.
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, tls_ca=str(cert),
+                transport="tcp") as client:
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
-        assert client.put(h, data) == 1
-        out = np.zeros(BLOCK, np.uint8)
-        assert client.get(h, out) and np.array_equal(out, data)
-    # No TLS: refused. (transport="tcp": on this host the client would otherwise use the daemon's
-    # same-host unix socket, which never touches the network and needs no TLS.)
+        segment = json.loads(client.mirror.segments["ctl-node"])
+        recorder = Recorder(tcp_endpoint("tcp://" + segment["kvstore_wire"]))
+        segment["kvstore_wire"] = f"127.0.0.1:{recorder.port}"
+        relayed, mirror, heard = json.dumps(segment), client.mirror, type(client.mirror).segments
+        monkeypatch.setattr(type(mirror), "segments", property(  # this client's mirror names the relay
+            lambda m: {**heard.fget(m), "ctl-node": relayed} if m is mirror else heard.fget(m)))
+        try:
+            assert client.put(h_small, small) == 1 and client.put(h_large, large) == 1
+            assert client.stats["wire_puts"] == 1
+            out_small, out_large = np.zeros_like(small), np.zeros_like(large)
+            assert client.get(h_small, out_small) and np.array_equal(out_small, small)
+            assert client.get(h_large, out_large) and np.array_equal(out_large, large)
+            assert [r is not None for r in client.reads.lookup("ctl-node", FP.digest, [h_small, h_large])] == \
+                [True, True]
+            assert client.remove([h_small]) == 1
+            frames = client.links.wires["ctl-node"]._idle[0][0]
+            assert isinstance(frames.sock, ssl.SSLSocket)
+        finally:
+            recorder.close()
+        assert len(recorder.seen) > BLOCK  # the small put's block went through it
+        for plain in (b'"op"', b"reserve", FP.digest.encode(), bytes(small[:64])):
+            assert plain not in recorder.seen, plain
+
+
+def test_a_client_without_the_roots_or_with_others_is_refused(etcd_server, tls_node, tmp_path):
+    """Kills: a client that talks plaintext to a TLS wire (or trusts any certificate) instead of
+    refusing in one line."""
+    node, cluster, _ = tls_node
+    data = np.ones(BLOCK, np.uint8)
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport="tcp") as plain:
         assert plain.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
-        with pytest.raises(Exception):
-            plain.put(external_hashes([8], FP)[0], data)
-
-    credentials = grpc.ssl_channel_credentials(cert.read_bytes())
-    with grpc.secure_channel(node.control, credentials) as channel:
-        stub = store_pb2_grpc.StoreControlStub(channel)
-        token = control_token(SECRET.encode(), "ctl-node", STATS, "eve")
-        stub.Stats(store_pb2.StatsRequest(), timeout=5, metadata=[("authorization", token)])  # first use: fine
-        for bad in (token,  # the same token again: a replay
-                    control_token(SECRET.encode(), "other-node", STATS, "eve"),  # minted for another node
-                    control_token(SECRET.encode(), "ctl-node", "/kvstore.store.v1.StoreControl/Allocate", "eve"),
-                    control_token(b"wrong-secret", "ctl-node", STATS, "eve")):
-            with pytest.raises(grpc.RpcError) as info:
-                stub.Stats(store_pb2.StatsRequest(), timeout=5, metadata=[("authorization", bad)])
-            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(KVStoreError, match="speaks TLS.*tls_ca"):
+            plain.put(external_hashes([9], FP)[0], data)
+        with pytest.raises(InvalidConfig, match="speaks TLS"):
+            plain.links.control("ctl-node")
+    _, other = certificate(tmp_path, "someone-else")
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, tls_ca=str(other),
+                transport="tcp", timeout=3.0) as wrong:
+        assert wrong.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
+        with pytest.raises(AuthenticationFailed, match="certificate does not verify"):
+            wrong.put(external_hashes([10], FP)[0], data)

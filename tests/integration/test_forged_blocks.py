@@ -16,19 +16,16 @@ import os
 import time
 import uuid
 
-import grpc
 import numpy as np
 import pytest
+from tests_support import until
 from xxh3_forgery import forge, old_checksum
 
-from tests_support import until
-
 from kvstore import Client
-from kvstore.access import ControlAuth
 from kvstore.integrity import block_digest
 from kvstore.keys import ModelFingerprint, external_hashes
-from kvstore.store.v1 import store_pb2, store_pb2_grpc
 from kvstore.wire import connect
+from kvstore_testing.node_status import node_counters
 from transfer import Read, TransferError, Write
 
 FP = ModelFingerprint("forged", "float16", 16, 2, 2, 64, kv_layout="bytes")
@@ -47,9 +44,7 @@ def forgery(h: bytes, size: int = BLOCK) -> bytes:
 
 
 def counters(daemon) -> dict[str, float]:
-    with grpc.insecure_channel(daemon.control) as channel:
-        channel = grpc.intercept_channel(channel, ControlAuth(SECRET.encode(), daemon.name, "test"))
-        return dict(store_pb2_grpc.StoreControlStub(channel).Stats(store_pb2.StatsRequest(), timeout=5).counters)
+    return node_counters(daemon.control)
 
 
 def misses(reader: Client, h: bytes, size: int = BLOCK) -> bool:
@@ -103,21 +98,6 @@ def test_a_put_whose_attachment_was_swapped_for_a_second_preimage_is_refused(etc
         out = np.zeros(size, np.uint8)
         assert fresh.mirror.wait_until(lambda m: m.contains(FP, h), 15)
         assert fresh.get(h, out) and np.array_equal(out, content(h, size))
-
-
-def test_a_grpc_put_carrying_a_second_preimage_is_refused(etcd_server, cluster):
-    """Kills: the old checksum on the gRPC Put path (its payloads and digests travel without a MAC
-    when gRPC runs without TLS)."""
-    daemon, name, _ = cluster
-    h = external_hashes([3], FP)[0]
-    with grpc.insecure_channel(daemon.control) as channel:
-        channel = grpc.intercept_channel(channel, ControlAuth(SECRET.encode(), daemon.name, "relayed"))
-        reply = store_pb2_grpc.StoreControlStub(channel).Put(store_pb2.PutRequest(
-            fingerprint=FP.digest, hashes=[h], payloads=[forgery(h)], digests=[block_digest(h, content(h))],
-            client="relayed", sync=True), timeout=10)
-    assert reply.errors[0].startswith("digest mismatch") and not reply.sealed[0]
-    with reader(etcd_server, name) as fresh:
-        assert not fresh.contains(h) and misses(fresh, h)
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])

@@ -10,17 +10,15 @@ import struct
 import time
 import uuid
 
-import grpc
 import numpy as np
 import pytest
-
 from tests_support import until
 
 from kvstore import Client
-from kvstore.keys import ModelFingerprint, external_hashes
-from kvstore.store.v1 import store_pb2, store_pb2_grpc
 from kvstore.integrity import block_digest
+from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.tiers.journal import ENTRY, FRAME, MAC_BYTES, PUT, encode_entry, journal_key, read_label, unframe_header
+from kvstore_testing.node_status import node_counters
 
 FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64, kv_layout="bytes")
 BLOCK = 64 * 1024
@@ -32,8 +30,7 @@ def content(h: bytes) -> np.ndarray:
 
 
 def counters(daemon) -> dict[str, float]:
-    with grpc.insecure_channel(daemon.control) as channel:
-        return dict(store_pb2_grpc.StoreControlStub(channel).Stats(store_pb2.StatsRequest(), timeout=5).counters)
+    return node_counters(daemon.control)
 
 
 def restored(daemon) -> dict[str, float]:

@@ -249,9 +249,7 @@ def test_a_full_replicated_cluster_takes_puts_and_repairs_no_storm(etcd_server, 
     writes stop the nodes stop copying. Kills: repair copies that evict to make room (each copy
     evicted another replicated block, whose repair evicted the next: thousands of copies while
     idle), and a repair storm's reservations refusing ordinary puts."""
-    import grpc
-
-    from kvstore.store.v1 import store_pb2, store_pb2_grpc
+    from kvstore_testing.node_status import node_counters
 
     cluster = uuid.uuid4().hex[:8]
     extra = ["--replicas", "2"]
@@ -259,12 +257,7 @@ def test_a_full_replicated_cluster_takes_puts_and_repairs_no_storm(etcd_server, 
              for name in ("node-a", "node-b")]
 
     def repaired() -> int:
-        total = 0
-        for node in nodes:
-            with grpc.insecure_channel(node.control) as channel:
-                stats = store_pb2_grpc.StoreControlStub(channel).Stats(store_pb2.StatsRequest(), timeout=5)
-                total += int(stats.counters.get("replicas_repaired", 0))
-        return total
+        return sum(int(node_counters(node.control).get("replicas_repaired", 0)) for node in nodes)
 
     hashes = external_hashes(list(range(5000, 5200)), FP)  # 12.5 MiB into 2 x 4 MiB, twice over
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, timeout=3.0) as client:

@@ -12,10 +12,8 @@ import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import numpy as np
 import pytest
-
 from tests_support import until
 
 from kvstore import Client
@@ -25,7 +23,7 @@ from kvstore.errors import NoStoreNodes, PutFailed
 from kvstore.index.records import BlockRecord
 from kvstore.index.signatures import RecordSigner
 from kvstore.keys import ModelFingerprint, external_hashes
-from kvstore.store.v1 import store_pb2, store_pb2_grpc
+from kvstore_testing.node_status import node_status
 from transfer import Write
 
 FP = ModelFingerprint("fast-paths", "float16", 16, 2, 2, 64, kv_layout="bytes")
@@ -43,12 +41,8 @@ def control_ops(daemon) -> dict[str, float]:
             for m in re.finditer(r'^kvstore_op_latency_seconds_count\{op="([a-z_]+)"\} ([0-9.e+]+)$', text, re.M)}
 
 
-def stats(daemon) -> store_pb2.StatsResponse:
-    with grpc.insecure_channel(daemon.control) as channel:
-        from kvstore.access import ControlAuth
-
-        channel = grpc.intercept_channel(channel, ControlAuth(SECRET.encode(), daemon.name, "test"))
-        return store_pb2_grpc.StoreControlStub(channel).Stats(store_pb2.StatsRequest(), timeout=5)
+def stats(daemon):
+    return node_status(daemon.control)
 
 
 def put_calls(before: dict[str, float], after: dict[str, float]) -> int:
@@ -334,7 +328,7 @@ def test_a_put_like_the_last_writes_into_slots_its_commit_leased(etcd_server, sp
         assert put_calls(before, control_ops(daemon)) == calls, f"put {len(everything) // count} over {transport}"
 
     def dram_used() -> int:
-        return next(t for t in stats(daemon).tiers if t.name == "dram").used
+        return next(t for t in stats(daemon).tiers if t.name == "dram").used_bytes
 
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport=transport) as client, \
             Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport=transport) as other:
@@ -441,7 +435,7 @@ def test_a_write_that_timed_out_does_not_give_its_slots_back(etcd_server, spawn_
 
         assert calls(after, "reserve") > calls(before, "reserve")  # it did write into reserved slots
         assert calls(after, "abort") == calls(before, "abort")
-        assert next(t for t in stats(daemon).tiers if t.name == "dram").used == count * block  # still held
+        assert next(t for t in stats(daemon).tiers if t.name == "dram").used_bytes == count * block  # still held
 
 
 def test_a_client_whose_timeout_a_lease_cannot_cover_asks_for_none(etcd_server, spawn_daemon):
@@ -457,7 +451,7 @@ def test_a_client_whose_timeout_a_lease_cannot_cover_asks_for_none(etcd_server, 
             before = control_ops(daemon)
             assert client.put_many([(h, content(h, block)) for h in hashes]) == count
             assert put_calls(before, control_ops(daemon)) == calls
-            used = next(t for t in stats(daemon).tiers if t.name == "dram").used
+            used = next(t for t in stats(daemon).tiers if t.name == "dram").used_bytes
             assert used == (round_ + 1) * count * block  # no slots left stranded at the node
 
 
@@ -620,22 +614,30 @@ def test_a_daemon_publishes_to_an_etcd_that_takes_fewer_operations_per_transacti
 
 
 def test_the_wire_port_can_be_chosen_or_turned_off(etcd_server, spawn_daemon):
-    """`--wire-port N` puts the TCP wire where a firewall expects it; `--wire-port -1` opens none,
-    and clients elsewhere make the same calls over gRPC."""
+    """`--wire-port N` puts the TCP wire where a firewall expects it; `--wire-port -1` opens none:
+    only clients on its host use that node (one elsewhere is told why and puts elsewhere)."""
     import json
 
+    from kvstore.errors import NodeRefused
     from kvstore_testing.ports import free_port
 
     cluster = uuid.uuid4().hex[:8]
     port = free_port()
     spawn_daemon("fixed", etcd_server.url, cluster, secret=SECRET, extra=["--wire-port", str(port)])
     spawn_daemon("none", etcd_server.url, cluster, secret=SECRET, extra=["--wire-port", "-1"])
+    hashes = external_hashes(range(900, 940), FP)
     with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, transport="tcp") as client:
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 2, 10)
         assert json.loads(client.mirror.segments["fixed"])["kvstore_wire"] == f"127.0.0.1:{port}"
         assert "kvstore_wire" not in json.loads(client.mirror.segments["none"])
-        hashes = external_hashes(range(900, 940), FP)
-        assert client.put_many([(h, content(h, 4096)) for h in hashes], replicas=2) == 2 * len(hashes)
-        assert client.stats["wire_puts"] == 1  # "fixed" over the wire, "none" over gRPC
+        with pytest.raises(NodeRefused, match="--wire-port -1"):
+            client.links.control("none")
+        result = client.put_batch([(h, content(h, 4096)) for h in hashes], replicas=2)
+        assert all(r.nodes == ("fixed",) and "--wire-port -1" in r.reason for r in result)
+        assert client.stats["wire_puts"] == 1
         outs = [np.zeros(4096, np.uint8) for _ in hashes]
         assert all(client.get_many(hashes, outs))
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET) as here:  # its own host
+        assert here.mirror.wait_until(lambda m: len(m.nodes) == 2, 10)
+        assert here.put_many([(h, content(h, 4096)) for h in hashes], replicas=2) == len(hashes)  # the 2nd copies
+        assert here.stats["local_puts"] >= 1

@@ -2,17 +2,19 @@
 its own process and real etcd: tenant acme (a share of 4 connections, from the tenants file) opens
 connections until the node refuses it, on the same-host unix socket and on the TCP wire. The
 refusal is typed and says why (`ConnectionsExhausted`); tenant beta still gets a connection and
-puts over the wire; and acme's own client, refused a connection while acme holds its share, puts
-anyway over gRPC instead of failing with NoStoreNodes.
+puts over the wire; and acme's own client, refused a connection while acme holds its share, waits
+within its timeout for one of acme's connections to close and then puts, or fails with the
+refusal's reason when none closes.
 
 Kills (each seen failing): a node with no per-tenant share (acme took all 256 slots of the socket:
-beta's puts left the wire), a client with no fallback (acme's put with its share held failed), a
-refusal that closes the connection without saying why (the client could not tell it from a dead
-node).
+beta's puts left the wire), a client that gives up at the first refusal (acme's put failed though a
+connection came free), a refusal that closes the connection without saying why (the client could
+not tell it from a dead node).
 """
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 
 import numpy as np
@@ -20,7 +22,7 @@ import pytest
 
 from kvstore import Client
 from kvstore.daemon.local import MAX_CONNECTIONS
-from kvstore.errors import ConnectionsExhausted
+from kvstore.errors import ConnectionsExhausted, KVStoreError
 from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.wire import connect
 
@@ -42,7 +44,7 @@ def cluster(etcd_server, spawn_daemon, tmp_path):
 
 def client(etcd_server, cluster_name: str, tenant: str, transport: str) -> Client:
     c = Client(etcd_server.url, cluster=cluster_name, fingerprint=FPS[tenant], secret=SECRETS[tenant], tenant=tenant,
-               transport="auto" if transport == "unix" else "tcp")
+               transport="auto" if transport == "unix" else "tcp", timeout=2.0)
     assert c.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
     return c
 
@@ -77,14 +79,18 @@ def test_a_tenant_holding_its_share_of_connections_starves_no_other(etcd_server,
             h = external_hashes([1], FPS["beta"])[0]
             assert beta.put(h, block(1)) == 1
             assert beta.stats["local_puts" if transport == "unix" else "wire_puts"] == 1
-            # acme itself, at its share: its connection is refused, its puts go over gRPC
-            stored = [external_hashes([10 + i], FPS["acme"])[0] for i in range(3)]
-            for i, h in enumerate(stored):
-                assert acme.put(h, block(10 + i)) == 1
-            assert acme.stats["local_puts"] == acme.stats["wire_puts"] == 0
-            assert acme.stats["control_fallbacks"] == 1  # one refusal, then gRPC while the wire is busy
+            # acme itself, at its share: its put is refused a connection and says why...
+            h = external_hashes([10], FPS["acme"])[0]
+            with pytest.raises(KVStoreError, match=f"{SHARE} connections"):
+                acme.put(h, block(10))
+            # ... or, when one of acme's connections closes meanwhile, waits for it and goes in
+            release = threading.Timer(0.3, held.pop().sock.close)
+            release.start()
+            assert acme.put(h, block(10)) == 1
+            release.join()
+            assert acme.stats["local_puts" if transport == "unix" else "wire_puts"] == 1
             out = np.zeros(4096, np.uint8)
-            assert acme.get(stored[0], out) and np.array_equal(out, block(10))
+            assert acme.get(h, out) and np.array_equal(out, block(10))
         finally:
             for frames in held:
                 frames.sock.close()

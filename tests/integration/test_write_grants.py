@@ -369,14 +369,12 @@ def test_a_reserved_slot_takes_writes_from_the_engine_it_was_reserved_for_until_
         assert reads_back(alice, [h])
 
 
-@pytest.mark.parametrize("control", ["wire", "grpc"])
-def test_an_aborted_or_leased_slot_is_granted_only_while_it_is_pending(node, control, monkeypatch):
+def test_an_aborted_or_leased_slot_is_granted_only_while_it_is_pending(node):
     """Variants killed: an abort that leaves the grant behind; leased slots granted to no one (a
-    put into its own leased slots over TCP fails) or to anyone; a control path (the framed wire,
-    or gRPC where the wire is off) that drops the client's peer id."""
+    put into its own leased slots over TCP fails) or to anyone; a control path that drops the
+    client's peer id."""
     daemon, url, cluster = node
     with store_client(url, cluster) as alice:
-        grpc_only = control == "grpc"
         wire = alice.links.wire(daemon.name)
         frames = connect(wire.address, SECRET.encode(), "probe", 5.0)
         frames.send({"op": "reserve", "fp": FP.digest, "hashes": [external_hashes([2000], FP)[0].hex()],
@@ -387,8 +385,6 @@ def test_an_aborted_or_leased_slot_is_granted_only_while_it_is_pending(node, con
         mine = alice.links.node(daemon.name).peer
         with pytest.raises(WriteNotGranted):
             alice.engine.transfer([Write(alice.engine.register(garbage(BLOCK)), 0, mine.region(region), offset, BLOCK)])
-        if grpc_only:  # as where gRPC runs over TLS: reserve and commit (and their peer id) over gRPC
-            monkeypatch.setattr(alice.links, "wire", lambda name: None)
         first = external_hashes(range(3000, 3004), FP)
         assert alice.put_many([(h, content(h)) for h in first]) == 4  # its commit leases 4 slots
         leased = alice.links.leases.slots()

@@ -232,22 +232,18 @@ def test_taking_puts_again_during_a_drain_calls_it_off():
         assert embedded.put(h, content(h)) == 1
 
 
-def test_a_refused_commit_gives_its_slots_back(engine, monkeypatch):
+def test_a_refused_commit_gives_its_slots_back(engine):
     """An inline put whose commit is refused (the drain's last look came while its bytes were
     copied in) frees its reservation at once: the node stays refusing, so no later reserve would
     have expired it."""
     store = BlockStore(engine, engine.allocate(4 << 20))
-    real = store.reserve
-
-    def reserve_then_drained(*args, **kwargs):
-        out = real(*args, **kwargs)
-        assert store.stop_taking(1)
-        return out
-
-    monkeypatch.setattr(store, "reserve", reserve_then_drained)
     h = external_hashes([1], FP)
+    slots, _ = store.reserve(FP.digest, h, [BLOCK])
+    _, slot = slots[0]
+    store.dram.region.buffer[slot.offset : slot.offset + BLOCK] = content(h[0]).tobytes()
+    assert store.stop_taking(1)  # a drain between the reserve and the commit
     with pytest.raises(NodeRefused):
-        store.put_inline(FP.digest, h, [content(h[0]).tobytes()], [block_digest(h[0], content(h[0]))])
+        store.commit_reserved(FP.digest, h, slots, [block_digest(h[0], content(h[0]))], True)
     assert store.dram.used == 0
 
 

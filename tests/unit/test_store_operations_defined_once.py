@@ -1,6 +1,7 @@
-"""Each store operation is defined once (kvstore.daemon.operations) and the two transports only
-translate: neither gRPC's service nor the framed wire calls the store's operations itself, so a
-check, a refusal or a result cannot differ between them."""
+"""Each store operation is defined once (kvstore.daemon.operations) and served by one protocol,
+the framed wire (kvstore.daemon.local), which only translates: it calls no store operation itself,
+it calls each operation from one place, and nothing else in the package serves them (gRPC carries
+the admin API only)."""
 from __future__ import annotations
 
 import ast
@@ -11,11 +12,12 @@ import pytest
 from kvstore.daemon.operations import OpFailed, check_digests, check_fingerprint, check_hashes, check_ints, check_peer
 
 DAEMON = Path(__file__).resolve().parents[2] / "kvstore" / "daemon"
-TRANSPORTS = ("service.py", "local.py")
+PACKAGE = DAEMON.parent
 # BlockStore's methods behind the store operations (reads of bytes for the wire's `read`, which
 # only the wire serves, are not among them).
-STORE_OPERATIONS = {"reserve", "commit_and_lease", "put_inline", "commit_reserved", "abort", "touch", "remove",
-                    "records"}
+STORE_OPERATIONS = {"reserve", "commit_and_lease", "commit_reserved", "abort", "touch", "remove", "records"}
+# StoreOperations' operations, as the wire's handler calls them.
+OPERATIONS = {"reserve", "commit", "begin_put", "finish_put", "abort", "lookup", "touch", "remove"}
 
 
 def store_calls(path: Path) -> list[str]:
@@ -30,11 +32,33 @@ def store_calls(path: Path) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_transport_calls_no_store_operation_itself(transport):
-    """Kills: a handler that goes to the store directly (as both did, each with its own checks and
-    error mapping) instead of through kvstore.daemon.operations."""
-    assert store_calls(DAEMON / transport) == []
+def operation_calls(path: Path) -> list[str]:
+    """`ops.NAME(...)` and `self.ops.NAME(...)` calls of a store operation in `path`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in OPERATIONS:
+            owner = node.func.value
+            if (isinstance(owner, ast.Attribute) and owner.attr == "ops") or \
+                    (isinstance(owner, ast.Name) and owner.id == "ops"):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} ops.{node.func.attr}")
+    return found
+
+
+def test_the_wire_calls_no_store_operation_itself():
+    """Kills: a handler that goes to the store directly (as gRPC's and the wire's once did, each
+    with its own checks and error mapping) instead of through kvstore.daemon.operations."""
+    assert store_calls(DAEMON / "local.py") == []
+
+
+def test_each_operation_is_served_in_one_place():
+    """Kills: a second protocol serving the store operations beside the wire (a gRPC service, as
+    there was): every operation is called from kvstore/daemon/local.py only, each from one line
+    (abort also where a put's bytes fail to arrive)."""
+    calls = [c for path in sorted(PACKAGE.rglob("*.py")) if path.name != "operations.py" for c in operation_calls(path)]
+    assert {c.split(":")[0] for c in calls} == {"daemon/local.py"}, calls
+    names = [c.rsplit(".", 1)[1] for c in calls]
+    assert set(names) == OPERATIONS
+    assert all(names.count(n) == 1 for n in OPERATIONS - {"abort"}) and names.count("abort") == 2, calls
 
 
 def test_the_operations_module_calls_each_of_them():

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SETTINGS = ("metadata", "cluster", "secret", "tenant", "tenant_secret", "timeout", "weight_version",
+SETTINGS = ("metadata", "cluster", "secret", "tenant", "tenant_secret", "tls_ca", "timeout", "weight_version",
             "weight_version_file", "weights_digest", "cache_salt", "threads", "dram", "disk", "disk_size",
             "trust_noncrypto_hashes")
 CALLER_FRAMES = 12  # the tier is built a few calls below vLLM's connector, which holds the VllmConfig

@@ -3,11 +3,12 @@
 
     {"metadata": "embedded" | "memory://name" | "etcd://host:port", "cluster": "default",
      "dram": "2GiB", "disk": "/path", "disk_size": "16GiB", "secret": "...", "timeout": 5,
-     "tenant": "acme", "tenant_secret": "..."}
+     "tenant": "acme", "tenant_secret": "...", "tls_ca": "/path/roots.pem"}
 
 "tenant" alone namespaces the fingerprint (digests 'acme:...'); with "tenant_secret" (that tenant's
 own secret from the daemons' --tenants file, instead of "secret") the engine also authenticates as
-the tenant, and the daemons let it write and look up only that tenant's fingerprints.
+the tenant, and the daemons let it write and look up only that tenant's fingerprints. "tls_ca":
+the roots that signed the daemons' certificates, where they run with --tls-cert.
 
 "embedded" (the default) and memory:// URLs start an in-process store daemon the first time a
 process asks (library mode); etcd:// URLs connect to running `kvstore serve` daemons. A
@@ -69,7 +70,8 @@ def store_for(config: dict[str, Any]) -> Client:
                 # --tenants then let it use that tenant's fingerprints only); else with the cluster secret.
                 tenant = str(config["tenant"]) if config.get("tenant_secret") and config.get("tenant") else None
                 secret = config.get("tenant_secret") if tenant else config.get("secret")
-                client = Client(url, cluster=cluster, secret=secret, timeout=timeout, tenant=tenant)
+                client = Client(url, cluster=cluster, secret=secret, timeout=timeout, tenant=tenant,
+                                tls_ca=config.get("tls_ca"))
             _clients[(url, cluster)] = client
         return client
 
