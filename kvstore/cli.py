@@ -28,11 +28,12 @@ def add_serve(commands) -> None:
                        help="etcd://host:port[,host:port...] (the members of an etcd cluster: fails over), "
                        "etcd+tls://host:port[,...]?ca=...&cert=...&key=... or memory://name")
     serve.add_argument("--cluster", default="default", type=cluster_name, metavar="NAME", help="cluster name (key prefix in etcd)")
-    serve.add_argument("--listen", default="127.0.0.1:0", type=host_port, metavar="HOST:PORT", help="control (gRPC) address, HOST:PORT")
+    serve.add_argument("--listen", default="127.0.0.1:0", type=host_port, metavar="HOST:PORT", help="admin API (gRPC) address, HOST:PORT; the TCP control wire listens on its host")
     serve.add_argument("--engine-listen", default="127.0.0.1:0", type=host_port, metavar="HOST:PORT", help="Transfer Engine address")
     serve.add_argument("--wire-port", type=number(int, -1, 65535, what="a port in [-1, 65535]"), default=0, metavar="PORT",
-                       help="TCP port of the framed control wire, on the --listen host (0: any free port; "
-                            "-1: none, clients on other hosts use gRPC); never opened with --tls-cert")
+                       help="TCP port of the framed control wire, the store operations' protocol, on the --listen "
+                            "host (0: any free port; -1: none, only clients on this host use the node); TLS with "
+                            "--tls-cert")
     serve.add_argument("--dram", default="1GiB", type=size, metavar="SIZE", help="DRAM tier capacity (e.g. 512MiB, 16GiB)")
     serve.add_argument("--disk-dir", metavar="PATH", help="NVMe tier directory (no NVMe tier without it)")
     serve.add_argument("--disk-size", default="4GiB", type=size, metavar="SIZE",
@@ -90,7 +91,7 @@ def add_serve(commands) -> None:
                             "(none with --insecure: those calls are then open)")
     alias(serve, "--token-file", dest="admin_token_file")
     serve.add_argument("--tls-cert", type=readable_file, metavar="PEM",
-                       help="certificate: serve gRPC over TLS (with --tls-key)")
+                       help="certificate: serve gRPC and the TCP control wire over TLS (with --tls-key)")
     serve.add_argument("--tls-key", type=readable_file, metavar="PEM", help="private key of --tls-cert")
     serve.add_argument("--tls-ca", type=readable_file, metavar="PEM",
                        help="roots for this node's own calls to other nodes (drain moves, repair)")

@@ -76,14 +76,20 @@ def test_fleet_names_the_malformed_trace_line(tmp_path, line, says):
     assert f"{trace} line 2" in last and says in last, done.stderr
 
 
-def test_fleet_a_peer_installed_but_not_on_path_is_one_line_naming_it():
+def test_fleet_a_peer_installed_but_not_on_path_is_one_line_naming_it(tmp_path):
     """Kills: a peer whose program is not on PATH shown as rows of n/a after the other routers ran
-    (or as a traceback): the run is refused before anything starts, in one line naming the peer."""
+    (or as a traceback): the run is refused before anything starts, in one line naming the peer.
+    vllm-router (the bench extra, not the test install) counts as installed by its distribution's
+    metadata, given here on PYTHONPATH whether or not pip installed it."""
     import os
 
+    installed = tmp_path / "vllm_router-0.1.17.dist-info"
+    installed.mkdir()
+    (installed / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-router\nVersion: 0.1.17\n")
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
     done = subprocess.run([sys.executable, "-m", "benchmarks.fleet", "--routers", "ours,kv_aware", "--minutes", "0.1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PATH": "/usr/bin:/bin"})
+                          env={**os.environ, "PATH": "/usr/bin:/bin", "PYTHONPATH": path})
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert "vllm-router kv_aware" in last and "not on PATH" in last, done.stderr
