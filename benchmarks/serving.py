@@ -308,9 +308,9 @@ class Rig:
               "their start", flush=True)
 
     def stop(self) -> None:
+        processes.stop_together([server.proc for server in self.servers] + [self.daemon], grace=20)
         for server in self.servers:
-            server.stop()
-        processes.stop(self.daemon, grace=15)
+            server.stop()  # (stopped already: closes its log)
 
 
 def run_mode(rig: Rig, work: Workload, model: str, etcd: str, routers: list[str], tmp: Path, seed: str,

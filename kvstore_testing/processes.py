@@ -130,7 +130,13 @@ def live() -> list[subprocess.Popen]:
 
 def stop_all(grace: float = 3.0) -> None:
     """Stop every registered child and its group: SIGTERM to all at once, SIGKILL after `grace`."""
-    procs = live()
+    stop_together(live(), grace)
+
+
+def stop_together(procs: Sequence[subprocess.Popen], grace: float = 10.0) -> None:
+    """Stop `procs` and their groups at once: SIGTERM to all, SIGKILL to any still up after `grace`
+    (one grace for all of them, not one each: engines that ignore SIGTERM while they load cost it
+    once)."""
     for proc in procs:
         if not exited(proc):
             _signal_group(proc, signal.SIGCONT)
