@@ -4,14 +4,15 @@ Mooncake Store and Redis on loopback, and our NVMe tier against a direct O_DIREC
     python -m benchmarks.store [--json PATH] [--quick] [--rounds N] [--check BASELINE]
     python -m benchmarks.store --check BASELINE --results PATH   (compare a saved run, measure nothing)
 
-Records: system, path (shm|tcp|nvme|nvme-tcp), op (put|get), block_bytes, batch, gbps, p50_us, p99_us.
+Records: system, path (shm|tcp|tls|nvme|nvme-tcp), op (put|get), block_bytes, batch, gbps, p50_us, p99_us.
 System `limit` is this machine's ceiling for a batch, timed per call in each round: `memcpy` of the
 blocks and `loopback` TCP over as many streams as our client opens (benchmarks/limits.py).
 A batch of 32 is one put_many/get_many (Mooncake: batch_put_from/batch_get_into; Redis: a pipeline);
 gbps counts the batch's bytes over its median time; p50/p99 are of whole calls.
 `shm` is a same-host client (puts over the daemon's unix socket, gets from its mapped arena),
-`nvme` a same-host client reading the NVMe tier through the tier file's fd (O_DIRECT into
-page-aligned buffers), `nvme-tcp` the same gets forced over TCP (the daemon reads the file).
+`tls` a client over TCP of a second daemon started with --tls-cert (system `tls`), `nvme` a
+same-host client reading the NVMe tier through the tier file's fd (O_DIRECT into page-aligned
+buffers), `nvme-tcp` the same gets forced over TCP (the daemon reads the file).
 Also: `visibility` (put return -> another client's mirror lists the block) and `burst` (256
 concurrent 64 KiB puts over 3 daemons: blocks per node).
 
@@ -165,8 +166,9 @@ def reps_for(block: int, batch: int, quick: bool) -> int:
 
 
 # --- ours --------------------------------------------------------------------------------------
-def start_daemon(etcd: EtcdServer, name: str, dram: str, disk_dir: str | None, disk: str, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--node", name, "--metadata", etcd.url, "--cluster", "bench",
+def start_daemon(etcd: EtcdServer, name: str, dram: str, disk_dir: str | None, disk: str, *extra: str,
+                 cluster: str = "bench") -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--node", name, "--metadata", etcd.url, "--cluster", cluster,
            "--dram", dram, "--lease-ttl", "30", "--insecure", *extra]
     if disk_dir:
         cmd += ["--disk-dir", disk_dir, "--disk", disk]
@@ -177,19 +179,40 @@ def start_daemon(etcd: EtcdServer, name: str, dram: str, disk_dir: str | None, d
     return proc
 
 
-def ours_steps(etcd: EtcdServer, args: argparse.Namespace) -> Iterator[Step]:
+def self_signed(where: str) -> tuple[str, str]:
+    """A key and certificate for 127.0.0.1 (openssl), for the `tls` path's daemon."""
+    key, cert = os.path.join(where, "key.pem"), os.path.join(where, "cert.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days",
+                    "1", "-subj", "/CN=kvstore-bench", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return key, cert
+
+
+def ours_steps(etcd: EtcdServer, args: argparse.Namespace, tls: bool = False) -> Iterator[Step]:
     """Our side of each step (see `side_by_side`): a daemon, a same-host client (`shm`) and one
     forced over TCP (`tcp`); at the 32 x 1 MiB get step also `shm-once` and `shm-unhashed` (the
-    same-host get with KVSTORE_VERIFY=once, its blocks read before, and with no digest at all)."""
+    same-host get with KVSTORE_VERIFY=once, its blocks read before, and with no digest at all).
+    `tls`: also a second daemon started with --tls-cert and a client of it over TCP (`tls`: its
+    control wire inside TLS; the bytes of large puts and gets still go by the Transfer Engine)."""
     daemon = start_daemon(etcd, "bench-dram", "2GiB", None, "0")  # as Mooncake's segment owner
+    daemons = [daemon]
     counter = itertools.count()
     clients: dict[str, Client] = {}
     mirror = IndexMirror(etcd.url, "bench").start()  # one for both clients, as one process would have
+    certs = tempfile.TemporaryDirectory(prefix="kvstore-bench-tls-")
     try:
-        for path in ("shm", "tcp"):
-            client = clients[path] = Client(etcd.url, cluster="bench", fingerprint=FP, mirror=mirror,
-                                            transport="auto" if path == "shm" else "tcp")
-            client.mirror.wait_until(lambda m: "bench-dram" in m.nodes, 10)
+        paths = [("shm", "bench-dram"), ("tcp", "bench-dram")]
+        if tls:
+            key, cert = self_signed(certs.name)
+            daemons.append(start_daemon(etcd, "bench-tls", "2GiB", None, "0", "--tls-cert", cert, "--tls-key", key,
+                                        cluster="bench-tls"))
+            paths.append(("tls", "bench-tls"))
+        for path, node in paths:
+            client = clients[path] = Client(etcd.url, cluster="bench-tls" if path == "tls" else "bench", fingerprint=FP,
+                                            mirror=None if path == "tls" else mirror,
+                                            transport="auto" if path == "shm" else "tcp",
+                                            tls_ca=cert if path == "tls" else None)
+            client.mirror.wait_until(lambda m: node in m.nodes, 10)
             warm = np.zeros(64 * KIB, np.uint8)
             warm_hashes = []
             until = time.monotonic() + WARMUP_S
@@ -233,7 +256,8 @@ def ours_steps(etcd: EtcdServer, args: argparse.Namespace) -> Iterator[Step]:
         for client in clients.values():
             client.close()
         mirror.stop()
-        processes.stop(daemon, grace=15)
+        processes.stop_together(daemons, grace=15)
+        certs.cleanup()
 
 
 def get(client: Client, hashes: list[bytes], outs: list[np.ndarray], verified: VerifiedSlots, rep: int) -> None:
@@ -559,7 +583,7 @@ def limit_steps(args: argparse.Namespace) -> Iterator[Step]:
 def side_by_side(etcd: EtcdServer | None, args: argparse.Namespace, systems: list[str], out: list[Record]) -> None:
     """One round: every system set up at once, then for each block size, batch and op, the systems
     called in turn, one call each per repetition (`interleaved`)."""
-    makers = {"kvstore": lambda: ours_steps(etcd, args), "mooncake": lambda: mooncake_steps(args),
+    makers = {"kvstore": lambda: ours_steps(etcd, args, tls="tls" in systems), "mooncake": lambda: mooncake_steps(args),
               "redis": lambda: redis_steps(args), "limits": lambda: limit_steps(args)}
     running = [makers[name]() for name in makers if name in systems]
     try:
@@ -634,6 +658,7 @@ def ratios(records: list[Record], nvme: dict) -> list[tuple[str, float | None]]:
     ]
     # How close each batch call comes to this machine's limit: no target, the context for the ratios.
     memcpy, loopback = get("limit", "memcpy", "copy", MIB, BATCH), get("limit", "loopback", "copy", MIB, BATCH)
+    tls_64k, tcp_64k = find("kvstore", "tls", "put", 64 * KIB, 1), find("kvstore", "tcp", "put", 64 * KIB, 1)
     rows += [
         ("shm batch put / memcpy 1M (limit)", ratio(get("kvstore", "shm", "put", MIB, BATCH), memcpy)),
         ("shm batch get / memcpy 1M (limit)", ratio(get("kvstore", "shm", "get", MIB, BATCH), memcpy)),
@@ -642,6 +667,13 @@ def ratios(records: list[Record], nvme: dict) -> list[tuple[str, float | None]]:
         ("tcp batch put / loopback TCP 1M (limit)", ratio(get("kvstore", "tcp", "put", MIB, BATCH), loopback)),
         ("tcp batch get / loopback TCP 1M (limit)", ratio(get("kvstore", "tcp", "get", MIB, BATCH), loopback)),
         ("mooncake batch put / loopback TCP 1M (limit)", ratio(get("mooncake", "tcp", "put", MIB, BATCH), loopback)),
+        # The control wire inside TLS (--tls-cert) against the same wire in the clear: what TLS costs.
+        ("tls single put 64K p50 / tcp single put 64K p50", None if tls_64k is None or tcp_64k is None
+         else tls_64k.p50_us / tcp_64k.p50_us),
+        ("tls batch put / tcp batch put 1M", ratio(get("kvstore", "tls", "put", MIB, BATCH),
+                                                  get("kvstore", "tcp", "put", MIB, BATCH))),
+        ("tls batch get / tcp batch get 1M", ratio(get("kvstore", "tls", "get", MIB, BATCH),
+                                                  get("kvstore", "tcp", "get", MIB, BATCH))),
     ]
     for path, target in (("nvme", "0.9"), ("nvme-tcp", "0.7")):
         for block in (MIB, 4 * MIB):  # the median of the paired passes' ratios (bench_nvme)
@@ -713,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.store", description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--systems", default="kvstore,nvme,visibility,burst,mooncake,redis,limits")
+    parser.add_argument("--systems", default="kvstore,tls,nvme,visibility,burst,mooncake,redis,limits")
     parser.add_argument("--disk-dir", default=None, help="where the NVMe tier lives (default: the temp dir)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="paired rounds of ours and the peers (default 3; 1 with --quick)")

@@ -119,7 +119,7 @@ def test_store_quick(run_benchmark):
     assert_clean(run)
     doc = run.records
     have = {(r["system"], r["path"], r["op"], r["block_bytes"], r["batch"]): r for r in doc["records"]}
-    for path in ("shm", "tcp"):
+    for path in ("shm", "tcp", "tls"):  # tls: the control wire of a --tls-cert daemon
         for op in ("put", "get"):
             for block in (64 * KIB, MIB, 4 * MIB):
                 for batch in (1, 32):
