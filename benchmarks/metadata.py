@@ -1,6 +1,8 @@
 """Metadata benchmark against a real local etcd: batched vs one-per-block publishing, index
 mirror snapshot load (rate, vs etcd handing over the same keys with no decoding), convergence
-after a publish, match() latency against a large index, mirror memory per block.
+after a publish, match() latency against a large index, mirror memory per block, and a mirror
+scoped to one small model's fingerprint (`IndexMirror(fingerprints=...)`) in that large index:
+its load time and memory against the whole mirror's.
 
     python -m benchmarks.metadata [--json PATH] [--blocks 1000000] [--quick]
 
@@ -31,6 +33,8 @@ from kvstore_testing.etcd import EtcdServer
 from benchmarks.records import write_json
 
 FP = ModelFingerprint("bench-model", "float16", 128, 32, 8, 128)
+SMALL = ModelFingerprint("bench-small-model", "float16", 128, 16, 8, 128)  # the scoped mirror's model
+SMALL_BLOCKS = 10_000
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -38,8 +42,8 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
 
 
-def records(start: int, count: int) -> list[tuple[bytes, BlockRecord]]:
-    hashes = external_hashes(range(start, start + count), FP)
+def records(start: int, count: int, fp: ModelFingerprint = FP) -> list[tuple[bytes, BlockRecord]]:
+    hashes = external_hashes(range(start, start + count), fp)
     return [(h, BlockRecord("dram", 1, (start + i) * 4096, 4096, (start + i).to_bytes(32, "little")))
             for i, h in enumerate(hashes)]
 
@@ -61,14 +65,14 @@ async def publish_rates(url: str, layout: Layout, batched_blocks: int, single_bl
             "publish_batched_over_single": batched / single}
 
 
-async def fill(url: str, layout: Layout, total: int, node: str) -> NodeSession:
-    """Publish `total` blocks with a few transactions in flight at once."""
+async def fill(url: str, layout: Layout, total: int, node: str, fp: ModelFingerprint = FP) -> NodeSession:
+    """Publish `total` blocks of `fp` with a few transactions in flight at once."""
     session = NodeSession(open_metadata(url), layout, NodeRecord(node, "x"), ttl=600)
     await session.start()
     chunk, in_flight = 128 * 8, 8
     starts = list(range(0, total, chunk))
     for i in range(0, len(starts), in_flight):
-        await asyncio.gather(*[session.publish(FP.digest, records(s, min(chunk, total - s)))
+        await asyncio.gather(*[session.publish(fp.digest, records(s, min(chunk, total - s), fp))
                                for s in starts[i : i + in_flight]])
     return session
 
@@ -148,6 +152,28 @@ def mirror_memory(url: str, cluster: str) -> dict:
     return {"mirror_blocks": blocks, "mirror_bytes_per_block": held / max(blocks, 1)}
 
 
+def scoped_mirror(url: str, cluster: str, full_seconds: float, full_bytes_per_block: float, total: int) -> dict:
+    """A mirror of SMALL's blocks only, in the index that also holds FP's `total`: load time (no
+    tracemalloc), then its memory (tracemalloc), each against the whole mirror's."""
+    gc.collect()
+    started = time.perf_counter()
+    mirror = IndexMirror(url, cluster, timeout=10, fingerprints=[SMALL]).start(wait=600)
+    seconds = time.perf_counter() - started
+    blocks = mirror.block_count
+    mirror.stop()
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    mirror = IndexMirror(url, cluster, timeout=10, fingerprints=[SMALL]).start(wait=600)
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    mirror.stop()
+    return {"scoped_mirror_blocks": blocks, "scoped_load_seconds": seconds,
+            "scoped_load_over_full": seconds / full_seconds, "scoped_mirror_bytes": held,
+            "scoped_bytes_over_full": held / (full_bytes_per_block * (total + blocks))}
+
+
 def match_latency(mirror: IndexMirror, total: int) -> dict:
     out = {}
     for length in (16, 256, 4096):
@@ -198,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
 
         async def do_fill():
             await fill(etcd.url, layout, total, "bulk")
+            await fill(etcd.url, layout, SMALL_BLOCKS, "small", SMALL)
 
         asyncio.run(do_fill())
         results["fill_seconds"] = time.perf_counter() - started
@@ -206,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         results.update(snapshot_load(etcd.url, "bench"))
         results["load_over_raw_fetch"] = results["snapshot_load_blocks_per_s"] / results["raw_fetch_blocks_per_s"]
         results.update(mirror_memory(etcd.url, "bench"))
+        results.update(scoped_mirror(etcd.url, "bench", results["snapshot_load_seconds"],
+                                     results["mirror_bytes_per_block"], total))
         mirror = IndexMirror(etcd.url, "bench", timeout=10).start(wait=600)
         print("match() latency ...", flush=True)
         results.update(match_latency(mirror, total))

@@ -70,10 +70,15 @@ class WatchCompacted(MetadataError):
 class InvalidRecord(MetadataError, ValueError):
     """A stored record cannot be decoded (wrong version, truncated, corrupt)."""
 
+
+class NotMirrored(KVStoreError, LookupError):
+    """A question about a fingerprint outside an index mirror's scope (`IndexMirror(fingerprints=...)`):
+    it holds no blocks of it, so it cannot say whether any node does."""
+
 __all__ += [
     "KVStoreError", "InvalidFingerprint", "FingerprintMismatch", "InvalidTokens", "MetadataError",
     "MetadataUnavailable", "MetadataTimeout", "InvalidKey", "InvalidValue", "ValueTooLarge", "LeaseExpired",
-    "WatchCompacted", "InvalidRecord"
+    "WatchCompacted", "InvalidRecord", "NotMirrored"
 ]
 
 

@@ -60,7 +60,8 @@ class Client:
                  fingerprint: ModelFingerprint | None = None, secret: str | None = None, timeout: float = 5.0,
                  replicas: int | None = None, mirror: IndexMirror | None = None, transport: str = "auto",
                  tls_ca: str | None = None, publish: str = "async", tenant: str | None = None,
-                 repair: bool = False, wire_codec: str | None = None) -> None:
+                 repair: bool = False, wire_codec: str | None = None,
+                 mirror_fingerprints: Iterable[ModelFingerprint | str] | None = None) -> None:
         self.fingerprint, self.timeout = fingerprint, timeout
         # Same-host DRAM slots this client verified (KVSTORE_VERIFY=once: re-reads skip the hash);
         # first, so that a bad setting fails before anything is started.
@@ -96,7 +97,9 @@ class Client:
         # node's next publish batch); "sync": once the node has published it to the metadata service.
         self.publish = publish
         self._own_mirror = mirror is None
-        self.mirror = mirror or IndexMirror(metadata, cluster, timeout=timeout).start()
+        # `mirror_fingerprints`: this client's own mirror keeps those models' blocks only (its
+        # memory and load time follow them, not the cluster); others raise NotMirrored.
+        self.mirror = mirror or IndexMirror(metadata, cluster, timeout=timeout, fingerprints=mirror_fingerprints).start()
         # Given, else KVSTORE_SECRET, else what `kvstore serve` generated for this cluster (same user).
         secret, self.secret_source = client_secret(cluster, secret)
         self.engine = Engine(f"client-{os.getpid()}-{uuid.uuid4().hex[:6]}", listen=None, secret=secret,

@@ -19,12 +19,12 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from ..aio import bounded, quiet, shared_loop
-from ..errors import InvalidRecord, KVStoreError, MetadataError, MetadataUnavailable, WatchCompacted
+from ..errors import InvalidRecord, KVStoreError, MetadataError, MetadataUnavailable, NotMirrored, WatchCompacted
 from ..keys import ModelFingerprint
 from ..metadata import Metadata, Page, WatchEvent, check_metadata_url, open_metadata, prefix_end
 from ..outage_log import OutageLog
@@ -87,9 +87,15 @@ class IndexMirror:
     """Mirror of one cluster's index, kept current by a task on the shared background loop."""
 
     def __init__(self, metadata_url: str, cluster: str = "default", *, stale_after: float = 3.0,
-                 timeout: float = 5.0, verifier: RecordVerifier | None = None) -> None:
+                 timeout: float = 5.0, verifier: RecordVerifier | None = None,
+                 fingerprints: Iterable[ModelFingerprint | str] | None = None) -> None:
         check_metadata_url(metadata_url)  # a typo fails here, at once, not after the first load's timeout
         self.url, self.layout = metadata_url, Layout(cluster)
+        # A scoped mirror (a host whose engines serve a few models) loads and keeps the blocks of
+        # these fingerprints only: its memory and its load time follow them, not the cluster. A
+        # question about any other fingerprint raises NotMirrored instead of answering "none".
+        self.scope: frozenset[str] | None = None if fingerprints is None else \
+            frozenset(_fingerprint_id(f) for f in fingerprints)
         self.stale_after, self.timeout = stale_after, timeout
         self.tables = MirrorTables(self.layout)  # node numbers, placements, applying changes
         self._root, self._blocks_prefix = self.tables.root, self.tables.blocks_prefix
@@ -202,13 +208,21 @@ class IndexMirror:
         """Index entries ignored as malformed."""
         return self.tables.malformed
 
+    def _mirrored(self, fingerprint: ModelFingerprint | str) -> str:
+        """The fingerprint's index id; NotMirrored when it is outside this mirror's scope."""
+        fp = _fingerprint_id(fingerprint)
+        if self.scope is not None and fp not in self.scope:
+            raise NotMirrored(f"this index mirror holds {len(self.scope)} fingerprint(s) only (fingerprints=...), "
+                              f"not {fp[:80]!r}: mirror it too, or use a mirror of the whole cluster")
+        return fp
+
     def match(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes]) -> Match:
         """How many leading `hashes` are cached anywhere, and where each of them is."""
         loading = self._loading
         return Match(self._prefix_ids(fingerprint, hashes), self.tables.placements, self.stale, loading)
 
     def _prefix_ids(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes]) -> np.ndarray:
-        table = self._snapshot.blocks.get(_fingerprint_id(fingerprint))
+        table = self._snapshot.blocks.get(self._mirrored(fingerprint))
         if table is None or not hashes:
             return NO_IDS
         return table.prefix(hashes)  # native, also for a few blocks: cheaper than dict lookups here
@@ -234,7 +248,7 @@ class IndexMirror:
 
     def contains(self, fingerprint: ModelFingerprint | str, block_hash: bytes) -> bool:
         """Whether any node holds the block (no record decoding)."""
-        table = self._snapshot.blocks.get(_fingerprint_id(fingerprint))
+        table = self._snapshot.blocks.get(self._mirrored(fingerprint))
         return table is not None and block_hash in table.records
 
     def lookup(self, fingerprint: ModelFingerprint | str, block_hash: bytes,
@@ -243,7 +257,7 @@ class IndexMirror:
         the records whose seal is their node's: the others are dropped and counted
         (`refused_records`). Whoever reads bytes by a record passes one; who only counts or
         routes need not (a forged record costs them a miss at most)."""
-        fp = _fingerprint_id(fingerprint)
+        fp = self._mirrored(fingerprint)
         table = self._snapshot.blocks.get(fp)
         entry = None if table is None else table.records.get(block_hash)
         if entry is None:
@@ -318,6 +332,8 @@ class IndexMirror:
     def _learn(self, fingerprint: ModelFingerprint | str, node: str, kind: str,
                blocks: list[tuple[bytes, bytes]], since: int | None = None) -> None:
         fp, bad = _fingerprint_id(fingerprint), None
+        if self.scope is not None and fp not in self.scope:
+            return  # not kept here (a put's answer about another model)
         with self._apply_lock:
             snaps = list({id(s): s for s in (self._snapshot, self._fresh) if s is not None}.values())
             if since is not None:  # a snapshot read at a revision after `since` folded in news unseen
@@ -417,7 +433,12 @@ class IndexMirror:
             with self._apply_lock:
                 self.tables.load_page(snap, page)
 
-        await load_prefix(metadata, self._blocks_prefix, revision, take, timeout=self.timeout)
+        if self.scope is None:
+            await load_prefix(metadata, self._blocks_prefix, revision, take, timeout=self.timeout)
+        else:  # one range per fingerprint, all at the same revision
+            for fp in sorted(self.scope):
+                await load_prefix(metadata, self._blocks_prefix + fp.encode() + b"/", revision, take,
+                                  timeout=self.timeout)
         return snap, revision
 
     async def _sync_and_watch(self, metadata: Metadata) -> None:
@@ -508,6 +529,10 @@ class IndexMirror:
 
     def _on_event(self, event: WatchEvent) -> None:
         """One event into the current snapshot (the caller holds _apply_lock)."""
+        if self.scope is not None and event.key.startswith(self._blocks_prefix) and \
+                event.key[len(self._blocks_prefix):].split(b"/", 1)[0].decode(errors="replace") not in self.scope:
+            self._applied = max(self._applied, event.revision)  # another model's block: not kept here
+            return
         try:
             replica = self.tables.apply(self._snapshot, event.kind, event.key, event.value)
         except (InvalidRecord, ValueError, UnicodeDecodeError) as exc:

@@ -111,6 +111,9 @@ def test_metadata_quick(run_benchmark):
         for key in (f"match_{length}_p50_us", f"match_{length}_p99_us", f"node_prefix_{length}_p50_us"):
             assert positive(results.get(key)), (key, results.get(key))
     assert results["mirror_blocks"] >= 100_000 and run.records["meta"]["index_blocks"] == 100_000
+    # A mirror scoped to the small model holds its 10,000 blocks only, in a fraction of the memory.
+    assert results["scoped_mirror_blocks"] == 10_000 and 0 < results["scoped_bytes_over_full"] < 0.5, results
+    assert positive(results["scoped_load_seconds"])
 
 
 @needs_etcd

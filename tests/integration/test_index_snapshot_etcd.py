@@ -73,3 +73,54 @@ def test_load_at_one_revision_while_nodes_publish_and_unpublish(etcd_server, mon
         await md.close()
 
     asyncio.run(scenario())
+
+
+def test_a_mirror_scoped_to_one_model_keeps_only_its_blocks(etcd_server):
+    """`IndexMirror(fingerprints=[m1])` against a real etcd holding m1's and m2's blocks: its snapshot
+    and its watch keep m1's only, and a question about m2 raises NotMirrored. Kills: a scoped
+    mirror that loads the whole blocks prefix, one that applies another model's watch events, and
+    one that answers "not held" about a model it does not mirror (a silent miss)."""
+    import pytest
+
+    from kvstore.errors import NotMirrored
+
+    layout = Layout(uuid.uuid4().hex[:8])
+    m1, m2 = FPS
+
+    def rec(i: int) -> BlockRecord:
+        return BlockRecord("dram", 1, i, 1, i.to_bytes(32, "little"))
+
+    async def publish(session: NodeSession, fp, start: int, count: int) -> int:
+        return await session.publish(fp.digest, [(h, rec(i)) for i, h in
+                                                 enumerate(external_hashes(range(start, start + count), fp))])
+
+    async def scenario() -> None:
+        session = NodeSession(open_metadata(etcd_server.url), layout, NodeRecord("a", "a"), ttl=60)
+        await session.start()
+        await publish(session, m1, 0, 300)
+        await publish(session, m2, 0, 500)
+        scoped = await asyncio.to_thread(IndexMirror(etcd_server.url, layout.cluster, fingerprints=[m1]).start)
+        whole = await asyncio.to_thread(IndexMirror(etcd_server.url, layout.cluster).start)
+        try:
+            assert await asyncio.to_thread(scoped.wait_until, lambda m: m.block_count == 300, 10)
+            assert await asyncio.to_thread(whole.wait_until, lambda m: m.block_count == 800, 10)
+            await publish(session, m2, 500, 200)  # another model's news: not kept
+            revision = await publish(session, m1, 300, 20)
+            assert await asyncio.to_thread(scoped.wait_for_revision, revision, 10)
+            assert await asyncio.to_thread(whole.wait_for_revision, revision, 10)
+            assert scoped.block_count == 320 and whole.block_count == 1020
+            hashes = external_hashes(range(320), m1)
+            assert scoped.match(m1, hashes).length == 320 and scoped.contains(m1, hashes[-1])
+            assert "a" in scoped.lookup(m1, hashes[0])
+            for question in (lambda: scoped.match(m2, external_hashes(range(4), m2)),
+                             lambda: scoped.contains(m2, external_hashes([1], m2)[0]),
+                             lambda: scoped.lookup(m2, external_hashes([1], m2)[0])):
+                with pytest.raises(NotMirrored, match="fingerprint"):
+                    question()
+            assert scoped.nodes.keys() == whole.nodes.keys() == {"a"}  # nodes and segments: all of them
+        finally:
+            scoped.stop()
+            whole.stop()
+            await session.close()
+
+    asyncio.run(scenario())
