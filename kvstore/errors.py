@@ -147,7 +147,7 @@ class InsecureFile(InvalidConfig):
 
 
 class AccessDenied(KVStoreError, PermissionError):
-    """A tenant asked for a fingerprint that is not its own (gRPC PERMISSION_DENIED, wire code 'denied')."""
+    """A tenant asked for a fingerprint that is not its own (wire code 'denied')."""
 
 
 __all__ += ["AllocationFailed", "InvalidRequest", "WrongSize", "NoStoreNodes", "PutFailed", "NodeRefused",

@@ -163,7 +163,7 @@ class Frames:
             self.sock.settimeout(max(left, 0.0))
             try:
                 return self.sock.recv_into(view)
-            except (BlockingIOError, ssl.SSLWantReadError):  # past the deadline and nothing buffered
+            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):  # past the deadline, nothing buffered
                 raise TimeoutError("no data before the deadline") from None
             finally:
                 self.sock.settimeout(self.timeout)
@@ -272,7 +272,10 @@ def connect(name: str, secret: bytes, client: str, timeout: float, connect_timeo
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.connect((host, port))
             if tls is not None:
-                sock = tls.wrap_socket(sock, server_hostname=host)  # the TLS handshake, within `within`
+                try:
+                    sock = tls.wrap_socket(sock, server_hostname=host)  # the TLS handshake, within `within`
+                except (ssl.SSLEOFError, ssl.SSLZeroReturnError) as exc:  # closed by the node mid-handshake
+                    raise ConnectionError(f"connection closed during the TLS handshake: {exc}") from None
         else:
             sock.connect(unix_address(name))
         session = client_handshake(sock, secret, "ctl", client, wire="plain", timeout=within, tenant=tenant)

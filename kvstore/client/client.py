@@ -5,7 +5,7 @@ The client is a thin face over its parts:
   same host first, then by DRAM use (counting this client's puts in flight and the use each node
   reported in its last reply); small rounds go in one control round trip with their bytes (same
   host: an authenticated unix socket, received straight into the node's DRAM arena; other hosts:
-  the TCP wire or gRPC), large ones Reserve (or take leased slots) -> write with the Transfer Engine
+  the same wire over TCP, or TLS), large ones Reserve (or take leased slots) -> write with the Transfer Engine
   straight into the node's memory -> Commit. The node verifies the digest, seals and queues the
   index update; the putting client's own mirror learns the block at once (read-your-writes, unless
   a watch event about the block came first: see the docs), other clients when the node's next
@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 import uuid
 from typing import Any, Callable, Collection, Iterable, Sequence
 
@@ -53,6 +54,20 @@ STRIPE_BYTES = 512 << 10  # a 1 MiB block goes out as two 512 KiB pieces in para
 __all__ = ["AsyncClient", "Client", "KeyPut", "PutResult", "host_bytes"]
 
 
+def _tls_context(path: str | None) -> ssl.SSLContext | None:
+    """A TLS client context trusting the PEM roots `tls_ca` names; InvalidConfig when they cannot
+    be read or are not PEM certificates."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return ssl.create_default_context(cadata=f.read().decode())
+    except OSError as exc:
+        raise InvalidConfig(f"tls_ca: cannot read {path}: {exc.strerror}") from None
+    except (ssl.SSLError, UnicodeDecodeError, ValueError) as exc:
+        raise InvalidConfig(f"tls_ca: {path} holds no PEM certificates ({exc})") from None
+
+
 class Client:
     """Synchronous client; `AsyncClient` wraps it for asyncio callers."""
 
@@ -66,6 +81,7 @@ class Client:
         # Same-host DRAM slots this client verified (KVSTORE_VERIFY=once: re-reads skip the hash);
         # first, so that a bad setting fails before anything is started.
         verified = VerifiedSlots()
+        tls = _tls_context(tls_ca)
         # "lz4": gets from nodes on other hosts (or over forced TCP) go over the framed wire with the
         # blocks coded by the node where that gains (kvstore.codec), decoded and checked here. For
         # slow links; on a fast one the node's coding costs more than the bytes it saves.
@@ -114,7 +130,7 @@ class Client:
                                       "reads_unhashed": 0, "refused_records": 0, "control_fallbacks": 0}
         self.links = NodeLinks(self.engine, self.mirror, timeout=timeout, transport=transport, secret=self._secret,
                                secret_source=self.secret_source, tenant=self.tenant,
-                               tls_roots=open(tls_ca, "rb").read() if tls_ca else None, stats=self.stats)
+                               tls=tls, stats=self.stats)
         self.puts = PutPipeline(self.links, publish=publish, repair=repair)
         self.reads = ReadPipeline(self.links, self._records, verified, wire_codec=self.wire_codec)
         self.closed = False

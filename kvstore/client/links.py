@@ -45,11 +45,10 @@ class NodeLinks:
     engine, the mirror, placement (which nodes are down), leased slots and the client's counters."""
 
     def __init__(self, engine: Engine, mirror: IndexMirror, *, timeout: float, transport: str, secret: bytes,
-                 secret_source: str, tenant: str, tls_roots: bytes | None, stats: dict[str, int]) -> None:
+                 secret_source: str, tenant: str, tls: ssl.SSLContext | None, stats: dict[str, int]) -> None:
         self.engine, self.mirror, self.timeout, self.transport = engine, mirror, timeout, transport
         self.secret, self.secret_source, self.tenant = secret, secret_source, tenant
-        # The TCP wire over TLS, the node's certificate checked against these roots (PEM)
-        self.tls = ssl.create_default_context(cadata=tls_roots.decode()) if tls_roots is not None else None
+        self.tls = tls  # the TCP wire over TLS, the node's certificate checked against its roots
         self.stats = stats
         self.nodes: dict[str, NodeLink] = {}
         self.lock = threading.Lock()
@@ -167,6 +166,9 @@ class NodeLinks:
         if tls and self.tls is None:
             raise InvalidConfig(f"node {name}'s control wire speaks TLS (kvstore serve --tls-cert): give this client "
                                 "the PEM roots that signed its certificate (Client(tls_ca=...), --tls-ca)")
+        if scheme and self.tls is not None and not tls:  # asked for TLS: never in the clear instead
+            raise InvalidConfig(f"node {name}'s control wire runs in the clear (no --tls-cert) and this client was "
+                                "given TLS roots (tls_ca): start the node with --tls-cert, or drop tls_ca")
         with self.lock:
             node = pool.get(name)
             if node is not None and node.address == address and not node.closed:
@@ -199,7 +201,7 @@ class NodeLinks:
     def abort(self, name: str, tokens: list[int]) -> None:
         """Give reserved or leased slots back to `name`; best effort (the node reclaims them at expiry)."""
         try:
-            self.control(name).call({"op": "abort", "tokens": tokens})
+            self.control(name).call({"op": "abort", "tokens": tokens}, wait=False)
         except (KVStoreError, OSError, ValueError) as exc:
             log.debug("giving slots back to %s failed: %s", name, exc)
 

@@ -20,7 +20,7 @@ from ..errors import AccessDenied, AllocationFailed, AuthenticationFailed, Conne
 from ..index.records import MAX_BLOCK_BYTES, BlockRecord
 from ..seals import SealView
 from ..spin import spin_for
-from ..wire import REPLY_SPIN_S, Frames, connect
+from ..wire import REPLY_SPIN_S, TCP_SCHEME, Frames, connect
 
 LOCAL_CONNECTIONS = 32  # idle same-host connections kept per node (one per concurrent caller)
 POOLED_IDLE_S = 60.0  # a pooled connection idle longer is dropped: the node closes them after 120 s
@@ -57,13 +57,15 @@ class LocalNode:
         self._seals: SealView | None = None
         self._seals_checked = float("-inf")
         self.closed = False
-        self.reached = False  # a connection to it was made at least once
 
     def call(self, message: dict, attachments: Sequence = (), want_fd: bool = False,
-             timeout: float | None = None) -> tuple[dict, int | None]:
+             timeout: float | None = None, wait: bool = True) -> tuple[dict, int | None]:
         """One request and its reply (and fd) within `timeout` (default: this node's). Raises the
-        typed error a refusal maps to."""
-        frames = self._pooled() or self._connect_waiting(time.monotonic() + (timeout or self.timeout))
+        typed error a refusal maps to. A node with no connection for us is waited for within this
+        node's timeout (not a sync put's longer answer time); not at all without `wait` (best-effort
+        calls: hit reports, slots given back)."""
+        waited = min(timeout or self.timeout, self.timeout) if wait else 0.0
+        frames = self._pooled() or self._connect_waiting(time.monotonic() + waited)
         fd = None
         try:
             frames.send(message, attachments)  # each send bounded by the socket's timeout
@@ -100,16 +102,17 @@ class LocalNode:
         """A new connection; while the node admits none, one of ours back in the pool, until
         `deadline` (then what the last attempt raised). Not admitted: refused after the handshake
         (ConnectionsExhausted), or closed during it, where a TCP wire's handshake slots are all
-        taken (a stalled one gives its slot to a newcomer after transfer.listener.STALE_HANDSHAKE_S)."""
-        pauses = iter(BUSY_PAUSES_S)
+        taken (a stalled one gives its slot to a newcomer after transfer.listener.STALE_HANDSHAKE_S).
+        A same-host socket that closes during the handshake refused this user: not tried again."""
+        pauses, tcp = iter(BUSY_PAUSES_S), self.address.startswith(TCP_SCHEME)
         while True:
             try:
-                return self._connect(None)
+                return self._connect(max(0.05, deadline - time.monotonic()))
             except ConnectionRefusedError:
                 raise  # nothing listens there: the node is down
-            except (ConnectionsExhausted, ConnectionError):
+            except (ConnectionsExhausted, ConnectionError) as exc:
                 pause = next(pauses, BUSY_PAUSES_S[-1])
-                if time.monotonic() + pause > deadline:
+                if time.monotonic() + pause > deadline or not (tcp or isinstance(exc, ConnectionsExhausted)):
                     raise
             time.sleep(pause)  # a backoff bounded by the caller's deadline, not a wait for a signal
             if (frames := self._pooled()) is not None:
@@ -163,10 +166,6 @@ class LocalNode:
             raise self.refusal(reply)
         return reply, parts
 
-    def warm(self, timeout: float) -> None:
-        """Open one connection now, within `timeout`, and pool it; raises what connecting raises."""
-        self._pool(self._connect(timeout))
-
     def _connect(self, connect_timeout: float | None) -> Frames:
         try:
             frames = connect(self.address, self._secret, self._client, self.timeout, connect_timeout=connect_timeout,
@@ -178,7 +177,6 @@ class LocalNode:
             whose = f"tenant {self._tenant!r}'s secret" if self._tenant else "cluster secret"
             raise AuthenticationFailed(f"node {self.name} refused this client's {whose} "
                                        f"(from {self._secret_source or 'the caller'}): {exc}") from None
-        self.reached = True
         return frames
 
     def _pool(self, frames: Frames, keep: bool = True) -> None:
@@ -251,10 +249,9 @@ class InProcessNode(LocalNode):
                  timeout: float) -> None:
         super().__init__(name, f"in-process:{name}", b"", "", timeout)
         self._answer = answer
-        self.reached = True
 
     def call(self, message: dict, attachments: Sequence = (), want_fd: bool = False,
-             timeout: float | None = None) -> tuple[dict, int | None]:
+             timeout: float | None = None, wait: bool = True) -> tuple[dict, int | None]:
         reply, fd, _ = self._answer(message, attachments)
         if fd is not None and not (want_fd and reply.get("ok")):
             os.close(fd)
@@ -270,9 +267,6 @@ class InProcessNode(LocalNode):
         if not reply.get("ok"):
             raise self.refusal(reply)
         return reply, [bytearray(p) for p in parts]  # copies: a slot may be reused once this returns
-
-    def warm(self, timeout: float) -> None:
-        return None
 
 
 def read_block(tier: TierFile, record: BlockRecord, segments: list[tuple[Region, int, int]]) -> bool:

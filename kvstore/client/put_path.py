@@ -4,7 +4,7 @@
   then by DRAM use: `placement`), in rounds that stay well inside the node's DRAM; a node that fails
   is marked down and the keys it did not take go to the next.
 - **small rounds** (`put_inline`): one control call carrying the bytes (same host: the unix socket,
-  received straight into the node's arena; other hosts: the TCP wire or gRPC).
+  received straight into the node's arena; other hosts: the same wire over TCP, or TLS).
 - **large rounds**: `reserve` slots (or take slots an earlier commit leased), `write` the bytes with
   the engine straight into the node's memory, `commit` them (asking for slots for the next put of
   this shape).
@@ -22,6 +22,7 @@ from typing import Any, Collection
 from transfer import Region, TransferError, TransferTimeout, Write
 
 from ..errors import (
+    InvalidConfig,
     AccessDenied,
     AllocationFailed,
     AuthenticationFailed,
@@ -148,7 +149,7 @@ class PutPipeline:
                         if strict and done.refused:
                             first = next(iter(done.refused.values()))
                             raise PutFailed(f"{name} refused {len(done.refused)} of {len(round_keys)} blocks: {first}")
-                except (AuthenticationFailed, AccessDenied, PutFailed):
+                except (AuthenticationFailed, AccessDenied, InvalidConfig, PutFailed):
                     raise  # a configuration error, not a dead node (PutFailed: strict only)
                 except AllocationFailed as exc:
                     if strict and not self.repair:

@@ -242,6 +242,6 @@ class ReadPipeline:
         """Send one hit report to `name` (HitReports' sender); best effort."""
         try:
             self.links.control(name).call({"op": "touch", "fp": fp, "hashes": [h.hex() for h in hits],
-                                           "corrupt": [h.hex() for h in corrupt]})
+                                           "corrupt": [h.hex() for h in corrupt]}, wait=False)
         except (KVStoreError, TransferError, OSError, ValueError) as exc:
             log.debug("touch to %s failed: %s", name, exc)

@@ -16,7 +16,7 @@ frame names each block's BLAKE3 digest, which the daemon verifies before sealing
 TLS they travel in the clear. The NVMe tier's fd is only handed out over the unix socket.
 
 A client authenticated as a tenant may name only that tenant's fingerprints (`tenant:...`) in a
-put, reserve, commit or lookup (else code `denied`), and the slots it reserves or leases are
+put, reserve, commit, lookup, read, touch or remove (else code `denied`), and the slots it reserves or leases are
 granted to its engine under its tenant-scoped identity only.
 
 Admission: right after the handshake the node sends one frame, {ok: true}, or {ok: false, code:

@@ -8,11 +8,6 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ..tiers.journal import REASONS as JOURNAL_REASONS
 
-OPS = ("reserve", "commit", "put", "abort", "touch", "remove", "lookup", "stats",
-       "local_put", "local_reserve", "local_commit", "local_abort", "local_tier", "local_lookup",
-       "wire_put", "wire_reserve", "wire_commit", "wire_abort", "wire_lookup")
-
-
 class DaemonMetrics:
     """Counters live in the BlockStore's dict; this turns them (and tier and engine state) into
     Prometheus families at scrape time."""
@@ -22,7 +17,7 @@ class DaemonMetrics:
                  tenant_usage: Callable[[], list[tuple[str, str, int, int | None]]] = lambda: []) -> None:
         self.node = node
         self.registry = CollectorRegistry()
-        self.latency = Histogram("kvstore_op_latency_seconds", "Control RPC latency", ["op"], registry=self.registry,
+        self.latency = Histogram("kvstore_op_latency_seconds", "Store operation latency on the control wire", ["op"], registry=self.registry,
                                  buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0))
         self.publish_delay = Histogram("kvstore_publish_delay_seconds",
                                        "From a sealed block's update being queued to its batch being in etcd",

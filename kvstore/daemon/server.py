@@ -1,7 +1,8 @@
-"""`kvstore serve`: one store daemon — engine, tiers, control service, metrics and node session.
+"""`kvstore serve`: one store daemon — engine, tiers, control wire, admin API, metrics and node session.
 
-Threads: gRPC handlers call the BlockStore and hand index updates to the process's shared asyncio
-loop, which runs the metadata session (lease keep-alive, batched publishes).
+Threads: the control wire's connection threads run the store operations on the BlockStore and hand
+index updates to the process's shared asyncio loop, which runs the metadata session (lease
+keep-alive, batched publishes); gRPC threads serve the admin API.
 """
 from __future__ import annotations
 
@@ -59,10 +60,10 @@ class DaemonConfig:
     node: str
     metadata: str = "memory://default"
     cluster: str = "default"
-    listen: str = "127.0.0.1:0"  # control (gRPC)
+    listen: str = "127.0.0.1:0"  # admin API (gRPC); the TCP control wire listens on its host
     engine_listen: str = "127.0.0.1:0"  # Transfer Engine
     # The framed control wire over TCP, on the host of `listen`: this port (0: any free one; None:
-    # none). Never opened when gRPC runs over TLS (the wire does not encrypt).
+    # none: only clients on this host can use the node). Inside TLS with tls_cert and tls_key.
     wire_port: int | None = 0
     dram_bytes: int = 1 << 30
     disk_dir: str | None = None
@@ -96,7 +97,7 @@ class DaemonConfig:
     timeout: float = 5.0
     promote: bool = True
     admin_token: str | None = None  # required by mutating admin calls when set
-    tls_cert: str | None = None  # PEM files: serve gRPC over TLS when both are given
+    tls_cert: str | None = None  # PEM files: serve gRPC and the TCP control wire over TLS when both are given
     tls_key: str | None = None
     tls_ca: str | None = None  # PEM roots this node trusts when it calls other nodes (drain moves)
 

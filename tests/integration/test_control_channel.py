@@ -133,3 +133,22 @@ def test_a_client_without_the_roots_or_with_others_is_refused(etcd_server, tls_n
         assert wrong.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
         with pytest.raises(AuthenticationFailed, match="certificate does not verify"):
             wrong.put(external_hashes([10], FP)[0], data)
+
+
+def test_a_client_given_roots_never_talks_to_a_node_in_the_clear(etcd_server, spawn_daemon, tmp_path):
+    """Kills: a client given tls_ca that falls back to the clear wire of a node without --tls-cert
+    (or waits out its timeout on the node's reset) instead of refusing in one line; and roots that
+    are not PEM failing with a traceback."""
+    _, cert = certificate(tmp_path, "kvstore-node")
+    cluster = uuid.uuid4().hex[:8]
+    spawn_daemon("plain-node", etcd_server.url, cluster, secret=SECRET)
+    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, tls_ca=str(cert),
+                transport="tcp") as client:
+        assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
+        with pytest.raises(InvalidConfig, match="in the clear"):
+            client.put(external_hashes([11], FP)[0], np.ones(BLOCK, np.uint8))
+    garbage = tmp_path / "not-pem"
+    garbage.write_bytes(b"\x00\x01 not a certificate")
+    for roots in (str(garbage), str(tmp_path / "missing.pem")):
+        with pytest.raises(InvalidConfig, match="tls_ca"):
+            Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, tls_ca=roots)
