@@ -138,17 +138,22 @@ def raw_fetch(url: str, layout: Layout) -> dict:
     return {"raw_fetch_blocks_per_s": count / seconds}
 
 
-def mirror_memory(url: str, cluster: str) -> dict:
-    """Bytes the mirror holds after a full load, by tracemalloc (a separate, slower load)."""
+def held_by_mirror(url: str, cluster: str, fingerprints: list | None = None) -> tuple[int, int]:
+    """(blocks, bytes) a mirror holds after a full load, by tracemalloc (a separate, slower load)."""
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    mirror = IndexMirror(url, cluster, timeout=10).start(wait=600)
+    mirror = IndexMirror(url, cluster, timeout=10, fingerprints=fingerprints).start(wait=600)
     gc.collect()
     held = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     blocks = mirror.block_count
     mirror.stop()
+    return blocks, held
+
+
+def mirror_memory(url: str, cluster: str) -> dict:
+    blocks, held = held_by_mirror(url, cluster)
     return {"mirror_blocks": blocks, "mirror_bytes_per_block": held / max(blocks, 1)}
 
 
@@ -161,14 +166,7 @@ def scoped_mirror(url: str, cluster: str, full_seconds: float, full_bytes_per_bl
     seconds = time.perf_counter() - started
     blocks = mirror.block_count
     mirror.stop()
-    gc.collect()
-    tracemalloc.start()
-    base = tracemalloc.get_traced_memory()[0]
-    mirror = IndexMirror(url, cluster, timeout=10, fingerprints=[SMALL]).start(wait=600)
-    gc.collect()
-    held = tracemalloc.get_traced_memory()[0] - base
-    tracemalloc.stop()
-    mirror.stop()
+    _, held = held_by_mirror(url, cluster, [SMALL])
     return {"scoped_mirror_blocks": blocks, "scoped_load_seconds": seconds,
             "scoped_load_over_full": seconds / full_seconds, "scoped_mirror_bytes": held,
             "scoped_bytes_over_full": held / (full_bytes_per_block * (total + blocks))}

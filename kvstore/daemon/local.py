@@ -190,8 +190,7 @@ class LocalControl:
                  tcp_host: str | None = None, tcp_port: int = 0, tenants: dict[str, bytes] | None = None,
                  tls: ssl.SSLContext | None = None) -> None:
         self.name, self._secret, self.ops = name, secret, ops
-        self._tls = tls  # the TCP socket speaks TLS (the node's --tls-cert) when set
-        self.tls = tls is not None
+        self.tls = tls  # the TCP socket speaks TLS (the node's --tls-cert) when set
         self._node, self.store = ops.node, ops.store
         self._tenants = tenants  # name -> secret of the tenants that may connect besides the cluster
         # Records in replies go sealed, byte for byte as the node publishes them (clients echo them
@@ -322,9 +321,9 @@ class LocalControl:
         raw = conn  # kept open: stalled handshakes and close() shut it down (TLS wraps a duplicate)
         try:
             try:
-                if remote and self._tls is not None:
+                if remote and self.tls is not None:
                     conn.settimeout(self._timeout)
-                    conn = self._tls.wrap_socket(raw.dup(), server_side=True)  # TLS handshake first
+                    conn = self.tls.wrap_socket(raw.dup(), server_side=True)  # TLS handshake first
                 session = server_handshake(conn, self._secret, self._node, wire="plain", timeout=self._timeout,
                                            tenants=self._tenants)
             except BaseException:

@@ -256,7 +256,7 @@ class Daemon:
         segment["kvstore_local"] = self.local.name  # same-host clients' fast path (EngineDescriptor ignores it)
         if self.local.tcp_address:
             segment["kvstore_wire"] = self.local.tcp_address  # the same wire over TCP, for other hosts
-            segment["kvstore_wire_tls"] = self.local.tls  # ... over TLS: a client without roots says so
+            segment["kvstore_wire_tls"] = self.local.tls is not None  # over TLS: a client without roots says so
         self.session = NodeSession(metadata, self.layout, self.node_record(), json.dumps(segment, separators=(",", ":")),
                                    ttl=self.config.lease_ttl, on_lease_lost=self._lease_lost, signer=self.signer)
         # A loaded etcd can miss one deadline (seen when a machine starts many daemons at once): a

@@ -8,7 +8,6 @@ import json
 import socket
 import ssl
 import subprocess
-import threading
 import uuid
 
 import numpy as np
@@ -18,6 +17,8 @@ from kvstore import Client
 from kvstore.errors import AuthenticationFailed, InvalidConfig, KVStoreError
 from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.wire import tcp_endpoint
+
+from .test_engine_hardening import Relay
 
 FP = ModelFingerprint("tiny-llama", "float32", 16, 2, 2, 64, kv_layout="bytes")
 BLOCK = 64 * 1024
@@ -32,42 +33,31 @@ def certificate(tmp_path, name: str) -> tuple:
     return key, cert
 
 
-class Recorder:
-    """A TCP relay that keeps every byte the client sends: what someone on the path reads."""
+class Recorder(Relay):
+    """A relay (test_engine_hardening's, injecting nothing) that keeps every byte the client sends:
+    what someone on the path reads."""
 
     def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream, self.seen = upstream, bytearray()
-        self._server = socket.create_server(("127.0.0.1", 0))
-        self.port = self._server.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.seen = bytearray()
+        super().__init__(*upstream, forged=b"")
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._server.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.upstream, timeout=10)
-            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+    def _pump(self, src: socket.socket, dst: socket.socket, to_server: bool) -> None:
+        super()._pump(_Kept(src, self.seen) if to_server else src, dst, to_server)
 
-    def _pump(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
-        try:
-            while chunk := src.recv(1 << 16):
-                if record:
-                    self.seen += chunk
-                dst.sendall(chunk)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
-    def close(self) -> None:
-        self._server.close()
+class _Kept:
+    """`sock`, the bytes received from it also appended to `seen`."""
+
+    def __init__(self, sock: socket.socket, seen: bytearray) -> None:
+        self._sock, self._seen = sock, seen
+
+    def recv(self, n: int) -> bytes:
+        data = self._sock.recv(n)
+        self._seen += data
+        return data
+
+    def __getattr__(self, name: str):
+        return getattr(self._sock, name)
 
 
 @pytest.fixture

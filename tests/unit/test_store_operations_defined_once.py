@@ -20,28 +20,27 @@ STORE_OPERATIONS = {"reserve", "commit_and_lease", "commit_reserved", "abort", "
 OPERATIONS = {"reserve", "commit", "begin_put", "finish_put", "abort", "lookup", "touch", "remove"}
 
 
-def store_calls(path: Path) -> list[str]:
-    """`X.store.NAME(...)` and `store.NAME(...)` calls of a store operation in `path`."""
+def calls(path: Path, owner: str, names: set[str]) -> list[str]:
+    """`X.<owner>.NAME(...)` and `<owner>.NAME(...)` calls in `path`, NAME one of `names`, as
+    "file:line owner.NAME" (the file relative to the package)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in STORE_OPERATIONS:
-            owner = node.func.value
-            if (isinstance(owner, ast.Attribute) and owner.attr == "store") or \
-                    (isinstance(owner, ast.Name) and owner.id == "store"):
-                found.append(f"{path.name}:{node.lineno} store.{node.func.attr}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names:
+            value = node.func.value
+            if (isinstance(value, ast.Attribute) and value.attr == owner) or \
+                    (isinstance(value, ast.Name) and value.id == owner):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {owner}.{node.func.attr}")
     return found
+
+
+def store_calls(path: Path) -> list[str]:
+    """Calls of the BlockStore's methods behind the store operations in `path`."""
+    return calls(path, "store", STORE_OPERATIONS)
 
 
 def operation_calls(path: Path) -> list[str]:
-    """`ops.NAME(...)` and `self.ops.NAME(...)` calls of a store operation in `path`."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in OPERATIONS:
-            owner = node.func.value
-            if (isinstance(owner, ast.Attribute) and owner.attr == "ops") or \
-                    (isinstance(owner, ast.Name) and owner.id == "ops"):
-                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} ops.{node.func.attr}")
-    return found
+    """Calls of StoreOperations' operations in `path`."""
+    return calls(path, "ops", OPERATIONS)
 
 
 def test_the_wire_calls_no_store_operation_itself():
@@ -54,11 +53,11 @@ def test_each_operation_is_served_in_one_place():
     """Kills: a second protocol serving the store operations beside the wire (a gRPC service, as
     there was): every operation is called from kvstore/daemon/local.py only, each from one line
     (abort also where a put's bytes fail to arrive)."""
-    calls = [c for path in sorted(PACKAGE.rglob("*.py")) if path.name != "operations.py" for c in operation_calls(path)]
-    assert {c.split(":")[0] for c in calls} == {"daemon/local.py"}, calls
-    names = [c.rsplit(".", 1)[1] for c in calls]
+    found = [c for path in sorted(PACKAGE.rglob("*.py")) if path.name != "operations.py" for c in operation_calls(path)]
+    assert {c.split(":")[0] for c in found} == {"daemon/local.py"}, found
+    names = [c.rsplit(".", 1)[1] for c in found]
     assert set(names) == OPERATIONS
-    assert all(names.count(n) == 1 for n in OPERATIONS - {"abort"}) and names.count("abort") == 2, calls
+    assert all(names.count(n) == 1 for n in OPERATIONS - {"abort"}) and names.count("abort") == 2, found
 
 
 def test_the_operations_module_calls_each_of_them():
