@@ -308,6 +308,9 @@ class Rig:
               "their start", flush=True)
 
     def stop(self) -> None:
+        for server in self.servers:
+            if not server.ready:
+                server.stop()  # still loading: deaf to SIGTERM, killed at once
         processes.stop_together([server.proc for server in self.servers] + [self.daemon], grace=20)
         for server in self.servers:
             server.stop()  # (stopped already: closes its log)

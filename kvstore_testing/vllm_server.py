@@ -67,6 +67,7 @@ class VllmServer:
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                     "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONPATH": str(ROOT), **(env or {})}
         self.cmd = cmd
+        self.ready = False  # answered /health once: until then it is loading, and deaf to SIGTERM
         self._log = open(self.log_path, "ab")
         try:  # a group of its own: stop() reaches the engine core too
             self.proc = processes.spawn(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=str(ROOT))
@@ -86,6 +87,7 @@ class VllmServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; log tail:\n{self.log_tail()}")
             if self.healthy():
+                self.ready = True
                 return
             time.sleep(0.5)
         raise TimeoutError(f"vllm serve not healthy after {timeout:.0f} s; log tail:\n{self.log_tail()}")
@@ -108,8 +110,11 @@ class VllmServer:
         processes.kill(self.proc)
 
     def stop(self, grace: float = 20.0) -> None:
-        """SIGTERM to the whole group, SIGKILL after `grace` (and to stragglers: the engine core)."""
-        processes.stop(self.proc, grace=grace)
+        """SIGTERM to the whole group, SIGKILL after `grace` (and to stragglers: the engine core).
+        A server that never answered /health is killed at once: vLLM's API server ignores SIGTERM
+        until its engine core is up (measured: still running 30 s after it), and a server still
+        loading has nothing to finish."""
+        processes.stop(self.proc, grace=grace if self.ready else 0.0)
         self._log.close()
 
     def __enter__(self) -> "VllmServer":

@@ -16,6 +16,7 @@ import pytest
 from kvstore_testing.etcd import EtcdServer
 
 ROOT = Path(__file__).resolve().parent.parent
+from doc_pages import PAGES, starts_engines
 from peer_process import pattern
 from tests_support import wait_until_stopped
 
@@ -24,8 +25,10 @@ from tests_support import wait_until_stopped
 # Tests that start vLLM engines or Ray take both cores and gigabytes each: they run one after
 # another on one worker (one group), while the other worker takes the rest; two of them at once
 # on a 2-core machine only trade places in the queue for a core.
-ENGINE_HEAVY_FILES = ("tests/e2e/", "tests/docs/", "tests/unit/test_ray_app.py", "tests/benchmarks/test_demo.py",
+ENGINE_HEAVY_FILES = ("tests/e2e/", "tests/unit/test_ray_app.py", "tests/benchmarks/test_demo.py",
                       "tests/benchmarks/test_vllm_ttft_hybrid.py")
+DOC_PAGES_TEST = "tests/docs/test_examples.py"  # of its pages, those whose examples run vLLM:
+ENGINE_PAGES = {page.name for page in PAGES if starts_engines(page)}
 ENGINE_HEAVY_BENCHMARKS = ("serving", "vllm_ttft", "wrong_kv")  # tests/benchmarks tests that run these start vLLM engines
 # End-to-end files that start no engine: vLLM's scheduler in-process with model outputs mocked (the
 # vllm_harness), about 90 s of one core between them. Any worker takes them, so the engine group,
@@ -39,6 +42,9 @@ def engine_heavy(nodeid: str) -> bool:
     path, _, name = nodeid.partition("::")
     if path.startswith(IN_PROCESS_VLLM_FILES):
         return False
+    if path == DOC_PAGES_TEST:
+        page = name.partition("[")[2].rstrip("]")
+        return page in ENGINE_PAGES
     return path.startswith(ENGINE_HEAVY_FILES) or (
         path.startswith("tests/benchmarks/") and any(b in name for b in ENGINE_HEAVY_BENCHMARKS))
 

@@ -13,47 +13,15 @@ nothing (a secret written world-readable, which the daemon refuses, and engines 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from doc_pages import PAGES, ROOT, blocks
 
-ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-RUN = {"sh": "sh", "bash": "sh", "shell": "sh", "python": "python", "py": "python"}
-SKIP_MARKERS = ("<!-- main-command -->", "<!-- test-command -->")
-FENCE = re.compile(r"^(`{3,})\s*([A-Za-z0-9_+-]*)")
 PAGE_TIMEOUT_S = 600
-
-
-@dataclass
-class Block:
-    lang: str  # "sh" or "python"
-    text: str
-    line: int  # where its fence opens, 1-based
-
-
-def blocks(page: Path) -> list[Block]:
-    """The runnable blocks of a page, in order (see module docstring)."""
-    found, lines = [], page.read_text().splitlines()
-    i = 0
-    while i < len(lines):
-        match = FENCE.match(lines[i])
-        if not match:
-            i += 1
-            continue
-        fence, lang, start = match.group(1), match.group(2).lower(), i
-        end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith(fence)), len(lines))
-        above = next((lines[j].strip() for j in range(start - 1, -1, -1) if lines[j].strip()), "")
-        runnable = lang in RUN and not above.startswith("<!-- not-run:") and above not in SKIP_MARKERS
-        if runnable:
-            found.append(Block(RUN[lang], "\n".join(lines[start + 1 : end]), start + 1))
-        i = end + 1
-    return found
 
 
 def session(page: Path) -> str:

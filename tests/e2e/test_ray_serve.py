@@ -98,7 +98,10 @@ def deployment(tmp_path_factory, etcd_server):
             "engine_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 1024},
             "placement_group_config": {"bundles": [{"CPU": 1}]},
             "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}},
-            "deployment_config": {"num_replicas": 1},
+            # Replicas stop within 2 s at the end (Serve's default grace, 20 s, went to the prefill
+            # replica Serve restarts after the kill, still loading when the test ends).
+            "deployment_config": {"num_replicas": 1, "graceful_shutdown_timeout_s": 2,
+                                  "graceful_shutdown_wait_loop_s": 0.5},
             "kvstore": {"metadata": etcd_server.url, "cluster": cluster, "prefill_timeout_s": PREFILL_TIMEOUT_S},
         })
         serve.run(app, name="pd", route_prefix="/")
@@ -160,35 +163,38 @@ def test_pd_app_hands_kv_off_and_survives_its_prefill(deployment):
         time.sleep(1)
     assert loaded >= 3, "the decode connector's loaded_blocks did not reach Ray's metrics"
 
-    # Requests stream while the prefill replica is SIGKILLed: none is lost.
+    # Requests stream (two at a time) while the prefill replica is SIGKILLed: none is lost. Each
+    # one sent while no prefill replica runs waits out the prefill timeout, then prefills locally.
     results: list[tuple[int, object]] = []
     stop = threading.Event()
 
-    def stream() -> None:
-        i = 0
+    def stream(first: int) -> None:
+        i = first
         while not stop.is_set() and i < 12:
             prompt = [(13 * i + j) % 470 + 20 for j in range(CPU_BLOCK_SIZE + 40)]
             try:
                 results.append((i, completion(url, prompt)))
             except (urllib.error.URLError, OSError, ValueError) as exc:
                 results.append((i, exc))
-            i += 1
+            i += 2
 
-    streaming = threading.Thread(target=stream)
-    streaming.start()
+    streams = [threading.Thread(target=stream, args=(first,)) for first in (0, 1)]
+    for streaming in streams:
+        streaming.start()
     try:
-        while not results and streaming.is_alive():
+        while not results and any(s.is_alive() for s in streams):
             time.sleep(0.05)
         os.kill(prefill_replica_pid(), signal.SIGKILL)
         killed = len(results)
         # The colocated run: the decode engine computes the same prompt itself (another cache salt:
         # other keys, so nothing is loaded), while its prefill is down.
         colocated = completion(url, PROMPT, cache_salt="colocated")
-        while len(results) < killed + 2 and streaming.is_alive():
+        while len(results) < killed + 2 and any(s.is_alive() for s in streams):
             time.sleep(0.1)
     finally:
         stop.set()
-        streaming.join(timeout=120)
+        for streaming in streams:
+            streaming.join(timeout=120)
     failures = [(i, r) for i, r in results if isinstance(r, Exception)]
     assert not failures, f"requests lost to the prefill's death: {failures}"
     assert len(results) >= killed + 2
