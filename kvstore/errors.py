@@ -124,6 +124,17 @@ class PutFailed(KVStoreError):
     """A block could not be stored on enough nodes."""
 
 
+class RemoveIncomplete(KVStoreError):
+    """A remove reached some nodes holding the blocks and not others: `removed` copies went,
+    `failed` maps each node that could not be reached or refused to why (the copies it holds stay
+    until it is asked again or their lease ends)."""
+
+    def __init__(self, removed: int, failed: dict[str, str]) -> None:
+        self.removed, self.failed = removed, dict(failed)
+        why = "; ".join(f"{node}: {reason}" for node, reason in sorted(failed.items()))
+        super().__init__(f"{removed} copies removed; not removed on {len(failed)} node(s): {why}")
+
+
 class NodeRefused(KVStoreError):
     """A node refused a request (draining, metadata service unavailable); others may take it."""
 

@@ -33,7 +33,9 @@ from ..errors import (
     BlockTooLarge,
     FingerprintMismatch,
     InvalidConfig,
+    KVStoreError,
     NoStoreNodes,
+    RemoveIncomplete,
     StoreClosed,
     WrongSize,
 )
@@ -327,16 +329,26 @@ class Client:
         return self.mirror.match(self._fp(fingerprint), hashes).length
 
     def remove(self, hashes: Sequence[bytes], fingerprint: ModelFingerprint | str | None = None) -> int:
-        """Remove blocks from every node holding them; returns copies removed."""
+        """Remove blocks from every node holding them; returns copies removed. Every node is
+        asked, even after one fails: then `RemoveIncomplete` says how many went and which nodes
+        kept theirs (a denial or a bad setting is the caller's and raises at once)."""
         fp = self._fp(fingerprint)
         by_node: dict[str, list[bytes]] = {}
         for h in hashes:
             for name in self.mirror.lookup(fp, bytes(h)):
                 by_node.setdefault(name, []).append(bytes(h))
-        removed = 0
+        removed, failed = 0, {}
         for name, hs in by_node.items():
-            reply, _ = self.links.control(name).call({"op": "remove", "fp": fp, "hashes": [h.hex() for h in hs]})
+            try:
+                reply, _ = self.links.control(name).call({"op": "remove", "fp": fp, "hashes": [h.hex() for h in hs]})
+            except (AccessDenied, InvalidConfig):
+                raise
+            except (OSError, KVStoreError) as exc:
+                failed[name] = f"{type(exc).__name__}: {exc}"
+                continue
             removed += int(reply.get("removed", 0))
+        if failed:
+            raise RemoveIncomplete(removed, failed)
         return removed
 
     def close(self) -> None:

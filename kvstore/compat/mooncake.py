@@ -34,7 +34,7 @@ import numpy as np
 from ..client import Client
 from transfer.errors import TransferError
 
-from ..errors import AllocationFailed, BlockTooLarge, InvalidRequest, KVStoreError
+from ..errors import AllocationFailed, BlockTooLarge, InvalidRequest, KVStoreError, RemoveIncomplete
 from ..index.records import MAX_BLOCK_BYTES
 from ..keys import ModelFingerprint, external_hashes
 
@@ -363,13 +363,17 @@ class MooncakeDistributedStore:
             h = self._hash(key)
         except ValueError:
             return INVALID_PARAMS
-        if self._record_size(VALUES, h) is not None:
-            return OK if self.client.remove([h], fingerprint=VALUES) else OBJECT_NOT_FOUND
-        manifest = self._manifest(key)
-        if manifest is None:
-            return OBJECT_NOT_FOUND
-        self.client.remove([h], fingerprint=MANIFESTS)  # invisible first, then its chunks
-        self.client.remove(self._chunk_hashes(key, manifest[1]), fingerprint=CHUNKS)
+        try:
+            if self._record_size(VALUES, h) is not None:
+                return OK if self.client.remove([h], fingerprint=VALUES) else OBJECT_NOT_FOUND
+            manifest = self._manifest(key)
+            if manifest is None:
+                return OBJECT_NOT_FOUND
+            self.client.remove([h], fingerprint=MANIFESTS)  # invisible first, then its chunks
+            self.client.remove(self._chunk_hashes(key, manifest[1]), fingerprint=CHUNKS)
+        except RemoveIncomplete as exc:  # a node holding a copy could not be reached
+            log.warning("remove of %r incomplete: %s", key[:80], exc)
+            return INTERNAL_ERROR
         return OK
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:

@@ -12,7 +12,7 @@ import pytest
 from tests_support import as_foreground
 
 from kvstore import Client
-from kvstore.errors import AuthenticationFailed, FingerprintMismatch, WrongSize
+from kvstore.errors import AuthenticationFailed, FingerprintMismatch, RemoveIncomplete, WrongSize
 from kvstore.keys import ModelFingerprint, chain_hashes, external_hashes
 from kvstore_testing.node_status import node_status
 
@@ -67,6 +67,23 @@ with Client({client.mirror.url!r}, cluster={name!r}, fingerprint=fp) as c:
     assert client.remove(hashes[:5]) == 5
     assert client.mirror.wait_until(lambda m: m.block_count == 35, 10)
     assert client.get(hashes[0], outs[0]) is False
+
+
+def test_a_remove_asks_every_node_and_names_those_it_could_not_reach(cluster):
+    """Kills: a remove that stops at the first node it cannot reach (it raised that node's
+    connection error: the nodes after it kept their copies, and the caller learned neither how many
+    went nor which node failed)."""
+    _, daemons, client = cluster
+    hashes = external_hashes(range(100, 120), FP)
+    client.put_many([(h, content(h)) for h in hashes], replicas=3)  # every block on all three nodes
+    assert client.mirror.wait_until(lambda m: all(len(m.lookup(FP, h)) == 3 for h in hashes), 10)
+    victim, live = daemons[0], daemons[1:]
+    victim.kill()  # its records stay in the index until its lease ends
+    with pytest.raises(RemoveIncomplete) as caught:
+        client.remove(hashes)
+    assert caught.value.removed == 2 * len(hashes), caught.value
+    assert list(caught.value.failed) == [victim.name], caught.value
+    assert sum(t.blocks for d in live for t in stats(d).tiers) == 0
 
 
 def test_replicas_survive_kill_9(cluster):
