@@ -10,6 +10,7 @@ of the tree and the test failed on it."""
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -32,6 +33,7 @@ from kvstore.integrations.vllm.connector import KVStoreConnector  # noqa: E402
 from kvstore.integrations.vllm.fingerprint import all_rank_fingerprints, fingerprint_from_vllm  # noqa: E402
 from kvstore.integrations.vllm.kv_cache_io import KVCacheIO  # noqa: E402
 from kvstore.integrations.vllm.request_keys import request_hashes, request_keys  # noqa: E402
+from kvstore.integrations.vllm.store import close_store  # noqa: E402
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
 from kvstore.keys import ModelFingerprint  # noqa: E402
 from vllm_harness import (BLOCK, HEAD, HEADS, Harness, allocate, fake_backend, full_spec, kv_cache_config,  # noqa: E402
@@ -71,6 +73,40 @@ LOAD_MODES = {"async": {"sync_load_blocks": 0}, "in-step": {}, "layer-by-layer":
 def harness(model: str, shape: str, **extra) -> Harness:
     layout, kernel = LAYOUTS[shape]
     return Harness(model, layout=layout, layers=2, backend=fake_backend(kernel) if kernel else None, **extra)
+
+
+def test_an_engine_on_a_cluster_mirrors_only_the_models_it_looks_up(model, etcd_server, spawn_daemon):
+    """Kills: the connector's store client mirroring every model of the cluster (every vLLM worker
+    held the whole index, about 240 B per block of every model), and a mirror scoped short of what
+    the connector looks up (its lookups raise NotMirrored: the save-then-load below fails)."""
+    cluster = uuid.uuid4().hex[:8]
+    spawn_daemon("mirror-scope", etcd_server.url, cluster)
+    other = ModelFingerprint("another-model", "float32", 16, 2, 2, 64, kv_layout="bytes")
+    with kvstore.Client(etcd_server.url, cluster=cluster, fingerprint=other, timeout=5) as client:
+        client.put_many([(h, np.full(4096, 1, np.uint8)) for h in kvstore.external_hashes(range(8), other)])
+        assert client.mirror.wait_until(lambda m: m.block_count == 8, 10)
+    h = Harness(model, metadata=etcd_server.url, cluster=cluster, sync_load_blocks=0)
+    try:
+        scoped_engine_round_trip(h)
+    finally:
+        h.worker.shutdown()
+        h.scheduler.connector.shutdown()
+        close_store(etcd_server.url, cluster)  # the engine's cluster client, not only the harness's stores
+
+
+def scoped_engine_round_trip(h: Harness) -> None:
+    mirror = h.worker.worker_side.store.mirror
+    assert mirror is h.scheduler.connector.scheduler_side.store.mirror  # one client for both sides
+    assert mirror.wait_loaded(10) and mirror.block_count == 0  # the other model's blocks are not held
+    prompt = list(range(9, 9 + 2 * BLOCK + 3))
+    h.add("r1", prompt)
+    h.run_until_empty()
+    assert mirror.wait_until(lambda m: m.block_count == 3, 10)  # 2 full blocks and the partial one
+    h.scheduler.reset_prefix_cache()
+    request = h.add("r2", prompt)
+    wait_running(h, request)
+    assert h.worker.totals.data["hit_tokens"] == len(prompt) - 1
+    h.run_until_empty()
 
 
 @pytest.mark.parametrize("mode", list(LOAD_MODES))

@@ -72,12 +72,14 @@ def connector_settings(vllm_config: Any, kv_transfer_config: Any, kv_cache_confi
     fingerprint = fingerprint_from_vllm(vllm_config, tp_rank, extra, pp_rank)
     private = is_private(extra)
     multi = len(groups) > 1
+    own = group_fingerprints(fingerprint, groups)
+    ranks = [group_fingerprints(fp, groups) for fp in all_rank_fingerprints(vllm_config, extra)]
+    looked_up = {fp.digest for fps in (own, *ranks) for fp in fps}  # all this engine's client mirrors
     return ConnectorSettings(
         role=role, vllm_config=vllm_config, kv_cache_config=kv_cache_config, extra=extra, block_size=block_size,
         kv_role=kv_role, groups=groups, num_blocks=int(getattr(kv_cache_config, "num_blocks", 0) or 0), mla=mla,
-        fingerprint=fingerprint, group_fingerprints=group_fingerprints(fingerprint, groups),
-        rank_group_fingerprints=[group_fingerprints(fp, groups) for fp in all_rank_fingerprints(vllm_config, extra)],
-        saves_here=not (mla and tp_rank > 0), store=store_for(extra), private_store=private,
+        fingerprint=fingerprint, group_fingerprints=own, rank_group_fingerprints=ranks,
+        saves_here=not (mla and tp_rank > 0), store=store_for(extra, looked_up), private_store=private,
         process_local=bool(extra.get("process_local")), handoff_key=handoff_key(extra, private),
         save_enabled=bool(extra.get("save", kv_role in ("kv_both", "kv_producer"))),
         load_enabled=bool(extra.get("load", True)), remote_wait_s=float(extra.get("remote_wait_s", 5.0)),

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import atexit
 import threading
-from typing import Any
+from typing import Any, Iterable
 
 from ...client import Client
 from ...errors import UnsupportedDeployment
 from ...library import open as open_embedded
 
-_clients: dict[tuple[str, str], Client] = {}
+# (url, cluster, mirror scope): the scope is the fingerprints a cluster client mirrors (None: all of
+# them; a process-local store always None, its one in-process store serving every model).
+_clients: dict[tuple[str, str, frozenset[str] | None], Client] = {}
 _lock = threading.Lock()
 
 
@@ -52,13 +54,18 @@ def check_deployment(config: dict[str, Any], world_size: int, kv_role: str) -> N
             "prefill and decode engines share this process")
 
 
-def store_for(config: dict[str, Any]) -> Client:
+def store_for(config: dict[str, Any], mirror_fingerprints: Iterable[str] | None = None) -> Client:
+    """This process's client of the store `config` names. `mirror_fingerprints`: the model
+    fingerprints (digests) the caller looks up; a cluster client then mirrors those models' blocks
+    only, not every model's in the cluster (engines of other models in this process get a client
+    of their own)."""
     url = str(config.get("metadata", "embedded"))
     if url == "embedded":
         url = "memory://vllm-embedded"
     cluster = str(config.get("cluster", "default"))
+    scope = None if url.startswith("memory://") or mirror_fingerprints is None else frozenset(mirror_fingerprints)
     with _lock:
-        client = _clients.get((url, cluster))
+        client = _clients.get((url, cluster, scope))
         if client is None:
             timeout = float(config.get("timeout", 5.0))
             if url.startswith("memory://"):
@@ -71,17 +78,17 @@ def store_for(config: dict[str, Any]) -> Client:
                 tenant = str(config["tenant"]) if config.get("tenant_secret") and config.get("tenant") else None
                 secret = config.get("tenant_secret") if tenant else config.get("secret")
                 client = Client(url, cluster=cluster, secret=secret, timeout=timeout, tenant=tenant,
-                                tls_ca=config.get("tls_ca"))
-            _clients[(url, cluster)] = client
+                                tls_ca=config.get("tls_ca"), mirror_fingerprints=scope)
+            _clients[(url, cluster, scope)] = client
         return client
 
 
 def close_store(url: str, cluster: str = "default") -> None:
-    """Close this process's store client for `url` (an embedded store's daemon with it); the next
+    """Close this process's store clients for `url` (an embedded store's daemon with it); the next
     store_for of that URL opens a new one."""
     with _lock:
-        client = _clients.pop((url, cluster), None)
-    if client is not None:
+        closing = [_clients.pop(key) for key in list(_clients) if key[:2] == (url, cluster)]
+    for client in closing:
         client.close()
 
 
