@@ -40,7 +40,13 @@ def blocks(page: Path) -> list[Block]:
     return found
 
 
-def starts_engines(page: Path) -> bool:
-    """Whether the page's examples run vLLM (an engine in Python or `vllm serve`): such a page
-    belongs with the suite's other engine tests, one at a time."""
-    return any("vllm" in block.text.lower() for block in blocks(page))
+# ETCD_PORT=2379, GATEWAY=8000, 127.0.0.1:8100 (a size such as `=4096` is taken for one too: that
+# only keeps a page in the engine queue)
+FIXED_PORT = re.compile(r"[=:]\d{4,5}\b")
+
+
+def runs_with_engines(page: Path) -> bool:
+    """Whether the page's examples must run in the suite's engine queue, one test at a time: they
+    run vLLM (an engine in Python or `vllm serve`), or listen on fixed ports (etcd on 2379, a
+    gateway on 8000) that another page's examples use too."""
+    return any("vllm" in block.text.lower() or FIXED_PORT.search(block.text) for block in blocks(page))
