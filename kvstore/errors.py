@@ -134,6 +134,9 @@ class RemoveIncomplete(KVStoreError):
         why = "; ".join(f"{node}: {reason}" for node, reason in sorted(failed.items()))
         super().__init__(f"{removed} copies removed; not removed on {len(failed)} node(s): {why}")
 
+    def __reduce__(self):  # pickled across processes (multiprocessing, Ray) with its fields
+        return RemoveIncomplete, (self.removed, self.failed)
+
 
 class NodeRefused(KVStoreError):
     """A node refused a request (draining, metadata service unavailable); others may take it."""

@@ -30,9 +30,11 @@ from transfer import Engine
 from ..access import client_secret
 from ..errors import (
     AccessDenied,
+    AuthenticationFailed,
     BlockTooLarge,
     FingerprintMismatch,
     InvalidConfig,
+    InvalidRequest,
     KVStoreError,
     NoStoreNodes,
     RemoveIncomplete,
@@ -341,8 +343,8 @@ class Client:
         for name, hs in by_node.items():
             try:
                 reply, _ = self.links.control(name).call({"op": "remove", "fp": fp, "hashes": [h.hex() for h in hs]})
-            except (AccessDenied, InvalidConfig):
-                raise
+            except (AccessDenied, AuthenticationFailed, InvalidConfig, InvalidRequest, StoreClosed):
+                raise  # the caller's (a secret, a setting, a request the node calls invalid): every node alike
             except (OSError, KVStoreError) as exc:
                 failed[name] = f"{type(exc).__name__}: {exc}"
                 continue

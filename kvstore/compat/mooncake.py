@@ -238,13 +238,22 @@ class MooncakeDistributedStore:
         return next((r for r in results if r != OK), OK)
 
     def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
-        """Store `value` under `key`, replacing what it held."""
-        self.remove(key)
+        """Store `value` under `key`, replacing what it held (the old value's error code, and
+        nothing stored, when a copy of it could not be removed: a put would keep the old value)."""
+        removed = self.remove(key)
+        if removed not in (OK, OBJECT_NOT_FOUND):
+            return removed
         return self.put(key, value, config)
 
     def upsert_batch(self, keys: Sequence[str], values: Sequence[Any], config: ReplicateConfig | None = None) -> int:
-        self.batch_remove(keys)
-        return self.put_batch(keys, values, config)
+        """0 when every value replaced its key's, else the first error (as upsert, key by key)."""
+        if len(keys) != len(values):
+            return INVALID_PARAMS
+        removed = self.batch_remove(keys)
+        failed = next((r for r in removed if r not in (OK, OBJECT_NOT_FOUND)), OK)
+        kept = [i for i, r in enumerate(removed) if r in (OK, OBJECT_NOT_FOUND)]
+        stored = self.put_batch([keys[i] for i in kept], [values[i] for i in kept], config) if kept else OK
+        return failed if failed != OK else stored
 
     # --- get --------------------------------------------------------------------------------------
     def _get_into_view(self, key: str, out: np.ndarray) -> int:

@@ -33,7 +33,6 @@ from kvstore.integrations.vllm.connector import KVStoreConnector  # noqa: E402
 from kvstore.integrations.vllm.fingerprint import all_rank_fingerprints, fingerprint_from_vllm  # noqa: E402
 from kvstore.integrations.vllm.kv_cache_io import KVCacheIO  # noqa: E402
 from kvstore.integrations.vllm.request_keys import request_hashes, request_keys  # noqa: E402
-from kvstore.integrations.vllm.store import close_store  # noqa: E402
 from kvstore.integrations.vllm.tiny_model import build_tiny_model  # noqa: E402
 from kvstore.keys import ModelFingerprint  # noqa: E402
 from vllm_harness import (BLOCK, HEAD, HEADS, Harness, allocate, fake_backend, full_spec, kv_cache_config,  # noqa: E402
@@ -91,7 +90,6 @@ def test_an_engine_on_a_cluster_mirrors_only_the_models_it_looks_up(model, etcd_
     finally:
         h.worker.shutdown()
         h.scheduler.connector.shutdown()
-        close_store(etcd_server.url, cluster)  # the engine's cluster client, not only the harness's stores
 
 
 def scoped_engine_round_trip(h: Harness) -> None:

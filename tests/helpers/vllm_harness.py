@@ -172,7 +172,7 @@ def image_feature(identifier: str, seed: int | None, offset: int, length: int = 
                                  mm_position=PlaceholderRange(offset=offset, length=length))
 
 
-_opened: list[str] = []  # store URLs harnesses opened: closed after each test (close_harness_stores)
+_opened: list[tuple[str, str]] = []  # (url, cluster) of stores harnesses opened: closed after each test
 
 
 @pytest.fixture(autouse=True)
@@ -184,7 +184,7 @@ def close_harness_stores():
     from kvstore.integrations.vllm.store import close_store
 
     while _opened:
-        close_store(_opened.pop())
+        close_store(*_opened.pop())
 
 
 class Harness:
@@ -206,9 +206,11 @@ class Harness:
         self.worker = KVStoreConnector(config, KVConnectorRole.WORKER, self.kv_cache_config)
         self.kv = next(iter(self.kv_caches.values()))
         self.worker.register_kv_caches(self.kv_caches)
-        self.store = store_for({"metadata": self.url})
-        if self.url.startswith("memory://") and self.url not in _opened:
-            _opened.append(self.url)
+        extra = config.kv_transfer_config.kv_connector_extra_config
+        self.store = store_for(extra)  # the same store (and cluster) the connector uses
+        store = (self.url, str(extra.get("cluster", "default")))
+        if store not in _opened:
+            _opened.append(store)
         self.fingerprint = self.worker.fingerprint
         self.chain = self.scheduler.connector.chain  # what block keys chain from (the weights' identity in it)
         self.num_blocks = num_blocks

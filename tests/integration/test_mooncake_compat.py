@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.compat.mooncake import (CHUNK_BYTES, INVALID_PARAMS, NO_AVAILABLE_HANDLE, OBJECT_NOT_FOUND,
-                                     MooncakeDistributedStore,
+from kvstore.compat.mooncake import (CHUNK_BYTES, INTERNAL_ERROR, INVALID_PARAMS, NO_AVAILABLE_HANDLE, OBJECT_NOT_FOUND,
+                                     VALUES, MooncakeDistributedStore,
                                      ReplicateConfig)
 
 SECRET = "mooncake-compat-secret-0123456789"
@@ -102,5 +102,25 @@ def test_a_batch_answers_each_key_with_its_own_status(mode, etcd_server, spawn_d
         assert got == [0, NO_AVAILABLE_HANDLE, 0]
         assert s.get("s1") == bytes(small) and s.get("s2") == bytes(small[1:]) and s.is_exist("huge") == 0
         assert s.put_batch(["s3", "huge"], [b"x", bytes(huge)]) == NO_AVAILABLE_HANDLE and s.get("s3") == b"x"
+    finally:
+        s.close()
+
+
+def test_an_upsert_that_cannot_remove_the_old_value_says_so(etcd_server, spawn_daemon):
+    """Kills: an upsert whose remove failed on a node it could not reach (its record still in the
+    index) and whose put then kept the old value, as "exists", while answering 0; and a remove
+    that reports such a failure as "not found"."""
+    cluster = uuid.uuid4().hex[:8]
+    daemons = [spawn_daemon(f"mc-{i}", etcd_server.url, cluster, dram="64MiB", secret=SECRET) for i in range(2)]
+    s = MooncakeDistributedStore()
+    assert s.setup("localhost", etcd_server.url, secret=SECRET, cluster=cluster) == 0
+    try:
+        assert s.put_batch(["k", "j"], [b"old", b"old-j"], ReplicateConfig(replica_num=2)) == 0
+        on_both = lambda m: all(len(m.lookup(VALUES, s._hash(k))) == 2 for k in ("k", "j"))  # noqa: E731
+        assert s.client.mirror.wait_until(on_both, 10)
+        daemons[0].kill()  # its records stay in the index until its lease ends
+        assert s.upsert("k", b"new") == INTERNAL_ERROR
+        assert s.upsert_batch(["j"], [b"new-j"]) == INTERNAL_ERROR
+        assert s.get("k") != b"new" and s.get("j") != b"new-j"  # nothing claimed stored that is not
     finally:
         s.close()

@@ -195,6 +195,8 @@ def test_secret_is_required(etcd_server, spawn_daemon):
             bad.put(h, content(h))
         with pytest.raises(AuthenticationFailed):
             bad.get(h, np.zeros(BLOCK, np.uint8))
+        with pytest.raises(AuthenticationFailed):  # the caller's secret, not a node that failed (RemoveIncomplete)
+            bad.remove([h])
     with pytest.raises(AuthenticationFailed, match="has none"):  # no secret at all: refused at connect
         Client(etcd_server.url, cluster=name, fingerprint=FP, secret="")
 
