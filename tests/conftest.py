@@ -16,7 +16,7 @@ import pytest
 from kvstore_testing.etcd import EtcdServer
 
 ROOT = Path(__file__).resolve().parent.parent
-from doc_pages import PAGES, runs_with_engines
+from doc_pages import PAGES, page_id, runs_with_engines
 from peer_process import pattern
 from tests_support import wait_until_stopped
 
@@ -28,7 +28,7 @@ from tests_support import wait_until_stopped
 ENGINE_HEAVY_FILES = ("tests/e2e/", "tests/unit/test_ray_app.py", "tests/benchmarks/test_demo.py",
                       "tests/benchmarks/test_vllm_ttft_hybrid.py")
 DOC_PAGES_TEST = "tests/docs/test_examples.py"  # of its pages, those that run vLLM or use fixed ports:
-ENGINE_PAGES = {page.name for page in PAGES if runs_with_engines(page)}
+ENGINE_PAGES = {page_id(page) for page in PAGES if runs_with_engines(page)}
 ENGINE_HEAVY_BENCHMARKS = ("serving", "vllm_ttft", "wrong_kv")  # tests/benchmarks tests that run these start vLLM engines
 # End-to-end files that start no engine: vLLM's scheduler in-process with model outputs mocked (the
 # vllm_harness), about 90 s of one core between them. Any worker takes them, so the engine group,

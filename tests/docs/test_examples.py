@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from doc_pages import PAGES, ROOT, blocks
+from doc_pages import PAGES, ROOT, blocks, page_id
 
 PAGE_TIMEOUT_S = 600
 
@@ -52,7 +52,7 @@ def test_the_pages_have_examples_to_run():
 # The page's own bound, not pytest's default 300 s: a page that starts etcd, a daemon, two vLLM
 # engines and the gateway took 109 s alone here and passed 300 s in a fresh-venv run.
 @pytest.mark.timeout(PAGE_TIMEOUT_S + 60)
-@pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=lambda p: p.name)
+@pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=page_id)
 def test_every_example_on_the_page_runs_as_written(page: Path, tmp_path: Path):
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()

@@ -42,7 +42,12 @@ def blocks(page: Path) -> list[Block]:
 
 # ETCD_PORT=2379, GATEWAY=8000, 127.0.0.1:8100 (a size such as `=4096` is taken for one too: that
 # only keeps a page in the engine queue)
-FIXED_PORT = re.compile(r"[=:]\d{4,5}\b")
+FIXED_PORT = re.compile(r"[=:]\d{4,5}\b|--port[ =]\d+")
+
+
+def page_id(page: Path) -> str:
+    """A page's name in test ids: its path in the checkout (README.md, docs/gateway.md)."""
+    return page.relative_to(ROOT).as_posix()
 
 
 def runs_with_engines(page: Path) -> bool:
