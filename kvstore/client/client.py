@@ -341,13 +341,18 @@ class Client:
                 by_node.setdefault(name, []).append(bytes(h))
         removed, failed = 0, {}
         for name, hs in by_node.items():
-            try:
-                reply, _ = self.links.control(name).call({"op": "remove", "fp": fp, "hashes": [h.hex() for h in hs]})
-            except (AccessDenied, AuthenticationFailed, InvalidConfig, InvalidRequest, StoreClosed):
-                raise  # the caller's (a secret, a setting, a request the node calls invalid): every node alike
-            except (OSError, KVStoreError) as exc:
-                failed[name] = f"{type(exc).__name__}: {exc}"
-                continue
+            with self.mirror.asking(fp, name, hs) as since:
+                try:
+                    reply, _ = self.links.control(name).call({"op": "remove", "fp": fp,
+                                                              "hashes": [h.hex() for h in hs]})
+                except (AccessDenied, AuthenticationFailed, InvalidConfig, InvalidRequest, StoreClosed):
+                    raise  # the caller's (a secret, a setting, a request the node calls invalid): every node alike
+                except (OSError, KVStoreError) as exc:
+                    failed[name] = f"{type(exc).__name__}: {exc}"
+                    continue
+                # This client's own next lookup, put or get no longer finds them (as the put path
+                # learns its blocks from the reply): the watch's delete events come later.
+                self.mirror.forget_many(fp, name, hs, since)
             removed += int(reply.get("removed", 0))
         if failed:
             raise RemoveIncomplete(removed, failed)
