@@ -46,6 +46,7 @@ INVALID_PARAMS = -600  # as Mooncake: a bad key, size or buffer
 OBJECT_NOT_FOUND = -704  # as Mooncake
 NO_AVAILABLE_HANDLE = -200  # as Mooncake: no room for the value on any node
 TRANSFER_FAIL = -800  # as Mooncake: the bytes did not reach a node
+GONE = (OK, OBJECT_NOT_FOUND)  # remove's answers after which the key holds no value
 CHUNK_BYTES = MAX_BLOCK_BYTES  # values above one block's cap are stored as chunks behind a manifest
 _MANIFEST = b"KVSMOON1"
 # Free-form blocks ("bytes" layout): one namespace for whole values, one for chunked values' manifests
@@ -241,19 +242,16 @@ class MooncakeDistributedStore:
         """Store `value` under `key`, replacing what it held (the old value's error code, and
         nothing stored, when a copy of it could not be removed: a put would keep the old value)."""
         removed = self.remove(key)
-        if removed not in (OK, OBJECT_NOT_FOUND):
-            return removed
-        return self.put(key, value, config)
+        return self.put(key, value, config) if removed in GONE else removed
 
     def upsert_batch(self, keys: Sequence[str], values: Sequence[Any], config: ReplicateConfig | None = None) -> int:
         """0 when every value replaced its key's, else the first error (as upsert, key by key)."""
         if len(keys) != len(values):
             return INVALID_PARAMS
         removed = self.batch_remove(keys)
-        failed = next((r for r in removed if r not in (OK, OBJECT_NOT_FOUND)), OK)
-        kept = [i for i, r in enumerate(removed) if r in (OK, OBJECT_NOT_FOUND)]
-        stored = self.put_batch([keys[i] for i in kept], [values[i] for i in kept], config) if kept else OK
-        return failed if failed != OK else stored
+        gone = [i for i, r in enumerate(removed) if r in GONE]
+        stored = self.put_batch([keys[i] for i in gone], [values[i] for i in gone], config) if gone else OK
+        return next((r for r in removed if r not in GONE), stored)
 
     # --- get --------------------------------------------------------------------------------------
     def _get_into_view(self, key: str, out: np.ndarray) -> int:
