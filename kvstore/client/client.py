@@ -331,15 +331,16 @@ class Client:
         return self.mirror.match(self._fp(fingerprint), hashes).length
 
     def remove(self, hashes: Sequence[bytes], fingerprint: ModelFingerprint | str | None = None) -> int:
-        """Remove blocks from every node holding them; returns copies removed. Every node is
-        asked, even after one fails: then `RemoveIncomplete` says how many went and which nodes
-        kept theirs (a denial or a bad setting is the caller's and raises at once)."""
+        """Remove blocks from every node holding them; returns copies removed, once they are gone
+        from etcd and from this client's mirror (up to `timeout`). Every node is asked, even after
+        one fails: then `RemoveIncomplete` says how many went and which nodes kept theirs (a denial
+        or a bad setting is the caller's and raises at once)."""
         fp = self._fp(fingerprint)
         by_node: dict[str, list[bytes]] = {}
         for h in hashes:
             for name in self.mirror.lookup(fp, bytes(h)):
                 by_node.setdefault(name, []).append(bytes(h))
-        removed, failed = 0, {}
+        removed, failed, revision = 0, {}, 0
         for name, hs in by_node.items():
             with self.mirror.asking(fp, name, hs) as since:
                 try:
@@ -354,6 +355,12 @@ class Client:
                 # learns its blocks from the reply): the watch's delete events come later.
                 self.mirror.forget_many(fp, name, hs, since)
             removed += int(reply.get("removed", 0))
+            revision = max(revision, int(reply.get("revision", 0)))
+        # Events older than the deletions (the blocks' own put events among them) may still be on
+        # their way and would list them again: return once the mirror has applied the deletions.
+        if revision and not self.mirror.wait_for_revision(revision, self.timeout):
+            log.info("the index mirror had not applied revision %d %.0f s after a remove: this client may "
+                     "list the removed blocks until it does", revision, self.timeout)
         if failed:
             raise RemoveIncomplete(removed, failed)
         return removed

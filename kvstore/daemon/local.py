@@ -446,7 +446,7 @@ class LocalControl:
             return {"ok": True}, None
         if op == "remove":
             removed = ops.remove(fingerprint, _hexes(request.get("hashes"), "hashes"), tenant=tenant)
-            return {"ok": True, "removed": removed}, None
+            return {"ok": True, "removed": removed.count, "revision": removed.revision}, None
         if op == "tier":
             return self._tier()
         if op == "seals":

@@ -46,6 +46,16 @@ class Reserved:
 
 
 @dataclass(frozen=True)
+class Removed:
+    """How many of the blocks a remove named were held, and an etcd revision at or after their
+    records' deletion (0: none was published): a client whose mirror has applied it lists none of
+    them, and no older event about them is still on its way."""
+
+    count: int
+    revision: int
+
+
+@dataclass(frozen=True)
 class Sealed:
     """What a commit or a put sealed: an error ('' where none) and the sealed record (encoded, b""
     where none) per block, how many were new, and for a commit the slots leased for the next put."""
@@ -104,10 +114,11 @@ def check_peer(peer: Any, tenant: str) -> str:
 
 class StoreOperations:
     """The daemon's store operations over `store`; `publish(updates, wait)` queues index updates
-    (with wait it returns once they are published); `accepting()` is False while the node drains.
+    (with wait it returns once they are published, with the etcd revision that says so);
+    `accepting()` is False while the node drains.
     Records in results go sealed by `signer`, byte for byte as the node publishes them."""
 
-    def __init__(self, node: str, store: BlockStore, publish: Callable[[list[Update], bool], None],
+    def __init__(self, node: str, store: BlockStore, publish: Callable[[list[Update], bool], int],
                  accepting: Callable[[], bool], signer: RecordSigner) -> None:
         self.node, self.store, self.publish, self.accepting, self.signer = node, store, publish, accepting, signer
 
@@ -125,12 +136,13 @@ class StoreOperations:
             return OpFailed("unavailable", f"metadata service: {exc}")
         return OpFailed("refused", str(exc))
 
-    def _published(self, updates: list[Update], wait: bool) -> None:
-        if updates:
-            try:
-                self.publish(updates, wait)
-            except KVStoreError as exc:
-                raise self.failure(exc) from None
+    def _published(self, updates: list[Update], wait: bool) -> int:
+        if not updates:
+            return 0
+        try:
+            return self.publish(updates, wait)
+        except KVStoreError as exc:
+            raise self.failure(exc) from None
 
     def _check_accepting(self) -> None:
         if not self.accepting():
@@ -221,9 +233,8 @@ class StoreOperations:
         updates = self.store.touch(fingerprint, check_hashes(hashes), check_hashes(corrupt))
         self._published(updates, False)
 
-    def remove(self, fingerprint: Any, hashes: Sequence[Any], *, tenant: str) -> int:
-        """Drop the blocks; visible everywhere when it returns. How many were held."""
+    def remove(self, fingerprint: Any, hashes: Sequence[Any], *, tenant: str) -> Removed:
+        """Drop the blocks; gone from etcd when it returns."""
         fingerprint = check_fingerprint(fingerprint, tenant)
         removed, updates = self.store.remove(fingerprint, check_hashes(hashes))
-        self._published(updates, True)
-        return removed
+        return Removed(removed, self._published(updates, True))

@@ -39,7 +39,7 @@ class Publisher:
     update after a quiet spell goes at once, sparse puts each go alone, and a stream gathers into
     transactions up to `window` apart (less work per update for etcd, every watcher and us)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, apply: Callable[[list[Update]], Awaitable[None]],
+    def __init__(self, loop: asyncio.AbstractEventLoop, apply: Callable[[list[Update]], Awaitable[int]],
                  timeout: float, counters: dict[str, float] | None = None,
                  on_published: Callable[[float], None] | None = None, window: float = 0.0) -> None:
         self._loop, self._apply, self._timeout = loop, apply, timeout
@@ -52,6 +52,9 @@ class Publisher:
         self._lock = threading.Condition()
         self._enqueued = 0  # tickets handed out
         self._done = 0  # every ticket <= this is published
+        # The etcd revision of the last batch that changed the index: a waiter's changes are in
+        # etcd at or before it, and a watcher of the cluster sees an event carrying it.
+        self._revision = 0
         self._stopped = False
         self._scheduled = False  # a wake-up of the loop is on its way
         self._wake = asyncio.Event()
@@ -92,16 +95,19 @@ class Publisher:
         """Delete `key` in the batch after the one carrying its pending put (see module docstring)."""
         self._after.setdefault(key, (ticket, since))  # a deletion held already is the older
 
-    def wait(self, ticket: int, timeout: float) -> None:
-        """Block until everything queued up to `ticket` is published (MetadataUnavailable after timeout)."""
+    def wait(self, ticket: int, timeout: float) -> int:
+        """Block until everything queued up to `ticket` is published (MetadataUnavailable after
+        timeout); returns a revision at or after those changes that a watcher of the cluster will
+        see (0: none published yet)."""
         with self._lock:
             if not self._lock.wait_for(lambda: self._done >= ticket or self._stopped, timeout):
                 raise MetadataUnavailable("publishing to the metadata service timed out")
+            return self._revision
 
-    def publish(self, updates: list[Update], wait: bool, timeout: float) -> None:
+    def publish(self, updates: list[Update], wait: bool, timeout: float) -> int:
+        """Queue updates; with `wait`, return once published, with `wait`'s revision (else 0)."""
         ticket = self.enqueue(updates)
-        if wait:
-            self.wait(ticket, timeout)
+        return self.wait(ticket, timeout) if wait else 0
 
     async def _run(self) -> None:
         backoff = 0.05
@@ -125,8 +131,8 @@ class Publisher:
             self._gap = min(self.window, STEP * len(batch))
             if batch:
                 try:
-                    await asyncio.wait_for(self._apply([(fp, h, r) for (fp, h), r in batch.items()]),
-                                           self._timeout)
+                    revision = await asyncio.wait_for(self._apply([(fp, h, r) for (fp, h), r in batch.items()]),
+                                                      self._timeout)
                 except Exception as exc:  # noqa: BLE001 - etcd down, lease lost, timeout: retry the batch
                     with self._lock:
                         for key, record in batch.items():
@@ -151,6 +157,8 @@ class Publisher:
                 self.counters["published_updates"] = self.counters.get("published_updates", 0) + len(batch)
                 if self._on_published is not None and since is not None:
                     self._on_published(time.monotonic() - since)
+                with self._lock:
+                    self._revision = max(self._revision, revision or 0)
             with self._lock:
                 self._done = max(self._done, upto)
                 self._lock.notify_all()

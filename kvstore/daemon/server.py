@@ -294,12 +294,13 @@ class Daemon:
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout or self.config.timeout * 3)
 
-    def publish(self, updates: list[Update], wait: bool = True) -> None:
+    def publish(self, updates: list[Update], wait: bool = True) -> int:
         """Queue index updates (put records, delete the None ones) for the background publisher;
-        with `wait`, return once they are published (MetadataUnavailable if that takes too long)."""
-        self.publisher.publish(updates, wait, self.config.timeout * 3)
+        with `wait`, return once they are published (MetadataUnavailable if that takes too long),
+        with a revision at or after them that every mirror of the cluster will apply."""
+        return self.publisher.publish(updates, wait, self.config.timeout * 3)
 
-    async def _apply(self, updates: list[Update]) -> None:
+    async def _apply(self, updates: list[Update]) -> int:
         latest: dict[tuple[str, bytes], object] = {}
         for fingerprint, block_hash, record in updates:  # the last word on a block wins
             latest[(fingerprint, block_hash)] = record
@@ -310,10 +311,12 @@ class Daemon:
                 by_fp_del.setdefault(fingerprint, []).append(block_hash)
             else:
                 by_fp_put.setdefault(fingerprint, []).append((block_hash, record))
+        revision = 0
         for fingerprint, items in by_fp_put.items():
-            await self.session.publish(fingerprint, items)
+            revision = max(revision, await self.session.publish(fingerprint, items))
         for fingerprint, hashes in by_fp_del.items():
-            await self.session.unpublish(fingerprint, hashes)
+            revision = max(revision, await self.session.unpublish(fingerprint, hashes))
+        return revision
 
     def _usage_timer(self) -> None:
         """Refresh the node record's usage every 2 s when it changed (clients place puts by it)."""

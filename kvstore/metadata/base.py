@@ -78,6 +78,9 @@ class TxnResult:
     succeeded: bool
     revision: int
     responses: list = field(default_factory=list)
+    # Whether the transaction wrote anything: one that deleted only absent keys bumps no revision,
+    # and its `revision` is the store's current one, which may carry no event under our prefix.
+    changed: bool = True
 
 
 def as_key(key: bytes | str) -> bytes:
@@ -199,11 +202,15 @@ class Metadata(abc.ABC):
     _txn_ops_taken: int | None = None  # the most ops the server refused no transaction of (learned)
 
     async def _in_transactions(self, ops: list[Put | Delete], chunk: int) -> int:
+        """The revision of the last transaction that changed a key (0: none did, as when every
+        key to delete was gone already)."""
         revision, start = 0, 0
         chunk = min(chunk, self._txn_ops_taken or chunk)
         while start < len(ops):
             try:
-                revision = (await self.txn([], ops[start : start + chunk])).revision
+                result = await self.txn([], ops[start : start + chunk])
+                if result.changed:
+                    revision = result.revision
             except ValueTooLarge:
                 if chunk == 1:
                     raise  # one op alone is too large: not something smaller transactions fix

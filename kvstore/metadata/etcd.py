@@ -355,7 +355,11 @@ class EtcdMetadata(Metadata):
         # Plain puts and deletes are the same when applied twice; a comparison may not hold the second time.
         response = await self._run(lambda c, t: c.kv.Txn(request, timeout=t, metadata=c.metadata),
                                    retry=not compare)
-        return TxnResult(response.succeeded, response.header.revision, list(response.responses))
+        responses = list(response.responses)
+        changed = any(r.WhichOneof("response") == "response_put" or
+                      (r.WhichOneof("response") == "response_delete_range" and r.response_delete_range.deleted)
+                      for r in responses)
+        return TxnResult(response.succeeded, response.header.revision, responses, changed)
 
     @staticmethod
     def _compare(c: Compare) -> "rpc.Compare":

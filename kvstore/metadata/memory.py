@@ -192,8 +192,9 @@ class MemoryMetadata(Metadata):
         with state.lock:
             ok = all(compare_holds(c, state.data.get(c.key)) for c in compare)
             ops = success if ok else failure
+            before = state.revision
             revision = state.apply(ops) if ops else state.revision
-            return TxnResult(ok, revision)
+            return TxnResult(ok, revision, changed=revision != before)
 
     async def lease_grant(self, ttl: int) -> Lease:
         state = self._check()

@@ -30,6 +30,21 @@ async def test_put_get_delete_range(metadata_url, prefix):
         await md.close()
 
 
+async def test_deleting_only_absent_keys_names_no_revision(metadata_url, prefix):
+    """Kills: delete_many of keys already gone answering the store's current revision, which may
+    be another prefix's write: a node's remove handed it to clients, whose mirrors of this prefix
+    never see it and waited out their timeout."""
+    md = open_metadata(metadata_url)
+    try:
+        written = await md.put_many([Put(f"{prefix}k{i}".encode(), b"v") for i in range(3)])
+        assert await md.delete_many([f"{prefix}k{i}" for i in range(3)]) > written
+        await md.put(prefix + "other", b"moves the store's revision")
+        assert await md.delete_many([f"{prefix}k{i}" for i in range(3)]) == 0
+        assert (await md.txn([], [Delete((prefix + "k0").encode())])).changed is False
+    finally:
+        await md.close()
+
+
 async def test_range_pages_through_many_keys(metadata_url, prefix):
     md = open_metadata(metadata_url)
     try:
