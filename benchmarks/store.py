@@ -494,12 +494,7 @@ def mooncake_steps(args: argparse.Namespace) -> Iterator[Step]:
         store.close()
     finally:
         if owner is not None:
-            try:
-                owner.stdin.write("\n")
-                owner.stdin.flush()
-            except OSError:
-                pass
-            processes.stop(owner, grace=15)
+            processes.release(owner, grace=15)
         processes.kill(master)
 
 

@@ -193,6 +193,16 @@ def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = N
         stop_all()
 
 
+def release(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """Tell a child waiting on its stdin to finish (a newline), then stop it within `grace`."""
+    try:
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+    except OSError:
+        pass
+    stop(proc, grace=grace)
+
+
 def start_store_daemon(args: Sequence[str], **popen_kwargs) -> tuple[subprocess.Popen, dict]:
     """`kvstore serve ARGS` as a registered child; returns it and the JSON line it prints once it
     serves (`control`, `metrics_port`, `engine`). Raises RuntimeError, the daemon stopped, if it

@@ -42,6 +42,7 @@ from ..errors import (
     WrongSize,
 )
 from ..index import IndexMirror
+from ..index.host_mirror import HostIndexMirror
 from ..codec import check_codec
 from ..index.records import MAX_BLOCK_BYTES
 from ..index.signatures import RecordVerifier
@@ -72,6 +73,25 @@ def _tls_context(path: str | None) -> ssl.SSLContext | None:
         raise InvalidConfig(f"tls_ca: {path} holds no PEM certificates ({exc})") from None
 
 
+INDEX_MODES = ("own", "host", "auto")
+
+
+def _open_index(index: str, metadata: str, cluster: str, timeout: float, transport: str,
+                fingerprints: Iterable[ModelFingerprint | str] | None) -> IndexMirror | HostIndexMirror:
+    """The started index view `index` names (see Client); the embedded store (memory://) and a
+    client held to TCP keep their own."""
+    if index == "host" and transport == "tcp":
+        raise InvalidConfig("index='host' asks the host's daemon over the same-host socket, which transport='tcp' "
+                            "does not use: pass index='own' (or 'auto')")
+    if index != "own" and transport != "tcp" and not metadata.startswith("memory://"):
+        try:
+            return HostIndexMirror(metadata, cluster, timeout=timeout, fingerprints=fingerprints).start()
+        except InvalidConfig:
+            if index == "host":
+                raise
+    return IndexMirror(metadata, cluster, timeout=timeout, fingerprints=fingerprints).start()
+
+
 class Client:
     """Synchronous client; `AsyncClient` wraps it for asyncio callers."""
 
@@ -80,8 +100,10 @@ class Client:
                  replicas: int | None = None, mirror: IndexMirror | None = None, transport: str = "auto",
                  tls_ca: str | None = None, publish: str = "async", tenant: str | None = None,
                  repair: bool = False, wire_codec: str | None = None,
-                 mirror_fingerprints: Iterable[ModelFingerprint | str] | None = None) -> None:
+                 mirror_fingerprints: Iterable[ModelFingerprint | str] | None = None, index: str = "own") -> None:
         self.fingerprint, self.timeout = fingerprint, timeout
+        if index not in INDEX_MODES:
+            raise InvalidConfig(f"index must be one of {', '.join(INDEX_MODES)}, not {str(index)[:40]!r}")
         # Same-host DRAM slots this client verified (KVSTORE_VERIFY=once: re-reads skip the hash);
         # first, so that a bad setting fails before anything is started.
         verified = VerifiedSlots()
@@ -119,7 +141,9 @@ class Client:
         self._own_mirror = mirror is None
         # `mirror_fingerprints`: this client's own mirror keeps those models' blocks only (its
         # memory and load time follow them, not the cluster); others raise NotMirrored.
-        self.mirror = mirror or IndexMirror(metadata, cluster, timeout=timeout, fingerprints=mirror_fingerprints).start()
+        # index="host": the host's daemon keeps the one mirror every process here asks (this one
+        # keeps the nodes only); "auto": that where a daemon of the cluster runs on this host.
+        self.mirror = mirror or _open_index(index, metadata, cluster, timeout, transport, mirror_fingerprints)
         # Given, else KVSTORE_SECRET, else what `kvstore serve` generated for this cluster (same user).
         secret, self.secret_source = client_secret(cluster, secret)
         self.engine = Engine(f"client-{os.getpid()}-{uuid.uuid4().hex[:6]}", listen=None, secret=secret,
@@ -135,6 +159,9 @@ class Client:
         self.links = NodeLinks(self.engine, self.mirror, timeout=timeout, transport=transport, secret=self._secret,
                                secret_source=self.secret_source, tenant=self.tenant,
                                tls=tls, stats=self.stats)
+        if isinstance(self.mirror, HostIndexMirror):
+            self.mirror.verifier = self._records
+            self.mirror.attach(lambda node, message, attachments: self.links.control(node).call(message, attachments)[0])
         self.puts = PutPipeline(self.links, publish=publish, repair=repair)
         self.reads = ReadPipeline(self.links, self._records, verified, wire_codec=self.wire_codec)
         self.closed = False

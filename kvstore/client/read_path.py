@@ -97,8 +97,7 @@ class ReadPipeline:
         here, nodes = links.here, links.mirror.nodes  # a copy: take it once per call
         candidates: Candidates = []
         refused = self.records.refused
-        for h in hashes:
-            replicas = links.mirror.lookup(fp, bytes(h), self.records)
+        for replicas in links.mirror.lookup_many(fp, hashes, self.records):
             ranked = sorted(replicas.items(), key=lambda kv: (kv[1].tier != "dram",
                                                               getattr(nodes.get(kv[0]), "host", "") != here, kv[0]))
             candidates.append([c for c in ranked if links.placement.usable(c[0])] or ranked)

@@ -42,7 +42,8 @@ Requests (one reply frame each):
   abort    {tokens} -> {}
   touch    {fp, hashes (hex), corrupt (hex)} -> {}: blocks read (kept warm), and those a reader found
            corrupt (dropped)
-  remove   {fp, hashes (hex)} -> {removed}: the blocks dropped, visible everywhere when it answers
+  remove   {fp, hashes (hex)} -> {removed, revision}: the blocks dropped, gone from etcd when it answers
+           (`revision`: one at or after their deletion, 0 where none was published)
   lookup   {fp, hashes} -> {records: [hex | null]}: where this node holds the blocks now
   read     {fp, hashes, codec?} -> {records: [hex | null]} + each held block's bytes: the wire codec
            (`Client(wire_codec="lz4")`, for readers on other hosts over slow links): a block is sent
@@ -53,6 +54,8 @@ Requests (one reply frame each):
            (opened O_RDONLY|O_DIRECT here, for this client alone)
   seals    {} -> {region, size} and, over SCM_RIGHTS, a read-only fd of the DRAM arena's seal table
            (kvstore.seals): same host only
+  index    {q, count, ...} + `count` block hashes, raw -> a question to the host's one index mirror
+           (kvstore.daemon.host_index): same host only
 Errors: {ok: false, code: invalid|exhausted|refused|unavailable|denied, error} (denied: a tenant named
 a fingerprint not its own); `busy` only in the admission frame.
 """
@@ -80,6 +83,8 @@ from ..codec import check_codec
 from ..errors import InvalidRequest, KVStoreError
 from ..spin import spin_for
 from ..wire import NEXT_REQUEST_SPIN_S, AttachmentsAltered, Frames, MalformedFrame
+from ..keys import HASH_BYTES
+from .host_index import MAX_HASHES, HostIndex, split_hashes
 from .operations import OpFailed, Sealed, StoreOperations, check_fingerprint, check_hashes, check_ints
 
 log = logging.getLogger(__name__)
@@ -93,7 +98,7 @@ HANDSHAKES_PER_SOURCE = 16
 # An idle connection is closed after this long, so clients' pools cannot hold every slot for good
 # (clients drop pooled connections idle for half of it: kvstore.client.local_node.POOLED_IDLE_S).
 IDLE_S = 120.0
-OPS = ("put", "reserve", "commit", "abort", "touch", "remove", "tier", "seals", "lookup", "read")
+OPS = ("put", "reserve", "commit", "abort", "touch", "remove", "tier", "seals", "lookup", "read", "index")
 READ_BYTES = 64 << 20  # raw bytes one `read` may ask for (a client splits larger gets)
 
 
@@ -190,6 +195,7 @@ class LocalControl:
                  tcp_host: str | None = None, tcp_port: int = 0, tenants: dict[str, bytes] | None = None,
                  tls: ssl.SSLContext | None = None) -> None:
         self.name, self._secret, self.ops = name, secret, ops
+        self.host_index: HostIndex | None = None  # the host's one index mirror (kvstore.daemon.host_index)
         self.tls = tls  # the TCP socket speaks TLS (the node's --tls-cert) when set
         self._node, self.store = ops.node, ops.store
         self._tenants = tenants  # name -> secret of the tenants that may connect besides the cluster
@@ -365,7 +371,7 @@ class LocalControl:
                         os.close(fd)
                 else:
                     frames.send(reply, attachments)
-                if not reply.get("ok") and op == "put":
+                if not reply.get("ok") and op in ("put", "index"):
                     break  # its bytes may still be in the stream: the client opens a new connection
         except Exception as exc:  # noqa: BLE001 - a client that leaves or misbehaves ends only its connection
             log.debug("%s: same-host connection ended: %s", self._node, exc)
@@ -385,8 +391,8 @@ class LocalControl:
         counted in the metrics before it goes out: whoever got the answer also sees it there."""
         started = time.perf_counter()
         try:
-            if remote and op in ("tier", "seals"):
-                raise OpFailed("invalid", f"the {op} fd is only handed out on the same host")
+            if remote and op in ("tier", "seals", "index"):
+                raise OpFailed("invalid", f"the {op} op is only answered on the same host")
             reply, fd = self._handle(op, request, frames, time.monotonic() + self._timeout, tenant, writer)
         except OpFailed as exc:
             reply, fd = {"ok": False, "code": exc.code, "error": str(exc)}, None
@@ -447,6 +453,11 @@ class LocalControl:
         if op == "remove":
             removed = ops.remove(fingerprint, _hexes(request.get("hashes"), "hashes"), tenant=tenant)
             return {"ok": True, "removed": removed.count, "revision": removed.revision}, None
+        if op == "index":
+            hashes = self._index_hashes(request, frames, deadline)  # first: they follow the frame
+            if self.host_index is None:
+                raise OpFailed("invalid", f"{self._node} keeps no host index")
+            return self.host_index.answer(request, tenant, hashes), None
         if op == "tier":
             return self._tier()
         if op == "seals":
@@ -454,6 +465,19 @@ class LocalControl:
             return {"ok": True, "region": self.store.dram.region.id, "size": self.store.dram.region.size,
                     "incarnation": seals.incarnation}, seals.reader_fd()
         raise OpFailed("invalid", f"unknown op {op[:40]!r}")
+
+    @staticmethod
+    def _index_hashes(request: dict, frames: Any, deadline: float) -> list[bytes]:
+        """The block hashes an `index` question sends after its frame: `count` of them, raw."""
+        count = request.get("count", 0)
+        if not isinstance(count, int) or not 0 <= count <= MAX_HASHES:  # (the stream is lost: it closes)
+            raise OpFailed("invalid", f"count: the hashes sent after the frame, 0 to {MAX_HASHES}")
+        if not count:
+            return []
+        raw = bytearray(count * HASH_BYTES)
+        frames.recv_into(memoryview(raw), deadline)
+        frames.attachments_end(deadline)
+        return split_hashes(bytes(raw))
 
     def _read(self, fingerprint: str, request: dict) -> dict:
         """The `read` op: records and bytes (coded where that gains) of the blocks held here. The

@@ -31,10 +31,12 @@ from ..admin.service import AdminService
 from ..admin.v1 import admin_pb2, admin_pb2_grpc
 from ..aio import shared_loop
 from ..errors import KVStoreError, MetadataError, MetadataTimeout, NoStoreNodes
+from ..index.mirror import IndexMirror
 from ..index.records import Layout, NodeRecord, check_name
 from ..index.signatures import RecordSigner
 from ..metadata import open_metadata
 from ..outage_log import OutageLog
+from .host_index import HostIndex
 from .host_room import check_dram
 from .local import LocalControl
 from .metrics import DaemonMetrics
@@ -196,6 +198,7 @@ class Daemon:
                                   self.disk.reader if self.disk else None, c.timeout,
                                   tcp_host=None if c.wire_port is None else c.listen.rpartition(":")[0].strip("[]"),
                                   tcp_port=c.wire_port or 0, tenants=c.tenants, tls=tls)
+        self.local.host_index = HostIndex(lambda: IndexMirror(c.metadata, c.cluster, timeout=c.timeout), c.timeout)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
                                   interceptors=[AccessRules(c.admin_token)],
                                   # no SO_REUSEPORT: a second daemon on a taken port fails, not shares it
@@ -479,6 +482,8 @@ class Daemon:
         self._stopped.set()
         if self.local is not None:
             self.local.close()
+            if self.local.host_index is not None:
+                self.local.host_index.close()
         if self.server is not None:
             self.health.enter_graceful_shutdown()
             self.server.stop(grace).wait(grace + 1)

@@ -63,7 +63,8 @@ class Match:
         return f"Match(length={self.length}, stale={self.stale}, loading={self.loading})"
 
 
-def _fingerprint_id(fingerprint: ModelFingerprint | str) -> str:
+def fingerprint_id(fingerprint: ModelFingerprint | str) -> str:
+    """The index's name of a fingerprint (its digest)."""
     return fingerprint.digest if isinstance(fingerprint, ModelFingerprint) else fingerprint
 
 
@@ -95,7 +96,7 @@ class IndexMirror:
         # these fingerprints only: its memory and its load time follow them, not the cluster. A
         # question about any other fingerprint raises NotMirrored instead of answering "none".
         self.scope: frozenset[str] | None = None if fingerprints is None else \
-            frozenset(_fingerprint_id(f) for f in fingerprints)
+            frozenset(fingerprint_id(f) for f in fingerprints)
         self.stale_after, self.timeout = stale_after, timeout
         self.tables = MirrorTables(self.layout)  # node numbers, placements, applying changes
         self._root, self._blocks_prefix = self.tables.root, self.tables.blocks_prefix
@@ -210,7 +211,7 @@ class IndexMirror:
 
     def _mirrored(self, fingerprint: ModelFingerprint | str) -> str:
         """The fingerprint's index id; NotMirrored when it is outside this mirror's scope."""
-        fp = _fingerprint_id(fingerprint)
+        fp = fingerprint_id(fingerprint)
         if self.scope is not None and fp not in self.scope:
             raise NotMirrored(f"this index mirror holds {len(self.scope)} fingerprint(s) only (fingerprints=...), "
                               f"not {fp[:80]!r}: mirror it too, or use a mirror of the whole cluster")
@@ -250,6 +251,21 @@ class IndexMirror:
         """Whether any node holds the block (no record decoding)."""
         table = self._snapshot.blocks.get(self._mirrored(fingerprint))
         return table is not None and block_hash in table.records
+
+    def sealed(self, fingerprint: ModelFingerprint | str, block_hash: bytes) -> dict[str, bytes]:
+        """Every replica of one block as its node sealed it: node -> encoded record, unchecked (what
+        a host index hands its clients, who check the seals themselves)."""
+        table = self._snapshot.blocks.get(self._mirrored(fingerprint))
+        entry = None if table is None else table.records.get(block_hash)
+        if entry is None:
+            return {}
+        node_of = self.tables.node_of
+        return {node_of(r): bytes(r[2:]) for r in (entry if isinstance(entry, tuple) else (entry,))}
+
+    def lookup_many(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes],
+                    verifier: RecordVerifier | None = None) -> list[dict[str, BlockRecord]]:
+        """`lookup` of each block (one question to a host index; here, a loop)."""
+        return [self.lookup(fingerprint, bytes(h), verifier) for h in hashes]
 
     def lookup(self, fingerprint: ModelFingerprint | str, block_hash: bytes,
                verifier: RecordVerifier | None = None) -> dict[str, BlockRecord]:
@@ -291,7 +307,7 @@ class IndexMirror:
         """Around a question to `node` about these blocks whose answer the caller passes to
         `remember_many` or `forget_many`: yields the `since` for them, so that a watch event about one
         of these replicas that arrives while the question is out wins over the answer."""
-        question = (_fingerprint_id(fingerprint), node, frozenset(map(bytes, hashes)))
+        question = (fingerprint_id(fingerprint), node, frozenset(map(bytes, hashes)))
         with self._apply_lock:
             # Every event up to the loading snapshot's revision was in etcd before this question.
             since = max(self._applied, self._fresh_base if self._fresh is not None else 0)
@@ -331,7 +347,7 @@ class IndexMirror:
 
     def _learn(self, fingerprint: ModelFingerprint | str, node: str, kind: str,
                blocks: list[tuple[bytes, bytes]], since: int | None = None) -> None:
-        fp, bad = _fingerprint_id(fingerprint), None
+        fp, bad = fingerprint_id(fingerprint), None
         if self.scope is not None and fp not in self.scope:
             return  # not kept here (a put's answer about another model)
         with self._apply_lock:

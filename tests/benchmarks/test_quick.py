@@ -113,6 +113,11 @@ def test_metadata_quick(run_benchmark):
     assert results["mirror_blocks"] >= 100_000 and run.records["meta"]["index_blocks"] == 100_000
     # A mirror scoped to the small model holds its 10,000 blocks only, in a fraction of the memory.
     assert results["scoped_mirror_blocks"] == 10_000 and 0 < results["scoped_bytes_over_full"] < 0.5, results
+    # The host index: asked from another process, and worker processes' memory with and without it.
+    for key in ("host_index_load_seconds", "host_index_daemon_bytes", "host_match_4096_p50_us", "host_match_4096_p99_us",
+                "host_lookup_32_p50_us", "workers_1_own_bytes", "workers_2_own_bytes", "workers_2_host_bytes",
+                "workers_2_host_over_one_mirror"):
+        assert positive(results.get(key)), (key, results.get(key))
     assert positive(results["scoped_load_seconds"])
 
 

@@ -3,12 +3,14 @@
 
     {"metadata": "embedded" | "memory://name" | "etcd://host:port", "cluster": "default",
      "dram": "2GiB", "disk": "/path", "disk_size": "16GiB", "secret": "...", "timeout": 5,
-     "tenant": "acme", "tenant_secret": "...", "tls_ca": "/path/roots.pem"}
+     "tenant": "acme", "tenant_secret": "...", "tls_ca": "/path/roots.pem", "index": "own"}
 
 "tenant" alone namespaces the fingerprint (digests 'acme:...'); with "tenant_secret" (that tenant's
 own secret from the daemons' --tenants file, instead of "secret") the engine also authenticates as
 the tenant, and the daemons let it write and look up only that tenant's fingerprints. "tls_ca":
-the roots that signed the daemons' certificates, where they run with --tls-cert.
+the roots that signed the daemons' certificates, where they run with --tls-cert. "index": "host"
+(or "auto": where a daemon of the cluster runs on this host) asks the host's daemon about blocks
+instead of keeping a mirror of the index in this process: one copy per host, not one per worker.
 
 "embedded" (the default) and memory:// URLs start an in-process store daemon the first time a
 process asks (library mode); etcd:// URLs connect to running `kvstore serve` daemons. A
@@ -78,7 +80,8 @@ def store_for(config: dict[str, Any], mirror_fingerprints: Iterable[str] | None 
                 tenant = str(config["tenant"]) if config.get("tenant_secret") and config.get("tenant") else None
                 secret = config.get("tenant_secret") if tenant else config.get("secret")
                 client = Client(url, cluster=cluster, secret=secret, timeout=timeout, tenant=tenant,
-                                tls_ca=config.get("tls_ca"), mirror_fingerprints=scope)
+                                tls_ca=config.get("tls_ca"), mirror_fingerprints=scope,
+                                index=str(config.get("index", "own")))
             _clients[(url, cluster, scope)] = client
         return client
 

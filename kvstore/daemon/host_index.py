@@ -1,0 +1,126 @@
+"""The host index: one mirror of the cluster's block index per host, held by the host's daemon and
+asked by every client on the host (`Client(index="host")`, kvstore.index.host_mirror) over the
+same-host control wire, instead of one mirror and one etcd watch in every process (a TP=8 engine
+is nine of them).
+
+The mirror starts at the first question (a daemon nobody asks keeps none) and follows the whole
+cluster. Answers carry `stale` as the mirror has it, so a client never takes a stale host view for
+a current one. Records go out as their nodes sealed them: each client checks the seals with its
+own secret (a tenant's client, only its tenant's), as it does with its own mirror.
+
+Questions (the `index` op, `q` names one; the block hashes follow the frame raw, `count` of them, at
+most MAX_HASHES):
+  match    {fp, hashes}            -> {length, stale, loading}: the leading blocks held anywhere
+  prefix   {fp, hashes}            -> {lengths: {node: n}, stale}: per node, the leading blocks it holds
+  lookup   {fp, hashes}            -> {records: [{node: sealed record (hex)}]}: every replica of each
+  learn    {fp, node, kind, hashes, records?} -> {}: a put's or a remove's answer, learned at once
+           (kind "put" with the sealed records, or "delete"), as a client's own mirror does
+  wait     {revision, timeout}      -> {reached}: whether the mirror applied that revision in time
+  status   {}                      -> {revision, stale, loading, blocks}
+"""
+from __future__ import annotations
+
+import functools
+import struct
+import threading
+from typing import Any, Callable
+
+from ..errors import InvalidRecord, KVStoreError, NotMirrored
+from ..index.mirror import IndexMirror
+from ..keys import HASH_BYTES
+from .operations import OpFailed, check_fingerprint
+
+MAX_HASHES = 1 << 16  # one question about at most this many blocks (a 1M-token prompt in 16-token blocks)
+CHUNK = 4096  # hashes split per struct call (a layout per size up to this, cached)
+MAX_WAIT_S = 10.0
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(count: int) -> struct.Struct:
+    return struct.Struct(f"{HASH_BYTES}s" * count)
+
+
+def split_hashes(raw: bytes) -> list[bytes]:
+    """`raw` (whole hashes, back to back) as one bytes object per hash, in a few C calls."""
+    count, out = len(raw) // HASH_BYTES, []
+    for start in range(0, count, CHUNK):
+        n = min(CHUNK, count - start)
+        out += _layout(n).unpack_from(raw, start * HASH_BYTES)
+    return out
+
+
+class HostIndex:
+    """See module docstring. `make_mirror` builds the (not yet started) mirror on first use."""
+
+    def __init__(self, make_mirror: Callable[[], IndexMirror], timeout: float) -> None:
+        self._make_mirror, self._timeout = make_mirror, timeout
+        self._mirror: IndexMirror | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def mirror(self) -> IndexMirror:
+        with self._lock:
+            if self._closed:
+                raise OpFailed("unavailable", "this node is stopping: its host index is closed")
+            if self._mirror is None:
+                try:
+                    self._mirror = self._make_mirror().start(self._timeout)
+                except KVStoreError as exc:
+                    raise OpFailed("unavailable", f"host index: {exc}") from None
+            return self._mirror
+
+    def answer(self, request: dict, tenant: str, hashes: list[bytes]) -> dict:
+        """The reply to one `index` question (OpFailed for a bad one)."""
+        q = request.get("q")
+        mirror = self.mirror()
+        if q == "status":
+            return {"ok": True, "revision": mirror.revision, "stale": mirror.stale, "loading": mirror.loading,
+                    "blocks": mirror.block_count}
+        if q == "wait":
+            revision, timeout = request.get("revision"), request.get("timeout", self._timeout)
+            if not isinstance(revision, int) or not isinstance(timeout, (int, float)) or revision < 0:
+                raise OpFailed("invalid", "wait: {revision: int >= 0, timeout: seconds}")
+            return {"ok": True, "reached": mirror.wait_for_revision(revision, min(max(0.0, timeout), MAX_WAIT_S))}
+        fingerprint = check_fingerprint(request.get("fp"), tenant)
+        try:
+            if q == "match":
+                match = mirror.match(fingerprint, hashes)
+                return {"ok": True, "length": match.length, "stale": match.stale, "loading": match.loading}
+            if q == "prefix":
+                stale = mirror.stale
+                return {"ok": True, "lengths": {} if stale else mirror.node_prefix_lengths(fingerprint, hashes),
+                        "stale": stale}
+            if q == "lookup":
+                return {"ok": True, "records": [{node: raw.hex() for node, raw in mirror.sealed(fingerprint, h).items()}
+                                                for h in hashes]}
+            if q == "learn":
+                self._learn(mirror, fingerprint, hashes, request)
+                return {"ok": True}
+        except NotMirrored as exc:
+            raise OpFailed("invalid", str(exc)) from None
+        raise OpFailed("invalid", f"index: unknown question {str(q)[:40]!r} (match, prefix, lookup, learn, wait, "
+                                  "status)")
+
+    @staticmethod
+    def _learn(mirror: IndexMirror, fingerprint: str, hashes: list[bytes], request: dict) -> None:
+        node, kind = request.get("node"), request.get("kind")
+        if not isinstance(node, str) or not node or kind not in ("put", "delete"):
+            raise OpFailed("invalid", "learn: {node, kind: put|delete, hashes, records (put)}")
+        if kind == "delete":
+            mirror.forget_many(fingerprint, node, hashes)
+            return
+        records: Any = request.get("records")
+        if not isinstance(records, list) or len(records) != len(hashes) or \
+                not all(isinstance(r, str) for r in records):
+            raise OpFailed("invalid", "learn: one sealed record (hex) per hash")
+        try:
+            mirror.remember_many(fingerprint, node, list(zip(hashes, (bytes.fromhex(r) for r in records))))
+        except (InvalidRecord, ValueError) as exc:
+            raise OpFailed("invalid", f"learn: {exc}") from None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            mirror, self._mirror = self._mirror, None
+        if mirror is not None:
+            mirror.stop()
