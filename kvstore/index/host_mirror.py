@@ -99,7 +99,7 @@ class HostIndexMirror:
             raise InvalidConfig("a host index mirror was asked before attach()")
         try:
             reply = self._ask(self.host, {"op": "index", **message, "count": len(hashes)},
-                              [b"".join(map(bytes, hashes))] if hashes else [])
+                              [b"".join(hashes)] if hashes else [])
         except (KVStoreError, OSError) as exc:
             if isinstance(exc, InvalidConfig):
                 raise
