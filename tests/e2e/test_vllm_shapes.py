@@ -28,6 +28,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 import kvstore  # noqa: E402
 from kvstore.errors import UnsupportedDeployment, UnsupportedKVLayout  # noqa: E402
+from kvstore.index.host_mirror import HostIndexMirror  # noqa: E402
 from kvstore.integrations.vllm import parallel  # noqa: E402
 from kvstore.integrations.vllm.connector import KVStoreConnector  # noqa: E402
 from kvstore.integrations.vllm.fingerprint import all_rank_fingerprints, fingerprint_from_vllm  # noqa: E402
@@ -87,6 +88,30 @@ def test_an_engine_on_a_cluster_mirrors_only_the_models_it_looks_up(model, etcd_
     h = Harness(model, metadata=etcd_server.url, cluster=cluster, sync_load_blocks=0)
     try:
         scoped_engine_round_trip(h)
+    finally:
+        h.worker.shutdown()
+        h.scheduler.connector.shutdown()
+
+
+def test_an_engine_asks_the_host_index_and_keeps_no_mirror(model, etcd_server, spawn_daemon):
+    """Kills: the connector's `"index": "host"` not reaching its client (every worker keeps a whole
+    mirror); and the connector's match, lookups and saves through the host index are checked end
+    to end: a prompt saved, then loaded back by its scheduler."""
+    cluster = uuid.uuid4().hex[:8]
+    spawn_daemon("host-index", etcd_server.url, cluster)
+    h = Harness(model, metadata=etcd_server.url, cluster=cluster, sync_load_blocks=0, index="host")
+    try:
+        mirror = h.worker.worker_side.store.mirror
+        assert isinstance(mirror, HostIndexMirror) and mirror.members.block_count == 0
+        prompt = list(range(9, 9 + 2 * BLOCK + 3))
+        h.add("r1", prompt)
+        h.run_until_empty()
+        assert mirror.wait_until(lambda m: m.block_count == 3, 10) and mirror.members.block_count == 0
+        h.scheduler.reset_prefix_cache()
+        request = h.add("r2", prompt)
+        wait_running(h, request)
+        assert h.worker.totals.data["hit_tokens"] == len(prompt) - 1
+        h.run_until_empty()
     finally:
         h.worker.shutdown()
         h.scheduler.connector.shutdown()
