@@ -74,7 +74,8 @@ async def publish_rates(url: str, layout: Layout, batched_blocks: int, single_bl
 
 async def fill(url: str, layout: Layout, total: int, node: str, fp: ModelFingerprint = FP) -> NodeSession:
     """Publish `total` blocks of `fp` with a few transactions in flight at once."""
-    session = NodeSession(open_metadata(url), layout, NodeRecord(node, "x"), ttl=600)
+    # Setup, not a figure: a long timeout, so a busy etcd slows the fill instead of failing it.
+    session = NodeSession(open_metadata(url, timeout=60), layout, NodeRecord(node, "x"), ttl=600)
     await session.start()
     chunk, in_flight = 128 * 8, 8
     starts = list(range(0, total, chunk))

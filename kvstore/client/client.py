@@ -160,7 +160,6 @@ class Client:
                                secret_source=self.secret_source, tenant=self.tenant,
                                tls=tls, stats=self.stats)
         if isinstance(self.mirror, HostIndexMirror):
-            self.mirror.verifier = self._records
             self.mirror.attach(lambda node, message, attachments: self.links.control(node).call(message, attachments)[0])
         self.puts = PutPipeline(self.links, publish=publish, repair=repair)
         self.reads = ReadPipeline(self.links, self._records, verified, wire_codec=self.wire_codec)
