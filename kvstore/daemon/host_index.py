@@ -16,7 +16,7 @@ most MAX_HASHES):
   learn    {fp, node, kind, hashes, records?} -> {}: a put's or a remove's answer, learned at once
            (kind "put" with the sealed records, or "delete"), as a client's own mirror does
   wait     {revision, timeout}      -> {reached}: whether the mirror applied that revision in time
-  status   {}                      -> {revision, stale, loading, blocks}
+  status   {}                      -> {revision, stale, loading, blocks (not for a tenant)}
 """
 from __future__ import annotations
 
@@ -73,9 +73,9 @@ class HostIndex:
         """The reply to one `index` question (OpFailed for a bad one)."""
         q = request.get("q")
         mirror = self.mirror()
-        if q == "status":
+        if q == "status":  # the cluster's block count is not a tenant's to know
             return {"ok": True, "revision": mirror.revision, "stale": mirror.stale, "loading": mirror.loading,
-                    "blocks": mirror.block_count}
+                    **({} if tenant else {"blocks": mirror.block_count})}
         if q == "wait":
             revision, timeout = request.get("revision"), request.get("timeout", self._timeout)
             if not isinstance(revision, int) or not isinstance(timeout, (int, float)) or revision < 0:
