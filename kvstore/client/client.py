@@ -160,7 +160,8 @@ class Client:
                                secret_source=self.secret_source, tenant=self.tenant,
                                tls=tls, stats=self.stats)
         if isinstance(self.mirror, HostIndexMirror):
-            self.mirror.attach(lambda node, message, attachments: self.links.control(node).call(message, attachments)[0])
+            self.mirror.attach(lambda node, message, attachments, timeout:
+                               self.links.control(node).call(message, attachments, timeout=timeout)[0])
         self.puts = PutPipeline(self.links, publish=publish, repair=repair)
         self.reads = ReadPipeline(self.links, self._records, verified, wire_codec=self.wire_codec)
         self.closed = False

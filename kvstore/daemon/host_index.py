@@ -4,17 +4,20 @@ same-host control wire, instead of one mirror and one etcd watch in every proces
 is nine of them).
 
 The mirror starts at the first question (a daemon nobody asks keeps none) and follows the whole
-cluster. Answers carry `stale` as the mirror has it, so a client never takes a stale host view for
-a current one. Records go out as their nodes sealed them: each client checks the seals with its
-own secret (a tenant's client, only its tenant's), as it does with its own mirror.
+cluster; until its first snapshot is in, answers say `loading` and `stale`. Answers carry `stale`
+as the mirror has it, so a client never takes a stale host view for a current one. Records go out
+as their nodes sealed them: each client checks the seals with its own secret (a tenant's client,
+only its tenant's), as it does with its own mirror. A record a client teaches the index (`learn`,
+a put's answer) is taken only for a registered node and with that node's seal (the cluster's, or
+the asking tenant's), so one process cannot plant records the others would be sent to.
 
 Questions (the `index` op, `q` names one; the block hashes follow the frame raw, `count` of them, at
 most MAX_HASHES):
   match    {fp, hashes}            -> {length, stale, loading}: the leading blocks held anywhere
   prefix   {fp, hashes}            -> {lengths: {node: n}, stale}: per node, the leading blocks it holds
   lookup   {fp, hashes}            -> {records: [{node: sealed record (hex)}]}: every replica of each
-  learn    {fp, node, kind, hashes, records?} -> {}: a put's or a remove's answer, learned at once
-           (kind "put" with the sealed records, or "delete"), as a client's own mirror does
+  learn    {fp, node, hashes, records} -> {learned}: a put's answer (the sealed records), learned at
+           once, as a client's own mirror does
   wait     {revision, timeout}      -> {reached}: whether the mirror applied that revision in time
   status   {}                      -> {revision, stale, loading, blocks (not for a tenant)}
 """
@@ -23,16 +26,18 @@ from __future__ import annotations
 import functools
 import struct
 import threading
-from typing import Any, Callable
+from typing import Callable
 
-from ..errors import InvalidRecord, KVStoreError, NotMirrored
+from ..errors import InvalidRecord, NotMirrored
 from ..index.mirror import IndexMirror
+from ..index.signatures import RecordVerifier
 from ..keys import HASH_BYTES
 from .operations import OpFailed, check_fingerprint
 
 MAX_HASHES = 1 << 16  # one question about at most this many blocks (a 1M-token prompt in 16-token blocks)
 CHUNK = 4096  # hashes split per struct call (a layout per size up to this, cached)
 MAX_WAIT_S = 10.0
+START_WAIT_S = 0.5  # the first question waits this long for the mirror's first records, no more
 
 
 @functools.lru_cache(maxsize=64)
@@ -50,10 +55,14 @@ def split_hashes(raw: bytes) -> list[bytes]:
 
 
 class HostIndex:
-    """See module docstring. `make_mirror` builds the (not yet started) mirror on first use."""
+    """See module docstring. `make_mirror` builds the (not yet started) mirror on first use;
+    `verifier_for(tenant)` checks the seals of the records a client of that tenant ("": the
+    cluster's) teaches it."""
 
-    def __init__(self, make_mirror: Callable[[], IndexMirror], timeout: float) -> None:
-        self._make_mirror, self._timeout = make_mirror, timeout
+    def __init__(self, make_mirror: Callable[[], IndexMirror], timeout: float,
+                 verifier_for: Callable[[str], RecordVerifier]) -> None:
+        self._make_mirror, self._timeout, self._verifier_for = make_mirror, timeout, verifier_for
+        self._verifiers: dict[str, RecordVerifier] = {}  # per tenant: their node keys derived once
         self._mirror: IndexMirror | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -62,11 +71,8 @@ class HostIndex:
         with self._lock:
             if self._closed:
                 raise OpFailed("unavailable", "this node is stopping: its host index is closed")
-            if self._mirror is None:
-                try:
-                    self._mirror = self._make_mirror().start(self._timeout)
-                except KVStoreError as exc:
-                    raise OpFailed("unavailable", f"host index: {exc}") from None
+            if self._mirror is None:  # served while it loads (and while etcd is away: stale)
+                self._mirror = self._make_mirror().start(START_WAIT_S, keep_trying=True)
             return self._mirror
 
     def answer(self, request: dict, tenant: str, hashes: list[bytes]) -> dict:
@@ -94,29 +100,33 @@ class HostIndex:
                 return {"ok": True, "records": [{node: raw.hex() for node, raw in mirror.sealed(fingerprint, h).items()}
                                                 for h in hashes]}
             if q == "learn":
-                self._learn(mirror, fingerprint, hashes, request)
-                return {"ok": True}
+                return {"ok": True, "learned": self._learn(mirror, fingerprint, hashes, request, tenant)}
         except NotMirrored as exc:
             raise OpFailed("invalid", str(exc)) from None
         raise OpFailed("invalid", f"index: unknown question {str(q)[:40]!r} (match, prefix, lookup, learn, wait, "
                                   "status)")
 
-    @staticmethod
-    def _learn(mirror: IndexMirror, fingerprint: str, hashes: list[bytes], request: dict) -> None:
-        node, kind = request.get("node"), request.get("kind")
-        if not isinstance(node, str) or not node or kind not in ("put", "delete"):
-            raise OpFailed("invalid", "learn: {node, kind: put|delete, hashes, records (put)}")
-        if kind == "delete":
-            mirror.forget_many(fingerprint, node, hashes)
-            return
-        records: Any = request.get("records")
-        if not isinstance(records, list) or len(records) != len(hashes) or \
+    def _learn(self, mirror: IndexMirror, fingerprint: str, hashes: list[bytes], request: dict, tenant: str) -> int:
+        """A put's records, each taken only with its node's seal; how many were."""
+        node, records = request.get("node"), request.get("records")
+        if not isinstance(node, str) or not isinstance(records, list) or len(records) != len(hashes) or \
                 not all(isinstance(r, str) for r in records):
-            raise OpFailed("invalid", "learn: one sealed record (hex) per hash")
+            raise OpFailed("invalid", "learn: {node, records: one sealed record (hex) per hash}")
+        if node not in mirror.nodes:
+            return 0  # not a registered node (its records reach the index, if ever, through etcd)
+        verifier = self._verifiers.get(tenant)
+        if verifier is None:
+            verifier = self._verifiers[tenant] = self._verifier_for(tenant)
         try:
-            mirror.remember_many(fingerprint, node, list(zip(hashes, (bytes.fromhex(r) for r in records))))
+            sealed = [(h, bytes.fromhex(r)) for h, r in zip(hashes, records)]
+        except ValueError:
+            raise OpFailed("invalid", "learn: records in hex") from None
+        taken = [(h, raw) for h, raw in sealed if verifier.check(fingerprint, h, node, raw)]
+        try:
+            mirror.remember_many(fingerprint, node, taken)
         except (InvalidRecord, ValueError) as exc:
             raise OpFailed("invalid", f"learn: {exc}") from None
+        return len(taken)
 
     def close(self) -> None:
         with self._lock:

@@ -33,7 +33,7 @@ from ..aio import shared_loop
 from ..errors import KVStoreError, MetadataError, MetadataTimeout, NoStoreNodes
 from ..index.mirror import IndexMirror
 from ..index.records import Layout, NodeRecord, check_name
-from ..index.signatures import RecordSigner
+from ..index.signatures import RecordSigner, RecordVerifier
 from ..metadata import open_metadata
 from ..outage_log import OutageLog
 from .host_index import HostIndex
@@ -198,7 +198,9 @@ class Daemon:
                                   self.disk.reader if self.disk else None, c.timeout,
                                   tcp_host=None if c.wire_port is None else c.listen.rpartition(":")[0].strip("[]"),
                                   tcp_port=c.wire_port or 0, tenants=c.tenants, tls=tls)
-        self.local.host_index = HostIndex(lambda: IndexMirror(c.metadata, c.cluster, timeout=c.timeout), c.timeout)
+        self.local.host_index = HostIndex(
+            lambda: IndexMirror(c.metadata, c.cluster, timeout=c.timeout), c.timeout,
+            lambda tenant: RecordVerifier((c.tenants or {}).get(tenant, b"") if tenant else secret, c.cluster, tenant))
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
                                   interceptors=[AccessRules(c.admin_token)],
                                   # no SO_REUSEPORT: a second daemon on a taken port fails, not shares it

@@ -4,10 +4,11 @@ host's one mirror (kvstore.daemon.host_index) about blocks over the same-host co
 the host holds one copy of the index however many processes read it.
 
 Answers carry the host mirror's `stale`, never hidden. Records come back as their nodes sealed
-them and are checked here, with this client's secret, as its own mirror's would be. A put's or a
-remove's answer is told to the host index at once (every process on the host then sees it, not
-only this one). When the host's daemon cannot answer, this client says so in one line and keeps a
-mirror of its own from then on: slower to start, never a silent stale view.
+them and are checked here, with this client's secret, as its own mirror's would be. A put's
+answer is told to the host index at once (every process on the host then sees the blocks, not only
+this one); removals reach it by their etcd events. When the host's daemon cannot be reached, this
+client says so in one line and keeps a mirror of its own from then on: slower to start, never a
+silent stale view.
 """
 from __future__ import annotations
 
@@ -20,14 +21,18 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 from transfer.descriptor import host_id
 
-from ..errors import InvalidConfig, KVStoreError, NotMirrored
-from ..keys import ModelFingerprint
+from ..errors import InvalidConfig, NodeRefused, NoStoreNodes, NotMirrored
+from ..keys import HASH_BYTES, ModelFingerprint
 from .mirror import IndexMirror, fingerprint_id
 from .records import BlockRecord, NodeRecord
 from .signatures import RecordVerifier
 
 log = logging.getLogger(__name__)
 STATUS_EVERY_S = 0.5  # how long the host's `stale` is taken as known
+CHUNK = 4096  # blocks per question (a longer prompt asks in several)
+LOOKUP_CHUNK = 1024  # blocks per lookup: its records (~150 B per replica) stay far under a frame's limit
+MAX_HOST_WAIT_S = 10.0  # the most a host waits for a revision on one question (its own bound)
+CATCH_UP_S = 1.0  # how long a woken waiter lets the host catch up with what this process saw
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,14 @@ class HostMatch:
     loading: bool = False
 
 
+def _leading_hashes(hashes: Sequence[bytes]) -> Sequence[bytes]:
+    """The hashes up to the first that is not a block hash (never present: a prefix stops there)."""
+    for i, h in enumerate(hashes):
+        if len(h) != HASH_BYTES:
+            return hashes[:i]
+    return hashes
+
+
 def host_daemon(nodes: dict[str, NodeRecord], here: str | None = None) -> str | None:
     """The daemon of this host whose index every client here asks: the first by name, not draining."""
     here = here or host_id()
@@ -48,9 +61,9 @@ def host_daemon(nodes: dict[str, NodeRecord], here: str | None = None) -> str | 
 
 class HostIndexMirror:
     """IndexMirror's questions answered by the host's daemon (see module docstring). `attach(ask)`
-    before the first block question: `ask(node, message, attachments)` sends one control message
-    (and the bytes that follow it) to a node of this host and returns its reply (raising what the
-    wire raises)."""
+    before the first block question: `ask(node, message, attachments, timeout)` sends one control
+    message (and the bytes that follow it) to a node of this host and returns its reply within
+    `timeout` (None: the client's), raising what the wire raises."""
 
     def __init__(self, metadata_url: str, cluster: str = "default", *, timeout: float = 5.0,
                  verifier: RecordVerifier | None = None,
@@ -62,7 +75,7 @@ class HostIndexMirror:
         self.verifier = verifier
         self.refused_records = 0
         self.host: str | None = None  # the daemon asked
-        self._ask: Callable[[str, dict, Sequence[bytes]], dict] | None = None
+        self._ask: Callable[[str, dict, Sequence[bytes], float | None], dict] | None = None
         self._own: IndexMirror | None = None  # after the host failed: a mirror of this process's own
         self._lock = threading.Lock()
         self._host_stale, self._status_at = False, float("-inf")
@@ -77,7 +90,7 @@ class HostIndexMirror:
                                 "this host (start one, or use index='own')")
         return self
 
-    def attach(self, ask: Callable[[str, dict, Sequence[bytes]], dict]) -> None:
+    def attach(self, ask: Callable[[str, dict, Sequence[bytes], float | None], dict]) -> None:
         self._ask = ask
 
     def stop(self) -> None:
@@ -90,19 +103,19 @@ class HostIndexMirror:
         """The mirror this process fell back to (None while the host index answers)."""
         return self._own
 
-    def _question(self, message: dict, hashes: Sequence[bytes] = ()) -> dict | None:
+    def _question(self, message: dict, hashes: Sequence[bytes] = (), timeout: float | None = None) -> dict | None:
         """The host index's reply, or None once this client keeps its own mirror. The hashes go
-        raw after the frame (hex in JSON cost milliseconds for a long prompt)."""
+        raw after the frame (hex in JSON cost milliseconds for a long prompt). A host that cannot
+        be reached or says it cannot answer is left for good; a refusal of the question itself
+        (a fingerprint not the caller's, a bad request) raises, as it would of any store call."""
         if self._own is not None:
             return None
         if self._ask is None or self.host is None:
             raise InvalidConfig("a host index mirror was asked before attach()")
         try:
             reply = self._ask(self.host, {"op": "index", **message, "count": len(hashes)},
-                              [b"".join(hashes)] if hashes else [])
-        except (KVStoreError, OSError) as exc:
-            if isinstance(exc, InvalidConfig):
-                raise
+                              [b"".join(hashes)] if hashes else [], timeout)
+        except (OSError, NoStoreNodes, NodeRefused) as exc:
             self._fall_back(exc)
             return None
         if "stale" in reply:  # the host's word on its view, as fresh as this answer
@@ -117,10 +130,9 @@ class HostIndexMirror:
                         "on (answers say stale until it has loaded)", self.host, type(why).__name__, why)
             self._own = IndexMirror(self.url, self.layout.cluster, timeout=self.timeout, verifier=self.verifier,
                                     fingerprints=self.scope)
-            try:  # served as soon as it began loading (answers say loading and stale until then)
-                self._own.start(self.timeout)
-            except KVStoreError as exc:  # etcd gone too: every answer says stale
-                log.warning("the mirror replacing the host index could not start: %s", exc)
+            # Served as soon as it began loading, and while etcd is away too: answers say loading
+            # and stale until its snapshot is in.
+            self._own.start(self.timeout, keep_trying=True)
 
     def _mirrored(self, fingerprint: ModelFingerprint | str) -> str:
         fp = fingerprint_id(fingerprint)
@@ -177,20 +189,40 @@ class HostIndexMirror:
         return int(self.status().get("blocks", 0))
 
     # --- block questions ------------------------------------------------------------------------
+    # A question names at most CHUNK blocks (longer prompts go in several, in order): the reply of
+    # a lookup stays far under a frame's limit, and the host splits them in one call each.
     def match(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes]):
-        fp = self._mirrored(fingerprint)
-        reply = self._question({"q": "match", "fp": fp}, hashes)
-        if reply is None:
-            return self._own.match(fp, hashes)
-        return HostMatch(int(reply["length"]), bool(reply.get("stale")) or self.members.stale,
-                         bool(reply.get("loading")))
+        fp, hashes = self._mirrored(fingerprint), _leading_hashes(hashes)
+        length, stale, loading = 0, self.members.stale, False
+        for start in range(0, len(hashes), CHUNK):
+            part = hashes[start : start + CHUNK]
+            reply = self._question({"q": "match", "fp": fp}, part)
+            if reply is None:
+                return self._own.match(fp, hashes)
+            length += int(reply["length"])
+            stale, loading = stale or bool(reply.get("stale")), loading or bool(reply.get("loading"))
+            if int(reply["length"]) < len(part):
+                break
+        return HostMatch(length, stale, loading)
 
     def node_prefix_lengths(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes]) -> dict[str, int]:
-        fp = self._mirrored(fingerprint)
-        reply = self._question({"q": "prefix", "fp": fp}, hashes)
-        if reply is None:
-            return self._own.node_prefix_lengths(fp, hashes)
-        return {str(n): int(k) for n, k in reply["lengths"].items()}
+        """Per node, the leading blocks it holds itself."""
+        fp, hashes = self._mirrored(fingerprint), _leading_hashes(hashes)
+        lengths: dict[str, int] = {}
+        alive: set[str] | None = None  # nodes that held every block so far
+        for start in range(0, len(hashes), CHUNK):
+            part = hashes[start : start + CHUNK]
+            reply = self._question({"q": "prefix", "fp": fp}, part)
+            if reply is None:
+                return self._own.node_prefix_lengths(fp, hashes)
+            got = {str(n): int(k) for n, k in reply["lengths"].items()}
+            for node, k in got.items():
+                if alive is None or node in alive:
+                    lengths[node] = start + k
+            alive = {n for n, k in got.items() if k == len(part) and (alive is None or n in alive)}
+            if not alive:
+                break
+        return lengths
 
     def contains(self, fingerprint: ModelFingerprint | str, block_hash: bytes) -> bool:
         return self.match(fingerprint, [block_hash]).length == 1
@@ -201,31 +233,31 @@ class HostIndexMirror:
 
     def lookup_many(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes],
                     verifier: RecordVerifier | None = None) -> list[dict[str, BlockRecord]]:
-        """Every replica of each block, those whose seal is not their node's dropped and counted."""
+        """Every replica of each block (a hash that is not a block hash: none); with a verifier
+        (or this mirror's), those whose seal is not their node's dropped and counted."""
         fp = self._mirrored(fingerprint)
-        if not hashes:
-            return []
-        reply = self._question({"q": "lookup", "fp": fp}, hashes)
-        if reply is None:
-            return self._own.lookup_many(fp, hashes, verifier)
+        found: list[dict[str, BlockRecord]] = [{} for _ in hashes]
+        asked = [i for i, h in enumerate(hashes) if len(h) == HASH_BYTES]
         verifier = verifier or self.verifier
-        found: list[dict[str, BlockRecord]] = []
-        for h, replicas in zip(hashes, reply["records"]):
-            kept = {}
-            for node, hexed in replicas.items():
-                raw = bytes.fromhex(hexed)
-                if verifier is None or verifier.check(fp, bytes(h), node, raw):
-                    kept[node] = BlockRecord.decode(raw)
-                else:
-                    self.refused_records += 1
-            found.append(kept)
+        for start in range(0, len(asked), LOOKUP_CHUNK):
+            part = asked[start : start + LOOKUP_CHUNK]
+            reply = self._question({"q": "lookup", "fp": fp}, [hashes[i] for i in part])
+            if reply is None:
+                return self._own.lookup_many(fp, hashes, verifier)
+            for i, replicas in zip(part, reply["records"]):
+                for node, hexed in replicas.items():
+                    raw = bytes.fromhex(hexed)
+                    if verifier is None or verifier.check(fp, bytes(hashes[i]), node, raw):
+                        found[i][node] = BlockRecord.decode(raw)
+                    else:
+                        self.refused_records += 1
         return found
 
     # --- what a put or a remove learned ---------------------------------------------------------
     @contextlib.contextmanager
     def asking(self, fingerprint: ModelFingerprint | str, node: str, hashes: Sequence[bytes]) -> Iterator[int]:
-        """IndexMirror.asking's face: the host index has no guard for a question out here (a record
-        learned after a newer event costs a reader a miss, then the read path forgets it)."""
+        """IndexMirror.asking's face (the host index keeps no guard for questions out here: a
+        record a put teaches it is one its node sealed and holds)."""
         if self._own is not None:
             with self._own.asking(fingerprint, node, hashes) as since:
                 yield since
@@ -234,12 +266,13 @@ class HostIndexMirror:
 
     def remember_many(self, fingerprint: ModelFingerprint | str, node: str,
                       blocks: Sequence[tuple[bytes, BlockRecord | bytes]], since: int | None = None) -> None:
+        """A put's answer, told to the host index: every process on the host knows the blocks at
+        once (it takes each only with its node's seal)."""
         fp = fingerprint_id(fingerprint)
         if (self.scope is not None and fp not in self.scope) or not blocks:
             return
         records = [(r.encode() if isinstance(r, BlockRecord) else bytes(r)).hex() for _, r in blocks]
-        reply = self._question({"q": "learn", "fp": fp, "node": node, "kind": "put", "records": records},
-                               [h for h, _ in blocks])
+        reply = self._question({"q": "learn", "fp": fp, "node": node, "records": records}, [h for h, _ in blocks])
         if reply is None:
             self._own.remember_many(fp, node, blocks, since)
 
@@ -249,30 +282,42 @@ class HostIndexMirror:
 
     def forget_many(self, fingerprint: ModelFingerprint | str, node: str, hashes: Sequence[bytes],
                     since: int | None = None) -> None:
-        fp = fingerprint_id(fingerprint)
-        if (self.scope is not None and fp not in self.scope) or not hashes:
-            return
-        reply = self._question({"q": "learn", "fp": fp, "node": node, "kind": "delete"}, hashes)
-        if reply is None:
-            self._own.forget_many(fp, node, hashes, since)
+        """Only this process's own mirror (after the host failed) forgets at once. The host index
+        unlists a replica by its etcd delete event, never on one client's word: a forget arriving
+        after a newer put of the same block would unlist it for every process on the host, and
+        no later event would list it again (a remove waits for its deletion's revision instead)."""
+        if self._own is not None:
+            self._own.forget_many(fingerprint, node, hashes, since)
 
     # --- waiting --------------------------------------------------------------------------------
     def wait_for_revision(self, revision: int, timeout: float = 5.0) -> bool:
-        """Whether the host's mirror (and this process's view of the nodes) applied `revision` in time."""
+        """Whether the host's mirror (and this process's view of the nodes) applied `revision` in
+        time. The host waits a little less than this call may take, so its "not yet" comes back
+        as an answer, not as a lost connection."""
         deadline = time.monotonic() + timeout
-        reply = self._question({"q": "wait", "revision": int(revision), "timeout": timeout})
+        waited = max(0.0, min(timeout, MAX_HOST_WAIT_S))
+        reply = self._question({"q": "wait", "revision": int(revision), "timeout": waited},
+                               timeout=waited + self.timeout)
         reached = self._own.wait_for_revision(revision, timeout) if reply is None else bool(reply.get("reached"))
         return reached and self.members.wait_for_revision(revision, max(0.0, deadline - time.monotonic()))
 
     def wait_until(self, predicate: Callable[["HostIndexMirror"], bool], timeout: float = 5.0) -> bool:
-        """Poll `predicate(self)` until it holds or the timeout passes (its questions go to the host)."""
+        """Poll `predicate(self)` until it holds or the timeout passes (its questions go to the
+        host). When it holds, the host has applied every change this process has seen first: a
+        waiter woken by a new revision here then finds that change in the host's answers."""
         deadline = time.monotonic() + timeout
         while True:
             if predicate(self):
+                self._catch_up(min(CATCH_UP_S, max(0.0, deadline - time.monotonic())))
                 return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.02)
+
+    def _catch_up(self, timeout: float) -> None:
+        if self._own is None and self.members.revision:
+            self._question({"q": "wait", "revision": self.members.revision, "timeout": timeout},
+                           timeout=timeout + self.timeout)
 
     def wait_loaded(self, timeout: float) -> bool:
         return self.members.wait_loaded(timeout)

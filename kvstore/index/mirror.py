@@ -135,12 +135,13 @@ class IndexMirror:
         self._removal_listeners: list[Callable[[str, bytes, str], None]] = []
 
     # --- lifetime -----------------------------------------------------------------------------
-    def start(self, wait: float | None = None) -> "IndexMirror":
+    def start(self, wait: float | None = None, *, keep_trying: bool = False) -> "IndexMirror":
         """Start following; wait (default `timeout`) for the first snapshot. A snapshot still
-        loading by then is served as it fills (`loading`); no connection: MetadataUnavailable."""
+        loading by then is served as it fills (`loading`); no connection: MetadataUnavailable,
+        unless `keep_trying` (then it answers stale, and empty, until it connects)."""
         self._future = asyncio.run_coroutine_threadsafe(self._follow(), shared_loop())
         deadline = time.monotonic() + (self.timeout if wait is None else wait)
-        if not self._begun.wait(max(0.0, deadline - time.monotonic())):
+        if not self._begun.wait(max(0.0, deadline - time.monotonic())) and not keep_trying:
             self.stop()
             raise MetadataUnavailable(f"index mirror could not load a snapshot from {self.url}")
         self._synced.wait(max(0.0, deadline - time.monotonic()))

@@ -74,9 +74,9 @@ def test_a_host_index_that_stops_answering_is_said_once_and_replaced(cluster, ca
     raising on every question, instead of saying so once and keeping a mirror of its own."""
     _, daemons, own, host = cluster
     hashes = external_hashes(range(8), FP)
-    own.put_many([(h, content(h)) for h in hashes])
-    assert own.mirror.wait_until(lambda m: m.block_count == 8, 10)
-    survivors = [h for h in hashes if set(own.mirror.lookup(FP, h)) == {"node1"}]
+    own.put_many([(h, content(h)) for h in hashes], replicas=2)  # node1 keeps a copy of each
+    assert own.mirror.wait_until(lambda m: all(len(m.lookup(FP, h)) == 2 for h in hashes), 10)
+    survivors = hashes
     daemons[0].kill()
     with caplog.at_level(logging.WARNING, logger="kvstore.index.host_mirror"):
         host.match_prefix(hashes)
@@ -194,3 +194,46 @@ def test_bad_index_questions_get_one_line_each(cluster):
         host.links.wire("node0").call({**ask, "count": 1}, [b"\0" * 16])
     reply, _ = host.links.control("node0").call({**ask, "count": 2}, [b"\1" * 32])
     assert reply["length"] == 0 and reply["stale"] is False
+
+
+def test_the_host_index_takes_only_sealed_records_of_registered_nodes(cluster):
+    """Kills: a `learn` that lists whatever a process sends for every process on the host (a
+    record of a node that does not exist, or without its node's seal: others would be sent to it;
+    made-up node names also filled the index's node numbers until its watch died)."""
+    _, _, own, host = cluster
+    h = external_hashes([500], FP)[0]
+    host.put_many([(h, content(h))])
+    (node, record), = host.mirror.lookup(FP, h).items()
+    raw = host.links.control(node).call({"op": "index", "q": "lookup", "fp": FP.digest, "count": 1}, [h])[0]
+    hexed = raw["records"][0][node]
+    other = external_hashes([501], FP)[0]
+    learn = {"op": "index", "q": "learn", "fp": FP.digest, "count": 1}
+    ask = host.links.control(node).call
+    assert ask({**learn, "node": "no-such-node", "records": [hexed]}, [other])[0]["learned"] == 0
+    assert ask({**learn, "node": node, "records": [hexed]}, [other])[0]["learned"] == 0  # sealed for another hash
+    assert not host.contains(other)
+    assert ask({**learn, "node": node, "records": [hexed]}, [h])[0]["learned"] == 1
+
+
+def test_questions_of_any_size_or_shape_are_answered_as_an_own_mirror_would(cluster, monkeypatch):
+    """Kills: prompts longer than one question sent whole (past the host's limit, or a lookup reply
+    past a frame's: a get raised), hashes that are not 16 bytes sent anyway (the host waited for
+    bytes never coming, or took the next request's bytes as them), a refused question or a slow
+    wait taken for a dead host (the process then kept a mirror of its own for good)."""
+    from kvstore.index import host_mirror
+
+    _, _, own, host = cluster
+    assert host.match_prefix(external_hashes(range(70_000), FP)) == 0  # more than one question may name
+    monkeypatch.setattr(host_mirror, "CHUNK", 5)
+    monkeypatch.setattr(host_mirror, "LOOKUP_CHUNK", 3)
+    hashes = chain_hashes(FP, list(range(16 * 12)))
+    host.put_many([(h, content(h)) for h in hashes])
+    assert own.mirror.wait_until(lambda m: m.block_count == 12, 10)
+    assert host.match_prefix(hashes) == 12 and host.match_prefix(hashes[:7] + [b"short"] + hashes[7:]) == 7
+    assert host.mirror.node_prefix_lengths(FP, hashes) == own.mirror.node_prefix_lengths(FP, hashes)
+    assert host.mirror.lookup_many(FP, hashes + [b"x" * 17]) == own.mirror.lookup_many(FP, hashes + [b"x" * 17])
+    assert not host.contains(b"short") and host.get(b"short", np.zeros(BLOCK, np.uint8)) is False
+    with pytest.raises(InvalidRequest):
+        host.mirror._question({"q": "no-such-question"})
+    assert host.mirror.wait_for_revision(10**12, timeout=3.0) is False  # longer than the client's timeout
+    assert host.mirror.own is None and host.match_prefix(hashes) == 12
