@@ -8,8 +8,9 @@ cluster; until its first snapshot is in, answers say `loading` and `stale`. Answ
 as the mirror has it, so a client never takes a stale host view for a current one. Records go out
 as their nodes sealed them: each client checks the seals with its own secret (a tenant's client,
 only its tenant's), as it does with its own mirror. A record a client teaches the index (`learn`,
-a put's answer) is taken only for a registered node and with that node's seal (the cluster's, or
-the asking tenant's), so one process cannot plant records the others would be sent to.
+a put's answer) is taken only for a registered node and with that node's seal under the cluster
+secret (a tenant's records carry it too), so no process, a tenant's least of all, can plant
+records the others would be sent to.
 
 Questions (the `index` op, `q` names one; the block hashes follow the frame raw, `count` of them, at
 most MAX_HASHES):
@@ -26,6 +27,8 @@ from __future__ import annotations
 import functools
 import struct
 import threading
+import time
+from collections import OrderedDict
 from typing import Callable
 
 from ..errors import InvalidRecord, NotMirrored
@@ -38,6 +41,12 @@ MAX_HASHES = 1 << 16  # one question about at most this many blocks (a 1M-token 
 CHUNK = 4096  # hashes split per struct call (a layout per size up to this, cached)
 MAX_WAIT_S = 10.0
 START_WAIT_S = 0.5  # the first question waits this long for the mirror's first records, no more
+NODES_WAIT_S = 2.0  # a question waits at most this long for the mirror's node records (a fresh mirror)
+# A learned record of a replica whose deletion the watch applied this recently is not taken: the
+# put's answer may have been overtaken by the block's removal, and nothing would unlist it again
+# (a genuine put after that deletion is listed by its own event, milliseconds later).
+RECENT_DELETE_S = 60.0
+RECENT_DELETES = 200_000  # replicas remembered as recently deleted, at most (the oldest go first)
 
 
 @functools.lru_cache(maxsize=64)
@@ -56,13 +65,11 @@ def split_hashes(raw: bytes) -> list[bytes]:
 
 class HostIndex:
     """See module docstring. `make_mirror` builds the (not yet started) mirror on first use;
-    `verifier_for(tenant)` checks the seals of the records a client of that tenant ("": the
-    cluster's) teaches it."""
+    `verifier` (the cluster secret's) checks the node seal of every record a client teaches it."""
 
-    def __init__(self, make_mirror: Callable[[], IndexMirror], timeout: float,
-                 verifier_for: Callable[[str], RecordVerifier]) -> None:
-        self._make_mirror, self._timeout, self._verifier_for = make_mirror, timeout, verifier_for
-        self._verifiers: dict[str, RecordVerifier] = {}  # per tenant: their node keys derived once
+    def __init__(self, make_mirror: Callable[[], IndexMirror], timeout: float, verifier: RecordVerifier) -> None:
+        self._make_mirror, self._timeout, self._verifier = make_mirror, timeout, verifier
+        self._deleted: OrderedDict[tuple[str, bytes, str], float] = OrderedDict()  # replica -> when
         self._mirror: IndexMirror | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -72,8 +79,20 @@ class HostIndex:
             if self._closed:
                 raise OpFailed("unavailable", "this node is stopping: its host index is closed")
             if self._mirror is None:  # served while it loads (and while etcd is away: stale)
-                self._mirror = self._make_mirror().start(START_WAIT_S, keep_trying=True)
-            return self._mirror
+                mirror = self._make_mirror()
+                mirror.on_replica_removed(self._removed)
+                self._mirror = mirror.start(START_WAIT_S, keep_trying=True)
+            mirror = self._mirror
+        mirror.wait_begun(min(NODES_WAIT_S, self._timeout / 2))  # (at once, but for the first questions)
+        return mirror
+
+    def _removed(self, fingerprint: str, block_hash: bytes, node: str) -> None:
+        """A watch event removed a replica (called under the mirror's lock: only take note)."""
+        deleted, now = self._deleted, time.monotonic()
+        deleted[(fingerprint, block_hash, node)] = now
+        deleted.move_to_end((fingerprint, block_hash, node))
+        while deleted and (len(deleted) > RECENT_DELETES or next(iter(deleted.values())) < now - RECENT_DELETE_S):
+            deleted.popitem(last=False)
 
     def answer(self, request: dict, tenant: str, hashes: list[bytes]) -> dict:
         """The reply to one `index` question (OpFailed for a bad one)."""
@@ -100,13 +119,13 @@ class HostIndex:
                 return {"ok": True, "records": [{node: raw.hex() for node, raw in mirror.sealed(fingerprint, h).items()}
                                                 for h in hashes]}
             if q == "learn":
-                return {"ok": True, "learned": self._learn(mirror, fingerprint, hashes, request, tenant)}
+                return {"ok": True, "learned": self._learn(mirror, fingerprint, hashes, request)}
         except NotMirrored as exc:
             raise OpFailed("invalid", str(exc)) from None
         raise OpFailed("invalid", f"index: unknown question {str(q)[:40]!r} (match, prefix, lookup, learn, wait, "
                                   "status)")
 
-    def _learn(self, mirror: IndexMirror, fingerprint: str, hashes: list[bytes], request: dict, tenant: str) -> int:
+    def _learn(self, mirror: IndexMirror, fingerprint: str, hashes: list[bytes], request: dict) -> int:
         """A put's records, each taken only with its node's seal; how many were."""
         node, records = request.get("node"), request.get("records")
         if not isinstance(node, str) or not isinstance(records, list) or len(records) != len(hashes) or \
@@ -114,18 +133,21 @@ class HostIndex:
             raise OpFailed("invalid", "learn: {node, records: one sealed record (hex) per hash}")
         if node not in mirror.nodes:
             return 0  # not a registered node (its records reach the index, if ever, through etcd)
-        verifier = self._verifiers.get(tenant)
-        if verifier is None:
-            verifier = self._verifiers[tenant] = self._verifier_for(tenant)
+        verifier = self._verifier
         try:
             sealed = [(h, bytes.fromhex(r)) for h, r in zip(hashes, records)]
         except ValueError:
             raise OpFailed("invalid", "learn: records in hex") from None
         taken = [(h, raw) for h, raw in sealed if verifier.check(fingerprint, h, node, raw)]
-        try:
-            mirror.remember_many(fingerprint, node, taken)
-        except (InvalidRecord, ValueError) as exc:
-            raise OpFailed("invalid", f"learn: {exc}") from None
+        # Under the mirror's question guard: a watch event about one of these replicas that comes
+        # while we decide wins; the recent deletions cover those that came before.
+        with mirror.asking(fingerprint, node, [h for h, _ in taken]) as since:
+            cutoff = time.monotonic() - RECENT_DELETE_S
+            taken = [(h, raw) for h, raw in taken if self._deleted.get((fingerprint, h, node), cutoff) <= cutoff]
+            try:
+                mirror.remember_many(fingerprint, node, taken, since)
+            except (InvalidRecord, ValueError) as exc:
+                raise OpFailed("invalid", f"learn: {exc}") from None
         return len(taken)
 
     def close(self) -> None:

@@ -200,7 +200,7 @@ class Daemon:
                                   tcp_port=c.wire_port or 0, tenants=c.tenants, tls=tls)
         self.local.host_index = HostIndex(
             lambda: IndexMirror(c.metadata, c.cluster, timeout=c.timeout), c.timeout,
-            lambda tenant: RecordVerifier((c.tenants or {}).get(tenant, b"") if tenant else secret, c.cluster, tenant))
+            RecordVerifier(secret, c.cluster))
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
                                   interceptors=[AccessRules(c.admin_token)],
                                   # no SO_REUSEPORT: a second daemon on a taken port fails, not shares it

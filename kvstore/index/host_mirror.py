@@ -21,7 +21,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 from transfer.descriptor import host_id
 
-from ..errors import InvalidConfig, NodeRefused, NoStoreNodes, NotMirrored
+from ..errors import (AccessDenied, AuthenticationFailed, ConnectionsExhausted, InvalidConfig, KVStoreError,
+                      NodeRefused, NoStoreNodes, NotMirrored)
 from ..keys import HASH_BYTES, ModelFingerprint
 from .mirror import IndexMirror, fingerprint_id
 from .records import BlockRecord, NodeRecord
@@ -45,7 +46,11 @@ class HostMatch:
 
 
 def _leading_hashes(hashes: Sequence[bytes]) -> Sequence[bytes]:
-    """The hashes up to the first that is not a block hash (never present: a prefix stops there)."""
+    """The hashes up to the first that is not a block hash (never present: a prefix stops there).
+    The common case, all of them, costs one join: lengths that only sum right (a 15- and a 17-byte
+    "hash") would be read as other hashes, which no block has."""
+    if len(b"".join(hashes)) == HASH_BYTES * len(hashes):
+        return hashes
     for i, h in enumerate(hashes):
         if len(h) != HASH_BYTES:
             return hashes[:i]
@@ -79,6 +84,7 @@ class HostIndexMirror:
         self._own: IndexMirror | None = None  # after the host failed: a mirror of this process's own
         self._lock = threading.Lock()
         self._host_stale, self._status_at = False, float("-inf")
+        self._caught_up = 0  # the last of this process's event revisions the host was seen to have applied
 
     # --- lifetime -------------------------------------------------------------------------------
     def start(self, wait: float | None = None) -> "HostIndexMirror":
@@ -115,6 +121,8 @@ class HostIndexMirror:
         try:
             reply = self._ask(self.host, {"op": "index", **message, "count": len(hashes)},
                               [b"".join(hashes)] if hashes else [], timeout)
+        except (AccessDenied, AuthenticationFailed, ConnectionsExhausted):
+            raise  # the caller's (a fingerprint or secret not its own), or a busy moment: not a dead host
         except (OSError, NoStoreNodes, NodeRefused) as exc:
             self._fall_back(exc)
             return None
@@ -315,9 +323,18 @@ class HostIndexMirror:
             time.sleep(0.02)
 
     def _catch_up(self, timeout: float) -> None:
-        if self._own is None and self.members.revision:
-            self._question({"q": "wait", "revision": self.members.revision, "timeout": timeout},
-                           timeout=timeout + self.timeout)
+        """Let the host apply the last event this process applied (only an event's revision: a
+        snapshot's may be another cluster's, which the host would never reach); best effort."""
+        revision = self.members.event_revision
+        if self._own is not None or revision <= self._caught_up:
+            return
+        try:
+            reply = self._question({"q": "wait", "revision": revision, "timeout": timeout}, timeout=timeout + self.timeout)
+        except (KVStoreError, OSError) as exc:
+            log.debug("the host index did not catch up with revision %d: %s", revision, exc)
+            return
+        if reply is not None and reply.get("reached"):
+            self._caught_up = revision
 
     def wait_loaded(self, timeout: float) -> bool:
         return self.members.wait_loaded(timeout)

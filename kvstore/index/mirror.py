@@ -110,6 +110,8 @@ class IndexMirror:
         self._questions: list[tuple[str, str, frozenset[bytes]]] = []
         self._event_revisions: dict[tuple[str, bytes, str], int] = {}
         self._applied = 0  # the last revision applied
+        self.event_revision = 0  # the revision of the last watch event applied (0: none yet)
+        self._keep_trying = False  # started with keep_trying: failures before the first load are said too
         self._base = 0  # the revision the current snapshot was loaded at
         self._fresh_base = 0  # the revision the snapshot being loaded is read at
         self._last_ok = float("-inf")
@@ -139,6 +141,7 @@ class IndexMirror:
         """Start following; wait (default `timeout`) for the first snapshot. A snapshot still
         loading by then is served as it fills (`loading`); no connection: MetadataUnavailable,
         unless `keep_trying` (then it answers stale, and empty, until it connects)."""
+        self._keep_trying = keep_trying
         self._future = asyncio.run_coroutine_threadsafe(self._follow(), shared_loop())
         deadline = time.monotonic() + (self.timeout if wait is None else wait)
         if not self._begun.wait(max(0.0, deadline - time.monotonic())) and not keep_trying:
@@ -153,6 +156,10 @@ class IndexMirror:
         with the mirror's tables locked: it may only take note. A snapshot reload calls nothing
         (`resyncs` counts those)."""
         self._removal_listeners.append(listener)
+
+    def wait_begun(self, timeout: float) -> bool:
+        """Block until the first snapshot has begun loading (the nodes and segments are in)."""
+        return self._begun.wait(timeout)
 
     def wait_loaded(self, timeout: float) -> bool:
         """Block until a complete snapshot is in place (tests, benchmarks, callers that must not guess)."""
@@ -275,20 +282,11 @@ class IndexMirror:
         (`refused_records`). Whoever reads bytes by a record passes one; who only counts or
         routes need not (a forged record costs them a miss at most)."""
         fp = self._mirrored(fingerprint)
-        table = self._snapshot.blocks.get(fp)
-        entry = None if table is None else table.records.get(block_hash)
-        if entry is None:
-            return {}
-        raws = entry if isinstance(entry, tuple) else (entry,)
-        node_of = self.tables.node_of
-        verifier = verifier or self.verifier
-        if verifier is None:
-            return {node_of(r): BlockRecord.decode(r[2:]) for r in raws}
+        replicas, verifier = self.sealed(fp, block_hash), verifier or self.verifier
         found = {}
-        for r in raws:
-            node = node_of(r)
-            if verifier.check(fp, bytes(block_hash), node, r[2:]):
-                found[node] = BlockRecord.decode(r[2:])
+        for node, raw in replicas.items():
+            if verifier is None or verifier.check(fp, bytes(block_hash), node, raw):
+                found[node] = BlockRecord.decode(raw)
             else:
                 self._refused(fp, block_hash, node)
         return found
@@ -410,7 +408,7 @@ class IndexMirror:
             except (KVStoreError, OSError) as exc:
                 if isinstance(exc, WatchCompacted):
                     self._reload = True  # the history after our revision is gone: only a snapshot will do
-                if self._begun.is_set():  # before the first load, start() says it (or its caller does)
+                if self._begun.is_set() or self._keep_trying:  # else start() says it (or its caller)
                     self._outage.failed(exc)
             finally:
                 with self._changed:  # a waiter on `stale` wakes now, not at its timeout
@@ -541,6 +539,7 @@ class IndexMirror:
                 self._on_event(event)
         with self._changed:
             self._revision = max(self._revision, events[-1].revision)
+            self.event_revision = max(self.event_revision, events[-1].revision)
             self._last_ok = time.monotonic()
             self._changed.notify_all()
 

@@ -227,11 +227,13 @@ def test_questions_of_any_size_or_shape_are_answered_as_an_own_mirror_would(clus
     monkeypatch.setattr(host_mirror, "CHUNK", 5)
     monkeypatch.setattr(host_mirror, "LOOKUP_CHUNK", 3)
     hashes = chain_hashes(FP, list(range(16 * 12)))
-    host.put_many([(h, content(h)) for h in hashes])
+    host.put_many([(h, content(h)) for h in hashes[:7]], replicas=2)  # the two nodes part after block 7
+    host.put_many([(h, content(h)) for h in hashes[7:]])
     assert own.mirror.wait_until(lambda m: m.block_count == 12, 10)
     assert host.match_prefix(hashes) == 12 and host.match_prefix(hashes[:7] + [b"short"] + hashes[7:]) == 7
     assert host.mirror.node_prefix_lengths(FP, hashes) == own.mirror.node_prefix_lengths(FP, hashes)
-    assert host.mirror.lookup_many(FP, hashes + [b"x" * 17]) == own.mirror.lookup_many(FP, hashes + [b"x" * 17])
+    mixed = hashes[:4] + [b"x" * 17] + hashes[4:]  # answers land at their own places around a non-hash
+    assert host.mirror.lookup_many(FP, mixed) == own.mirror.lookup_many(FP, mixed)
     assert not host.contains(b"short") and host.get(b"short", np.zeros(BLOCK, np.uint8)) is False
     with pytest.raises(InvalidRequest):
         host.mirror._question({"q": "no-such-question"})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import uuid
 
 import numpy as np
@@ -191,3 +192,28 @@ def test_a_tenant_is_who_its_secret_says(etcd_server, cluster):
             assert wrong.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
             wrong.put(external_hashes([30], ACME)[0], block(30, 4096))
     assert "tenant" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_tenant_asks_the_host_index_about_its_own_blocks_only(etcd_server, cluster):
+    """Kills: the host index answering a tenant about another tenant's fingerprint, a tenant's put
+    not taken by the host index (etcd is frozen: only the put's answer can list the block), a
+    record without its node's seal taken, and a refused question taken for a dead host (the client
+    then kept a mirror of its own for good)."""
+    daemon, cluster_name = cluster
+    with Client(etcd_server.url, cluster=cluster_name, fingerprint=ACME, secret=SECRETS["acme"], tenant="acme",
+                index="host") as acme:
+        h = external_hashes([11], ACME)[0]
+        reply = acme.links.control(daemon.name).call(
+            {"op": "index", "q": "learn", "fp": ACME.digest, "node": daemon.name, "count": 1, "records": ["00"]}, [h])[0]
+        assert reply["learned"] == 0  # no seal at all
+        assert not acme.contains(h)  # the host index runs
+        os.kill(etcd_server.proc.pid, signal.SIGSTOP)  # only the put's answer can make the block known
+        try:
+            acme.put(h, block(11, 4096))
+            out = np.zeros(4096, np.uint8)
+            assert acme.contains(h) and acme.get(h, out) and np.array_equal(out, block(11, 4096))
+        finally:
+            os.kill(etcd_server.proc.pid, signal.SIGCONT)
+        with pytest.raises(AccessDenied):
+            acme.mirror.match(BETA, [h])
+        assert acme.mirror.own is None and acme.contains(h)
