@@ -239,3 +239,19 @@ def test_questions_of_any_size_or_shape_are_answered_as_an_own_mirror_would(clus
         host.mirror._question({"q": "no-such-question"})
     assert host.mirror.wait_for_revision(10**12, timeout=3.0) is False  # longer than the client's timeout
     assert host.mirror.own is None and host.match_prefix(hashes) == 12
+
+
+def test_a_put_answer_that_comes_after_the_blocks_removal_is_not_taken(cluster):
+    """Kills: a learn taken after the watch had already applied the replica's deletion (a put's
+    answer overtaken by a remove or an eviction): the host index would list a block no node holds,
+    for every process on the host, with no later event to unlist it."""
+    _, _, _, host = cluster
+    h = external_hashes([900], FP)[0]
+    host.put_many([(h, content(h))])
+    (node,) = host.mirror.lookup(FP, h)
+    sealed = host.links.control(node).call({"op": "index", "q": "lookup", "fp": FP.digest, "count": 1}, [h])[0]
+    record = sealed["records"][0][node]
+    assert host.remove([h]) == 1 and not host.contains(h)  # its deletion's event applied by the host
+    late = {"op": "index", "q": "learn", "fp": FP.digest, "node": node, "records": [record], "count": 1}
+    assert host.links.control(node).call(late, [h])[0]["learned"] == 0
+    assert not host.contains(h)
