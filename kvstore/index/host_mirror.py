@@ -21,8 +21,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 from transfer.descriptor import host_id
 
-from ..errors import (AccessDenied, AuthenticationFailed, ConnectionsExhausted, InvalidConfig, KVStoreError,
-                      NodeRefused, NoStoreNodes, NotMirrored)
+from ..errors import (AccessDenied, AuthenticationFailed, ConnectionsExhausted, InvalidConfig, InvalidRequest,
+                      KVStoreError, NodeRefused, NoStoreNodes, NotMirrored)
 from ..keys import HASH_BYTES, ModelFingerprint
 from .mirror import IndexMirror, fingerprint_id
 from .records import BlockRecord, NodeRecord
@@ -125,6 +125,11 @@ class HostIndexMirror:
             raise  # the caller's (a fingerprint or secret not its own), or a busy moment: not a dead host
         except (OSError, NoStoreNodes, NodeRefused) as exc:
             self._fall_back(exc)
+            return None
+        except InvalidRequest as exc:
+            if "unknown op" not in str(exc):
+                raise
+            self._fall_back(exc)  # a daemon older than host indexes (a rolling upgrade)
             return None
         if "stale" in reply:  # the host's word on its view, as fresh as this answer
             self._host_stale, self._status_at = bool(reply["stale"]), time.monotonic()

@@ -255,3 +255,22 @@ def test_a_put_answer_that_comes_after_the_blocks_removal_is_not_taken(cluster):
     late = {"op": "index", "q": "learn", "fp": FP.digest, "node": node, "records": [record], "count": 1}
     assert host.links.control(node).call(late, [h])[0]["learned"] == 0
     assert not host.contains(h)
+
+
+def test_a_daemon_older_than_host_indexes_makes_its_clients_keep_their_own(cluster, monkeypatch):
+    """Kills: a client of a daemon that does not know the `index` op (a rolling upgrade) raising
+    on every put and get, instead of keeping a mirror of its own."""
+    from kvstore.errors import WrongSize
+
+    _, _, own, host = cluster
+    hashes = external_hashes(range(700, 703), FP)
+    own.put_many([(h, content(h)) for h in hashes])
+    assert own.mirror.wait_until(lambda m: m.block_count == 3, 10)
+
+    def old_daemon(node, message, attachments, timeout):
+        raise WrongSize(f"{node}: unknown op 'index'")
+
+    monkeypatch.setattr(host.mirror, "_ask", old_daemon)
+    host.match_prefix(hashes)
+    assert isinstance(host.mirror.own, IndexMirror) and host.mirror.own.wait_loaded(10)
+    assert host.match_prefix(hashes) == 3
