@@ -24,6 +24,18 @@ from kvstore_testing.ports import free_port
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 
 
+
+DATA_DIR_ENV = "KVSTORE_TEST_ETCD_DIR"
+
+
+def data_parent() -> str | None:
+    """Where a started etcd keeps its data: $KVSTORE_TEST_ETCD_DIR when it names a directory (the
+    test suite points it at /dev/shm: an etcd whose WAL fsync waits behind another test's disk
+    writes stalls every read for seconds, and a test's data needs no disk), else the system's temp
+    directory (benchmarks measuring etcd run on a real disk)."""
+    where = os.environ.get(DATA_DIR_ENV)
+    return where if where and os.path.isdir(where) and os.access(where, os.W_OK) else None
+
 class _Scratch(abc.ABC):
     """`with` for a scratch etcd: start() on entry (cleanup() if it fails), cleanup() on exit."""
 
@@ -53,7 +65,7 @@ class EtcdServer(_Scratch):
         if binary is None:
             raise RuntimeError("etcd not found: install Debian's etcd-server (scripts/install-test-deps.sh)")
         self.binary = binary
-        self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvstore-etcd-")
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvstore-etcd-", dir=data_parent())
         self.client_port, self.peer_port = free_port(), free_port()
         self.proc: subprocess.Popen | None = None
         self.extra_args = list(extra_args)  # more etcd flags, e.g. a lower --max-txn-ops
@@ -144,7 +156,7 @@ class EtcdCluster(_Scratch):
         if binary is None:
             raise RuntimeError("etcd not found: install Debian's etcd-server (scripts/install-test-deps.sh)")
         self.binary = binary
-        self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvstore-etcd-cluster-")
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvstore-etcd-cluster-", dir=data_parent())
         os.makedirs(self.data_dir, exist_ok=True)
         self.names = [f"etcd-{i}" for i in range(members)]
         self.client_port = {n: free_port() for n in self.names}

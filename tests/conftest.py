@@ -13,12 +13,18 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from kvstore_testing.etcd import EtcdServer
+from kvstore_testing.etcd import DATA_DIR_ENV, EtcdServer
 
 ROOT = Path(__file__).resolve().parent.parent
 from doc_pages import PAGES, page_id, runs_with_engines
 from peer_process import pattern
 from tests_support import wait_until_stopped
+
+# Every etcd the suite starts (its own, and the benchmarks' it runs) keeps its data in memory: on
+# disk, its WAL fsync waited behind a neighbouring test's tier file and stalled every read past a
+# client's timeout (a mirror that "could not load a snapshot" in 3 s).
+if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+    os.environ.setdefault(DATA_DIR_ENV, "/dev/shm")
 
 
 # The suite runs on two xdist workers (`pytest -n 2 --dist loadgroup`, the README's test command).
