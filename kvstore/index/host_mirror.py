@@ -22,9 +22,9 @@ from typing import Callable, Iterable, Iterator, Sequence
 from transfer.descriptor import host_id
 
 from ..errors import (AccessDenied, AuthenticationFailed, ConnectionsExhausted, InvalidConfig, InvalidRequest,
-                      KVStoreError, NodeRefused, NoStoreNodes, NotMirrored)
+                      KVStoreError, NodeRefused, NoStoreNodes)
 from ..keys import HASH_BYTES, ModelFingerprint
-from .mirror import IndexMirror, fingerprint_id
+from .mirror import IndexMirror, fingerprint_id, in_scope
 from .records import BlockRecord, NodeRecord
 from .signatures import RecordVerifier
 
@@ -45,16 +45,18 @@ class HostMatch:
     loading: bool = False
 
 
-def _leading_hashes(hashes: Sequence[bytes]) -> Sequence[bytes]:
-    """The hashes up to the first that is not a block hash (never present: a prefix stops there).
-    The common case, all of them, costs one join: lengths that only sum right (a 15- and a 17-byte
-    "hash") would be read as other hashes, which no block has."""
-    if len(b"".join(hashes)) == HASH_BYTES * len(hashes):
-        return hashes
+def _joined_prefix(hashes: Sequence[bytes]) -> bytes:
+    """The hashes up to the first that is not a block hash (never present: a prefix stops there),
+    back to back, as a question sends them. The common case, all of them, is the one join the
+    question needs anyway: lengths that only sum right (a 15- and a 17-byte "hash") are read as
+    other hashes, which no block has."""
+    raw = b"".join(hashes)
+    if len(raw) == HASH_BYTES * len(hashes):
+        return raw
     for i, h in enumerate(hashes):
         if len(h) != HASH_BYTES:
-            return hashes[:i]
-    return hashes
+            return b"".join(hashes[:i])
+    return raw
 
 
 def host_daemon(nodes: dict[str, NodeRecord], here: str | None = None) -> str | None:
@@ -109,9 +111,9 @@ class HostIndexMirror:
         """The mirror this process fell back to (None while the host index answers)."""
         return self._own
 
-    def _question(self, message: dict, hashes: Sequence[bytes] = (), timeout: float | None = None) -> dict | None:
-        """The host index's reply, or None once this client keeps its own mirror. The hashes go
-        raw after the frame (hex in JSON cost milliseconds for a long prompt). A host that cannot
+    def _question(self, message: dict, raw: bytes | memoryview = b"", timeout: float | None = None) -> dict | None:
+        """The host index's reply, or None once this client keeps its own mirror. The block hashes
+        go `raw` (back to back) after the frame (hex in JSON cost milliseconds for a long prompt). A host that cannot
         be reached or says it cannot answer is left for good; a refusal of the question itself
         (a fingerprint not the caller's, a bad request) raises, as it would of any store call."""
         if self._own is not None:
@@ -119,8 +121,8 @@ class HostIndexMirror:
         if self._ask is None or self.host is None:
             raise InvalidConfig("a host index mirror was asked before attach()")
         try:
-            reply = self._ask(self.host, {"op": "index", **message, "count": len(hashes)},
-                              [b"".join(hashes)] if hashes else [], timeout)
+            reply = self._ask(self.host, {"op": "index", **message, "count": len(raw) // HASH_BYTES},
+                              [raw] if len(raw) else [], timeout)
         except (AccessDenied, AuthenticationFailed, ConnectionsExhausted):
             raise  # the caller's (a fingerprint or secret not its own), or a busy moment: not a dead host
         except (OSError, NoStoreNodes, NodeRefused) as exc:
@@ -148,11 +150,7 @@ class HostIndexMirror:
             self._own.start(self.timeout, keep_trying=True)
 
     def _mirrored(self, fingerprint: ModelFingerprint | str) -> str:
-        fp = fingerprint_id(fingerprint)
-        if self.scope is not None and fp not in self.scope:
-            raise NotMirrored(f"this client's index holds {len(self.scope)} fingerprint(s) only "
-                              f"(fingerprints=...), not {fp[:80]!r}")
-        return fp
+        return in_scope(self.scope, fingerprint)
 
     # --- what this process keeps itself ---------------------------------------------------------
     @property
@@ -187,8 +185,8 @@ class HostIndexMirror:
         if self._own is not None:
             return self._own.stale
         if time.monotonic() - self._status_at > STATUS_EVERY_S:
-            self.status()
-        return self._host_stale if self._own is None else self._own.stale
+            self.status()  # (may leave the host: then the own mirror says)
+        return self._own.stale if self._own is not None else self._host_stale
 
     def status(self) -> dict:
         reply = self._question({"q": "status"})
@@ -205,26 +203,26 @@ class HostIndexMirror:
     # A question names at most CHUNK blocks (longer prompts go in several, in order): the reply of
     # a lookup stays far under a frame's limit, and the host splits them in one call each.
     def match(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes]):
-        fp, hashes = self._mirrored(fingerprint), _leading_hashes(hashes)
+        fp, raw = self._mirrored(fingerprint), memoryview(_joined_prefix(hashes))
         length, stale, loading = 0, self.members.stale, False
-        for start in range(0, len(hashes), CHUNK):
-            part = hashes[start : start + CHUNK]
+        for start in range(0, len(raw), CHUNK * HASH_BYTES):
+            part = raw[start : start + CHUNK * HASH_BYTES]
             reply = self._question({"q": "match", "fp": fp}, part)
             if reply is None:
                 return self._own.match(fp, hashes)
             length += int(reply["length"])
             stale, loading = stale or bool(reply.get("stale")), loading or bool(reply.get("loading"))
-            if int(reply["length"]) < len(part):
+            if int(reply["length"]) < len(part) // HASH_BYTES:
                 break
         return HostMatch(length, stale, loading)
 
     def node_prefix_lengths(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes]) -> dict[str, int]:
         """Per node, the leading blocks it holds itself."""
-        fp, hashes = self._mirrored(fingerprint), _leading_hashes(hashes)
+        fp, raw = self._mirrored(fingerprint), memoryview(_joined_prefix(hashes))
         lengths: dict[str, int] = {}
         alive: set[str] | None = None  # nodes that held every block so far
-        for start in range(0, len(hashes), CHUNK):
-            part = hashes[start : start + CHUNK]
+        for start in range(0, len(raw) // HASH_BYTES, CHUNK):
+            part = raw[start * HASH_BYTES : (start + CHUNK) * HASH_BYTES]
             reply = self._question({"q": "prefix", "fp": fp}, part)
             if reply is None:
                 return self._own.node_prefix_lengths(fp, hashes)
@@ -232,7 +230,7 @@ class HostIndexMirror:
             for node, k in got.items():
                 if alive is None or node in alive:
                     lengths[node] = start + k
-            alive = {n for n, k in got.items() if k == len(part) and (alive is None or n in alive)}
+            alive = {n for n, k in got.items() if k == len(part) // HASH_BYTES and (alive is None or n in alive)}
             if not alive:
                 break
         return lengths
@@ -254,7 +252,7 @@ class HostIndexMirror:
         verifier = verifier or self.verifier
         for start in range(0, len(asked), LOOKUP_CHUNK):
             part = asked[start : start + LOOKUP_CHUNK]
-            reply = self._question({"q": "lookup", "fp": fp}, [hashes[i] for i in part])
+            reply = self._question({"q": "lookup", "fp": fp}, b"".join(hashes[i] for i in part))
             if reply is None:
                 return self._own.lookup_many(fp, hashes, verifier)
             for i, replicas in zip(part, reply["records"]):
@@ -285,7 +283,8 @@ class HostIndexMirror:
         if (self.scope is not None and fp not in self.scope) or not blocks:
             return
         records = [(r.encode() if isinstance(r, BlockRecord) else bytes(r)).hex() for _, r in blocks]
-        reply = self._question({"q": "learn", "fp": fp, "node": node, "records": records}, [h for h, _ in blocks])
+        reply = self._question({"q": "learn", "fp": fp, "node": node, "records": records},
+                               b"".join(h for h, _ in blocks))
         if reply is None:
             self._own.remember_many(fp, node, blocks, since)
 

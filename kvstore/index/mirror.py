@@ -68,6 +68,15 @@ def fingerprint_id(fingerprint: ModelFingerprint | str) -> str:
     return fingerprint.digest if isinstance(fingerprint, ModelFingerprint) else fingerprint
 
 
+def in_scope(scope: frozenset[str] | None, fingerprint: ModelFingerprint | str) -> str:
+    """The fingerprint's index id; NotMirrored when it is outside a mirror's `scope` (None: all)."""
+    fp = fingerprint_id(fingerprint)
+    if scope is not None and fp not in scope:
+        raise NotMirrored(f"this index mirror holds {len(scope)} fingerprint(s) only (fingerprints=...), "
+                          f"not {fp[:80]!r}: mirror it too, or use a mirror of the whole cluster")
+    return fp
+
+
 async def _reap(tasks: set[asyncio.Task], rounds: int = 3) -> None:
     """Cancel tasks and let them finish (bounded: one that swallowed its cancel is cancelled again),
     then collect their outcomes, so asyncio does not log a failure not raised as "never retrieved"
@@ -218,12 +227,7 @@ class IndexMirror:
         return self.tables.malformed
 
     def _mirrored(self, fingerprint: ModelFingerprint | str) -> str:
-        """The fingerprint's index id; NotMirrored when it is outside this mirror's scope."""
-        fp = fingerprint_id(fingerprint)
-        if self.scope is not None and fp not in self.scope:
-            raise NotMirrored(f"this index mirror holds {len(self.scope)} fingerprint(s) only (fingerprints=...), "
-                              f"not {fp[:80]!r}: mirror it too, or use a mirror of the whole cluster")
-        return fp
+        return in_scope(self.scope, fingerprint)
 
     def match(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes]) -> Match:
         """How many leading `hashes` are cached anywhere, and where each of them is."""
