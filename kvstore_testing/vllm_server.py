@@ -64,8 +64,9 @@ class VllmServer:
         if kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         cmd += list(extra_args or [])
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # the suite's hooks kept
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-                    "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+                    "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONPATH": path, **(env or {})}
         self.cmd = cmd
         self.ready = False  # answered /health once: until then it is loading, and deaf to SIGTERM
         self._log = open(self.log_path, "ab")
