@@ -127,8 +127,14 @@ def test_a_block_that_moved_since_the_mirror_heard_is_read_from_where_the_node_h
         op = ("local_" if transport == "auto" else "wire_") + "lookup"
         lookups = control_ops(daemon).get(op, 0)
         out = np.zeros(8192, np.uint8)
+        revision = client.mirror.revision
         assert client.get(moved, out) and np.array_equal(out, content(moved, 8192))
-        assert control_ops(daemon).get(op, 0) == lookups + 1
+        # Seen once (a fresh-clone run, 1 in about 7): the right bytes with no lookup. The message
+        # tells a watch event that replaced the stale record before the get (mirror revision moved)
+        # from a read that did not use the mirror's record.
+        assert control_ops(daemon).get(op, 0) == lookups + 1, (
+            f"no {op}: mirror revision {revision} -> {client.mirror.revision}, record now "
+            f"{client.mirror.lookup(FP, moved).get('moved')}, stale {stale}, real {real}")
         assert client.mirror.lookup(FP, moved)["moved"] == real  # learnt: the next get reads it straight
         assert client.get(moved, out) and control_ops(daemon).get(op, 0) == lookups + 1
         # A block the node no longer holds stays a plain miss, and is not reported as corrupt.
