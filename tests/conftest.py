@@ -28,9 +28,11 @@ if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
 
 # vLLM's engine processes forked rather than spawned on CPU (as vLLM does on CUDA): a `vllm serve`
 # starts in about half the time. See kvstore_testing/vllm_fork/sitecustomize.py for why it is safe
-# and what it leaves to the Ray Serve test; KVSTORE_TEST_VLLM_FORK=0 runs them as users' do.
+# and which tests still spawn theirs; KVSTORE_TEST_VLLM_FORK=0 (for the run, or one process's
+# environment) starts them as users' are.
 VLLM_FORK_HOOK = str(ROOT / "kvstore_testing" / "vllm_fork")
-if os.environ.get("KVSTORE_TEST_VLLM_FORK", "1") != "0" and VLLM_FORK_HOOK not in os.environ.get("PYTHONPATH", ""):
+if os.environ.get("KVSTORE_TEST_VLLM_FORK", "1") != "0" and \
+        VLLM_FORK_HOOK not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (VLLM_FORK_HOOK, os.environ.get("PYTHONPATH")) if p)
 
 

@@ -74,9 +74,10 @@ class Deployment:
                                                            "endpoint": zmq})]
                 events += ["--kv-events", f"http://127.0.0.1:{port}={zmq}"]
             # The prefill engines run their worker in the engine core (one import less each on the
-            # suite's 2 vCPUs); the decode engine keeps vLLM's default worker process, so the
-            # connector's metadata crosses a process boundary as it does in most deployments.
-            env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if role == "kv_producer" else None
+            # suite's 2 vCPUs) and fork it (kvstore_testing/vllm_fork); the decode engine keeps
+            # vLLM's default worker process, spawned as users' are: its config pickled, nothing it
+            # needs set up only in the parent, the connector's metadata across a process boundary.
+            env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if role == "kv_producer" else {"KVSTORE_TEST_VLLM_FORK": "0"}
             self.engines.append(VllmServer(self.model, connector(role, etcd_url, self.cluster, secret),
                                            tmp / f"engine{i}.log", port=port, extra_args=args, wait=False, env=env))
         for engine in self.engines:
