@@ -205,8 +205,8 @@ class HostIndexMirror:
     def match(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes]):
         fp, raw = self._mirrored(fingerprint), memoryview(_joined_prefix(hashes))
         length, stale, loading = 0, self.members.stale, False
-        for start in range(0, len(raw), CHUNK * HASH_BYTES):
-            part = raw[start : start + CHUNK * HASH_BYTES]
+        for start in range(0, len(raw) // HASH_BYTES, CHUNK):
+            part = raw[start * HASH_BYTES : (start + CHUNK) * HASH_BYTES]
             reply = self._question({"q": "match", "fp": fp}, part)
             if reply is None:
                 return self._own.match(fp, hashes)
