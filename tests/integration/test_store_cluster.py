@@ -137,6 +137,11 @@ def test_a_remove_returns_once_its_own_mirror_has_applied_it(cluster, monkeypatc
 
 
 def test_replicas_survive_kill_9(cluster):
+    """Kills: reads that give up on a block when its first replica's node is gone (no failover), and
+    a survivor that forgets its blocks when the victim leaves. The last read waits until the index
+    lists every block again: on a loaded machine a survivor's own 3 s lease can lapse too, and its
+    blocks are unlisted until it re-registers and republishes them (seen once beside a busy loop:
+    every block missed); nothing stored is lost, which is what this checks."""
     _, daemons, client = cluster
     hashes = external_hashes(range(50), FP)
     client.put_many([(h, content(h)) for h in hashes], replicas=2)
@@ -150,7 +155,13 @@ def test_replicas_survive_kill_9(cluster):
     assert time.monotonic() - started < 5
     assert all(np.array_equal(o, content(h)) for o, h in zip(outs, hashes))
     assert client.mirror.wait_until(lambda m: victim.name not in m.nodes, 15)
-    assert all(client.get_many(hashes, outs))
+    survivors = [d for d in daemons if d is not victim]
+    listed = client.mirror.wait_until(lambda m: all(m.contains(FP, h) for h in hashes), 15)
+    said = [line for d in survivors for line in d.log().splitlines() if "re-register" in line]
+    assert listed, f"blocks unlisted 15 s after the victim left; nodes {sorted(client.mirror.nodes)}; {said}"
+    found = client.get_many(hashes, outs)
+    assert all(found), f"{found.count(False)} of {len(hashes)} missed; nodes {sorted(client.mirror.nodes)}; {said}"
+    assert all(np.array_equal(o, content(h)) for o, h in zip(outs, hashes))
 
 
 def test_get_from_a_stalled_only_holder_misses_within_timeout(cluster, etcd_server, spawn_daemon):

@@ -88,3 +88,29 @@ def test_the_pd_app_decodes_on_our_server():
     decode = list(app._bound_deployment.init_kwargs["llm_deployments"].values())[0]._bound_deployment
     assert decode.init_kwargs["prefill_server"]._bound_deployment.func_or_class is PDPrefillServer
     assert builder.PDDecodeServer.__name__ == "PDDecodeServer"  # Ray's module is left as it was
+
+
+def test_a_model_on_local_disk_skips_rays_download_task(tmp_path):
+    """Kills: a callback that skips Ray's node initialization for a hub id or a cloud mirror (the
+    model would never be downloaded), and a builder that drops the user's own callback."""
+    import asyncio
+
+    from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
+
+    from kvstore.integrations.ray.local_model import LocalModelCallback
+
+    config = pd_serving_args(BASE)["decode_config"]
+    assert config["callback_config"]["callback_class"] == "kvstore.integrations.ray.local_model.LocalModelCallback"
+    mine = {"callback_class": "my.Callback", "callback_kwargs": {"x": 1}}
+    assert colocated_llm_config({**BASE, "callback_config": mine})["callback_config"] == mine
+
+    def runs_init(source: str, **loading) -> bool:
+        llm = LLMConfig(model_loading_config={"model_id": "m", "model_source": source, **loading})
+        callback = LocalModelCallback(llm)
+        asyncio.run(callback.run_callback("on_before_node_init"))
+        return callback.ctx.run_init_node
+
+    assert runs_init(str(tmp_path)) is False
+    assert runs_init("org/model") is True  # a hub id: Ray downloads it
+    assert runs_init(str(tmp_path / "absent")) is True
+    assert runs_init("s3://bucket/model") is True

@@ -16,7 +16,7 @@ import copy
 from typing import Any
 
 from ...errors import UnsupportedDeployment
-from .names import CONNECTOR, CONNECTOR_MODULE, DEFAULT_PREFILL_TIMEOUT_S
+from .names import CONNECTOR, CONNECTOR_MODULE, DEFAULT_PREFILL_TIMEOUT_S, LOCAL_MODEL_CALLBACK
 
 HASH_SEED = "0"  # vLLM's own block hashes are seeded per process unless PYTHONHASHSEED is fixed
 PD_KEYS = ("prefill_config", "decode_config", "ingress_cls_config", "ingress_deployment_config")
@@ -41,7 +41,8 @@ def _split(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def _with_connector(config: dict[str, Any], role: str, extra: dict[str, Any]) -> dict[str, Any]:
     """An LLMConfig dict with our connector in `role` (a kv_transfer_config already there is kept, as
-    long as it names our connector) and PYTHONHASHSEED fixed in its replicas' environment."""
+    long as it names our connector), PYTHONHASHSEED fixed in its replicas' environment, and no download
+task for a model on local disk unless the config names a callback of its own (local_model.py)."""
     config = copy.deepcopy(config)
     engine = config.setdefault("engine_kwargs", {})
     kv = engine.get("kv_transfer_config")
@@ -55,6 +56,8 @@ def _with_connector(config: dict[str, Any], role: str, extra: dict[str, Any]) ->
     kv.setdefault("kv_role", role)
     kv.setdefault("kv_load_failure_policy", "recompute")
     kv["kv_connector_extra_config"] = {**extra, **(kv.get("kv_connector_extra_config") or {})}
+    # The import path only: Ray loads the callback in each replica, and this module stays Ray-free.
+    config.setdefault("callback_config", {"callback_class": LOCAL_MODEL_CALLBACK})
     runtime_env = config.get("runtime_env") or {}
     env_vars = runtime_env.setdefault("env_vars", {})
     env_vars.setdefault("PYTHONHASHSEED", HASH_SEED)
