@@ -18,6 +18,7 @@ same dict under `args`. What it adds to Ray's own `build_pd_openai_app`:
 - a decode server that survives its prefill: a prefill replica that dies, errs or does not answer
   within `prefill_timeout_s` costs no request — the decode replica computes that prompt itself
   (counted as `local_prefills`);
+- no per-node download task for a model already on local disk (a replica starts ~20 s sooner on CPU);
 - P/D refused up front where the store cannot serve it (the embedded store is private to one
   process); `build_colocated_openai_app` runs `kv_both` engines, on the embedded store by default.
 
