@@ -51,6 +51,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -67,6 +68,7 @@ BLOCK = 32 * 1024
 TIMEOUT = 2.0  # every remote call of clients and daemons
 LEASE_TTL = 4
 MAX_STORED = 1500  # bounded working set: no eviction on the main nodes, so a missing block is a lost block
+FAULT_WAIT_S = 30.0  # past the hold, how long a phase waits for its fault to show (a full tier evicting)
 FILL_BLOCKS = 300  # of MAX_STORED, left for the full-tier fault's puts (the others stop at the rest)
 KILLED = "node-1"  # kill -9's node, the full node's partner
 FULL_NODE = "full-node"  # the full-tier fault's node; named to sort first: it is read first, and it is
@@ -402,9 +404,11 @@ def run(args: argparse.Namespace) -> list[FaultResult]:
         time.sleep(args.warmup)
         hold = args.hold
 
-        def phase(name: str, inject, heal, *, outage: bool = False, note: str = "") -> None:
-            """`inject`; with `outage`, time until a put lands and is published; the rest of `hold`;
-            `heal`; then until every stored block reads back (recovery_s, from the heal)."""
+        def phase(name: str, inject, heal, *, outage: bool = False, note: str = "",
+                  happened: Callable[[], bool] | None = None) -> None:
+            """`inject`; with `outage`, time until a put lands and is published; the rest of `hold`
+            (and, with `happened`, until the fault has shown, for at most FAULT_WAIT_S more); `heal`;
+            then until every stored block reads back (recovery_s, from the heal)."""
             prober = (Client(cluster.url, cluster=cluster.cluster, fingerprint=FP, secret=cluster.secret,
                              timeout=TIMEOUT, replicas=2, publish="sync") if outage else None)
             outage_s: list[float | None] = [None]
@@ -418,6 +422,9 @@ def run(args: argparse.Namespace) -> list[FaultResult]:
                         0, first_put(prober, started, hold + args.recovery_timeout)), daemon=True)
                     probing.start()
                 time.sleep(hold)  # from the fault in place, as before the outage was measured
+                until_shown = time.monotonic() + FAULT_WAIT_S
+                while happened is not None and not happened() and time.monotonic() < until_shown:
+                    time.sleep(0.2)
                 heal()
             finally:
                 if probing is not None:
@@ -472,7 +479,14 @@ def run(args: argparse.Namespace) -> list[FaultResult]:
             seen.update(cluster.counters(FULL_NODE))
             cluster.leave(FULL_NODE)
 
-        phase("full NVMe tier", fill, heal_full)
+        def evicting() -> bool:
+            try:
+                return cluster.counters(FULL_NODE).get("evictions_nvme", 0) > 0
+            except Exception:  # noqa: BLE001 - asked again until the wait ends; heal_full reads them once more
+                return False
+
+        # Full means evicting: a loaded machine puts fewer blocks in one hold than a quiet one.
+        phase("full NVMe tier", fill, heal_full, happened=evicting)
         counted = {"hits": seen.get("hits_dram", 0) + seen.get("hits_nvme", 0), "demotions": seen.get("demotions", 0),
                    "promotions": seen.get("promotions", 0), "evictions_nvme": seen.get("evictions_nvme", 0),
                    "refused_reservations": seen.get("allocation_failures_nvme", 0)
