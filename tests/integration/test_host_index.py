@@ -273,4 +273,7 @@ def test_a_daemon_older_than_host_indexes_makes_its_clients_keep_their_own(clust
     monkeypatch.setattr(host.mirror, "_ask", old_daemon)
     host.match_prefix(hashes)
     assert isinstance(host.mirror.own, IndexMirror) and host.mirror.own.wait_loaded(10)
+    # The putter learnt its blocks from the put's reply; etcd may get them after the new mirror's
+    # snapshot (publishing is asynchronous: seen on a loaded machine), and its watch brings them then.
+    assert host.mirror.own.wait_until(lambda m: m.block_count == 3, 10)
     assert host.match_prefix(hashes) == 3
