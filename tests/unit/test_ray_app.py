@@ -94,18 +94,20 @@ def test_a_model_on_local_disk_skips_rays_download_task(tmp_path):
     """Kills: a callback that skips Ray's node initialization for a hub id or a cloud mirror (the
     model would never be downloaded), and a builder that drops the user's own callback."""
     import asyncio
+    import importlib
 
     from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
 
     from kvstore.integrations.ray.local_model import LocalModelCallback
 
     config = pd_serving_args(BASE)["decode_config"]
-    assert config["callback_config"]["callback_class"] == "kvstore.integrations.ray.local_model.LocalModelCallback"
+    module, _, name = config["callback_config"]["callback_class"].rpartition(".")
+    assert getattr(importlib.import_module(module), name) is LocalModelCallback  # the path Ray loads resolves
     mine = {"callback_class": "my.Callback", "callback_kwargs": {"x": 1}}
     assert colocated_llm_config({**BASE, "callback_config": mine})["callback_config"] == mine
 
-    def runs_init(source: str, **loading) -> bool:
-        llm = LLMConfig(model_loading_config={"model_id": "m", "model_source": source, **loading})
+    def runs_init(source: str) -> bool:
+        llm = LLMConfig(model_loading_config={"model_id": "m", "model_source": source})
         callback = LocalModelCallback(llm)
         asyncio.run(callback.run_callback("on_before_node_init"))
         return callback.ctx.run_init_node

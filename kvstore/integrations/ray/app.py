@@ -42,7 +42,7 @@ def _split(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 def _with_connector(config: dict[str, Any], role: str, extra: dict[str, Any]) -> dict[str, Any]:
     """An LLMConfig dict with our connector in `role` (a kv_transfer_config already there is kept, as
     long as it names our connector), PYTHONHASHSEED fixed in its replicas' environment, and no download
-task for a model on local disk unless the config names a callback of its own (local_model.py)."""
+    task for a model on local disk unless the config names a callback of its own (local_model.py)."""
     config = copy.deepcopy(config)
     engine = config.setdefault("engine_kwargs", {})
     kv = engine.get("kv_transfer_config")
