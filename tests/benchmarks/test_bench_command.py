@@ -93,3 +93,22 @@ def test_fleet_a_peer_installed_but_not_on_path_is_one_line_naming_it(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert "vllm-router kv_aware" in last and "not on PATH" in last, done.stderr
+
+
+def test_fleet_dynamo_not_installed_is_one_line_naming_it(tmp_path):
+    """Kills: the Dynamo peer's check raising ModuleNotFoundError (a traceback) where the `dynamo`
+    package is absent altogether, instead of the one line that says how to install it; and a
+    `dynamo` package without its KV router (`dynamo.llm`) taken as installed."""
+    import os
+
+    from benchmarks.fleet import importlib_missing
+
+    assert importlib_missing("kvstore_no_such_package.llm") and not importlib_missing("json.decoder")
+    (tmp_path / "dynamo").mkdir()
+    (tmp_path / "dynamo" / "__init__.py").write_text("")  # a `dynamo` without its KV router
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.fleet", "--routers", "ours,dynamo", "--minutes", "0.1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": path})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "dynamo (ai-dynamo 1.6.1) is not installed" in last, done.stderr

@@ -101,3 +101,28 @@ def test_equally_fast_engines_share_the_load():
     assert router.route(hashes, 320, 100, session="s").decode is hot  # a session keeps its own rules
     idle.inflight_tokens = 50_000  # a long prefill queued there: not equally fast any more
     assert router.route(hashes, 320, 100).decode is hot
+
+
+def test_pd_a_full_decode_pool_overflows_onto_the_prefill_engine_within_its_share():
+    """Kills: a P/D request sent to wait for decode KV while its prefill engine has room to decode
+    it (the fleet at load 0.9: every decode engine at 100 % KV with 7-27 requests waiting, prefill
+    engines' KV mostly free), an overflow taken while a decode engine still has room, one that
+    fills a prefill engine past its share (its prefills then wait for blocks), and one taken when
+    the operator turned it off (share 0)."""
+    p = pool("prefill", "decode")
+    pre, dec = p.engines
+    hashes = chain_hashes(FP, list(range(640)))
+    for e in p.engines:
+        e.kv_capacity = 100_000
+    router = Router(p, PrefixTracker(), FP, block_tokens=16, local_prefill_tokens=0, overflow_kv_share=0.5)
+    route = router.route(hashes, 640, 200)
+    assert route.prefill is pre and route.decode is dec  # decode KV to spare: disaggregated
+    dec.inflight_kv = 99_500  # the decode pool is full
+    route = router.route(hashes, 640, 200)
+    assert route.prefill is None and route.decode is pre and route.reason == "overflow"
+    pre.inflight_kv = 49_500  # 840 more would take the prefill engine past half its KV
+    route = router.route(hashes, 640, 200)
+    assert route.prefill is pre and route.decode is dec
+    pre.inflight_kv = 0
+    off = Router(p, PrefixTracker(), FP, block_tokens=16, local_prefill_tokens=0, overflow_kv_share=0.0)
+    assert off.route(hashes, 640, 200).decode is dec

@@ -479,13 +479,14 @@ def test_limits_come_from_flags_and_the_config_file(tmp_path, capsys):
             defaults.max_connections, defaults.max_connections_per_source, defaults.max_json_depth) \
         == (10.0, 30.0, 75.0, 4096, 512, 64)
     for bad in (["--max-connections", "0"], ["--header-timeout-s", "0"], ["--max-connections-per-source", "-1"],
-                ["--body-timeout-s", "soon"]):
+                ["--body-timeout-s", "soon"], ["--overflow-kv-share", "1.5"], ["--overflow-kv-share", "nan"]):
         with pytest.raises(SystemExit) as exited:
             main(["serve", "--decode", "http://e:1", *bad])
         assert exited.value.code == 2
     capsys.readouterr()
     for field, value in (("header_timeout_s", 0), ("keepalive_timeout_s", float("inf")), ("max_connections", 0),
-                         ("max_json_depth", "9"), ("max_connections_per_source", -1), ("body_timeout_s", True)):
+                         ("max_json_depth", "9"), ("max_connections_per_source", -1), ("body_timeout_s", True),
+                         ("overflow_kv_share", 1.5), ("overflow_kv_share", -0.1), ("overflow_kv_share", "half")):
         with pytest.raises(ValueError, match=field):
             GatewayConfig(decode=["http://e:1"], **{field: value}).validate()
 

@@ -42,29 +42,29 @@ class Mirror:
                                   "stale": self.stale})()
 
 
-def fronts(policy: str, prefills: int, decodes: int, local_prefill: int):
+def fronts(policy: str, prefills: int, decodes: int, local_prefill: int, overflow: float = 0.0):
     """The gateway's router and the /route service over the same engines: each engine holds, in its
     own cache, what its store node holds (the service credits an instance with its node's blocks)."""
     pool = Pool([f"http://p{i}" for i in range(prefills)], [f"http://d{i}" for i in range(decodes)])
     mirror, tracker = Mirror(), PrefixTracker()
     gateway = Router(pool, tracker, FP, mirror=mirror, policy=policy, cost=CostModel(), block_tokens=BLOCK,
-                     local_prefill_tokens=local_prefill)
+                     local_prefill_tokens=local_prefill, overflow_kv_share=overflow)
     service = Conductor(mirror, FP, policy=policy, cost=CostModel(), block_tokens=BLOCK,
-                        local_prefill_tokens=local_prefill)
+                        local_prefill_tokens=local_prefill, overflow_kv_share=overflow)
     return pool, mirror, tracker, gateway, service
 
 
 def test_the_route_service_and_the_gateway_choose_alike():
     """Kills: routing defined twice (the /route service choosing its decode engine by running tokens,
     prefilling colocated requests on that engine whatever the policy says, ignoring conditional
-    disaggregation's queue check or the KV room check, or forgetting exclusions), or either front
-    diverging from the core."""
+    disaggregation's queue check, the KV room check or the decode overflow, or forgetting exclusions),
+    or either front diverging from the core."""
     rng = random.Random(7)
-    compared = 0
+    compared = overflowed = 0
     for trial in range(60):
         policy = rng.choice(POLICIES)
         pool, mirror, tracker, gateway, service = fronts(policy, rng.choice([0, 0, 2, 3]), rng.randint(1, 4),
-                                                         rng.choice([0, 256]))
+                                                         rng.choice([0, 256]), rng.choice([0.0, 0.5]))
         prompts = [list(range(k * 1000, k * 1000 + BLOCK * rng.randint(2, 30))) for k in range(3)]
         for step in range(20):
             prompt = rng.choice(prompts)[:BLOCK * rng.randint(1, 30)]
@@ -73,7 +73,8 @@ def test_the_route_service_and_the_gateway_choose_alike():
                 e.healthy = True
                 e.running, e.waiting = rng.randint(0, 12), rng.randint(0, 3)
                 e.kv_capacity = rng.choice([None, 20_000, 100_000])
-                e.inflight_kv = rng.randint(0, e.kv_capacity) if e.kv_capacity else 0
+                # (full half the time: decode pools that overflow onto their prefill engines)
+                e.inflight_kv = rng.choice([rng.randint(0, e.kv_capacity), e.kv_capacity]) if e.kv_capacity else 0
                 e.kv_usage = 0.0  # (the KV load is what the gateway sent there: the service is told it)
                 held = hashes[:rng.randint(0, len(hashes))] if rng.random() < 0.5 else []
                 mirror.held[e.url] = held
@@ -97,7 +98,9 @@ def test_the_route_service_and_the_gateway_choose_alike():
                 ("refused", 503 if "no healthy" in decision.reason else 429)
             assert ours == theirs, (trial, step, policy)
             compared += ours[0] != "refused"
+            overflowed += ours[0] != "refused" and ours[3] == "overflow"
     assert compared > 800  # most requests were placed, not refused
+    assert overflowed > 10  # and some P/D ones decoded on their prefill engine
 
 
 def test_no_front_applies_a_policy_itself():
