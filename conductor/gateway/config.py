@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 
+from ..routing import OVERFLOW_KV_SHARE
+
 
 @dataclass
 class GatewayConfig:
@@ -19,7 +21,7 @@ class GatewayConfig:
     local_prefill_tokens: int = 256  # fewer uncached prompt tokens than this: no disaggregation
     # P/D: while no decode engine has KV room for a request, its prefill engine decodes it too, up to
     # this share of that engine's KV cache (0: never; requests then wait for decode KV)
-    overflow_kv_share: float = 0.5
+    overflow_kv_share: float = OVERFLOW_KV_SHARE
     slo_ttft_ms: float = 30_000.0  # predicted TTFT above this: 429
     slo_tbt_ms: float = 10_000.0
     prefill_timeout_s: float = 60.0
