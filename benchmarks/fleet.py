@@ -66,7 +66,10 @@ tokens, the engine, cached and credited tokens, TTFT, TPOT or the error) and, co
 what the emptiest engine had at their arrival; `excess_backlog_mean_tokens`).
 `--load` takes a list and `--repeat N` runs each (mode, load, router) N times, the order of the
 routers rotated between runs; `spread` in the JSON (and a table) gives each figure's median and
-range, and ours against the best peer by median goodput. The JSON is rewritten after every run.
+range, and ours against the best peer by median goodput. `goodput_ceiling_rps`: the requests
+per second whose prompts could meet the TTFT SLO at all (each alone on an idle engine, with every
+block an earlier request carried cached): no router's goodput can pass it, which bounds what a
+ratio over the best peer can reach. The JSON is rewritten after every run.
 `--trace shape:conversation|toolagent|synthetic` replays a generated trace of that shape
 (conductor.sim.shapes, seeded by `--seed`).
 `--overflow-kv-share SHARE` sets ours' P/D decode overflow (the gateway's `overflow_kv_share`: a
@@ -221,6 +224,21 @@ def capacity_rps(profile: Profile, rows: list[Row], mode: str, engines: int, pre
     if mode == "colocated":
         return engines / (prefill_s + decode_s)
     return min(prefill / prefill_s, (engines - prefill) / decode_s)
+
+
+def goodput_ceiling_rps(profile: Profile, slice_: list[tuple[float, Row]], slo_ttft_ms: float,
+                        seconds: float) -> float:
+    """The most any router could meet the TTFT SLO for: each prompt alone on an idle engine with
+    every block an earlier request carried already cached (its leading hash ids seen before), per
+    second of the run. A prompt that even so computes past the SLO misses under every router."""
+    seen: set[int] = set()
+    able = 0
+    for _, row in slice_:
+        held = next((k for k, h in enumerate(row.hash_ids) if h not in seen), len(row.hash_ids))
+        uncached = max(0, row.input_tokens - held * TRACE_BLOCK)
+        able += profile.prefill_ms(uncached, row.input_tokens) <= slo_ttft_ms
+        seen.update(row.hash_ids)
+    return able / seconds
 
 
 def arrivals(rows: list[Row], rate_rps: float, seconds: float) -> list[tuple[float, Row]]:
@@ -1232,8 +1250,10 @@ def main(argv: list[str] | None = None) -> int:
                 args.dram = fixed_dram or f"{dram_bytes >> 20}MiB"
                 pool_tokens = args.daemons * (int(float(args.dram.removesuffix("MiB"))) << 20) // nbytes \
                     * profile.block_size if args.dram.endswith("MiB") else None
+                ceiling = goodput_ceiling_rps(profile, slice_, args.slo_ttft_ms, args.minutes * 60)
                 print(f"  {mode}, load {load:g}: capacity {capacity:.2f} req/s by the cost model; offered "
-                      f"{load * capacity:.2f} req/s: {len(slice_)} requests", flush=True)
+                      f"{load * capacity:.2f} req/s: {len(slice_)} requests; goodput ceiling {ceiling:.2f} req/s",
+                      flush=True)
                 sims: dict[str, tuple[float, float]] = {}
                 for rep in range(args.repeat):
                     k0 = (m + rep) % len(kinds) if kinds else 0
@@ -1256,6 +1276,7 @@ def main(argv: list[str] | None = None) -> int:
                         record["sim_hit_ratio"], record["sim_hit_ratio_at_arrival"] = sims[kind]
                         record["offered_rps"] = load * capacity
                         record["capacity_rps"] = capacity
+                        record["goodput_ceiling_rps"] = ceiling
                         records.append(record)
                         run_index += 1
                         print(table([record]).splitlines()[1], flush=True)

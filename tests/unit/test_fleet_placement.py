@@ -30,3 +30,19 @@ def test_a_request_placed_behind_a_long_prefill_while_another_engine_is_empty_co
 
 def test_one_engine_gives_no_figure():
     assert placement([row(0.0, 100, 0, 10.0)]) == {"behind_share": None, "excess_backlog_mean_tokens": None}
+
+
+def test_the_goodput_ceiling_counts_what_an_idle_engine_could_meet():
+    """Kills: a ceiling that counts prompts no engine computes within the TTFT SLO (it would let a
+    target above what any router can reach look reachable), or one that ignores what earlier
+    requests left cached (a repeated long prompt is a hit, within the SLO)."""
+    from benchmarks.fleet import TRACE_BLOCK, Row, goodput_ceiling_rps
+    from conductor.sim.engine.profile import get_profile
+
+    profile = get_profile("h100-llama3-8b")
+    long_ids = tuple(range(120))  # 61,440 tokens: seconds of prefill even on an idle engine
+    assert profile.prefill_ms(len(long_ids) * TRACE_BLOCK, len(long_ids) * TRACE_BLOCK) > 2000
+    slice_ = [(0.0, Row(0.0, 2048, 16, (1000, 1001, 1002, 1003))),
+              (1.0, Row(0.0, len(long_ids) * TRACE_BLOCK, 16, long_ids)),  # misses under any router
+              (2.0, Row(0.0, len(long_ids) * TRACE_BLOCK + 100, 16, long_ids + (500,)))]  # its prefix cached
+    assert goodput_ceiling_rps(profile, slice_, 2000.0, 10.0) == 0.2
