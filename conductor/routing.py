@@ -147,11 +147,11 @@ class Router:
                          choice.reason or self.policy.name, credited)
 
     def _may_overflow(self, engine: Candidate, tokens: int) -> bool:
-        """May a prefill engine decode `tokens` of KV itself? Only within its overflow share, and
-        only where its KV capacity is known."""
+        """May a prefill engine decode `tokens` of KV itself? Only within its overflow share (never
+        past the headroom the decode engines keep), and only where its KV capacity is known."""
         if self.overflow_kv_share <= 0 or engine.kv_load is None or not engine.kv_capacity:
             return False
-        return engine.kv_load + tokens <= self.overflow_kv_share * engine.kv_capacity
+        return engine.kv_load + tokens <= min(self.overflow_kv_share, KV_HEADROOM) * engine.kv_capacity
 
     def _spread(self, best: Choice, request: RouteRequest, views: list[InstanceView],
                 candidates: list[Candidate]) -> Choice:

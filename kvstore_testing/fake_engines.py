@@ -29,6 +29,8 @@ class FakeEngine:
     cancelled: int = 0
     url: str = ""
     waiting: int = 0
+    kv_usage: float = 0.25  # its /metrics' vllm:kv_cache_usage_perc
+    kv_blocks: int | None = None  # with it, /metrics says the KV capacity (vllm:cache_config_info)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -47,9 +49,11 @@ class FakeEngine:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     async def metrics(self, request):
+        capacity = "" if self.kv_blocks is None else \
+            f'vllm:cache_config_info{{block_size="{BLOCK}",num_gpu_blocks="{self.kv_blocks}",engine="0"}} 1.0\n'
         return web.Response(text=f'vllm:num_requests_running{{engine="0"}} 0.0\n'
                                  f'vllm:num_requests_waiting{{engine="0"}} {self.waiting}.0\n'
-                                 f'vllm:kv_cache_usage_perc{{engine="0"}} 0.25\n')
+                                 f'vllm:kv_cache_usage_perc{{engine="0"}} {self.kv_usage}\n' + capacity)
 
     async def tokenize(self, request):
         body = await request.json()

@@ -25,7 +25,8 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--model-dir", help="the engines' model dir: local tokenizer and store fingerprint")
     serve.add_argument("--api-key-file", help="client bearer tokens, one a line")
     serve.add_argument("--local-prefill-tokens", type=int, default=None,
-                       help="prompts with fewer uncached tokens skip disaggregation")
+                       help="prompts with fewer uncached tokens skip disaggregation (default: 256 for the gateway, "
+                            "0 for /route)")
     serve.add_argument("--overflow-kv-share", type=number(float, 0, 1), default=None, metavar="SHARE",
                        help="P/D: while every decode engine's KV is full, a prefill engine decodes the "
                             "request itself, up to this share of its KV cache (default: 0.5 for the gateway, 0 "

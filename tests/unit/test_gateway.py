@@ -370,3 +370,23 @@ async def test_n_is_bounded_and_each_choice_counts_in_the_engines_load():
             assert engine.inflight_kv == 50 + 4 * 10
         finally:
             pending.cancel()
+
+
+async def test_pd_a_full_decode_pool_overflows_onto_the_prefill_engine():
+    """Kills: a gateway that, given the router core's overflow route (every decode engine's KV full,
+    the prefill engine with room), still hands off to the full decode engine, runs a prefill with
+    max_tokens 1 and then nothing, sends the prefill engine hand-off parameters, or leaves the
+    request's load counted on an engine once it is answered."""
+    p, d = FakeEngine("p0", kv_blocks=1000, kv_usage=0.1), FakeEngine("d0", kv_blocks=1000, kv_usage=0.99)
+    async with Rig([p], [d], overflow_kv_share=0.5) as rig:
+        assert await until(lambda: all(e.kv_capacity for e in rig.gateway.pool.engines), 10)  # a load scrape
+        status, body = await rig.post("/v1/completions", completion(list(range(40))))
+        assert status == 200 and body["choices"][0]["text"] == "from-p0", body
+        (only,) = p.requests
+        assert "kv_transfer_params" not in only and only["max_tokens"] == 8 and not d.requests
+        assert 'conductor_gateway_route_reasons_total{reason="overflow"} 1.0' in rig.gateway.metrics.render().decode()
+        assert all((e.inflight, e.inflight_tokens, e.inflight_kv) == (0, 0, 0) for e in rig.gateway.pool.engines)
+        d.kv_usage = 0.1  # room again: handed off as before
+        assert await until(lambda: rig.gateway.pool.get(d.url).kv_usage < 0.5, 10)
+        status, body = await rig.post("/v1/completions", completion(list(range(40))))
+        assert status == 200 and body["choices"][0]["text"] == "from-d0" and len(p.requests) == 2

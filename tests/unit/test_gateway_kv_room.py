@@ -107,8 +107,8 @@ def test_pd_a_full_decode_pool_overflows_onto_the_prefill_engine_within_its_shar
     """Kills: a P/D request sent to wait for decode KV while its prefill engine has room to decode
     it (the fleet at load 0.9: every decode engine at 100 % KV with 7-27 requests waiting, prefill
     engines' KV mostly free), an overflow taken while a decode engine still has room, one that
-    fills a prefill engine past its share (its prefills then wait for blocks), and one taken when
-    the operator turned it off (share 0)."""
+    fills a prefill engine past its share or past the 95 % headroom (its prefills then wait for
+    blocks), and one taken when the operator turned it off (share 0)."""
     p = pool("prefill", "decode")
     pre, dec = p.engines
     hashes = chain_hashes(FP, list(range(640)))
@@ -123,6 +123,9 @@ def test_pd_a_full_decode_pool_overflows_onto_the_prefill_engine_within_its_shar
     pre.inflight_kv = 49_500  # 840 more would take the prefill engine past half its KV
     route = router.route(hashes, 640, 200)
     assert route.prefill is pre and route.decode is dec
+    pre.inflight_kv = 94_500  # a share of 1 still keeps the headroom the decode engines keep (95 %)
+    whole = Router(p, PrefixTracker(), FP, block_tokens=16, local_prefill_tokens=0, overflow_kv_share=1.0)
+    assert whole.route(hashes, 640, 200).decode is dec
     pre.inflight_kv = 0
     off = Router(p, PrefixTracker(), FP, block_tokens=16, local_prefill_tokens=0, overflow_kv_share=0.0)
     assert off.route(hashes, 640, 200).decode is dec
