@@ -23,7 +23,8 @@ on a machine with a network); without them the parts that need them are skipped,
    bytes (kind "kv_copy", benchmarks/kv_copy.py); the Transfer Engine's CUDA regions to and from
    host memory beside the same (kind "te_cuda"); each step through an embedded kvstore, byte for
    byte (kind "store"); a same-host batch get of 32 x 1 MiB with every block's digest verified
-   against the same get unhashed and a memcpy, on the machine's CPUs (kind "verified_get"); 1 GiB
+   against the same get unhashed and a memcpy, on the machine's CPUs (kind "verified_get"); BLAKE3
+   block digests on 1..CPUs threads (kind "digest_rate": what bounds a save with digests); 1 GiB
    of KV handed from one set of device tensors to another through the
    store against the raw device->host->device copy (kind "handoff"); and the engine profile
    `h200-llama3-8b-measured` (scripts/gpu_check_profile.py, under `profiles`, which
@@ -170,13 +171,34 @@ def full_tree(package: str, full: str) -> None:
                     ignore=shutil.ignore_patterns("__pycache__"))
 
 
+def wheel_fits(name: str) -> bool:
+    """Whether wheel file `name` installs on this Python: pure (py3), this CPython's own (cpXY), or
+    the stable ABI of this or an older one (cpXY-abi3). The platform tag is not checked: the
+    wheels are fetched for Linux x86_64 and the machines that run this are."""
+    parts = name[:-len(".whl")].split("-")
+    if len(parts) < 5:
+        return False
+    python, abi = parts[-3], parts[-2]
+    here = sys.version_info
+    for tag in python.split("."):
+        if tag.startswith("py3") or tag == "py2.py3":
+            return True
+        if tag.startswith("cp") and tag[2:].isdigit():
+            minor = int(tag[3:]) if tag[2] == "3" else -1
+            if minor == here.minor or (abi == "abi3" and 0 <= minor <= here.minor):
+                return True
+    return False
+
+
 def unpack_wheels(site: str) -> list[str]:
-    """Wheels in WHEELS unpacked into `site` (a wheel is a zip of its installed files)."""
+    """Wheels in WHEELS that fit this Python (`wheel_fits`) unpacked into `site` (a wheel is a zip
+    of its installed files); those for another Python are left out, so a checkout that carries
+    one machine's wheels still runs its checks on another."""
     import zipfile
 
     if not os.path.isdir(WHEELS):
         return []
-    names = sorted(f for f in os.listdir(WHEELS) if f.endswith(".whl"))
+    names = sorted(f for f in os.listdir(WHEELS) if f.endswith(".whl") and wheel_fits(f))
     for name in names:
         with zipfile.ZipFile(os.path.join(WHEELS, name)) as wheel:
             wheel.extractall(site)
@@ -184,14 +206,17 @@ def unpack_wheels(site: str) -> list[str]:
 
 
 def missing_modules(names: tuple[str, ...], path: list[str], site: str) -> list[str]:
-    """Which of `names` a Python with `path` in front and the unpacked wheels (`site`) behind its
-    own packages cannot import (probed in a child process)."""
-    probe = "import importlib, sys\nsys.path.append(sys.argv[1])\nfor n in sys.argv[2:]:\n" \
-            "    try: importlib.import_module(n)\n    except Exception: print(n)"
+    """Which of `names` a Python with `path` and the unpacked wheels (`site`) in front of its own
+    packages cannot import (probed in a child process), each with why: `name (Error: message)`."""
+    probe = "import importlib, sys\nsys.path.insert(1, sys.argv[1])\nfor n in sys.argv[2:]:\n" \
+            "    try: importlib.import_module(n)\n" \
+            "    except Exception as e: print(f'{n} ({type(e).__name__}: {e})'.replace(chr(10), ' '))"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    # cwd: `-c` puts the working directory first on the path, and a checkout's own transfer/ (its
+    # native module built for another Python, or none) would shadow the one built here.
     done = subprocess.run([sys.executable, "-c", probe, site, *names], env=env, capture_output=True, text=True,
-                          timeout=120)
-    return done.stdout.split()
+                          timeout=120, cwd=site)
+    return done.stdout.splitlines()
 
 
 # ------------------------------------------------------------------ layouts (as vLLM allocates them)
@@ -472,6 +497,35 @@ def kv_copy_records(cuda: bool, deadline: float, digests: bool) -> dict:
     return {"records": [{"kind": "kv_copy", **asdict(r)} for r in records], "skipped": skipped}
 
 
+def digest_rate_records(nbytes: int, block_bytes: int = 2 << 20) -> list[dict]:
+    """BLAKE3 block digests (kvstore.integrity.block_digest) of `nbytes` in blocks of
+    `block_bytes` on 1, 2, 4, ... threads up to the CPUs here (kind "digest_rate", best of 3):
+    what bounds a save with digests, beside the thread count the store uses
+    (`integrity.digest_threads()`)."""
+    import numpy as np
+
+    from kvstore import integrity
+
+    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    blocks = [data[i:i + block_bytes] for i in range(0, nbytes - block_bytes + 1, block_bytes)]
+    hashes = [bytes(16)] * len(blocks)
+    cpus = len(os.sched_getaffinity(0))
+    counts = sorted({1 << k for k in range(8) if 1 << k <= cpus} | {cpus})
+    out = []
+    for threads in counts:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(integrity.block_digest, hashes, blocks))
+            best = float("inf")
+            for _ in range(3):
+                started = time.perf_counter()
+                list(pool.map(integrity.block_digest, hashes, blocks))
+                best = min(best, time.perf_counter() - started)
+        out.append({"kind": "digest_rate", "threads": threads, "block_bytes": block_bytes,
+                    "bytes": len(blocks) * block_bytes, "gbps": round(len(blocks) * block_bytes / best / 1e9, 3),
+                    "store_threads": integrity.digest_threads()})
+    return out
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 2)
 
@@ -573,13 +627,16 @@ def main(argv: list[str] | None = None) -> int:
     package = tempfile.mkdtemp(prefix="kvstore-gpu-check-")
     try:
         site = os.path.join(package, "site")
+        os.makedirs(site)  # (the import probes run in it: it exists with no wheels too)
         document["wheels"] = unpack_wheels(site)
         scratch_package(package)
         build = checks.run("build native module", lambda: build_native(package))
         document["build"] = build
         if build is not None:
             sys.path.insert(0, package)
-            sys.path.append(site)  # wheels only for what this Python lacks
+            # The wheels before this Python's own packages: the generated gRPC modules need the
+            # protobuf runtime they were generated for (a machine's older one refuses them).
+            sys.path.insert(1, site)
             missing = missing_modules(("blake3", "xxhash"), [package], site)
             digests = not missing
             document["digests"] = "on and off" if digests else f"off only (no {', '.join(missing)} here)"
@@ -595,6 +652,12 @@ def main(argv: list[str] | None = None) -> int:
                             lambda: kv_copy_records(cuda, deadline - 200 if cuda else deadline, digests))
             if kv is not None:
                 document["records"] += kv.pop("records")
+            if digests:
+                rates = checks.run("digests: BLAKE3 of 2 MiB blocks on 1..CPUs threads",
+                                   lambda: digest_rate_records((512 if cuda else 32) << 20))
+                document["records"] += rates or []
+            else:
+                checks.skip("digests: BLAKE3 of 2 MiB blocks on 1..CPUs threads", document["digests"])
             te = checks.run("transfer engine: CUDA regions beside a pinned copy (1 GiB)",
                             lambda: te_cuda_records(1 << 30), needs_cuda=True)
             document["records"] += te or []
@@ -614,12 +677,12 @@ def main(argv: list[str] | None = None) -> int:
     for c in checks.results:
         print(f"  {c['status']:<8} {c['name']}" + (f": {c['reason']}" if c.get("reason") else ""))
     for r in document["records"]:
-        if r["kind"] in ("kv_copy", "te_cuda", "handoff", "verified_get"):
+        if r["kind"] in ("kv_copy", "te_cuda", "handoff", "verified_get", "digest_rate"):
             print("  " + ", ".join(f"{k} {v}" for k, v in r.items()
                                    if k in ("kind", "device", "direction", "block_tokens", "layout", "digests",
                                             "step_tokens", "gbps", "limit_gbps", "ratio", "seconds", "raw_seconds",
                                             "cpus", "verified_gbps", "unhashed_gbps", "memcpy_gbps",
-                                            "verified_over_unhashed")))
+                                            "verified_over_unhashed", "threads", "store_threads")))
     if document.get("bandwidth"):
         print("  " + ", ".join(f"{k} {v}" for k, v in document["bandwidth"].items() if k.endswith("gbps")))
     print(f"  wrote {args.out} ({document['seconds']} s)")

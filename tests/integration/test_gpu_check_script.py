@@ -2,8 +2,8 @@
 CUDA machine would (PyTorch's pybind11 headers, the EVP declarations it carries), runs the CPU
 checks (host regions through the Transfer Engine; the connector's per-block and batched copy paths
 in every KV cache layout and kernel split; small steps of benchmarks.kv_copy; steps saved and
-loaded through an embedded kvstore, byte for byte; a verified batch get beside an unhashed one) and records each CUDA part as skipped with its
-reason, in one JSON."""
+loaded through an embedded kvstore, byte for byte; BLAKE3 digests on 1..CPUs threads; a verified
+batch get beside an unhashed one) and records each CUDA part as skipped with its reason, in one JSON."""
 from __future__ import annotations
 
 import json
@@ -49,7 +49,28 @@ def test_gpu_check_runs_in_cpu_only_mode(tmp_path):
     stored = [r for r in doc["records"] if r["kind"] == "store"]
     assert {(r["layout"], r["block_tokens"]) for r in stored} == {(layout, b) for layout in layouts for b in (16, 64)}
     assert all(r["wrong_bytes"] == 0 and r["save_gbps"] > 0 and r["load_gbps"] > 0 for r in stored)
+    rates = [r for r in doc["records"] if r["kind"] == "digest_rate"]
+    assert rates and rates[0]["threads"] == 1 and all(r["gbps"] > 0 for r in rates)
     [verified] = [r for r in doc["records"] if r["kind"] == "verified_get"]
     assert verified["cpus"] >= 1 and verified["verified_over_unhashed"] > 0 and verified["memcpy_gbps"] > 0
     assert len(verified["verified_over_unhashed_rounds"]) == verified["rounds"]
     assert not (tmp_path / "build").exists() and not list(tmp_path.glob("*.so"))  # nothing left behind
+
+
+def test_only_wheels_for_this_python_are_unpacked(monkeypatch):
+    """A checkout carrying another machine's wheels (cp312 ones fetched for a GPU machine) must not
+    shadow this Python's own packages: a cp312 grpcio in front of a 3.11 interpreter broke every
+    store part's import."""
+    import sys
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+    import gpu_check
+
+    here = f"cp3{sys.version_info.minor}"
+    other = f"cp3{sys.version_info.minor + 1}"
+    assert gpu_check.wheel_fits(f"grpcio-1.85.3-{here}-{here}-manylinux2014_x86_64.whl")
+    assert not gpu_check.wheel_fits(f"grpcio-1.85.3-{other}-{other}-manylinux2014_x86_64.whl")
+    assert gpu_check.wheel_fits("protobuf-7.36.2-cp310-abi3-manylinux2014_x86_64.whl")
+    assert not gpu_check.wheel_fits(f"protobuf-7.36.2-{other}-abi3-manylinux2014_x86_64.whl")
+    assert gpu_check.wheel_fits("typing_extensions-4.16.0-py3-none-any.whl")
+    assert not gpu_check.wheel_fits("not-a-wheel.whl")
