@@ -87,3 +87,20 @@ def test_a_second_preimage_of_the_old_checksum_is_refused(size):
     assert forged != data and len(forged) == size
     assert old_checksum(block_hash, forged) == old_checksum(block_hash, data)  # the old check passes it
     assert block_digest(block_hash, forged) != block_digest(block_hash, data)  # the new one does not
+
+
+def test_digest_threads_come_from_the_environment_or_the_cpus(monkeypatch, caplog):
+    """KVSTORE_DIGEST_THREADS sets the digest pool's size; a value that is no positive integer is
+    named in a warning and the default (a thread a CPU, up to 16) used, never a traceback at
+    import."""
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.delenv(integrity.DIGEST_THREADS_ENV, raising=False)
+    assert integrity.digest_threads() == max(1, min(integrity.MAX_DIGEST_THREADS, cpus))
+    monkeypatch.setenv(integrity.DIGEST_THREADS_ENV, "5")
+    assert integrity.digest_threads() == 5
+    for bad in ("0", "-2", "many", "1.5"):
+        monkeypatch.setenv(integrity.DIGEST_THREADS_ENV, bad)
+        with caplog.at_level("WARNING", logger="kvstore.integrity"):
+            assert integrity.digest_threads() == max(1, min(integrity.MAX_DIGEST_THREADS, cpus))
+        assert integrity.DIGEST_THREADS_ENV in caplog.text and repr(bad) in caplog.text
+        caplog.clear()
