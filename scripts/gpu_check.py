@@ -639,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         if build is not None:
             sys.path.insert(0, package)
             # The wheels before this Python's own packages: the generated gRPC modules need the
-            # protobuf runtime they were generated for (a machine's older one refuses them).
+            # grpcio and protobuf they were generated for (a machine's older ones refuse them).
             sys.path.insert(1, site)
             missing = missing_modules(("blake3", "xxhash"), [package], site)
             digests = not missing

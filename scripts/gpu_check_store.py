@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 if os.environ.get("GPU_CHECK_SITE"):  # wheels gpu_check.py unpacked: before this Python's own packages
-    sys.path.insert(1, os.environ["GPU_CHECK_SITE"])  # (the protobuf runtime the generated modules need)
+    sys.path.insert(1, os.environ["GPU_CHECK_SITE"])  # (the versions the generated gRPC modules need)
 
 from benchmarks import kv_copy  # noqa: E402
 from kvstore.keys import ModelFingerprint  # noqa: E402
@@ -107,7 +107,8 @@ def handoff(store: Any, model: kv_copy.Model, nbytes: int, device: str, repeats:
     `repeats` hand-offs, each of fresh keys (a real put, not a block already there); the figures
     are the median one's, with its phases (`save`: device to the pinned slot, `put`, `get_load`:
     the store's read into the load slot and the scatter into the other cache). The first pays for
-    the store's arena pages touched for the first time, as a fresh daemon's first hand-off does."""
+    what a first use starts (thread pools, the first copies into each buffer), as an engine's first
+    hand-off does."""
     block_tokens = 16
     tokens = max(block_tokens, nbytes // model.token_bytes())
     fp = fingerprint(model, block_tokens, "handoff")
