@@ -443,7 +443,15 @@ class Engine:
         self._native.close()
         if self._ucx is not None:
             self._ucx.close()
-        for region in list(self._regions.values()):
+        with self._lock:
+            regions = list(self._regions.values()) + self._graveyard
+            self._graveyard = []
+        for region in regions:
+            # Unpinned while its memory is still mapped: a CUDA registration that outlives its
+            # mapping makes CUDA take whatever is mapped there next for pinned memory and copy
+            # through the old pages (seen on an H200: "pageable" copies at the pinned rate, and
+            # "resource already mapped" when that range was registered again).
+            unpin(region)
             if region._shm_fd is not None:
                 os.close(region._shm_fd)
                 region._shm_fd = None

@@ -82,3 +82,36 @@ def test_a_host_region_used_for_device_copies_is_released_cleanly(engine):
     engine.unregister(host)
     assert host._host_tensor is None
     data.extend(b"resizable again")  # no export of it left behind
+
+
+def test_closing_the_engine_unpins_the_host_memory_it_pinned(monkeypatch):
+    """Kills: Engine.close dropping its regions without cudaHostUnregister. The registration then
+    outlives the mapping, and CUDA takes the next memory mapped at those addresses for pinned
+    memory, copying through the old pages (on an H200: pageable copies at the pinned rate, then
+    "resource already mapped")."""
+    from transfer import cuda_direct
+
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, pointer, size, flags):
+            calls.append(("register", pointer, size))
+            return 0
+
+        def cudaHostUnregister(self, pointer):
+            calls.append(("unregister", pointer))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    engine = Engine("cuda-direct-close", listen=None)
+    device = torch.full((4096,), 3, dtype=torch.uint8)
+    region, _ = standin(engine, device)
+    host, kept = engine.allocate(4096), engine.allocate(8192)
+    engine.transfer([Write(region, 0, host, 0, 4096), Write(region, 0, kept, 0, 4096)])
+    pointers = {cuda_direct.host_tensor(r).data_ptr() for r in (host, kept)}
+    assert {(c[0], c[1]) for c in calls} == {("register", p) for p in pointers}
+    engine.unregister(host)  # the one way that unpinned before
+    engine.close()
+    assert sorted(c[1] for c in calls if c[0] == "unregister") == sorted(pointers)
+    assert not host._pinned and not kept._pinned
