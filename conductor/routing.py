@@ -170,11 +170,14 @@ class Router:
         return min(near, key=lambda c: (busy[c.instance], c.predicted_ttft_ms, c.instance), default=best)
 
     @staticmethod
-    def retry_decode(decodes: Sequence[Candidate], exclude: frozenset[str]) -> str | None:
+    def retry_decode(decodes: Sequence[Candidate], exclude: frozenset[str], by_room: bool = False) -> str | None:
         """Where a decode that failed before its first token goes next: the least busy engine it has
-        not failed on (its hand-off is already made, so no policy), or None."""
+        not failed on (its hand-off is already made, so no policy), or None. `by_room` (an overflow
+        route: the whole request, no hand-off): the engine whose KV is least full first, since the
+        decode engines were passed over for being full."""
         others = [c for c in decodes if c.name not in exclude]
-        return min(others, key=lambda c: (c.busy, c.name)).name if others else None
+        key = (lambda c: (_fill(c), c.busy, c.name)) if by_room else (lambda c: (c.busy, c.name))
+        return min(others, key=key).name if others else None
 
 
 def _fill(c: Candidate) -> float:

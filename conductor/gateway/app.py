@@ -320,7 +320,7 @@ class Gateway:
                     self.metrics.upstream_failures.labels("decode").inc()
                     current.fail(str(exc))
                     tried.add(current.url)
-                    retry = self.router.retry_decode(frozenset(tried))
+                    retry = self.router.retry_decode(frozenset(tried), whole_request=route.reason == "overflow")
                     if attempt or retry is None:
                         raise ApiError(502, f"decode failed: {exc}", code="upstream_failed") from exc
                     log.warning("decode failed before its first token, retrying elsewhere: %s", exc)

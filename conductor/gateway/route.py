@@ -90,7 +90,10 @@ class Router:
                      placed.cached_tokens, placed.store_tokens, placed.predicted_ttft_ms, placed.reason,
                      placed.credited_tokens)
 
-    def retry_decode(self, exclude: frozenset[str]) -> Engine | None:
-        """The engine a decode that failed before its first token moves to (the router core's pick)."""
-        name = self.core.retry_decode([self.candidate(e, queue=False) for e in self.pool.role("decode")], exclude)
+    def retry_decode(self, exclude: frozenset[str], whole_request: bool = False) -> Engine | None:
+        """The engine a decode that failed before its first token moves to (the router core's pick).
+        `whole_request` (an overflow route, no hand-off to load): the prefill engines too, the one
+        with the most KV room first."""
+        engines = self.pool.role("decode") + (self.pool.role("prefill") if whole_request else [])
+        name = self.core.retry_decode([self.candidate(e, queue=False) for e in engines], exclude, by_room=whole_request)
         return None if name is None else self.pool.get(name)

@@ -372,6 +372,21 @@ async def test_n_is_bounded_and_each_choice_counts_in_the_engines_load():
             pending.cancel()
 
 
+async def test_pd_an_overflow_that_fails_moves_to_the_engine_with_kv_room_not_the_full_decode():
+    """Kills: an overflow route (the decode pool's KV full) whose prefill engine fails before its
+    first token retried on the least busy decode engine, the full one the route passed over,
+    instead of the other prefill engine with room."""
+    p0 = FakeEngine("p0", kv_blocks=1000, kv_usage=0.1, fail_status=500)
+    p1 = FakeEngine("p1", kv_blocks=1000, kv_usage=0.3)
+    d = FakeEngine("d0", kv_blocks=1000, kv_usage=0.99)
+    async with Rig([p0, p1], [d], overflow_kv_share=0.5) as rig:
+        assert await until(lambda: all(e.kv_capacity for e in rig.gateway.pool.engines), 10)  # a load scrape
+        status, body = await rig.post("/v1/completions", completion(list(range(40))))
+        assert status == 200 and body["choices"][0]["text"] == "from-p1", body
+        assert not d.requests and len(p1.requests) == 1 and "kv_transfer_params" not in p1.requests[0]
+        assert 'conductor_gateway_retries_total{phase="decode"} 1.0' in rig.gateway.metrics.render().decode()
+
+
 async def test_pd_a_full_decode_pool_overflows_onto_the_prefill_engine():
     """Kills: a gateway that, given the router core's overflow route (every decode engine's KV full,
     the prefill engine with room), still hands off to the full decode engine, runs a prefill with
