@@ -270,7 +270,7 @@ class Gateway:
             engine = route.prefill
             try:
                 params = await run_prefill(self.session, engine, kind, body, prompt_tokens - route.cached_tokens,
-                                           self.config.prefill_timeout_s, timing)
+                                           self.config.prefill_timeout_s, timing, prompt_tokens)
             except UpstreamFailed as exc:
                 log.warning("prefill failed, trying elsewhere: %s", exc)
                 self.metrics.upstream_failures.labels("prefill").inc()

@@ -71,12 +71,14 @@ class PassThrough(Exception):
 
 
 async def run_prefill(session: aiohttp.ClientSession, engine: Engine, kind: str, body: dict, uncached: int,
-                      timeout: float, timing: Timing) -> dict | None:
-    """The engine's `kv_transfer_params` (None when it returned none: decode then recomputes)."""
+                      timeout: float, timing: Timing, prompt_tokens: int = 0) -> dict | None:
+    """The engine's `kv_transfer_params` (None when it returned none: decode then recomputes).
+    While it runs the engine holds the prompt's KV (`prompt_tokens`), counted as its load between
+    two scrapes of its metrics like a decode's."""
     path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
     t = time.perf_counter()
     try:
-        with Load(engine, queued_tokens=uncached):
+        with Load(engine, queued_tokens=uncached, kv_tokens=prompt_tokens):
             async with session.post(engine.url + path, data=_encode(prefill_body(kind, body)), headers=JSON,
                                     timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 if resp.status != 200:

@@ -354,6 +354,23 @@ async def test_a_clients_own_kv_transfer_params_reach_no_engine_on_any_path():
     assert "conductor_gateway_client_kv_transfer_params_dropped_total 4.0" in text
 
 
+async def test_a_prefill_counts_the_prompts_kv_on_its_engine_while_it_runs():
+    """Kills: a P/D prefill that counts only its queue on the prefill engine, so between two scrapes
+    the engine's KV looks empty to routing (and to decode overflow) while it holds the prompt."""
+    p, d = FakeEngine("p0", first_token_delay=1.0), FakeEngine("d0")
+    async with Rig([p], [d]) as rig:
+        pending = asyncio.create_task(rig.post("/v1/completions", completion(list(range(60)))))
+        try:
+            engine = rig.gateway.pool.get(p.url)
+            assert await until(lambda: p.requests, 10)
+            assert engine.inflight_kv == 60 and engine.inflight == 1
+            status, body = await pending
+            assert status == 200 and body["choices"][0]["text"] == "from-d0"
+            assert (engine.inflight, engine.inflight_tokens, engine.inflight_kv) == (0, 0, 0)
+        finally:
+            pending.cancel()
+
+
 async def test_n_is_bounded_and_each_choice_counts_in_the_engines_load():
     """Kills: `n` (or `best_of`) without an upper bound (a request for 10,000 choices forwarded), and
     routing that counts one choice's tokens for a request that decodes n of them."""
