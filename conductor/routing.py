@@ -176,7 +176,7 @@ class Router:
         route: the whole request, no hand-off): the engine whose KV is least full first, since the
         decode engines were passed over for being full."""
         others = [c for c in decodes if c.name not in exclude]
-        key = (lambda c: (_fill(c), c.busy, c.name)) if by_room else (lambda c: (c.busy, c.name))
+        key = _decode_order if by_room else (lambda c: (c.busy, c.name))
         return min(others, key=key).name if others else None
 
 
