@@ -11,6 +11,7 @@ BENCHMARKS = {
     "transfer": "Transfer Engine shm/tcp/UCX vs memcpy, loopback sockets, Mooncake Transfer Engine",
     "transfer_ucx": "the Transfer Engine over UCX vs raw UCX and ucx_perftest (transfer's UCX records alone)",
     "metadata": "index publishing, mirror snapshot load, convergence, match() latency, bytes per block (etcd)",
+    "scale": "the index as the fleet grows: publish rate and lag over 1/2/4 etcd shards, mirror loads, host lookups and memory",
     "store": "store puts/gets over shm/tcp/NVMe vs Mooncake Store, Redis, dd, and the machine's limits",
     "codec": "lz4 block codec: ratio, per-core speed, NVMe tier capacity and reads, a throttled 1 Gbit/s link",
     "restart": "a rolling restart of daemons with persistent NVMe tiers: hit ratio before/after, wrong/lost blocks",

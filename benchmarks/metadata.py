@@ -2,14 +2,12 @@
 mirror snapshot load (rate, vs etcd handing over the same keys with no decoding), convergence
 after a publish, match() latency against a large index, mirror memory per block, and a mirror
 scoped to one small model's fingerprint (`IndexMirror(fingerprints=...)`) in that large index:
-its load time and memory against the whole mirror's; and the host index (`Client(index="host")`:
-a `kvstore serve` daemon holds the host's one mirror): a 4,096-block match and a 32-block lookup
-from another process, and the memory of 1 and 8 worker processes with a mirror each against the
-same workers asking the host index (the daemon's mirror counted once).
+its load time and memory against the whole mirror's. The host index (one mirror per host) and
+the index over several etcd shards: `benchmarks.scale`.
 
     python -m benchmarks.metadata [--json PATH] [--blocks 1000000] [--quick]
 
-`--quick` (the test suite's run): 100,000 blocks, fewer samples, 1 and 2 workers. JSON: `results`
+`--quick` (the test suite's run): 100,000 blocks, fewer samples. JSON: `results`
 (every figure printed, by name) and `meta`.
 """
 from __future__ import annotations
@@ -17,17 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import tracemalloc
 
-from kvstore import Client
 from kvstore.daemon.session import NodeSession
 from kvstore.index import IndexMirror
 from kvstore.index.records import BlockRecord, Layout, NodeRecord
@@ -210,94 +204,6 @@ def match_latency(mirror: IndexMirror, total: int) -> dict:
     return out
 
 
-WORKER = """
-import json, os, sys
-from kvstore import Client
-from kvstore.keys import ModelFingerprint, external_hashes
-
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-url, cluster, index, secret = sys.argv[1:5]
-fp = ModelFingerprint("bench-model", "float16", 128, 32, 8, 128)
-base = rss()
-client = Client(url, cluster=cluster, secret=secret, index=index, timeout=10)
-if index == "own":
-    client.mirror.wait_loaded(600)
-assert client.match_prefix(external_hashes(range(16), fp), fp) == 16
-print(json.dumps({"bytes": rss() - base}), flush=True)
-sys.stdin.readline()  # held until every worker has answered: they live side by side
-client.close()
-"""
-
-
-def process_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def workers_memory(url: str, cluster: str, secret: str, index: str, count: int) -> list[int]:
-    """RSS each of `count` worker processes gained opening a client (`index` own or host) and
-    asking one question, all alive at once."""
-    procs = [processes.spawn([sys.executable, "-c", WORKER, url, cluster, index, secret], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True) for _ in range(count)]
-    try:
-        grown = []
-        for proc in procs:
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"a {index}-index worker exited with {proc.wait(10)}")
-            grown.append(json.loads(line)["bytes"])
-        return grown
-    finally:
-        for proc in procs:
-            processes.release(proc)
-
-
-def host_index(url: str, cluster: str, total: int, worker_counts: tuple[int, ...], where: str) -> dict:
-    """A daemon's host index against a mirror per process: lookups from this process, memory of
-    worker processes (see module docstring)."""
-    secret = os.urandom(16).hex()
-    secret_file = os.path.join(where, "secret")
-    with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-        f.write(secret)
-    daemon, _ = processes.start_store_daemon(["--node", "host-index", "--metadata", url, "--cluster", cluster,
-                                              "--dram", "64MiB", "--secret-file", secret_file, "--admin-token-file",
-                                              os.path.join(where, "admin-token"), "--metrics-port", "0"])
-    out: dict = {}
-    try:
-        before = process_rss(daemon.pid)
-        client = Client(url, cluster=cluster, secret=secret, index="host", timeout=30)
-        started = time.perf_counter()
-        while client.mirror.status().get("loading") or client.mirror.block_count < total:
-            time.sleep(0.05)
-        out["host_index_load_seconds"] = time.perf_counter() - started
-        out["host_index_daemon_bytes"] = process_rss(daemon.pid) - before
-        hashes = external_hashes(range(total // 2, total // 2 + 4096), FP)
-        for name, call, rounds in (("host_match_4096", lambda: client.mirror.match(FP, hashes), 100),
-                                   ("host_lookup_32", lambda: client.mirror.lookup_many(FP, hashes[:32]), 200)):
-            for _ in range(10):
-                call()
-            samples = []
-            for _ in range(rounds):
-                started = time.perf_counter()
-                call()
-                samples.append((time.perf_counter() - started) * 1e6)
-            out[f"{name}_p50_us"], out[f"{name}_p99_us"] = percentile(samples, 0.5), percentile(samples, 0.99)
-        assert client.mirror.match(FP, hashes).length == 4096
-        client.close()
-        for count in worker_counts:
-            own = workers_memory(url, cluster, secret, "own", count)
-            host = workers_memory(url, cluster, secret, "host", count)
-            out[f"workers_{count}_own_bytes"] = sum(own)
-            out[f"workers_{count}_host_bytes"] = sum(host) + out["host_index_daemon_bytes"]
-            out[f"workers_{count}_host_over_one_mirror"] = out[f"workers_{count}_host_bytes"] / (sum(own) / count)
-    finally:
-        processes.stop(daemon, grace=10)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.metadata", description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the results here")
@@ -335,11 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         print("convergence ...", flush=True)
         results.update(convergence(etcd.url, layout, mirror, 100 if args.quick else 300))
         mirror.stop()
-        print("host index ...", flush=True)
-        with tempfile.TemporaryDirectory(prefix="kvstore-bench-metadata-") as where:
-            results.update(host_index(etcd.url, "bench", total + SMALL_BLOCKS, (1, 2) if args.quick else (1, 8), where))
 
-    workers = 2 if args.quick else 8
     targets = [
         ("batched publish / one-per-block (>= 20)", results["publish_batched_over_single"], 20, True),
         ("match() 256 blocks p50 us (<= 50)", results["match_256_p50_us"], 50, False),
@@ -347,9 +249,6 @@ def main(argv: list[str] | None = None) -> int:
         ("snapshot load blocks/s (>= 200,000)", results["snapshot_load_blocks_per_s"], 200_000, True),
         ("convergence p99 ms (<= 50)", results["convergence_p99_ms"], 50, False),
         ("mirror bytes per block (<= 300)", results["mirror_bytes_per_block"], 300, False),
-        ("host index match() 4096 blocks p50 us (<= 100)", results["host_match_4096_p50_us"], 100, False),
-        (f"{workers} workers on a host index / one mirror (<= 1.2)", results[f"workers_{workers}_host_over_one_mirror"],
-         1.2, False),
     ]
     print()
     for key, value in results.items():

@@ -45,6 +45,8 @@ def test_kvstore_bench_passes_arguments_through():
     ("transfer", ["--systems", "kvstore,rdma"], "--systems: unknown rdma"),
     ("store", ["--rounds", "0"], "--rounds must be at least 1"),
     ("metadata", ["--blocks", "100"], "--blocks must be at least 4096"),
+    ("scale", ["--shards", "1,zero"], "--shards must be comma-separated whole numbers"),
+    ("scale", ["--blocks", "100"], "--blocks must be at least 8192"),
     ("conductor", ["--write", "/no/such/dir/report.md"], "--write: no such directory"),
     ("gateway", ["--requests", "0"], "--requests must be at least 1"),
     ("faults", ["--clients", "0"], "--clients must be at least 1"),

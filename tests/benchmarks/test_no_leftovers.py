@@ -43,6 +43,7 @@ def test_serving_failing_with_its_engines_up_leaves_nothing(tmp_path):
 @pytest.mark.parametrize("name, spawns, what", [
     pytest.param("transfer", 1, "its target process", id="transfer"),
     pytest.param("metadata", 1, "etcd", marks=needs_etcd, id="metadata"),
+    pytest.param("scale", 2, "etcd and a publisher", marks=needs_etcd, id="scale"),
     pytest.param("store", 2, "etcd and a kvstore serve daemon", marks=needs_etcd, id="store"),
     pytest.param("faults", 3, "etcd and two kvstore serve daemons", marks=needs_etcd, id="faults"),
     pytest.param("gateway", 1, "a conductor serve gateway", id="gateway"),
