@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         fail(PROG, "serve needs --decode engine URLs (the gateway), or --metadata and --fingerprint (POST /route)")
 
     from kvstore.errors import KVStoreError
-    from kvstore.index import IndexMirror
+    from kvstore.index import open_mirror
     from kvstore.keys import ModelFingerprint
 
     from .router import Conductor
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     level = mirror_log.level
     mirror_log.setLevel(logging.ERROR)  # its retries while starting: the one line below says it if they fail
     try:
-        mirror = IndexMirror(args.metadata, args.cluster or "default").start()
+        mirror = open_mirror(args.metadata, args.cluster or "default").start()
     except KVStoreError as exc:
         fail(PROG, f"cannot reach the metadata service {args.metadata}: {exc}", 5)
     finally:

@@ -220,10 +220,10 @@ def secured_nodes(url: str, cluster: str, timeout: float) -> list[str]:
 
     from .errors import KVStoreError
     from .index.records import Layout, NodeRecord
-    from .metadata import open_metadata
+    from .metadata import open_metadata, shard_urls
 
     async def read() -> list[str]:
-        metadata = open_metadata(url, timeout=timeout)
+        metadata = open_metadata(shard_urls(url)[0], timeout=timeout)  # every shard lists the nodes
         try:
             items, _ = await asyncio.wait_for(metadata.range(f"{Layout(cluster).root}nodes/"), timeout)
         finally:

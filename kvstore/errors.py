@@ -160,9 +160,14 @@ class InsecureFile(InvalidConfig):
     """A secret file (cluster secret, admin token, tenants) others may read, or too short to be a secret."""
 
 
+class ShardMapMismatch(InvalidConfig):
+    """A sharded index's etcd records another place in the shard map (another count of shards, or
+    another order) than this process's metadata URL gives it."""
+
+
 class AccessDenied(KVStoreError, PermissionError):
     """A tenant asked for a fingerprint that is not its own (wire code 'denied')."""
 
 
 __all__ += ["AllocationFailed", "InvalidRequest", "WrongSize", "NoStoreNodes", "PutFailed", "NodeRefused",
-            "ConnectionsExhausted", "StoreClosed", "InvalidConfig", "InsecureFile", "AccessDenied"]
+            "ConnectionsExhausted", "StoreClosed", "InvalidConfig", "InsecureFile", "ShardMapMismatch", "AccessDenied"]

@@ -72,9 +72,9 @@ class Gateway:
     # ------------------------------------------------------------ lifecycle
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         if self.config.metadata:
-            from kvstore.index import IndexMirror
+            from kvstore.index import open_mirror
 
-            self.mirror = await asyncio.to_thread(lambda: IndexMirror(self.config.metadata, self.config.cluster).start())
+            self.mirror = await asyncio.to_thread(lambda: open_mirror(self.config.metadata, self.config.cluster).start())
         self.router = Router(self.pool, self.tracker, self.fingerprint, mirror=self.mirror, policy=self.config.policy,
                              cost=CostModel.from_dict(self.config.cost) if self.config.cost else None,
                              slo=Slo(self.config.slo_ttft_ms, self.config.slo_tbt_ms),

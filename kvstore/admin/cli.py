@@ -27,8 +27,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from ..cli_args import alias, fraction, number, timeout_seconds
-from ..errors import KVStoreError
-from ..index import IndexMirror
+from ..errors import InvalidConfig, KVStoreError
+from ..index import open_mirror
 from ..keys import ModelFingerprint, chain_hashes
 from . import render
 from .render import message_dict
@@ -209,7 +209,9 @@ class AdminClient:
         token = _read_token(args)
         self.metadata = [("authorization", f"Bearer {token}")] if token else []
         try:
-            self.mirror = IndexMirror(args.metadata, args.cluster, timeout=args.timeout).start()
+            self.mirror = open_mirror(args.metadata, args.cluster, timeout=args.timeout).start()
+        except InvalidConfig as exc:  # a shard map that disagrees with the cluster's
+            raise Fail(str(exc), USAGE) from exc
         except Exception as exc:  # noqa: BLE001 - becomes an exit code
             raise Fail(f"cannot reach the metadata service {args.metadata} within {args.timeout:g} s", UNAVAILABLE) from exc
         self._channels: dict[str, grpc.Channel] = {}

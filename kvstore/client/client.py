@@ -41,7 +41,7 @@ from ..errors import (
     StoreClosed,
     WrongSize,
 )
-from ..index import IndexMirror
+from ..index import IndexMirror, ShardedMirror, open_mirror
 from ..index.host_mirror import HostIndexMirror
 from ..codec import check_codec
 from ..index.records import MAX_BLOCK_BYTES
@@ -77,7 +77,7 @@ INDEX_MODES = ("own", "host", "auto")
 
 
 def _open_index(index: str, metadata: str, cluster: str, timeout: float, transport: str,
-                fingerprints: Iterable[ModelFingerprint | str] | None) -> IndexMirror | HostIndexMirror:
+                fingerprints: Iterable[ModelFingerprint | str] | None) -> IndexMirror | ShardedMirror | HostIndexMirror:
     """The started index view `index` names (see Client); the embedded store (memory://) and a
     client held to TCP keep their own."""
     if index == "host" and transport == "tcp":
@@ -89,7 +89,7 @@ def _open_index(index: str, metadata: str, cluster: str, timeout: float, transpo
         except InvalidConfig:
             if index == "host":
                 raise
-    return IndexMirror(metadata, cluster, timeout=timeout, fingerprints=fingerprints).start()
+    return open_mirror(metadata, cluster, timeout=timeout, fingerprints=fingerprints).start()
 
 
 class Client:

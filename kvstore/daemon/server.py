@@ -31,10 +31,10 @@ from ..admin.service import AdminService
 from ..admin.v1 import admin_pb2, admin_pb2_grpc
 from ..aio import shared_loop
 from ..errors import KVStoreError, MetadataError, MetadataTimeout, NoStoreNodes
-from ..index.mirror import IndexMirror
+from ..index.sharded_mirror import open_mirror
 from ..index.records import Layout, NodeRecord, check_name
 from ..index.signatures import RecordSigner, RecordVerifier
-from ..metadata import open_metadata
+from ..metadata import open_metadata, shard_urls
 from ..outage_log import OutageLog
 from .host_index import HostIndex
 from .host_room import check_dram
@@ -45,6 +45,7 @@ from .publisher import Publisher
 from .repair import HAND_OFF_S, Repairer
 from .operations import StoreOperations
 from .session import NodeSession
+from .shard_sessions import ShardedSession
 from ..codec import check_codec
 from ..tiers.disk import DiskTierFile
 from ..tiers.journal import TierJournal, remove_stale
@@ -199,7 +200,7 @@ class Daemon:
                                   tcp_host=None if c.wire_port is None else c.listen.rpartition(":")[0].strip("[]"),
                                   tcp_port=c.wire_port or 0, tenants=c.tenants, tls=tls)
         self.local.host_index = HostIndex(
-            lambda: IndexMirror(c.metadata, c.cluster, timeout=c.timeout), c.timeout,
+            lambda: open_mirror(c.metadata, c.cluster, timeout=c.timeout), c.timeout,
             RecordVerifier(secret, c.cluster))
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
                                   interceptors=[AccessRules(c.admin_token)],
@@ -256,14 +257,16 @@ class Daemon:
                           replicas=self.config.replicas, secured=not self.config.insecure)
 
     async def _register(self) -> None:
-        metadata = open_metadata(self.config.metadata, timeout=self.config.timeout)
+        shards = [open_metadata(url, timeout=self.config.timeout) for url in shard_urls(self.config.metadata)]
         segment = json.loads(self.engine.export().to_json())
         segment["kvstore_local"] = self.local.name  # same-host clients' fast path (EngineDescriptor ignores it)
         if self.local.tcp_address:
             segment["kvstore_wire"] = self.local.tcp_address  # the same wire over TCP, for other hosts
             segment["kvstore_wire_tls"] = self.local.tls is not None  # over TLS: a client without roots says so
-        self.session = NodeSession(metadata, self.layout, self.node_record(), json.dumps(segment, separators=(",", ":")),
-                                   ttl=self.config.lease_ttl, on_lease_lost=self._lease_lost, signer=self.signer)
+        session = NodeSession if len(shards) == 1 else ShardedSession
+        self.session = session(shards[0] if len(shards) == 1 else shards, self.layout, self.node_record(),
+                               json.dumps(segment, separators=(",", ":")), ttl=self.config.lease_ttl,
+                               on_lease_lost=self._lease_lost, signer=self.signer)
         # A loaded etcd can miss one deadline (seen when a machine starts many daemons at once): a
         # timed-out registration is tried again before the start fails. A refused connection or a
         # refusal is not: that etcd is not there, or says no, and one line says so at once.
@@ -348,7 +351,7 @@ class Daemon:
         timer.start()
 
     async def _put_node(self, record: NodeRecord) -> None:
-        await self.session.metadata.put(self.layout.node_key(record.name), record.encode(), lease=self.session.lease)
+        await self.session.put_node(record)
 
     def set_draining(self, draining: bool) -> None:
         with self._draining_lock:
@@ -359,11 +362,7 @@ class Daemon:
 
     def registered_nodes(self) -> list[str]:
         """Every node the metadata service lists for this cluster."""
-        async def names() -> list[str]:
-            items, _ = await self.session.metadata.range(self.layout.root + "nodes/")
-            return sorted(kv.key.decode().rsplit("/", 1)[-1] for kv in items)
-
-        return self._call(names())
+        return self._call(self.session.node_names())
 
     def drain(self, move: bool, is_active=lambda: True) -> Iterator[admin_pb2.DrainProgress]:
         """Stop taking puts, then move (or drop) every block, yielding progress as it goes. Puts
@@ -513,7 +512,7 @@ class Daemon:
             self.metrics.close()
         if self.session is not None:
             try:
-                self._call(self.session.metadata.close())
+                self._call(self.session.release())
             except (MetadataError, TimeoutError):
                 pass
         if self.journal is not None:

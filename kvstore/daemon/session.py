@@ -10,6 +10,7 @@ from typing import Callable, Iterable, Sequence
 
 from ..errors import LeaseExpired, MetadataError, MetadataUnavailable
 from ..index.records import BlockRecord, Layout, NodeRecord
+from ..index.shards import check_place
 from ..index.signatures import RecordSigner
 from ..metadata import Lease, Metadata, Put
 from ..outage_log import OutageLog
@@ -24,8 +25,9 @@ class NodeSession:
 
     def __init__(self, metadata: Metadata, layout: Layout, node: NodeRecord, segment: str = "",
                  ttl: int = 10, on_lease_lost: Callable[[], None] | None = None,
-                 signer: RecordSigner | None = None) -> None:
+                 signer: RecordSigner | None = None, place: tuple[int, int] = (0, 1)) -> None:
         self.metadata, self.layout, self.node = metadata, layout, node
+        self.place = place  # (index, count) in a sharded index's map (kvstore.index.shards); (0, 1): unsharded
         self.signer = signer or RecordSigner(b"", layout.cluster, node.name)
         self.segment, self.ttl = segment, ttl
         self.on_lease_lost = on_lease_lost
@@ -35,7 +37,9 @@ class NodeSession:
         self._outage = OutageLog(log, f"lease keep-alive for {node.name} failed")
 
     async def start(self) -> None:
-        """Grant the lease, write node and segment records, start the keep-alive."""
+        """Check (and, in a sharded index, claim) this etcd's place in the shard map, grant the
+        lease, write node and segment records, start the keep-alive."""
+        await check_place(self.metadata, self.layout, *self.place, self.metadata.url, claim=True)
         self.lease = await self.metadata.lease_grant(self.ttl)
         await self.metadata.put_many([
             Put(self.layout.node_key(self.node.name).encode(), self.node.encode(), self.lease.id),
@@ -87,6 +91,24 @@ class NodeSession:
     async def unpublish(self, fingerprint: str, hashes: Iterable[bytes]) -> int:
         keys = [self.layout.block_key(fingerprint, h, self.node.name) for h in hashes]
         return await self.metadata.delete_many(keys)
+
+    @property
+    def alive(self) -> bool:
+        """Started, and its lease not lost since."""
+        return self._keepalive is not None and not self._keepalive.done()
+
+    async def put_node(self, record: NodeRecord) -> None:
+        """Write the node's record again (usage, draining) under its lease."""
+        await self.metadata.put(self.layout.node_key(record.name), record.encode(), lease=self._lease_id())
+
+    async def node_names(self) -> list[str]:
+        """Every node this cluster's metadata lists."""
+        items, _ = await self.metadata.range(self.layout.root + "nodes/")
+        return sorted(kv.key.decode().rsplit("/", 1)[-1] for kv in items)
+
+    async def release(self) -> None:
+        """Close the metadata handle (after close())."""
+        await self.metadata.close()
 
     async def close(self, revoke: bool = True, attempts: int = 2) -> None:
         """Stop the keep-alive; revoke the lease (drop every record) unless told not to. A revoke that

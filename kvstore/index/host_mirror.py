@@ -24,7 +24,9 @@ from transfer.descriptor import host_id
 from ..errors import (AccessDenied, AuthenticationFailed, ConnectionsExhausted, InvalidConfig, InvalidRequest,
                       KVStoreError, NodeRefused, NoStoreNodes)
 from ..keys import HASH_BYTES, ModelFingerprint
+from ..metadata import shard_urls
 from .mirror import IndexMirror, fingerprint_id, in_scope
+from .sharded_mirror import open_mirror
 from .records import BlockRecord, NodeRecord
 from .signatures import RecordVerifier
 
@@ -75,7 +77,8 @@ class HostIndexMirror:
     def __init__(self, metadata_url: str, cluster: str = "default", *, timeout: float = 5.0,
                  verifier: RecordVerifier | None = None,
                  fingerprints: Iterable[ModelFingerprint | str] | None = None) -> None:
-        self.members = IndexMirror(metadata_url, cluster, timeout=timeout, fingerprints=())
+        # Nodes and segments only: every shard of a sharded index lists them, the first is asked.
+        self.members = IndexMirror(shard_urls(metadata_url)[0], cluster, timeout=timeout, fingerprints=())
         self.url, self.layout, self.timeout = metadata_url, self.members.layout, timeout
         self.scope: frozenset[str] | None = None if fingerprints is None else \
             frozenset(fingerprint_id(f) for f in fingerprints)
@@ -143,7 +146,7 @@ class HostIndexMirror:
                 return
             log.warning("the host index of %s did not answer (%s: %s): this process keeps a mirror of its own from now "
                         "on (answers say stale until it has loaded)", self.host, type(why).__name__, why)
-            self._own = IndexMirror(self.url, self.layout.cluster, timeout=self.timeout, verifier=self.verifier,
+            self._own = open_mirror(self.url, self.layout.cluster, timeout=self.timeout, verifier=self.verifier,
                                     fingerprints=self.scope)
             # Served as soon as it began loading, and while etcd is away too: answers say loading
             # and stale until its snapshot is in.

@@ -26,7 +26,7 @@ import numpy as np
 from ..aio import bounded, quiet, shared_loop
 from ..errors import InvalidRecord, KVStoreError, MetadataError, MetadataUnavailable, NotMirrored, WatchCompacted
 from ..keys import ModelFingerprint
-from ..metadata import Metadata, Page, WatchEvent, check_metadata_url, open_metadata, prefix_end
+from ..metadata import Metadata, Page, WatchEvent, check_metadata_url, open_metadata, prefix_end, shard_urls
 from ..outage_log import OutageLog
 from .mirror_tables import MirrorTables, Placement, Snapshot
 from .records import BlockRecord, Layout, NodeRecord
@@ -100,6 +100,8 @@ class IndexMirror:
                  timeout: float = 5.0, verifier: RecordVerifier | None = None,
                  fingerprints: Iterable[ModelFingerprint | str] | None = None) -> None:
         check_metadata_url(metadata_url)  # a typo fails here, at once, not after the first load's timeout
+        if len(shard_urls(metadata_url)) > 1:
+            raise ValueError(f"{metadata_url!r} names several index shards: kvstore.index.open_mirror mirrors them")
         self.url, self.layout = metadata_url, Layout(cluster)
         # A scoped mirror (a host whose engines serve a few models) loads and keeps the blocks of
         # these fingerprints only: its memory and its load time follow them, not the cluster. A

@@ -171,6 +171,12 @@ class Layout:
     def root(self) -> str:
         return f"/kvstore/{self.cluster}/"
 
+    @property
+    def shard_key(self) -> str:
+        """Where a shard of a sharded index records its place (kvstore.index.shards): outside the
+        root, which every mirror watches."""
+        return f"/kvstore-shard/{self.cluster}"
+
     def node_key(self, node: str) -> str:
         return f"{self.root}nodes/{check_name('node', node)}"
 

@@ -132,10 +132,38 @@ def _parse(url: str) -> _Target:
     return _Target(parsed.scheme, endpoints, username, password, query)
 
 
+SHARD_SEPARATOR = ";"
+
+
+def shard_urls(url: str) -> list[str]:
+    """The metadata URL of each shard of a block index spread over several etcd clusters
+    (`etcd://a:2379;etcd://b:2379,c:2379`: two shards, the second a cluster of two members), in
+    order; [url] for one. ValueError for a shard URL that does not parse or is listed twice."""
+    parts = [part.strip() for part in url.split(SHARD_SEPARATOR)]
+    if len(parts) == 1:
+        return [url]
+    seen: list[_Target] = []
+    for i, part in enumerate(parts):
+        if not part:
+            raise ValueError(f"bad metadata URL {url!r}: shard {i + 1} is empty (shards are separated by "
+                             f"'{SHARD_SEPARATOR}')")
+        target = _parse(part)
+        if seen and (target.scheme == "memory") != (seen[0].scheme == "memory"):
+            raise ValueError(f"bad metadata URL {url!r}: shards are all etcd or all memory://")
+        for j, other in enumerate(seen):
+            if (target.scheme == "memory" and target.name == other.name) or set(target.endpoints) & set(other.endpoints):
+                raise ValueError(f"bad metadata URL {url!r}: shard {i + 1} ({part}) names an etcd (or memory "
+                                 f"store) that shard {j + 1} names too")
+        seen.append(target)
+    return parts
+
+
 def check_metadata_url(url: str) -> None:
     """ValueError (the same message open_metadata would give) when `url` is not a metadata URL
-    this package can open; connects to nothing, so a typo fails at once instead of after a timeout."""
-    _parse(url)
+    this package can open (one etcd cluster, several shards, or memory://); connects to nothing,
+    so a typo fails at once instead of after a timeout."""
+    for part in shard_urls(url):
+        _parse(part)
 
 
 def metadata_endpoints(url: str) -> list[tuple[str, int]]:
@@ -150,6 +178,9 @@ def open_metadata(url: str, *, timeout: float = 5.0) -> Metadata:
     password in KVSTORE_ETCD_PASSWORD or `?password_file=PATH`) or `memory://name`. Several etcd
     endpoints are members of one etcd cluster: the handle uses one at a time and moves to the next
     when it fails (etcd.py)."""
+    if len(shard_urls(url)) > 1:
+        raise ValueError(f"{url!r} names {len(shard_urls(url))} index shards: open each shard's URL "
+                         "(kvstore.metadata.shard_urls) or a sharded mirror (kvstore.index.open_mirror)")
     target = _parse(url)
     if target.scheme == "memory":
         return MemoryMetadata(target.name)
@@ -173,4 +204,4 @@ def open_metadata(url: str, *, timeout: float = 5.0) -> Metadata:
 
 __all__ = ["MAX_TXN_OPS", "Compare", "Delete", "KeyValue", "Lease", "Metadata", "MemoryMetadata", "Page", "Put",
            "TxnResult", "Watch", "WatchEvent", "check_metadata_url", "metadata_endpoints", "open_metadata", "prefix_end",
-           "warn_plaintext_etcd"]
+           "shard_urls", "warn_plaintext_etcd"]

@@ -1,0 +1,69 @@
+"""A node's presence in a sharded index (kvstore.index.shards): one NodeSession per shard, each
+with its own lease carrying the node's record, its descriptor and the block records of that
+shard's part of the hash space. Same face as NodeSession, so the daemon does not care which.
+
+A publish returns revision 0: revisions of different etcd clusters do not compare, so a caller
+waiting for "its" revision in a mirror (a remove) has nothing to wait for, and a mirror may list a
+removed block for one watch delay longer (a read then misses; it never gets other bytes).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Callable, Iterable, Sequence
+
+from ..index.records import BlockRecord, Layout, NodeRecord
+from ..index.shards import positions_by_shard
+from ..index.signatures import RecordSigner
+from ..metadata import Metadata
+from .session import NodeSession
+
+
+class ShardedSession:
+    """See module docstring. `metadatas`: one handle per shard, in the map's order."""
+
+    def __init__(self, metadatas: Sequence[Metadata], layout: Layout, node: NodeRecord, segment: str = "",
+                 ttl: int = 10, on_lease_lost: Callable[[], None] | None = None,
+                 signer: RecordSigner | None = None) -> None:
+        count = len(metadatas)
+        self.shards = [NodeSession(m, layout, node, segment, ttl, on_lease_lost, signer, place=(i, count))
+                       for i, m in enumerate(metadatas)]
+        self.layout, self.node = layout, node
+        self._starting = asyncio.Lock()  # two shards losing their leases at once re-register once
+
+    @property
+    def lease(self):
+        return self.shards[0].lease
+
+    async def start(self) -> None:
+        """Register on every shard whose session is not alive (all, the first time; after a lost
+        lease, the shards that lost theirs: the others keep their lease and records)."""
+        async with self._starting:
+            await asyncio.gather(*[s.start() for s in self.shards if not s.alive])
+
+    async def publish(self, fingerprint: str, blocks: Sequence[tuple[bytes, BlockRecord]]) -> int:
+        parts = positions_by_shard([h for h, _ in blocks], len(self.shards))
+        await asyncio.gather(*[s.publish(fingerprint, [blocks[i] for i in part])
+                               for s, part in zip(self.shards, parts) if part])
+        return 0
+
+    async def unpublish(self, fingerprint: str, hashes: Iterable[bytes]) -> int:
+        hashes = list(hashes)
+        parts = positions_by_shard(hashes, len(self.shards))
+        await asyncio.gather(*[s.unpublish(fingerprint, [hashes[i] for i in part])
+                               for s, part in zip(self.shards, parts) if part])
+        return 0
+
+    async def put_node(self, record: NodeRecord) -> None:
+        await asyncio.gather(*[s.put_node(record) for s in self.shards])
+
+    async def node_names(self) -> list[str]:
+        return await self.shards[0].node_names()
+
+    async def close(self, revoke: bool = True, attempts: int = 2) -> None:
+        results = await asyncio.gather(*[s.close(revoke, attempts) for s in self.shards], return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def release(self) -> None:
+        await asyncio.gather(*[s.release() for s in self.shards], return_exceptions=True)

@@ -1,0 +1,288 @@
+"""The mirror of a sharded index (kvstore.index.shards): one IndexMirror per shard behind
+IndexMirror's face, each question sent to the shard its block hashes pick.
+
+A prompt's blocks are spread over every shard, so a prefix question asks each shard about its
+blocks (in prompt order) and the prefix ends at the first block any shard lacks. Nodes and their
+descriptors are read from the first shard (every node registers on every shard). A shard that
+cannot be reached answers as its mirror does (stale, from what it last had; nothing it never
+loaded): the other shards' blocks are unaffected. `revision` is a change counter (the sum of the
+shards' revisions): revisions of different etcd clusters do not compare.
+
+`open_mirror(url, ...)` builds the mirror a metadata URL calls for: this one for several shards,
+an IndexMirror for one etcd or memory://.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from .. import aio
+from ..errors import MetadataError, MetadataUnavailable
+from ..keys import ModelFingerprint
+from ..metadata import open_metadata, shard_urls
+from .mirror import IndexMirror
+from .mirror_tables import Placement
+from .records import BlockRecord, NodeRecord
+from .shards import check_place, shard_of
+from .signatures import RecordVerifier
+
+Fingerprint = ModelFingerprint | str
+
+
+def open_mirror(metadata_url: str, cluster: str = "default", **options) -> "IndexMirror | ShardedMirror":
+    """A mirror (not started) of the index `metadata_url` names: sharded when it lists several
+    etcd clusters separated by ';'. `options` as IndexMirror's."""
+    if len(shard_urls(metadata_url)) > 1:
+        return ShardedMirror(metadata_url, cluster, **options)
+    return IndexMirror(metadata_url, cluster, **options)
+
+
+def _split(hashes: Sequence[bytes], shards: int) -> list[np.ndarray]:
+    """Each shard's positions in `hashes`, in order (shard_of, vectorised)."""
+    if not len(hashes):
+        return [np.empty(0, np.int64) for _ in range(shards)]
+    heads = np.frombuffer(b"".join(bytes(h[:8]) for h in hashes), "<u8")
+    which = heads % np.uint64(shards)
+    return [np.flatnonzero(which == k) for k in range(shards)]
+
+
+class ShardedMatch:
+    """Match's face for a prefix found over several shards; `placements` built on first use."""
+
+    __slots__ = ("length", "stale", "loading", "_parts", "_placements")
+
+    def __init__(self, length: int, parts: list[tuple[np.ndarray, object]], stale: bool, loading: bool) -> None:
+        self.length, self.stale, self.loading = length, stale, loading
+        self._parts = parts  # (positions in the prompt, that shard's Match), shard by shard
+        self._placements: list[Placement] | None = None
+
+    @property
+    def placements(self) -> list[Placement]:
+        if self._placements is None:
+            out: list = [None] * self.length
+            for positions, match in self._parts:
+                for position, placement in zip(positions.tolist(), match.placements):
+                    if position < self.length:
+                        out[position] = placement
+            self._placements = out
+        return self._placements
+
+    @property
+    def locations(self) -> list[tuple[tuple[str, str], ...]]:
+        return [p.locations for p in self.placements]
+
+    def __repr__(self) -> str:
+        return f"Match(length={self.length}, stale={self.stale}, loading={self.loading})"
+
+
+class ShardedMirror:
+    """See module docstring. Options as IndexMirror's; each shard's mirror gets them all."""
+
+    def __init__(self, metadata_url: str, cluster: str = "default", *, stale_after: float = 3.0,
+                 timeout: float = 5.0, verifier: RecordVerifier | None = None,
+                 fingerprints: Iterable[Fingerprint] | None = None) -> None:
+        self.url, self.timeout, self.verifier = metadata_url, timeout, verifier
+        self.urls = shard_urls(metadata_url)
+        fingerprints = None if fingerprints is None else list(fingerprints)
+        self.shards = [IndexMirror(url, cluster, stale_after=stale_after, timeout=timeout, verifier=verifier,
+                                   fingerprints=fingerprints) for url in self.urls]
+        self.layout, self.scope = self.shards[0].layout, self.shards[0].scope
+
+    # --- lifetime -----------------------------------------------------------------------------
+    def start(self, wait: float | None = None, *, keep_trying: bool = False) -> "ShardedMirror":
+        """Check each shard's place in the map (ShardMapMismatch), then start every shard's mirror
+        side by side; as IndexMirror.start otherwise (any shard failing to start fails it)."""
+        self._check_places(keep_trying)
+        failures: list[BaseException] = []
+
+        def start(mirror: IndexMirror) -> None:
+            try:
+                mirror.start(wait, keep_trying=keep_trying)
+            except BaseException as exc:  # noqa: BLE001 - reported below, after every shard has tried
+                failures.append(exc)
+
+        threads = [threading.Thread(target=start, args=(m,), daemon=True) for m in self.shards]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if failures:
+            self.stop()
+            raise failures[0]
+        return self
+
+    def _check_places(self, keep_trying: bool) -> None:
+        count = len(self.urls)
+
+        async def check(index: int, url: str) -> None:
+            metadata = open_metadata(url, timeout=self.timeout)
+            try:
+                await check_place(metadata, self.layout, index, count, url, claim=False)
+            finally:
+                await metadata.close()
+
+        for index, url in enumerate(self.urls):
+            try:
+                aio.run(check(index, url), self.timeout * 2 + 1)
+            except (MetadataError, TimeoutError) as exc:
+                if not keep_trying:  # a shard down now: its mirror says stale until it answers
+                    raise MetadataUnavailable(f"index shard {index + 1} ({url}) did not answer: {exc}") from None
+
+    def stop(self) -> None:
+        for mirror in self.shards:
+            mirror.stop()
+
+    def __enter__(self) -> "ShardedMirror":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def on_replica_removed(self, listener: Callable[[str, bytes, str], None]) -> None:
+        for mirror in self.shards:
+            mirror.on_replica_removed(listener)
+
+    def wait_begun(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(m.wait_begun(max(0.0, deadline - time.monotonic())) for m in self.shards)
+
+    def wait_loaded(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(m.wait_loaded(max(0.0, deadline - time.monotonic())) for m in self.shards)
+
+    # --- state ----------------------------------------------------------------------------------
+    @property
+    def stale(self) -> bool:
+        return any(m.stale for m in self.shards)
+
+    @property
+    def loading(self) -> bool:
+        return any(m.loading for m in self.shards)
+
+    @property
+    def revision(self) -> int:
+        return sum(m.revision for m in self.shards)
+
+    @property
+    def nodes(self) -> dict[str, NodeRecord]:
+        return self.shards[0].nodes
+
+    @property
+    def segments(self) -> dict[str, str]:
+        return self.shards[0].segments
+
+    @property
+    def block_count(self) -> int:
+        return sum(m.block_count for m in self.shards)
+
+    @property
+    def malformed(self) -> int:
+        return sum(m.malformed for m in self.shards)
+
+    @property
+    def refused_records(self) -> int:
+        return sum(m.refused_records for m in self.shards)
+
+    @property
+    def resyncs(self) -> int:
+        return sum(m.resyncs for m in self.shards)
+
+    # --- questions ------------------------------------------------------------------------------
+    def _shard(self, block_hash: bytes) -> IndexMirror:
+        return self.shards[shard_of(block_hash, len(self.shards))]
+
+    def _parts(self, hashes: Sequence[bytes]) -> list[tuple[IndexMirror, np.ndarray, list[bytes]]]:
+        return [(mirror, positions, [hashes[i] for i in positions.tolist()])
+                for mirror, positions in zip(self.shards, _split(hashes, len(self.shards))) if len(positions)]
+
+    def match(self, fingerprint: Fingerprint, hashes: Sequence[bytes]) -> ShardedMatch:
+        """How many leading `hashes` are cached anywhere: each shard matches its own blocks in
+        prompt order; the prefix ends at the first block a shard lacks."""
+        length, parts = len(hashes), []
+        for mirror, positions, own in self._parts(hashes):
+            found = mirror.match(fingerprint, own)
+            parts.append((positions, found))
+            if found.length < len(own):
+                length = min(length, int(positions[found.length]))
+        return ShardedMatch(length, parts, self.stale, self.loading)
+
+    def node_prefix_lengths(self, fingerprint: Fingerprint, hashes: Sequence[bytes]) -> dict[str, int]:
+        """For each node, how many leading blocks it holds itself: on each shard, how many of that
+        shard's blocks it holds in a row (none where the shard does not list it), and the prefix
+        ends at the first block of any shard it lacks."""
+        parts = [(positions, own, mirror.node_prefix_lengths(fingerprint, own))
+                 for mirror, positions, own in self._parts(hashes)]
+        lengths: dict[str, int] = {}
+        for node in {node for _, _, held in parts for node in held}:
+            end = len(hashes)
+            for positions, own, held in parts:
+                count = held.get(node, 0)
+                if count < len(own):
+                    end = min(end, int(positions[count]))
+            if end:
+                lengths[node] = end
+        return lengths
+
+    def contains(self, fingerprint: Fingerprint, block_hash: bytes) -> bool:
+        return self._shard(block_hash).contains(fingerprint, block_hash)
+
+    def sealed(self, fingerprint: Fingerprint, block_hash: bytes) -> dict[str, bytes]:
+        return self._shard(block_hash).sealed(fingerprint, block_hash)
+
+    def lookup(self, fingerprint: Fingerprint, block_hash: bytes,
+               verifier: RecordVerifier | None = None) -> dict[str, BlockRecord]:
+        return self._shard(block_hash).lookup(fingerprint, block_hash, verifier)
+
+    def lookup_many(self, fingerprint: Fingerprint, hashes: Sequence[bytes],
+                    verifier: RecordVerifier | None = None) -> list[dict[str, BlockRecord]]:
+        return [self.lookup(fingerprint, bytes(h), verifier) for h in hashes]
+
+    @contextlib.contextmanager
+    def asking(self, fingerprint: Fingerprint, node: str, hashes: Sequence[bytes]) -> Iterator[dict]:
+        """IndexMirror.asking on each shard the blocks live on; yields the `since` of each (a dict
+        by shard) for remember_many and forget_many."""
+        with contextlib.ExitStack() as stack:
+            since = {}
+            for mirror, _, own in self._parts(hashes):
+                since[id(mirror)] = stack.enter_context(mirror.asking(fingerprint, node, own))
+            yield since
+
+    def remember(self, fingerprint: Fingerprint, block_hash: bytes, node: str, record: BlockRecord | bytes) -> None:
+        self._shard(block_hash).remember(fingerprint, block_hash, node, record)
+
+    def remember_many(self, fingerprint: Fingerprint, node: str, blocks: Sequence[tuple[bytes, BlockRecord | bytes]],
+                      since: dict | None = None) -> None:
+        for mirror, _, own in self._parts([h for h, _ in blocks]):
+            records = dict((bytes(h), r) for h, r in blocks)
+            mirror.remember_many(fingerprint, node, [(h, records[bytes(h)]) for h in own],
+                                 None if since is None else since.get(id(mirror)))
+
+    def forget_many(self, fingerprint: Fingerprint, node: str, hashes: Sequence[bytes],
+                    since: dict | None = None) -> None:
+        for mirror, _, own in self._parts(hashes):
+            mirror.forget_many(fingerprint, node, own, None if since is None else since.get(id(mirror)))
+
+    # --- waiting --------------------------------------------------------------------------------
+    def wait_for_revision(self, revision: int, timeout: float = 5.0) -> bool:
+        """Until the change counter reaches `revision` (a sharded publish returns 0: at once)."""
+        return self.wait_until(lambda m: m.revision >= revision, timeout)
+
+    def wake(self) -> None:
+        for mirror in self.shards:
+            mirror.wake()
+
+    def wait_until(self, predicate: Callable[["ShardedMirror"], bool], timeout: float = 5.0) -> bool:
+        """Until `predicate(self)` holds, checked after each change of any shard (at most every
+        5 ms apart), or the timeout passes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if predicate(self):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.shards[0].wait_until(lambda _: False, min(left, 0.005))
