@@ -26,7 +26,8 @@ def add_serve(commands) -> None:
     serve.add_argument("--node", required=True, type=node_name, metavar="NAME", help="node name, unique in the cluster")
     serve.add_argument("--metadata", default="memory://default", type=metadata_url, metavar="URL",
                        help="etcd://host:port[,host:port...] (the members of an etcd cluster: fails over), "
-                       "etcd+tls://host:port[,...]?ca=...&cert=...&key=... or memory://name")
+                       "etcd+tls://host:port[,...]?ca=...&cert=...&key=... or memory://name; several etcd "
+                       "clusters separated by ';' shard the block index over them")
     serve.add_argument("--cluster", default="default", type=cluster_name, metavar="NAME", help="cluster name (key prefix in etcd)")
     serve.add_argument("--listen", default="127.0.0.1:0", type=host_port, metavar="HOST:PORT", help="admin API (gRPC) address, HOST:PORT; the TCP control wire listens on its host")
     serve.add_argument("--engine-listen", default="127.0.0.1:0", type=host_port, metavar="HOST:PORT", help="Transfer Engine address")
