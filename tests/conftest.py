@@ -190,6 +190,21 @@ def etcd_server() -> Iterator[EtcdServer]:
         yield server
 
 
+@pytest.fixture(scope="session")
+def second_etcd_server() -> Iterator[EtcdServer]:
+    """Another real etcd: the second shard of a sharded index (kvstore.index.shards)."""
+    with EtcdServer() as server:
+        yield server
+
+
+@pytest.fixture(params=["one-etcd", "two-shards"])
+def index_url(request, etcd_server) -> str:
+    """The metadata URL of an index in one etcd, or sharded over two: a test taking it runs with both."""
+    if request.param == "one-etcd":
+        return etcd_server.url
+    return f"{etcd_server.url};{request.getfixturevalue('second_etcd_server').url}"
+
+
 @pytest.fixture
 def fresh_etcd() -> Iterator[EtcdServer]:
     """An etcd of the test's own, for tests that kill or restart it."""

@@ -17,19 +17,20 @@ BLOCK = 64 * 1024
 TOKEN = "drain-test-admin-token-0123456789"
 
 
-def test_a_drain_never_lands_a_block_on_a_node_that_already_holds_it(etcd_server, spawn_daemon, tmp_path):
+def test_a_drain_never_lands_a_block_on_a_node_that_already_holds_it(index_url, spawn_daemon, tmp_path):
     """node-a and node-b hold every block (replicas=2); node-c holds more unrelated bytes than
     node-b, so a put placed by DRAM use prefers node-b. Draining node-a must copy to node-c.
     Kills: a drain move that ignores the other holders (it lands on node-b, which already has
-    the block, and then node-a's copy goes: two replicas become one)."""
+    the block, and then node-a's copy goes: two replicas become one). In one etcd and over two
+    shards alike."""
     cluster = uuid.uuid4().hex[:8]
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
     extra = ["--admin-token-file", str(token_file)]
     for name in ("node-a", "node-b", "node-c"):
-        spawn_daemon(name, etcd_server.url, cluster, extra=extra)
-    with Client(etcd_server.url, cluster=cluster, fingerprint=FP) as client:
+        spawn_daemon(name, index_url, cluster, extra=extra)
+    with Client(index_url, cluster=cluster, fingerprint=FP) as client:
         assert client.mirror.wait_until(lambda m: {"node-a", "node-b", "node-c"} <= set(m.nodes), 10)
         hashes = external_hashes(range(20), FP)
         blocks = [np.full(BLOCK, i, dtype=np.uint8) for i in range(len(hashes))]
@@ -41,7 +42,7 @@ def test_a_drain_never_lands_a_block_on_a_node_that_already_holds_it(etcd_server
             lambda m: all(set(m.lookup(FP, h)) == {"node-a", "node-b"} for h in hashes)
             and m.nodes["node-c"].used.get("dram", 0) > m.nodes["node-b"].used.get("dram", 0), 15)
         env = {**os.environ, "KVSTORE_ADMIN_TOKEN": TOKEN}
-        done = subprocess.run([sys.executable, "-m", "kvstore.cli", "admin", "--metadata", etcd_server.url,
+        done = subprocess.run([sys.executable, "-m", "kvstore.cli", "admin", "--metadata", index_url,
                                "--cluster", cluster, "--json", "drain", "node-a"],
                               capture_output=True, text=True, timeout=120, env=env)
         assert done.returncode == 0, done.stderr

@@ -80,28 +80,30 @@ def store_on_a_and_b(client: Client, metadata: str, cluster: str, hashes: list[b
     return node_c
 
 
-def test_survivors_re_replicate_after_a_node_dies(etcd_server, spawn_daemon):
+def test_survivors_re_replicate_after_a_node_dies(index_url, spawn_daemon):
+    """In one etcd and over two shards alike (the repairers read the index through a mirror per
+    shard, `kvstore admin status` too)."""
     cluster = uuid.uuid4().hex[:8]
     extra = ["--replicas", "2"]
-    a = spawn_daemon("node-a", etcd_server.url, cluster, extra=extra, lease_ttl=2)
-    b = spawn_daemon("node-b", etcd_server.url, cluster, extra=extra, lease_ttl=2)
+    a = spawn_daemon("node-a", index_url, cluster, extra=extra, lease_ttl=2)
+    b = spawn_daemon("node-b", index_url, cluster, extra=extra, lease_ttl=2)
     hashes = external_hashes(list(range(1, 25)), FP)
-    with Client(etcd_server.url, cluster=cluster, fingerprint=FP, timeout=3.0, replicas=2) as client:
+    with Client(index_url, cluster=cluster, fingerprint=FP, timeout=3.0, replicas=2) as client:
         mirror = client.mirror
         assert mirror.wait_until(lambda m: len(m.nodes) == 2, 10)
         assert client.put_many([(h, content(h)) for h in hashes]) == 2 * len(hashes)
         wait_for(lambda: all(len(mirror.lookup(FP.digest, h)) == 2 for h in hashes), 10, "both replicas listed")
-        assert under_replicated(etcd_server.url, cluster) == 0
+        assert under_replicated(index_url, cluster) == 0
 
         b.kill()  # node-b's replicas leave the index when its lease expires
         wait_for(lambda: "node-b" not in mirror.nodes, 15, "node-b's lease to expire")
         # Nowhere to copy to: node-a reports every block it alone holds now.
-        wait_for(lambda: under_replicated(etcd_server.url, cluster) == len(hashes), 15, "the under-replicated count")
+        wait_for(lambda: under_replicated(index_url, cluster) == len(hashes), 15, "the under-replicated count")
 
-        spawn_daemon("node-c", etcd_server.url, cluster, extra=extra, lease_ttl=2)
+        spawn_daemon("node-c", index_url, cluster, extra=extra, lease_ttl=2)
         wait_for(lambda: all(set(mirror.lookup(FP.digest, h)) == {"node-a", "node-c"} for h in hashes), 20,
                         "re-replication onto node-c")
-        assert under_replicated(etcd_server.url, cluster) == 0
+        assert under_replicated(index_url, cluster) == 0
 
         a.kill()  # the repaired copies alone must serve every block, byte for byte
         wait_for(lambda: "node-a" not in mirror.nodes, 15, "node-a's lease to expire")

@@ -20,7 +20,6 @@ from kvstore.index.records import Layout
 from kvstore.index.shards import shard_of
 from kvstore.keys import ModelFingerprint, external_hashes
 from kvstore.metadata import open_metadata
-from kvstore_testing.etcd import EtcdServer
 from tests_support import until
 
 FP = ModelFingerprint("sharded-index", "float16", 16, 2, 2, 64, kv_layout="bytes")
@@ -28,17 +27,11 @@ SECRET = "sharded-index-secret"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def second_etcd():
-    with EtcdServer() as server:
-        yield server
-
-
 @pytest.fixture
-def sharded(etcd_server, second_etcd, spawn_daemon):
+def sharded(etcd_server, second_etcd_server, spawn_daemon):
     """(metadata URL of two shards, cluster, daemon) with the daemon registered on both."""
     cluster = uuid.uuid4().hex[:8]
-    url = f"{etcd_server.url};{second_etcd.url}"
+    url = f"{etcd_server.url};{second_etcd_server.url}"
     daemon = spawn_daemon("sharded", url, cluster, secret=SECRET)
     return url, cluster, daemon
 
@@ -55,7 +48,7 @@ def block_keys(url: str, cluster: str) -> set[str]:
     return asyncio.run(read())
 
 
-def test_each_record_lives_on_its_hash_shard_and_a_fresh_reader_finds_every_block(sharded, etcd_server, second_etcd):
+def test_each_record_lives_on_its_hash_shard_and_a_fresh_reader_finds_every_block(sharded, etcd_server, second_etcd_server):
     """Kills: a daemon publishing every record to the first shard (or by another rule than the
     readers'), and a reader asking the wrong shard: either way the fresh reader, who learns the
     index from etcd alone, matches a short prefix and misses blocks."""
@@ -68,7 +61,7 @@ def test_each_record_lives_on_its_hash_shard_and_a_fresh_reader_finds_every_bloc
     wanted = [{layout.block_key(FP.digest, h, "sharded") for h in hashes if shard_of(h, 2) == k} for k in (0, 1)]
     assert all(20 < len(keys) < 76 for keys in wanted), [len(k) for k in wanted]  # both shards hold a share
     assert until(lambda: block_keys(etcd_server.url, cluster) == wanted[0]
-                 and block_keys(second_etcd.url, cluster) == wanted[1], 10), "records are not on their hash's shard"
+                 and block_keys(second_etcd_server.url, cluster) == wanted[1], 10), "records are not on their hash's shard"
     with Client(url, cluster=cluster, fingerprint=FP, secret=SECRET, index="own") as reader:
         assert isinstance(reader.mirror, ShardedMirror)
         assert until(lambda: reader.match_prefix(hashes, FP) == 96, 10), reader.match_prefix(hashes, FP)
@@ -82,11 +75,11 @@ def test_each_record_lives_on_its_hash_shard_and_a_fresh_reader_finds_every_bloc
         assert until(lambda: reader.match_prefix(hashes, FP) == 40, 10), reader.match_prefix(hashes, FP)
 
 
-def test_a_shard_map_in_another_order_or_count_is_refused_naming_both(sharded, etcd_server, second_etcd, tmp_path):
+def test_a_shard_map_in_another_order_or_count_is_refused_naming_both(sharded, etcd_server, second_etcd_server, tmp_path):
     """Kills: a reader or a daemon that takes the shards in another order (each block's record
     would then be looked for where it is not) or treats one shard as the whole index."""
     url, cluster, _ = sharded
-    swapped = f"{second_etcd.url};{etcd_server.url}"
+    swapped = f"{second_etcd_server.url};{etcd_server.url}"
     with pytest.raises(ShardMapMismatch) as refused:
         Client(swapped, cluster=cluster, fingerprint=FP, secret=SECRET, index="own")
     assert "shard 1 of 2" in str(refused.value) and "shard 2 of 2" in str(refused.value), refused.value
@@ -102,7 +95,7 @@ def test_a_shard_map_in_another_order_or_count_is_refused_naming_both(sharded, e
         assert says in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]
 
 
-def test_a_shard_down_leaves_the_other_shards_blocks_readable(sharded, second_etcd):
+def test_a_shard_down_leaves_the_other_shards_blocks_readable(sharded, second_etcd_server):
     """Kills: a sharded reader or writer that fails as a whole when one shard's etcd is away: the
     first shard's blocks stay readable and new puts are taken, while the second shard is down."""
     url, cluster, _ = sharded
@@ -110,11 +103,11 @@ def test_a_shard_down_leaves_the_other_shards_blocks_readable(sharded, second_et
     first = [h for h in hashes if shard_of(h, 2) == 0]
     with Client(url, cluster=cluster, fingerprint=FP, secret=SECRET, index="own") as client:
         client.put_many([(h, np.full(4096, 7, np.uint8)) for h in hashes])
-        second_etcd.kill()
+        second_etcd_server.kill()
         try:
             more = external_hashes(range(2000, 2016), FP)
             client.put_many([(h, np.full(4096, 9, np.uint8)) for h in more])  # taken; shard 2's records wait
             outs = [np.zeros(4096, np.uint8) for _ in first]
             assert all(client.get_many(first, outs)) and all((o == 7).all() for o in outs)
         finally:
-            second_etcd.start()
+            second_etcd_server.start()
