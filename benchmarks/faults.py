@@ -26,7 +26,9 @@ from scripts/install-test-deps.sh) drops 5% of the packets in and out of node-2'
 `tc netem` is not available in this VM's kernel, so the 50 ms delay is reported as not run.
 
 The metadata service is a 3-member etcd cluster (kvstore_testing.etcd.EtcdCluster); clients and
-daemons are given every member (`etcd://h:p1,h:p2,h:p3`) and fail over. etcd faults: the leader
+daemons are given every member (`etcd://h:p1,h:p2,h:p3`) and fail over. With `--shards N` the
+block index is spread over it and N-1 more etcd servers (kvstore.index.shards), and the etcd faults
+hit the first shard only: the other shards' blocks must not notice. etcd faults: the leader
 SIGKILLed (started again at the heal), the leader cut off from the other members while its clients
 still reach it (peer relays stop moving its bytes), and every member killed and restarted. For them
 `outage_s` is the time from the fault until a put lands on 2 replicas with its records published
@@ -131,7 +133,7 @@ class Netns:
 
 
 class Cluster:
-    def __init__(self, workdir: str, netns: Netns | None) -> None:
+    def __init__(self, workdir: str, netns: Netns | None, shards: int = 1) -> None:
         self.workdir, self.netns = workdir, netns
         self.cluster = uuid.uuid4().hex[:8]
         self.secret_file = os.path.join(workdir, "secret")
@@ -140,19 +142,23 @@ class Cluster:
         os.chmod(self.secret_file, 0o600)
         self.secret = open(self.secret_file).read()
         # 3 members, clients listened for on every interface (the namespaced daemon reaches them over the veth)
-        self.etcd = EtcdCluster(3, os.path.join(workdir, "etcd"),
-                                client_host="0.0.0.0" if netns is not None else "127.0.0.1").start()
+        client_host = "0.0.0.0" if netns is not None else "127.0.0.1"
+        self.etcd = EtcdCluster(3, os.path.join(workdir, "etcd"), client_host=client_host).start()
+        # With --shards N, the index's other shards: one etcd each (the faults hit the first shard).
+        self.other_shards = [EtcdCluster(1, os.path.join(workdir, f"etcd-shard-{i}"), client_host=client_host).start()
+                             for i in range(1, shards)]
         self.daemons: dict[str, subprocess.Popen] = {}
         self.control: dict[str, str] = {}
         self.leaving: list[subprocess.Popen] = []  # stopped gracefully, reaped at close
 
     @property
     def url(self) -> str:
-        """Every etcd member: clients and daemons fail over between them."""
-        return self.etcd.url
+        """Every etcd member (clients and daemons fail over between them); each shard's, ';' apart."""
+        return ";".join(shard.url for shard in [self.etcd, *self.other_shards])
 
     def url_at(self, host: str) -> str:
-        return "etcd://" + ",".join(f"{host}:{self.etcd.client_port[n]}" for n in self.etcd.names)
+        return ";".join("etcd://" + ",".join(f"{host}:{shard.client_port[n]}" for n in shard.names)
+                        for shard in [self.etcd, *self.other_shards])
 
     def spawn(self, name: str, dram: str = "64MiB", disk: str | None = None) -> None:
         in_ns = self.netns is not None and name == "node-2"
@@ -225,7 +231,8 @@ class Cluster:
         self.daemons.clear()
         for proc in self.leaving:
             processes.stop(proc, grace=20)
-        self.etcd.cleanup()
+        for shard in [self.etcd, *self.other_shards]:
+            shard.cleanup()
 
 
 class Load:
@@ -396,7 +403,7 @@ def run(args: argparse.Namespace) -> list[FaultResult]:
     results: list[FaultResult] = []
     load = None
     try:
-        cluster = Cluster(workdir, netns)
+        cluster = Cluster(workdir, netns, args.shards)
         for i in range(3):
             cluster.spawn(f"node-{i}")
         load = Load(cluster, args.clients)
@@ -540,11 +547,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=None)
     parser.add_argument("--hold", type=float, default=None, help="seconds each fault lasts")
     parser.add_argument("--recovery-timeout", type=float, default=30.0)
+    parser.add_argument("--shards", type=int, default=1,
+                        help="spread the block index over this many etcd clusters (the etcd faults hit the first)")
     args = parser.parse_args(argv)
     args.warmup = args.warmup if args.warmup is not None else (1.5 if args.quick else 4.0)
     args.hold = args.hold if args.hold is not None else (2.0 if args.quick else 4.0)
-    if args.clients < 1 or args.hold <= 0 or args.warmup < 0 or args.recovery_timeout <= 0:
-        parser.error("--clients must be at least 1, --hold and --recovery-timeout above 0, --warmup >= 0")
+    if args.clients < 1 or args.hold <= 0 or args.warmup < 0 or args.recovery_timeout <= 0 or args.shards < 1:
+        parser.error("--clients and --shards must be at least 1, --hold and --recovery-timeout above 0, --warmup >= 0")
     results = run(args)
     if args.json:
         write_json(args.json, [asdict(r) for r in results])

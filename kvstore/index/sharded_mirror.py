@@ -14,6 +14,7 @@ an IndexMirror for one etcd or memory://.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from typing import Callable, Iterable, Iterator, Sequence
@@ -31,6 +32,7 @@ from .shards import check_place, shard_of
 from .signatures import RecordVerifier
 
 Fingerprint = ModelFingerprint | str
+log = logging.getLogger(__name__)
 
 
 def open_mirror(metadata_url: str, cluster: str = "default", **options) -> "IndexMirror | ShardedMirror":
@@ -91,31 +93,35 @@ class ShardedMirror:
         self.shards = [IndexMirror(url, cluster, stale_after=stale_after, timeout=timeout, verifier=verifier,
                                    fingerprints=fingerprints) for url in self.urls]
         self.layout, self.scope = self.shards[0].layout, self.shards[0].scope
+        self.stale_cuts = 0  # prefixes that ended at a block of a shard whose mirror was stale (down, loading)
 
     # --- lifetime -----------------------------------------------------------------------------
     def start(self, wait: float | None = None, *, keep_trying: bool = False) -> "ShardedMirror":
         """Check each shard's place in the map (ShardMapMismatch), then start every shard's mirror
-        side by side; as IndexMirror.start otherwise (any shard failing to start fails it)."""
-        self._check_places(keep_trying)
-        failures: list[BaseException] = []
-
-        def start(mirror: IndexMirror) -> None:
-            try:
-                mirror.start(wait, keep_trying=keep_trying)
-            except BaseException as exc:  # noqa: BLE001 - reported below, after every shard has tried
-                failures.append(exc)
-
-        threads = [threading.Thread(target=start, args=(m,), daemon=True) for m in self.shards]
+        side by side, each waiting up to `wait` (default `timeout`) for its snapshot. A shard that
+        does not answer keeps trying: its blocks are misses until it does (`stale_cuts` counts the
+        prefixes it cut short). MetadataUnavailable only when no shard answers, unless `keep_trying`."""
+        reached = self._check_places()
+        if not any(reached) and not keep_trying:
+            raise MetadataUnavailable(f"no shard of the index {self.url} answered")
+        threads = [threading.Thread(target=m.start, args=(wait,), kwargs={"keep_trying": True}, daemon=True)
+                   for m in self.shards]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        if failures:
+        begun = [m.wait_begun(0) for m in self.shards]
+        if not any(begun) and not keep_trying:
             self.stop()
-            raise failures[0]
+            raise MetadataUnavailable(f"index mirror could not load a snapshot from any shard of {self.url}")
+        for index, (url, ok) in enumerate(zip(self.urls, begun)):
+            if not ok:
+                log.warning("index shard %d (%s) did not answer: its blocks are misses until it does", index + 1, url)
         return self
 
-    def _check_places(self, keep_trying: bool) -> None:
+    def _check_places(self) -> list[bool]:
+        """Whether each shard answered; ShardMapMismatch from any that records another place. A
+        shard down now is not checked (its mirror keeps trying; until it loads, its blocks miss)."""
         count = len(self.urls)
 
         async def check(index: int, url: str) -> None:
@@ -125,12 +131,14 @@ class ShardedMirror:
             finally:
                 await metadata.close()
 
+        reached = []
         for index, url in enumerate(self.urls):
             try:
                 aio.run(check(index, url), self.timeout * 2 + 1)
-            except (MetadataError, TimeoutError) as exc:
-                if not keep_trying:  # a shard down now: its mirror says stale until it answers
-                    raise MetadataUnavailable(f"index shard {index + 1} ({url}) did not answer: {exc}") from None
+                reached.append(True)
+            except (MetadataError, TimeoutError):
+                reached.append(False)
+        return reached
 
     def stop(self) -> None:
         for mirror in self.shards:
@@ -202,12 +210,14 @@ class ShardedMirror:
     def match(self, fingerprint: Fingerprint, hashes: Sequence[bytes]) -> ShardedMatch:
         """How many leading `hashes` are cached anywhere: each shard matches its own blocks in
         prompt order; the prefix ends at the first block a shard lacks."""
-        length, parts = len(hashes), []
+        length, parts, cut_by = len(hashes), [], None
         for mirror, positions, own in self._parts(hashes):
             found = mirror.match(fingerprint, own)
             parts.append((positions, found))
-            if found.length < len(own):
-                length = min(length, int(positions[found.length]))
+            if found.length < len(own) and int(positions[found.length]) < length:
+                length, cut_by = int(positions[found.length]), mirror
+        if cut_by is not None and cut_by.stale:
+            self.stale_cuts += 1
         return ShardedMatch(length, parts, self.stale, self.loading)
 
     def node_prefix_lengths(self, fingerprint: Fingerprint, hashes: Sequence[bytes]) -> dict[str, int]:

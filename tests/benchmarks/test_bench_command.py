@@ -49,7 +49,7 @@ def test_kvstore_bench_passes_arguments_through():
     ("scale", ["--blocks", "100"], "--blocks must be at least 8192"),
     ("conductor", ["--write", "/no/such/dir/report.md"], "--write: no such directory"),
     ("gateway", ["--requests", "0"], "--requests must be at least 1"),
-    ("faults", ["--clients", "0"], "--clients must be at least 1"),
+    ("faults", ["--clients", "0"], "--clients and --shards must be at least 1"),
     ("vllm_ttft", ["--prompt-tokens", "99999"], "--prompt-tokens must be within"),
     ("fleet", ["--routers", "ours,nginx"], "--routers: unknown nginx"),
     ("fleet", ["--fault", "melt:0:1"], "the kind must be one of"),
