@@ -10,15 +10,17 @@ Four kinds of record, each against real local etcd servers and real kvstore proc
   by a follower in that process. Per step: blocks/s etcd took (each shard and all), publish →
   visible lag p50/p99 (a record's arrival at the publisher → the shard's watch event carrying it),
   and each etcd's CPU per block written.
-- `mirror_load`: the index spread over N shards, one mirror per shard loading side by side in one
-  process (a sharded reader's start-up); blocks/s.
+- `mirror_load`: the index spread over N shards by block hash (kvstore.index.shards), loaded by a
+  reader's mirror (`open_mirror`: for several shards, one IndexMirror per shard side by side);
+  blocks/s.
 - `lookup`: a host index (a `kvstore serve` daemon holding the host's one mirror) over the indexed
   blocks; a 4,096-block prompt's `match()` from another process, p50/p99.
 - `host_memory`: worker processes attached to that host index against one mirror of their own.
 
-What it proves and what not: kvstore's index lives in one etcd per cluster today; the `publish`
-and `mirror_load` records measure what partitioning it by block hash gets from etcd and from
-today's writer and mirror, shard by shard, as the inputs of docs/architecture.md's extrapolation.
+What it proves and what not: the `publish` records measure each shard's etcd taking its part of the
+hash space from the writer a node runs per shard (NodeSession, as a sharded node does), not one
+node's ShardedSession splitting its batches (which adds a split and N transactions per batch); they
+are the inputs of docs/architecture.md's extrapolation.
 On a machine with fewer cores than shards × (etcd + publisher) the shards share the CPUs: there
 the CPU per block written, flat or not as shards are added, is the figure that carries over.
 
@@ -36,12 +38,12 @@ import platform
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 from kvstore import Client
 from kvstore.daemon.session import NodeSession
-from kvstore.index import IndexMirror
+from kvstore.index import open_mirror
+from kvstore.index.shards import shard_of
 from kvstore.index.records import Layout, NodeRecord
 from kvstore.keys import external_hashes
 from kvstore.metadata import open_metadata
@@ -188,46 +190,40 @@ def publish_step(shards: list[EtcdServer], rate: float, seconds: float, first: i
 
 # -- the index spread over shards: fill, then mirrors loading it ------------------------------------
 
-async def fill_shard(url: str, first: int, count: int, node: str) -> None:
-    """Publish blocks first..first+count with a few transactions in flight (setup, not a figure)."""
-    session = NodeSession(open_metadata(url, timeout=120), Layout(INDEX_CLUSTER), NodeRecord(node, "x"), ttl=3600)
-    await session.start()
-    chunk, in_flight = 128 * 8, 8
-    starts = list(range(first, first + count, chunk))
-    for i in range(0, len(starts), in_flight):
-        await asyncio.gather(*[session.publish(FP.digest, records(s, min(chunk, first + count - s)))
-                               for s in starts[i : i + in_flight]])
-    await session.metadata.close()  # the lease outlives the benchmark's use of the index
-
-
 def fill(shards: list[EtcdServer], total: int) -> float:
-    """`total` blocks split over the shards (each its own contiguous part); seconds taken."""
-    part = -(-total // len(shards))
-    started = time.perf_counter()
-
+    """`total` blocks, each block's record on the shard its hash picks (kvstore.index.shards), with
+    a few transactions in flight per shard; seconds taken (setup, not a figure)."""
     async def run() -> None:
-        await asyncio.gather(*[fill_shard(etcd.url, i * part, min(part, total - i * part), f"bulk-{i}")
-                               for i, etcd in enumerate(shards)])
+        sessions = [NodeSession(open_metadata(etcd.url, timeout=120), Layout(INDEX_CLUSTER), NodeRecord("bulk", "x"),
+                                ttl=3600, place=(i, len(shards))) for i, etcd in enumerate(shards)]
+        await asyncio.gather(*[session.start() for session in sessions])
+        chunk, in_flight = 1024, 8
+        for first in range(0, total, chunk * in_flight):
+            items = records(first, min(chunk * in_flight, total - first))
+            parts: list[list] = [[] for _ in shards]
+            for item in items:
+                parts[shard_of(item[0], len(shards))].append(item)
+            await asyncio.gather(*[session.publish(FP.digest, part[i : i + chunk])
+                                   for session, part in zip(sessions, parts) for i in range(0, len(part), chunk)])
+        for session in sessions:  # the leases outlive the benchmark's use of the index
+            await session.metadata.close()
 
+    started = time.perf_counter()
     asyncio.run(run())
     return time.perf_counter() - started
 
 
 def mirror_load(shards: list[EtcdServer], total: int) -> dict:
-    """One mirror per shard, started together in this process; the `mirror_load` record."""
-    mirrors = [IndexMirror(etcd.url, INDEX_CLUSTER, timeout=30) for etcd in shards]
-    threads = [threading.Thread(target=m.start, kwargs={"wait": 900}) for m in mirrors]
+    """The index's mirror as a reader starts it (one IndexMirror per shard, loading side by side,
+    for several shards); the `mirror_load` record."""
+    mirror = open_mirror(";".join(etcd.url for etcd in shards), INDEX_CLUSTER, timeout=30)
     started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    mirror.start(wait=900)
     seconds = time.perf_counter() - started
-    loaded = sum(m.block_count for m in mirrors)
-    for mirror in mirrors:
-        mirror.stop()
+    loaded = mirror.block_count
+    mirror.stop()
     if loaded != total:
-        raise RuntimeError(f"the mirrors loaded {loaded:,} blocks of {total:,}")
+        raise RuntimeError(f"the mirror loaded {loaded:,} blocks of {total:,}")
     return {"kind": "mirror_load", "shards": len(shards), "indexed_blocks": total, "seconds": seconds,
             "blocks_per_s": total / seconds}
 
