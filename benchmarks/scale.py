@@ -13,8 +13,8 @@ Four kinds of record, each against real local etcd servers and real kvstore proc
 - `mirror_load`: the index spread over N shards by block hash (kvstore.index.shards), loaded by a
   reader's mirror (`open_mirror`: for several shards, one IndexMirror per shard side by side);
   blocks/s.
-- `lookup`: a host index (a `kvstore serve` daemon holding the host's one mirror) over the indexed
-  blocks; a 4,096-block prompt's `match()` from another process, p50/p99.
+- `lookup`: a host index (a `kvstore serve` daemon holding the host's one mirror, of every shard)
+  over the indexed blocks; a 4,096-block prompt's `match()` from another process, p50/p99.
 - `host_memory`: worker processes attached to that host index against one mirror of their own.
 
 What it proves and what not: the `publish` records measure each shard's etcd taking its part of the
@@ -54,7 +54,9 @@ from benchmarks.metadata import FP, percentile, records
 from benchmarks.records import write_json
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QUOTA = ["--quota-backend-bytes", str(8 << 30)]  # 10M records outgrow etcd's default 2 GiB
+# 10M records outgrow etcd's default 2 GiB quota; fewer raft entries kept in memory between
+# snapshots (docs/operations.md's advice) keep a filling etcd's memory down.
+ETCD_ARGS = ["--quota-backend-bytes", str(8 << 30), "--snapshot-count", "10000"]
 TICK = 0.01  # seconds between a publisher's arrivals (an open loop: arrivals never wait for etcd)
 GRACE_S = 5.0  # after the offered window, how long the watch may take to show the last batch published
 SUSTAINED_BACKLOG_S = 0.25  # a step is sustained when its backlog at the end is at most this much of arrivals
@@ -275,22 +277,23 @@ def workers_memory(url: str, cluster: str, secret: str, index: str, count: int) 
             processes.release(proc)
 
 
-def host_index(etcd: EtcdServer, total: int, worker_counts: tuple[int, ...], where: str) -> list[dict]:
-    """A `kvstore serve` daemon holding the host's mirror of one etcd's `total` blocks: `lookup`
-    (a 4,096-block match from this process) and `host_memory` records (workers attached to it
-    against one worker with a mirror of its own)."""
+def host_index(shards: list[EtcdServer], total: int, worker_counts: tuple[int, ...], where: str) -> list[dict]:
+    """A `kvstore serve` daemon holding the host's mirror of the index's `total` blocks (over the
+    shards): `lookup` (a 4,096-block match from this process) and `host_memory` records (workers
+    attached to it against one worker with a mirror of its own)."""
+    url = ";".join(etcd.url for etcd in shards)
     secret = os.urandom(16).hex()
     secret_file = os.path.join(where, "secret")
     with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
         f.write(secret)
-    daemon, _ = processes.start_store_daemon(["--node", "host-index", "--metadata", etcd.url, "--cluster",
+    daemon, _ = processes.start_store_daemon(["--node", "host-index", "--metadata", url, "--cluster",
                                               INDEX_CLUSTER, "--dram", "64MiB", "--secret-file", secret_file,
                                               "--admin-token-file", os.path.join(where, "admin-token"),
                                               "--metrics-port", "0"])
     out = []
     try:
         before = process_rss(daemon.pid)
-        client = Client(etcd.url, cluster=INDEX_CLUSTER, secret=secret, index="host", timeout=30)
+        client = Client(url, cluster=INDEX_CLUSTER, secret=secret, index="host", timeout=30)
         deadline = time.monotonic() + 900
         while client.mirror.status().get("loading") or client.mirror.block_count < total:
             if time.monotonic() > deadline:
@@ -308,12 +311,12 @@ def host_index(etcd: EtcdServer, total: int, worker_counts: tuple[int, ...], whe
             if i >= 10:
                 samples.append(elapsed)
         client.close()
-        out.append({"kind": "lookup", "shards": 1, "indexed_blocks": total, "workers": 1, "prompt_blocks": 4096,
+        out.append({"kind": "lookup", "shards": len(shards), "indexed_blocks": total, "workers": 1, "prompt_blocks": 4096,
                     "p50_us": percentile(samples, 0.5), "p99_us": percentile(samples, 0.99)})
-        single = workers_memory(etcd.url, INDEX_CLUSTER, secret, "own", 1)[0]
+        single = workers_memory(url, INDEX_CLUSTER, secret, "own", 1)[0]
         for count in worker_counts:
-            attached = sum(workers_memory(etcd.url, INDEX_CLUSTER, secret, "host", count)) + daemon_bytes
-            out.append({"kind": "host_memory", "shards": 1, "indexed_blocks": total, "workers": count,
+            attached = sum(workers_memory(url, INDEX_CLUSTER, secret, "host", count)) + daemon_bytes
+            out.append({"kind": "host_memory", "shards": len(shards), "indexed_blocks": total, "workers": count,
                         "bytes": attached, "single_mirror_bytes": single, "over_single_mirror": attached / single})
     finally:
         processes.stop(daemon, grace=10)
@@ -344,11 +347,13 @@ def targets(rows: list[dict], workers: int) -> list[dict]:
     smallest = min((r["indexed_blocks"] for r in by_kind["lookup"]), default=None)
     for r in by_kind["host_memory"]:
         if r["workers"] == workers and r["indexed_blocks"] == smallest:
-            add(f"{workers} workers on the host index / one mirror ({r['indexed_blocks']:,} blocks, <= 1.2)",
+            add(f"{workers} workers on the host index / one mirror ({r['indexed_blocks']:,} blocks, "
+                f"{r['shards']} shard(s), <= 1.2)",
                 r["over_single_mirror"], 1.2, False)
     for r in by_kind["lookup"]:
         if r["indexed_blocks"] == smallest:
-            add(f"host lookup of 4,096 blocks p50 us ({r['indexed_blocks']:,} blocks, <= 100)", r["p50_us"], 100, False)
+            add(f"host lookup of 4,096 blocks p50 us ({r['indexed_blocks']:,} blocks, {r['shards']} shard(s), <= 100)",
+                r["p50_us"], 100, False)
     best: dict[int, dict] = {}  # each shard count's step with the most blocks/s: its capacity
     for r in by_kind["publish"]:
         if r["blocks_per_s"] > best.get(r["shards"], {}).get("blocks_per_s", 0.0):
@@ -378,9 +383,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", type=lambda t: counts(t, "--rates"), default=[5_000, 10_000, 20_000, 40_000, 80_000],
                         help="offered publish rates, blocks/s over all shards")
     parser.add_argument("--seconds", type=float, default=8.0, help="each publish step's offered window")
+    parser.add_argument("--index-shards", type=lambda t: counts(t, "--index-shards"), default=None,
+                        help="shard counts the index of --blocks is spread over for the load, lookup and memory "
+                             "records (default: 1 and the largest of --shards)")
     args = parser.parse_args(argv)
     if args.quick:
         args.shards, args.blocks, args.rates, args.seconds = [1, 2], [20_000], [2_000, 8_000], 1.5
+        args.index_shards = None
     if min(args.blocks) < 8192:
         parser.error("--blocks must be at least 8192 (lookups take 4,096-block prompts at several places)")
     if args.seconds <= 0:
@@ -391,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         shards = []
         try:
             for _ in range(n):
-                shards.append(EtcdServer(extra_args=QUOTA).start())
+                shards.append(EtcdServer(extra_args=ETCD_ARGS).start())
             for i, rate in enumerate(args.rates):
                 print(f"publish: {n} shard(s), {rate:,} blocks/s offered ...", flush=True)
                 rows.append(publish_step(shards, rate, args.seconds, 1_000_000_000 + i * 10_000_000))
@@ -399,19 +408,18 @@ def main(argv: list[str] | None = None) -> int:
             for etcd in shards:
                 etcd.cleanup()
     for total in args.blocks:
-        for n in sorted({1, max(args.shards)}):
+        for n in args.index_shards or sorted({1, max(args.shards)}):
             shards = []
             try:
                 for _ in range(n):
-                    shards.append(EtcdServer(extra_args=QUOTA).start())
+                    shards.append(EtcdServer(extra_args=ETCD_ARGS).start())
                 print(f"filling {n} shard(s) with {total:,} blocks ...", flush=True)
                 fill_seconds = fill(shards, total)
                 print(f"  {fill_seconds:.1f} s; mirrors loading ...", flush=True)
                 rows.append(mirror_load(shards, total))
-                if n == 1:
-                    print("  host index ...", flush=True)
-                    with tempfile.TemporaryDirectory(prefix="kvstore-bench-scale-") as where:
-                        rows.extend(host_index(shards[0], total, (1, workers), where))
+                print("  host index ...", flush=True)
+                with tempfile.TemporaryDirectory(prefix="kvstore-bench-scale-") as where:
+                    rows.extend(host_index(shards, total, (1, workers), where))
             finally:
                 for etcd in shards:
                     etcd.cleanup()
