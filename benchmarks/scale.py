@@ -215,6 +215,11 @@ def fill(shards: list[EtcdServer], total: int) -> float:
     return time.perf_counter() - started
 
 
+def data_bytes(etcd: EtcdServer) -> int:
+    """What an etcd's data dir holds on disk (its bbolt database and WAL)."""
+    return sum(os.path.getsize(os.path.join(top, name)) for top, _, names in os.walk(etcd.data_dir) for name in names)
+
+
 def mirror_load(shards: list[EtcdServer], total: int) -> dict:
     """The index's mirror as a reader starts it (one IndexMirror per shard, loading side by side,
     for several shards); the `mirror_load` record."""
@@ -416,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"filling {n} shard(s) with {total:,} blocks ...", flush=True)
                 fill_seconds = fill(shards, total)
                 print(f"  {fill_seconds:.1f} s; mirrors loading ...", flush=True)
-                rows.append(mirror_load(shards, total))
+                rows.append({**mirror_load(shards, total), "fill_blocks_per_s": total / fill_seconds,
+                             "etcd_bytes_per_block": sum(map(data_bytes, shards)) / total})
                 print("  host index ...", flush=True)
                 with tempfile.TemporaryDirectory(prefix="kvstore-bench-scale-") as where:
                     rows.extend(host_index(shards, total, (1, workers), where))
