@@ -25,7 +25,7 @@ from .. import aio
 from ..errors import MetadataError, MetadataUnavailable
 from ..keys import ModelFingerprint
 from ..metadata import open_metadata, shard_urls
-from .mirror import IndexMirror
+from .mirror import IndexMirror, Match
 from .mirror_tables import Placement
 from .records import BlockRecord, NodeRecord
 from .shards import check_place, shard_of
@@ -52,12 +52,12 @@ def _split(hashes: Sequence[bytes], shards: int) -> list[np.ndarray]:
     return [np.flatnonzero(which == k) for k in range(shards)]
 
 
-class ShardedMatch:
-    """Match's face for a prefix found over several shards; `placements` built on first use."""
+class ShardedMatch(Match):
+    """A Match found over several shards; `placements` gathered from each shard's on first use."""
 
-    __slots__ = ("length", "stale", "loading", "_parts", "_placements")
+    __slots__ = ("_parts",)
 
-    def __init__(self, length: int, parts: list[tuple[np.ndarray, object]], stale: bool, loading: bool) -> None:
+    def __init__(self, length: int, parts: list[tuple[np.ndarray, Match]], stale: bool, loading: bool) -> None:
         self.length, self.stale, self.loading = length, stale, loading
         self._parts = parts  # (positions in the prompt, that shard's Match), shard by shard
         self._placements: list[Placement] | None = None
@@ -72,13 +72,6 @@ class ShardedMatch:
                         out[position] = placement
             self._placements = out
         return self._placements
-
-    @property
-    def locations(self) -> list[tuple[tuple[str, str], ...]]:
-        return [p.locations for p in self.placements]
-
-    def __repr__(self) -> str:
-        return f"Match(length={self.length}, stale={self.stale}, loading={self.loading})"
 
 
 class ShardedMirror:
