@@ -115,6 +115,7 @@ async def publish_at_rate(url: str, name: str, rate: float, seconds: float, firs
     backlog = per_tick * ticks - visible
     await asyncio.sleep(min(GRACE_S, 1.0))  # the batch in flight, if it is small
     publishing.cancel()
+    await asyncio.gather(publishing, return_exceptions=True)  # its end (a cancelled call) seen here, not logged
     if batches:
         last = batches[-1][1]
         deadline = time.perf_counter() + GRACE_S
