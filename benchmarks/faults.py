@@ -216,11 +216,11 @@ class Cluster:
     def leave(self, name: str) -> None:
         """Stop `name` gracefully (SIGTERM) and return once it has left the index, not once its
         process has ended: the next fault does not wait out its teardown, as a real one would not."""
-        from kvstore.index.mirror import IndexMirror
+        from kvstore.index import open_mirror
 
         proc = self.daemons.pop(name)
         self.leaving.append(proc)
-        with IndexMirror(self.url, self.cluster, timeout=TIMEOUT) as mirror:
+        with open_mirror(self.url, self.cluster, timeout=TIMEOUT) as mirror:
             proc.send_signal(signal.SIGTERM)
             if not mirror.wait_until(lambda m: name not in m.nodes, 30):
                 processes.stop(proc, grace=20)
@@ -371,10 +371,10 @@ def first_put(client: Client, since: float, timeout: float) -> float | None:
 def replicated(cluster: Cluster, hashes: list[bytes], timeout: float) -> float | None:
     """Seconds until the index lists every block of `hashes` on 2 nodes (repair done); None if not
     within `timeout`."""
-    from kvstore.index.mirror import IndexMirror
+    from kvstore.index import open_mirror
 
     started = time.monotonic()
-    with IndexMirror(cluster.url, cluster.cluster, timeout=TIMEOUT) as mirror:
+    with open_mirror(cluster.url, cluster.cluster, timeout=TIMEOUT) as mirror:
         if mirror.wait_until(lambda m: all(len(m.lookup(FP, h)) >= 2 for h in hashes), timeout):
             return time.monotonic() - started
     return None
