@@ -290,7 +290,7 @@ class Daemon:
                 self.publisher.enqueue(records)  # behind nothing older: the last word wins
                 log.warning("node %s re-registered and republished its %d blocks", self.config.node, len(records))
                 self._reregister_said = Throttle(30.0)
-            except MetadataError as exc:
+            except KVStoreError as exc:  # etcd away, or a shard map it now refuses (InvalidConfig)
                 if self._reregister_said():  # retried every second: said at most every 30 s
                     log.error("node %s could not re-register (retrying every second; clients do not see it "
                               "until it does): %s", self.config.node, exc)

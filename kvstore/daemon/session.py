@@ -33,19 +33,24 @@ class NodeSession:
         self.on_lease_lost = on_lease_lost
         self.lease: Lease | None = None
         self._keepalive: asyncio.Task | None = None
+        self._starting = asyncio.Lock()
         # Retried four times a second while etcd is down: one line, then one every 30 s.
         self._outage = OutageLog(log, f"lease keep-alive for {node.name} failed")
 
     async def start(self) -> None:
         """Check (and, in a sharded index, claim) this etcd's place in the shard map, grant the
-        lease, write node and segment records, start the keep-alive."""
-        await check_place(self.metadata, self.layout, *self.place, self.metadata.url, claim=True)
-        self.lease = await self.metadata.lease_grant(self.ttl)
-        await self.metadata.put_many([
-            Put(self.layout.node_key(self.node.name).encode(), self.node.encode(), self.lease.id),
-            Put(self.layout.segment_key(self.node.name).encode(), self.segment.encode(), self.lease.id),
-        ])
-        self._keepalive = asyncio.create_task(self._keep_alive())
+        lease, write node and segment records, start the keep-alive. One start at a time, and none
+        while the session is alive: a second lease would outlive close() with its keep-alive."""
+        async with self._starting:
+            if self.alive:
+                return
+            await check_place(self.metadata, self.layout, *self.place, self.metadata.url, claim=True)
+            self.lease = await self.metadata.lease_grant(self.ttl)
+            await self.metadata.put_many([
+                Put(self.layout.node_key(self.node.name).encode(), self.node.encode(), self.lease.id),
+                Put(self.layout.segment_key(self.node.name).encode(), self.segment.encode(), self.lease.id),
+            ])
+            self._keepalive = asyncio.create_task(self._keep_alive())
 
     async def _keep_alive(self) -> None:
         """Refresh the lease every ttl/3. A refresh that fails (etcd down, its member gone: the handle

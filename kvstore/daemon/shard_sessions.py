@@ -18,6 +18,14 @@ from ..metadata import Metadata
 from .session import NodeSession
 
 
+async def _all(calls: list) -> None:
+    """Run the shards' calls side by side and wait for every one of them (a failure does not leave
+    the others running unawaited, to land after the caller retried); then raise the first failure."""
+    for result in await asyncio.gather(*calls, return_exceptions=True):
+        if isinstance(result, BaseException):
+            raise result
+
+
 class ShardedSession:
     """See module docstring. `metadatas`: one handle per shard, in the map's order."""
 
@@ -28,7 +36,6 @@ class ShardedSession:
         self.shards = [NodeSession(m, layout, node, segment, ttl, on_lease_lost, signer, place=(i, count))
                        for i, m in enumerate(metadatas)]
         self.layout, self.node = layout, node
-        self._starting = asyncio.Lock()  # two shards losing their leases at once re-register once
 
     @property
     def lease(self):
@@ -37,33 +44,27 @@ class ShardedSession:
     async def start(self) -> None:
         """Register on every shard whose session is not alive (all, the first time; after a lost
         lease, the shards that lost theirs: the others keep their lease and records)."""
-        async with self._starting:
-            await asyncio.gather(*[s.start() for s in self.shards if not s.alive])
+        await _all([s.start() for s in self.shards if not s.alive])
 
     async def publish(self, fingerprint: str, blocks: Sequence[tuple[bytes, BlockRecord]]) -> int:
         parts = positions_by_shard([h for h, _ in blocks], len(self.shards))
-        await asyncio.gather(*[s.publish(fingerprint, [blocks[i] for i in part])
-                               for s, part in zip(self.shards, parts) if part])
+        await _all([s.publish(fingerprint, [blocks[i] for i in part]) for s, part in zip(self.shards, parts) if part])
         return 0
 
     async def unpublish(self, fingerprint: str, hashes: Iterable[bytes]) -> int:
         hashes = list(hashes)
         parts = positions_by_shard(hashes, len(self.shards))
-        await asyncio.gather(*[s.unpublish(fingerprint, [hashes[i] for i in part])
-                               for s, part in zip(self.shards, parts) if part])
+        await _all([s.unpublish(fingerprint, [hashes[i] for i in part]) for s, part in zip(self.shards, parts) if part])
         return 0
 
     async def put_node(self, record: NodeRecord) -> None:
-        await asyncio.gather(*[s.put_node(record) for s in self.shards])
+        await _all([s.put_node(record) for s in self.shards])
 
     async def node_names(self) -> list[str]:
         return await self.shards[0].node_names()
 
     async def close(self, revoke: bool = True, attempts: int = 2) -> None:
-        results = await asyncio.gather(*[s.close(revoke, attempts) for s in self.shards], return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        await _all([s.close(revoke, attempts) for s in self.shards])
 
     async def release(self) -> None:
         await asyncio.gather(*[s.release() for s in self.shards], return_exceptions=True)

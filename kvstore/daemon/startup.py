@@ -34,8 +34,11 @@ def startup_line(config: Any, daemon: Any) -> str:
 
 
 def redact(url: str) -> str:
-    """A metadata URL without any user:password part."""
-    scheme, sep, rest = url.partition("://")
-    if sep and "@" in rest.split("/", 1)[0]:
-        rest = rest.split("@", 1)[1]
-    return f"{scheme}{sep}{rest}"
+    """A metadata URL without any user:password part (in each shard's URL, for a sharded index)."""
+    def one(part: str) -> str:
+        scheme, sep, rest = part.partition("://")
+        if sep and "@" in rest.split("/", 1)[0]:
+            rest = rest.split("@", 1)[1]
+        return f"{scheme}{sep}{rest}"
+
+    return ";".join(one(part) for part in url.split(";"))

@@ -24,7 +24,6 @@ from transfer.descriptor import host_id
 from ..errors import (AccessDenied, AuthenticationFailed, ConnectionsExhausted, InvalidConfig, InvalidRequest,
                       KVStoreError, NodeRefused, NoStoreNodes)
 from ..keys import HASH_BYTES, ModelFingerprint
-from ..metadata import shard_urls
 from .mirror import IndexMirror, fingerprint_id, in_scope
 from .sharded_mirror import open_mirror
 from .records import BlockRecord, NodeRecord
@@ -77,8 +76,9 @@ class HostIndexMirror:
     def __init__(self, metadata_url: str, cluster: str = "default", *, timeout: float = 5.0,
                  verifier: RecordVerifier | None = None,
                  fingerprints: Iterable[ModelFingerprint | str] | None = None) -> None:
-        # Nodes and segments only: every shard of a sharded index lists them, the first is asked.
-        self.members = IndexMirror(shard_urls(metadata_url)[0], cluster, timeout=timeout, fingerprints=())
+        # Nodes and segments only (over every shard of a sharded index: its revision moves with
+        # every shard's changes, and a shard that is down does not take the nodes away).
+        self.members = open_mirror(metadata_url, cluster, timeout=timeout, fingerprints=())
         self.url, self.layout, self.timeout = metadata_url, self.members.layout, timeout
         self.scope: frozenset[str] | None = None if fingerprints is None else \
             frozenset(fingerprint_id(f) for f in fingerprints)

@@ -24,12 +24,14 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from ..aio import bounded, quiet, shared_loop
-from ..errors import InvalidRecord, KVStoreError, MetadataError, MetadataUnavailable, NotMirrored, WatchCompacted
+from ..errors import (InvalidRecord, KVStoreError, MetadataError, MetadataUnavailable, NotMirrored, ShardMapMismatch,
+                      WatchCompacted)
 from ..keys import ModelFingerprint
 from ..metadata import Metadata, Page, WatchEvent, check_metadata_url, open_metadata, prefix_end, shard_urls
 from ..outage_log import OutageLog
 from .mirror_tables import MirrorTables, Placement, Snapshot
 from .records import BlockRecord, Layout, NodeRecord
+from .shards import check_place
 from .signatures import RecordVerifier
 from .snapshot import load_prefix
 from .table import NO_IDS
@@ -98,11 +100,15 @@ class IndexMirror:
 
     def __init__(self, metadata_url: str, cluster: str = "default", *, stale_after: float = 3.0,
                  timeout: float = 5.0, verifier: RecordVerifier | None = None,
-                 fingerprints: Iterable[ModelFingerprint | str] | None = None) -> None:
+                 fingerprints: Iterable[ModelFingerprint | str] | None = None, place: tuple[int, int] = (0, 1)) -> None:
         check_metadata_url(metadata_url)  # a typo fails here, at once, not after the first load's timeout
         if len(shard_urls(metadata_url)) > 1:
             raise ValueError(f"{metadata_url!r} names several index shards: kvstore.index.open_mirror mirrors them")
         self.url, self.layout = metadata_url, Layout(cluster)
+        # (index, count) in a sharded index's map (kvstore.index.shards), checked at every connect:
+        # one etcd of a sharded cluster read as the whole index would miss the other shards' blocks.
+        self.place = place
+        self.refused: ShardMapMismatch | None = None
         # A scoped mirror (a host whose engines serve a few models) loads and keeps the blocks of
         # these fingerprints only: its memory and its load time follow them, not the cluster. A
         # question about any other fingerprint raises NotMirrored instead of answering "none".
@@ -151,11 +157,18 @@ class IndexMirror:
     def start(self, wait: float | None = None, *, keep_trying: bool = False) -> "IndexMirror":
         """Start following; wait (default `timeout`) for the first snapshot. A snapshot still
         loading by then is served as it fills (`loading`); no connection: MetadataUnavailable,
-        unless `keep_trying` (then it answers stale, and empty, until it connects)."""
+        unless `keep_trying` (then it answers stale, and empty, until it connects). An etcd that
+        records another place in a shard map than this mirror's: ShardMapMismatch, either way."""
         self._keep_trying = keep_trying
         self._future = asyncio.run_coroutine_threadsafe(self._follow(), shared_loop())
         deadline = time.monotonic() + (self.timeout if wait is None else wait)
-        if not self._begun.wait(max(0.0, deadline - time.monotonic())) and not keep_trying:
+        while not self._begun.wait(min(0.05, max(0.0, deadline - time.monotonic()))) and self.refused is None:
+            if time.monotonic() >= deadline:
+                break
+        if self.refused is not None:
+            self.stop()
+            raise self.refused
+        if not self._begun.is_set() and not keep_trying:
             self.stop()
             raise MetadataUnavailable(f"index mirror could not load a snapshot from {self.url}")
         self._synced.wait(max(0.0, deadline - time.monotonic()))
@@ -412,6 +425,8 @@ class IndexMirror:
                 await self._sync_and_watch(metadata)
                 backoff = 0.1
             except (KVStoreError, OSError) as exc:
+                if isinstance(exc, ShardMapMismatch):
+                    self.refused = exc  # start() raises it; a running mirror answers stale meanwhile
                 if isinstance(exc, WatchCompacted):
                     self._reload = True  # the history after our revision is gone: only a snapshot will do
                 if self._begun.is_set() or self._keep_trying:  # else start() says it (or its caller)
@@ -463,6 +478,7 @@ class IndexMirror:
         return snap, revision
 
     async def _sync_and_watch(self, metadata: Metadata) -> None:
+        await check_place(metadata, self.layout, *self.place, self.url, claim=False)
         watch = await self._resume(metadata)
         if watch is None:
             watch = await self._sync(metadata)

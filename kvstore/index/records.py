@@ -173,9 +173,9 @@ class Layout:
 
     @property
     def shard_key(self) -> str:
-        """Where a shard of a sharded index records its place (kvstore.index.shards): outside the
-        root, which every mirror watches."""
-        return f"/kvstore-shard/{self.cluster}"
+        """Where a shard of a sharded index records its place (kvstore.index.shards): under the
+        root, where the cluster's etcd roles reach; a mirror's tables ignore it."""
+        return f"{self.root}shard"
 
     def node_key(self, node: str) -> str:
         return f"{self.root}nodes/{check_name('node', node)}"

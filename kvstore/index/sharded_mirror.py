@@ -22,14 +22,13 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .. import aio
-from ..errors import MetadataError, MetadataUnavailable
+from ..errors import InvalidRecord, MetadataUnavailable
 from ..keys import HASH_BYTES, ModelFingerprint
-from ..metadata import open_metadata, shard_urls
-from .mirror import IndexMirror, Match
+from ..metadata import shard_urls
+from .mirror import IndexMirror, Match, in_scope
 from .mirror_tables import Placement
 from .records import BlockRecord, NodeRecord
-from .shards import check_place, shard_of
+from .shards import shard_of
 from .signatures import RecordVerifier
 
 Fingerprint = ModelFingerprint | str
@@ -68,6 +67,12 @@ def _split(hashes: Sequence[bytes], shards: int) -> list[tuple[np.ndarray, Seque
     return out
 
 
+def _since(since: dict | int | None, mirror: IndexMirror) -> int | None:
+    """A `since` for one shard's mirror: from this mirror's `asking` (by shard), or one given for
+    all (a host index's, whose view this mirror took over)."""
+    return since.get(id(mirror)) if isinstance(since, dict) else since
+
+
 class ShardedMatch(Match):
     """A Match found over several shards; `placements` gathered from each shard's on first use."""
 
@@ -99,55 +104,42 @@ class ShardedMirror:
         self.url, self.timeout, self.verifier = metadata_url, timeout, verifier
         self.urls = shard_urls(metadata_url)
         fingerprints = None if fingerprints is None else list(fingerprints)
+        count = len(self.urls)
         self.shards = [IndexMirror(url, cluster, stale_after=stale_after, timeout=timeout, verifier=verifier,
-                                   fingerprints=fingerprints) for url in self.urls]
+                                   fingerprints=fingerprints, place=(i, count)) for i, url in enumerate(self.urls)]
         self.layout, self.scope = self.shards[0].layout, self.shards[0].scope
         self.stale_cuts = 0  # prefixes that ended at a block of a shard whose mirror was stale (down, loading)
 
     # --- lifetime -----------------------------------------------------------------------------
     def start(self, wait: float | None = None, *, keep_trying: bool = False) -> "ShardedMirror":
-        """Check each shard's place in the map (ShardMapMismatch), then start every shard's mirror
-        side by side, each waiting up to `wait` (default `timeout`) for its snapshot. A shard that
-        does not answer keeps trying: its blocks are misses until it does (`stale_cuts` counts the
-        prefixes it cut short). MetadataUnavailable only when no shard answers, unless `keep_trying`."""
-        reached = self._check_places()
-        if not any(reached) and not keep_trying:
-            raise MetadataUnavailable(f"no shard of the index {self.url} answered")
-        threads = [threading.Thread(target=m.start, args=(wait,), kwargs={"keep_trying": True}, daemon=True)
-                   for m in self.shards]
+        """Start every shard's mirror side by side, each waiting up to `wait` (default `timeout`)
+        for its snapshot and checking its place in the map (ShardMapMismatch, at once). A shard
+        that does not answer keeps trying: its blocks are misses until it does (`stale_cuts` counts
+        the prefixes it cut short). MetadataUnavailable only when no shard answers, unless
+        `keep_trying`."""
+        failures: list[BaseException] = []
+
+        def start(mirror: IndexMirror) -> None:
+            try:
+                mirror.start(wait, keep_trying=True)
+            except BaseException as exc:  # noqa: BLE001 - raised below, once every shard has tried
+                failures.append(exc)
+
+        threads = [threading.Thread(target=start, args=(m,), daemon=True) for m in self.shards]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
         begun = [m.wait_begun(0) for m in self.shards]
-        if not any(begun) and not keep_trying:
+        if failures or (not any(begun) and not keep_trying):
             self.stop()
+            if failures:
+                raise failures[0]
             raise MetadataUnavailable(f"index mirror could not load a snapshot from any shard of {self.url}")
         for index, (url, ok) in enumerate(zip(self.urls, begun)):
             if not ok:
                 log.warning("index shard %d (%s) did not answer: its blocks are misses until it does", index + 1, url)
         return self
-
-    def _check_places(self) -> list[bool]:
-        """Whether each shard answered; ShardMapMismatch from any that records another place. A
-        shard down now is not checked (its mirror keeps trying; until it loads, its blocks miss)."""
-        count = len(self.urls)
-
-        async def check(index: int, url: str) -> None:
-            metadata = open_metadata(url, timeout=self.timeout)
-            try:
-                await check_place(metadata, self.layout, index, count, url, claim=False)
-            finally:
-                await metadata.close()
-
-        reached = []
-        for index, url in enumerate(self.urls):
-            try:
-                aio.run(check(index, url), self.timeout * 2 + 1)
-                reached.append(True)
-            except (MetadataError, TimeoutError):
-                reached.append(False)
-        return reached
 
     def stop(self) -> None:
         for mirror in self.shards:
@@ -164,8 +156,15 @@ class ShardedMirror:
             mirror.on_replica_removed(listener)
 
     def wait_begun(self, timeout: float) -> bool:
+        """Until some shard has begun loading (its nodes are in): a shard that is down must not
+        hold up every question for the others."""
         deadline = time.monotonic() + timeout
-        return all(m.wait_begun(max(0.0, deadline - time.monotonic())) for m in self.shards)
+        while not any(m.wait_begun(0) for m in self.shards):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.shards[0].wait_begun(min(left, 0.005))
+        return True
 
     def wait_loaded(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -184,13 +183,21 @@ class ShardedMirror:
     def revision(self) -> int:
         return sum(m.revision for m in self.shards)
 
+    def _home(self) -> IndexMirror:
+        """The shard whose node records are read: every node registers on every shard, so the
+        first current one (else the first that loaded, else the first) lists them all."""
+        for mirror in self.shards:
+            if not mirror.stale:
+                return mirror
+        return next((m for m in self.shards if m.wait_begun(0)), self.shards[0])
+
     @property
     def nodes(self) -> dict[str, NodeRecord]:
-        return self.shards[0].nodes
+        return self._home().nodes
 
     @property
     def segments(self) -> dict[str, str]:
-        return self.shards[0].segments
+        return self._home().segments
 
     @property
     def block_count(self) -> int:
@@ -219,20 +226,27 @@ class ShardedMirror:
     def match(self, fingerprint: Fingerprint, hashes: Sequence[bytes]) -> ShardedMatch:
         """How many leading `hashes` are cached anywhere: each shard matches its own blocks in
         prompt order; the prefix ends at the first block a shard lacks."""
+        in_scope(self.scope, fingerprint)
         length, parts, cut_by = len(hashes), [], None
-        for mirror, positions, own in self._parts(hashes):
+        asked = self._parts(hashes)
+        for mirror, positions, own in asked:
             found = mirror.match(fingerprint, own)
             parts.append((positions, found))
             if found.length < len(own) and int(positions[found.length]) < length:
                 length, cut_by = int(positions[found.length]), mirror
+        # Stale or loading only as far as the shards this answer rests on: those holding a block
+        # of the prefix, and the one that ended it (a shard that is down does not taint the rest).
+        used = [m for m, positions, _ in asked if int(positions[0]) < length or m is cut_by]
+        stale = any(m.stale for m in used)
         if cut_by is not None and cut_by.stale:
             self.stale_cuts += 1
-        return ShardedMatch(length, parts, self.stale, self.loading)
+        return ShardedMatch(length, parts, stale, any(m.loading for m in used))
 
     def node_prefix_lengths(self, fingerprint: Fingerprint, hashes: Sequence[bytes]) -> dict[str, int]:
         """For each node, how many leading blocks it holds itself: on each shard, how many of that
         shard's blocks it holds in a row (none where the shard does not list it), and the prefix
         ends at the first block of any shard it lacks."""
+        in_scope(self.scope, fingerprint)
         parts = [(positions, own, mirror.node_prefix_lengths(fingerprint, own))
                  for mirror, positions, own in self._parts(hashes)]
         lengths: dict[str, int] = {}
@@ -274,16 +288,22 @@ class ShardedMirror:
         self._shard(block_hash).remember(fingerprint, block_hash, node, record)
 
     def remember_many(self, fingerprint: Fingerprint, node: str, blocks: Sequence[tuple[bytes, BlockRecord | bytes]],
-                      since: dict | None = None) -> None:
+                      since: dict | int | None = None) -> None:
+        """As IndexMirror's, shard by shard; InvalidRecord once every shard has learned its valid ones."""
+        records = {bytes(h): r for h, r in blocks}
+        bad = None
         for mirror, _, own in self._parts([h for h, _ in blocks]):
-            records = dict((bytes(h), r) for h, r in blocks)
-            mirror.remember_many(fingerprint, node, [(h, records[bytes(h)]) for h in own],
-                                 None if since is None else since.get(id(mirror)))
+            try:
+                mirror.remember_many(fingerprint, node, [(h, records[bytes(h)]) for h in own], _since(since, mirror))
+            except InvalidRecord as exc:
+                bad = exc
+        if bad is not None:
+            raise bad
 
     def forget_many(self, fingerprint: Fingerprint, node: str, hashes: Sequence[bytes],
-                    since: dict | None = None) -> None:
+                    since: dict | int | None = None) -> None:
         for mirror, _, own in self._parts(hashes):
-            mirror.forget_many(fingerprint, node, own, None if since is None else since.get(id(mirror)))
+            mirror.forget_many(fingerprint, node, own, _since(since, mirror))
 
     # --- waiting --------------------------------------------------------------------------------
     def wait_for_revision(self, revision: int, timeout: float = 5.0) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 
 from ..errors import ShardMapMismatch
-from ..metadata import Compare, Metadata, Put
+from ..metadata import Compare, Metadata, Put, prefix_end
 from .records import Layout
 
 
@@ -56,7 +56,13 @@ async def check_place(metadata: Metadata, layout: Layout, index: int, count: int
     and must not be a shard of another map."""
     key = layout.shard_key.encode()
     mine = _place(index, count)
-    if claim and count > 1:
+    if claim and count > 1 and await metadata.get(key) is None:
+        nodes = (layout.root + "nodes/").encode()
+        if (await metadata.range_page(nodes, prefix_end(nodes), limit=1)).keys:
+            raise ShardMapMismatch(
+                f"etcd {url} holds nodes of cluster {layout.cluster!r} and no shard map: it is that cluster's whole "
+                f"(unsharded) index, which this process's metadata URL would make {_describe(mine)}: give every "
+                "process the same URL (a sharded cluster starts on etcd clusters of its own)")
         result = await metadata.txn([Compare(key, "version", "==", 0)], [Put(key, mine)])
         if result.succeeded:
             return

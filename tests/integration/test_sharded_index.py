@@ -77,12 +77,15 @@ def test_each_record_lives_on_its_hash_shard_and_a_fresh_reader_finds_every_bloc
 
 def test_a_shard_map_in_another_order_or_count_is_refused_naming_both(sharded, etcd_server, second_etcd_server, tmp_path):
     """Kills: a reader or a daemon that takes the shards in another order (each block's record
-    would then be looked for where it is not) or treats one shard as the whole index."""
+    would then be looked for where it is not) or treats one shard as the whole index (a reader
+    of one etcd that never looks for a shard map would see a fraction of the blocks)."""
     url, cluster, _ = sharded
     swapped = f"{second_etcd_server.url};{etcd_server.url}"
     with pytest.raises(ShardMapMismatch) as refused:
         Client(swapped, cluster=cluster, fingerprint=FP, secret=SECRET, index="own")
     assert "shard 1 of 2" in str(refused.value) and "shard 2 of 2" in str(refused.value), refused.value
+    with pytest.raises(ShardMapMismatch, match="shard 1 of 2"):  # one shard read as the whole index
+        Client(etcd_server.url, cluster=cluster, fingerprint=FP, secret=SECRET, index="own")
     secret_file = tmp_path / "secret"
     secret_file.write_text(SECRET)
     secret_file.chmod(0o600)
@@ -122,3 +125,20 @@ def test_a_shard_down_leaves_the_other_shards_blocks_readable(sharded, second_et
                 assert cut == hashes.index(second[0]) and fresh.mirror.stale_cuts >= 1, cut
         finally:
             second_etcd_server.start()
+
+
+def test_an_unsharded_index_is_not_taken_over_as_a_shard(etcd_server, second_etcd_server, spawn_daemon, tmp_path):
+    """Kills: a sharded daemon claiming an etcd that already holds an unsharded cluster's index
+    (the unsharded daemons would go on publishing every record there while the sharded ones and
+    their readers look for half of them on the other shard)."""
+    cluster = uuid.uuid4().hex[:8]
+    spawn_daemon("plain", etcd_server.url, cluster, secret=SECRET)
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET)
+    secret_file.chmod(0o600)
+    done = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--node", "sharded", "--metadata",
+                           f"{etcd_server.url};{second_etcd_server.url}", "--cluster", cluster, "--dram", "16MiB",
+                           "--secret-file", str(secret_file), "--admin-token-file", str(tmp_path / "token"),
+                           "--metrics-port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "no shard map" in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]

@@ -62,3 +62,34 @@ def test_a_prefix_ends_at_the_first_block_any_shard_lacks():
         mirror.forget_many(FP, "a", [hashes[3]])
         assert mirror.node_prefix_lengths(FP, hashes) == {"a": 3, "b": 17}
         assert mirror.match(FP, hashes[:1] + [external_hashes([99], FP)[0]]).length == 1
+
+
+def test_a_stale_shard_taints_only_the_answers_that_rest_on_it():
+    """Kills: a sharded match that says stale whenever any shard is (one shard down would make
+    every answer stale, and a router credits no prefix from a stale answer), and a `since` from a
+    host index (an int for every shard) that the sharded mirror cannot take."""
+    tag = uuid.uuid4().hex[:8]
+    mirror = open_mirror(f"memory://stale-a-{tag};memory://stale-b-{tag}", "unit").start()
+    try:
+        hashes = external_hashes(range(64), FP)
+        mirror.remember_many(FP, "a", [(h, record(i)) for i, h in enumerate(hashes)], since=0)
+        first = [h for h in hashes if shard_of(h, 2) == 0]
+        assert mirror.match(FP, first).length == len(first) and not mirror.match(FP, first).stale
+        mirror.shards[1].stop()  # the second shard's mirror stops following: stale from now on
+        assert mirror.shards[1].stale and mirror.stale
+        found = mirror.match(FP, first)
+        assert found.length == len(first) and not found.stale
+        assert mirror.match(FP, hashes).stale  # this prompt rests on the stale shard too
+        mirror.forget_many(FP, "a", first[:1], since=0)
+        assert mirror.match(FP, first).length == 0
+    finally:
+        mirror.stop()
+
+
+def test_the_start_up_line_hides_every_shards_password():
+    """Kills: a redaction of the first user:password@ only (the second shard's password would be
+    printed in the daemon's start-up line and logs)."""
+    from kvstore.daemon.startup import redact
+
+    shown = redact("etcd://u:pw1@a:2379,b:2379;etcd+tls://v:pw2@c:2379?ca=ca.pem")
+    assert shown == "etcd://a:2379,b:2379;etcd+tls://c:2379?ca=ca.pem"
