@@ -105,10 +105,8 @@ class IndexMirror:
         if len(shard_urls(metadata_url)) > 1:
             raise ValueError(f"{metadata_url!r} names several index shards: kvstore.index.open_mirror mirrors them")
         self.url, self.layout = metadata_url, Layout(cluster)
-        # (index, count) in a sharded index's map (kvstore.index.shards), checked at every connect:
-        # one etcd of a sharded cluster read as the whole index would miss the other shards' blocks.
-        self.place = place
-        self.refused: ShardMapMismatch | None = None
+        # (index, count) in a sharded index's map, checked at every connect (kvstore.index.shards)
+        self.place, self.refused = place, None
         # A scoped mirror (a host whose engines serve a few models) loads and keeps the blocks of
         # these fingerprints only: its memory and its load time follow them, not the cluster. A
         # question about any other fingerprint raises NotMirrored instead of answering "none".
@@ -162,13 +160,11 @@ class IndexMirror:
         self._keep_trying = keep_trying
         self._future = asyncio.run_coroutine_threadsafe(self._follow(), shared_loop())
         deadline = time.monotonic() + (self.timeout if wait is None else wait)
-        while not self._begun.wait(min(0.05, max(0.0, deadline - time.monotonic()))) and self.refused is None:
-            if time.monotonic() >= deadline:
-                break
+        begun = self._begun.wait(max(0.0, deadline - time.monotonic()))  # (set on a refusal too)
         if self.refused is not None:
             self.stop()
             raise self.refused
-        if not self._begun.is_set() and not keep_trying:
+        if not begun and not keep_trying:
             self.stop()
             raise MetadataUnavailable(f"index mirror could not load a snapshot from {self.url}")
         self._synced.wait(max(0.0, deadline - time.monotonic()))
@@ -425,8 +421,9 @@ class IndexMirror:
                 await self._sync_and_watch(metadata)
                 backoff = 0.1
             except (KVStoreError, OSError) as exc:
-                if isinstance(exc, ShardMapMismatch):
-                    self.refused = exc  # start() raises it; a running mirror answers stale meanwhile
+                if isinstance(exc, ShardMapMismatch):  # start() raises it; a running mirror answers stale
+                    self.refused = exc
+                    self._begun.set()
                 if isinstance(exc, WatchCompacted):
                     self._reload = True  # the history after our revision is gone: only a snapshot will do
                 if self._begun.is_set() or self._keep_trying:  # else start() says it (or its caller)
