@@ -12,7 +12,7 @@ import asyncio
 from typing import Callable, Iterable, Sequence
 
 from ..index.records import BlockRecord, Layout, NodeRecord
-from ..index.shards import positions_by_shard
+from ..index.shards import split_by_shard
 from ..index.signatures import RecordSigner
 from ..metadata import Metadata
 from .session import NodeSession
@@ -47,14 +47,14 @@ class ShardedSession:
         await _all([s.start() for s in self.shards if not s.alive])
 
     async def publish(self, fingerprint: str, blocks: Sequence[tuple[bytes, BlockRecord]]) -> int:
-        parts = positions_by_shard([h for h, _ in blocks], len(self.shards))
-        await _all([s.publish(fingerprint, [blocks[i] for i in part]) for s, part in zip(self.shards, parts) if part])
+        parts = split_by_shard([h for h, _ in blocks], len(self.shards))
+        await _all([s.publish(fingerprint, [blocks[i] for i in positions.tolist()])
+                    for s, (positions, _) in zip(self.shards, parts) if len(positions)])
         return 0
 
     async def unpublish(self, fingerprint: str, hashes: Iterable[bytes]) -> int:
-        hashes = list(hashes)
-        parts = positions_by_shard(hashes, len(self.shards))
-        await _all([s.unpublish(fingerprint, [hashes[i] for i in part]) for s, part in zip(self.shards, parts) if part])
+        parts = split_by_shard(list(hashes), len(self.shards))
+        await _all([s.unpublish(fingerprint, own) for s, (_, own) in zip(self.shards, parts) if len(own)])
         return 0
 
     async def put_node(self, record: NodeRecord) -> None:

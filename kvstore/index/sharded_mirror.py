@@ -17,18 +17,17 @@ import contextlib
 import logging
 import threading
 import time
-from operator import itemgetter
 from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from ..errors import InvalidRecord, MetadataUnavailable
-from ..keys import HASH_BYTES, ModelFingerprint
+from ..keys import ModelFingerprint
 from ..metadata import shard_urls
 from .mirror import IndexMirror, Match, in_scope
 from .mirror_tables import Placement
 from .records import BlockRecord, NodeRecord
-from .shards import shard_of
+from .shards import shard_of, split_by_shard
 from .signatures import RecordVerifier
 
 Fingerprint = ModelFingerprint | str
@@ -41,30 +40,6 @@ def open_mirror(metadata_url: str, cluster: str = "default", **options) -> "Inde
     if len(shard_urls(metadata_url)) > 1:
         return ShardedMirror(metadata_url, cluster, **options)
     return IndexMirror(metadata_url, cluster, **options)
-
-
-def _split(hashes: Sequence[bytes], shards: int) -> list[tuple[np.ndarray, Sequence[bytes]]]:
-    """For each shard: the positions in `hashes` of its blocks, and those hashes, in prompt order
-    (shard_of, vectorised: one join, one stable sort, one gather)."""
-    if not len(hashes):
-        return [(np.empty(0, np.int64), ()) for _ in range(shards)]
-    try:
-        joined = b"".join(hashes)  # bytes, bytearray and memoryview alike
-    except TypeError:
-        joined = b""
-    if len(joined) != HASH_BYTES * len(hashes):  # not all full-size hashes: each one's first 8 bytes
-        heads = np.frombuffer(b"".join(bytes(h[:8]).ljust(8, b"\0") for h in hashes), "<u8")
-    else:  # the first 8 bytes of each row (what shard_of reads)
-        heads = np.frombuffer(joined, np.uint8).reshape(len(hashes), HASH_BYTES)[:, :8].copy().view("<u8").ravel()
-    which = heads % np.uint64(shards)
-    order = np.argsort(which, kind="stable")  # by shard, prompt order kept within each
-    ends = np.searchsorted(which[order], np.arange(1, shards + 1, dtype=np.uint64)).tolist()
-    picked = itemgetter(*order.tolist())(hashes) if len(hashes) > 1 else (hashes[0],)
-    out, start = [], 0
-    for end in ends:
-        out.append((order[start:end], picked[start:end]))
-        start = end
-    return out
 
 
 def _since(since: dict | int | None, mirror: IndexMirror) -> int | None:
@@ -221,7 +196,7 @@ class ShardedMirror:
 
     def _parts(self, hashes: Sequence[bytes]) -> list[tuple[IndexMirror, np.ndarray, list[bytes]]]:
         return [(mirror, positions, own)
-                for mirror, (positions, own) in zip(self.shards, _split(hashes, len(self.shards))) if len(positions)]
+                for mirror, (positions, own) in zip(self.shards, split_by_shard(hashes, len(self.shards))) if len(positions)]
 
     def match(self, fingerprint: Fingerprint, hashes: Sequence[bytes]) -> ShardedMatch:
         """How many leading `hashes` are cached anywhere: each shard matches its own blocks in

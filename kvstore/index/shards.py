@@ -16,8 +16,13 @@ send each block's record where no reader looks) is refused at connect with both 
 from __future__ import annotations
 
 import json
+from operator import itemgetter
+from typing import Sequence
+
+import numpy as np
 
 from ..errors import ShardMapMismatch
+from ..keys import HASH_BYTES
 from ..metadata import Compare, Metadata, Put, prefix_end
 from .records import Layout
 
@@ -28,11 +33,28 @@ def shard_of(block_hash: bytes, shards: int) -> int:
     return int.from_bytes(bytes(block_hash[:8]), "little") % shards if shards > 1 else 0
 
 
-def positions_by_shard(hashes, shards: int) -> list[list[int]]:
-    """For each shard, the positions in `hashes` of the blocks it holds, in order."""
-    out: list[list[int]] = [[] for _ in range(shards)]
-    for i, block_hash in enumerate(hashes):
-        out[shard_of(block_hash, shards)].append(i)
+def split_by_shard(hashes: Sequence[bytes], shards: int) -> list[tuple[np.ndarray, Sequence[bytes]]]:
+    """For each shard: the positions in `hashes` of its blocks, and those hashes, in prompt order
+    (shard_of's rule, vectorised: one join, one stable sort, one gather). Writers split their
+    batches and readers their prompts with it."""
+    if not len(hashes):
+        return [(np.empty(0, np.int64), ()) for _ in range(shards)]
+    try:
+        joined = b"".join(hashes)  # bytes, bytearray and memoryview alike
+    except TypeError:
+        joined = b""
+    if len(joined) != HASH_BYTES * len(hashes):  # not all full-size hashes: each one's first 8 bytes
+        heads = np.frombuffer(b"".join(bytes(h[:8]).ljust(8, b"\0") for h in hashes), "<u8")
+    else:  # the first 8 bytes of each row (what shard_of reads)
+        heads = np.frombuffer(joined, np.uint8).reshape(len(hashes), HASH_BYTES)[:, :8].copy().view("<u8").ravel()
+    which = heads % np.uint64(shards)
+    order = np.argsort(which, kind="stable")  # by shard, prompt order kept within each
+    ends = np.searchsorted(which[order], np.arange(1, shards + 1, dtype=np.uint64)).tolist()
+    picked = itemgetter(*order.tolist())(hashes) if len(hashes) > 1 else (hashes[0],)
+    out, start = [], 0
+    for end in ends:
+        out.append((order[start:end], picked[start:end]))
+        start = end
     return out
 
 

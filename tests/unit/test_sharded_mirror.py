@@ -93,3 +93,18 @@ def test_the_start_up_line_hides_every_shards_password():
 
     shown = redact("etcd://u:pw1@a:2379,b:2379;etcd+tls://v:pw2@c:2379?ca=ca.pem")
     assert shown == "etcd://a:2379,b:2379;etcd+tls://c:2379?ca=ca.pem"
+
+
+def test_the_vectorised_split_follows_shard_of():
+    """Kills: writers and readers splitting by another rule than shard_of (a record published to
+    one shard and looked for on another), for full hashes and for odd ones alike."""
+    from kvstore.index.shards import split_by_shard
+
+    hashes = external_hashes(range(500), FP) + [b"short", bytearray(16)]
+    for shards in (2, 3, 4, 7):
+        parts = split_by_shard(hashes, shards)
+        assert sum(len(positions) for positions, _ in parts) == len(hashes)
+        for k, (positions, own) in enumerate(parts):
+            assert list(positions) == sorted(positions)
+            assert all(shard_of(hashes[i], shards) == k for i in positions.tolist())
+            assert list(own) == [hashes[i] for i in positions.tolist()]
