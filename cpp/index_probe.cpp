@@ -10,6 +10,7 @@
 // changes underneath.
 #include "index_probe.h"
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -126,6 +127,90 @@ size_t index_prefix(const py::buffer& l0_rows, const py::buffer& l1_rows, const 
   return n;
 }
 
+// --- the host's shared table (kvstore/index/shared_table.py) -------------------------------------
+// A worker process probes its host daemon's presence table through a read-only mapping: no round
+// trip. The daemon writes it under a sequence lock (odd while a change is under way); a probe
+// that saw the sequence move, or the table retired, answers -1 and the caller tries again or asks
+// the daemon. Rows are read with plain loads: a torn row is caught by the sequence, never used.
+constexpr uint64_t kSharedMagic = 0x313058444948564bULL;  // "KVHIDX01" little-endian
+constexpr size_t kSharedHeader = 64;                      // u64: magic, seq, state, heartbeat, slots0..2, count
+constexpr uint64_t kRetired = 1;                          // state bit: a newer table replaced this one
+constexpr uint64_t kMaxSlots = uint64_t{1} << 40;
+
+bool power_of_two(uint64_t v) { return v != 0 && v <= kMaxSlots && (v & (v - 1)) == 0; }
+
+py::ssize_t shared_prefix(const py::buffer& table, const py::object& hashes, uint64_t salt0, uint64_t salt1) {
+  py::buffer_info info = table.request();
+  if (info.ndim != 1 || info.itemsize != 1 || static_cast<size_t>(info.size) < kSharedHeader)
+    throw py::value_error("a shared index table must be a byte buffer holding its header");
+  const auto* base = static_cast<const uint8_t*>(info.ptr);
+  if (reinterpret_cast<uintptr_t>(base) % alignof(uint64_t) != 0)
+    throw py::value_error("a shared index table must be 8-byte aligned");
+  const auto* header = reinterpret_cast<const uint64_t*>(base);
+  uint64_t slots[3];
+  std::memcpy(slots, header + 4, sizeof slots);
+  if (header[0] != kSharedMagic || !power_of_two(slots[0]) || !power_of_two(slots[1]) || !power_of_two(slots[2]) ||
+      kSharedHeader + (slots[0] + slots[1] + slots[2]) * kRowBytes > static_cast<uint64_t>(info.size))
+    throw py::value_error("not a shared index table (magic or sizes)");
+  Level l0{base + kSharedHeader, slots[0] - 1, false};
+  Level l1{l0.rows + slots[0] * kRowBytes, slots[1] - 1, true};
+  const uint8_t* spill = l1.rows + slots[1] * kRowBytes;
+  const uint64_t spill_mask = slots[2] - 1;
+
+  py::object seq = py::reinterpret_steal<py::object>(PySequence_Fast(hashes.ptr(), "hashes must be a sequence"));
+  if (!seq) throw py::error_already_set();
+  auto n = static_cast<size_t>(PySequence_Fast_GET_SIZE(seq.ptr()));
+  PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+
+  uint64_t before = __atomic_load_n(header + 1, __ATOMIC_ACQUIRE);
+  if ((before & 1) || (__atomic_load_n(header + 2, __ATOMIC_ACQUIRE) & kRetired)) return -1;
+  uint64_t key[2];
+  auto salted = [&](size_t j) {
+    if (j >= n || !key_of(items[j], key)) return false;
+    key[0] ^= salt0;
+    key[1] ^= salt1;
+    return true;
+  };
+  for (size_t j = 0; j < kAhead; ++j)
+    if (salted(j)) {
+      l0.prefetch(key);
+      l1.prefetch(key);
+    }
+  size_t found = n;
+  for (size_t b = 0; b < n; ++b) {
+    if (salted(b + kAhead)) {
+      l0.prefetch(key);
+      l1.prefetch(key);
+    }
+    if (!salted(b)) {
+      found = b;
+      break;
+    }
+    if (l0.find(key) >= 0 || l1.find(key) >= 0) continue;
+    // The spill level: linear probing from (k0 ^ k1); -1 ends a chain, -2 is a removed entry.
+    bool here = false;
+    uint64_t slot = (key[0] ^ key[1]) & spill_mask;
+    for (uint64_t step = 0; step <= spill_mask; ++step, slot = (slot + 1) & spill_mask) {
+      const uint8_t* r = spill + slot * kRowBytes;
+      uint64_t k[2];
+      int32_t pid;
+      std::memcpy(k, r, sizeof k);
+      std::memcpy(&pid, r + sizeof k, sizeof pid);
+      if (pid == -1) break;
+      if (pid >= 0 && k[0] == key[0] && k[1] == key[1]) {
+        here = true;
+        break;
+      }
+    }
+    if (!here) {
+      found = b;
+      break;
+    }
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  return __atomic_load_n(header + 1, __ATOMIC_RELAXED) == before ? static_cast<py::ssize_t>(found) : -1;
+}
+
 }  // namespace
 
 namespace kvt {
@@ -135,6 +220,9 @@ void add_index_probe(py::module_& m) {
         py::arg("out"),
         "Index mirror match(): fills out[i] with the placement id of hashes[i] for the leading run of hashes "
         "found in level 0, level 1 or the overflow dict, and returns its length. Holds the GIL.");
+  m.def("shared_prefix", &shared_prefix, py::arg("table"), py::arg("hashes"), py::arg("salt0"), py::arg("salt1"),
+        "The host's shared index table (kvstore.index.shared_table): how many leading hashes, each XORed with "
+        "the fingerprint's salt, it holds; -1 when the table changed under the probe or was retired. Holds the GIL.");
 }
 
 }  // namespace kvt

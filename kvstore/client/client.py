@@ -161,7 +161,9 @@ class Client:
                                tls=tls, stats=self.stats)
         if isinstance(self.mirror, HostIndexMirror):
             self.mirror.attach(lambda node, message, attachments, timeout:
-                               self.links.control(node).call(message, attachments, timeout=timeout)[0])
+                               self.links.control(node).call(message, attachments, timeout=timeout)[0],
+                               lambda node: self.links.control(node).call({"op": "index", "q": "table", "count": 0},
+                                                                          want_fd=True)[1])
         self.puts = PutPipeline(self.links, publish=publish, repair=repair)
         self.reads = ReadPipeline(self.links, self._records, verified, wire_codec=self.wire_codec)
         self.closed = False

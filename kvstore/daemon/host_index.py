@@ -21,6 +21,9 @@ most MAX_HASHES):
            once, as a client's own mirror does
   wait     {revision, timeout}      -> {reached}: whether the mirror applied that revision in time
   status   {}                      -> {revision, stale, loading, blocks (not for a tenant)}
+  table    {}                      -> {} and, over SCM_RIGHTS, a read-only fd of the shared table
+           (kvstore.index.shared_table) a worker probes for `match` itself; not for a tenant (it
+           holds every tenant's blocks), not where the host cannot share one
 """
 from __future__ import annotations
 
@@ -32,7 +35,9 @@ from collections import OrderedDict
 from typing import Callable
 
 from ..errors import InvalidRecord, NotMirrored
+from ..index import shared_table
 from ..index.mirror import IndexMirror
+from ..index.shared_table import SharedTable
 from ..index.signatures import RecordVerifier
 from ..keys import HASH_BYTES
 from .operations import OpFailed, check_fingerprint
@@ -71,8 +76,10 @@ class HostIndex:
         self._make_mirror, self._timeout, self._verifier = make_mirror, timeout, verifier
         self._deleted: OrderedDict[tuple[str, bytes, str], float] = OrderedDict()  # replica -> when
         self._mirror: IndexMirror | None = None
+        self._table: SharedTable | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._stopped = threading.Event()
 
     def mirror(self) -> IndexMirror:
         with self._lock:
@@ -81,10 +88,33 @@ class HostIndex:
             if self._mirror is None:  # served while it loads (and while etcd is away: stale)
                 mirror = self._make_mirror()
                 mirror.on_replica_removed(self._removed)
+                if shared_table.supported():
+                    self._table = SharedTable()
+                    mirror.share_presence(self._table.of_shard)
+                    threading.Thread(target=self._beat, args=(mirror, self._table), name="host-index-beat",
+                                     daemon=True).start()
                 self._mirror = mirror.start(START_WAIT_S, keep_trying=True)
             mirror = self._mirror
         mirror.wait_begun(min(NODES_WAIT_S, self._timeout / 2))  # (at once, but for the first questions)
         return mirror
+
+    def _beat(self, mirror: IndexMirror, table: SharedTable) -> None:
+        """Stamp the shared table with the mirror's flags until the index closes: a worker trusts
+        it only while the stamp is fresh."""
+        while not self._stopped.wait(shared_table.BEAT_S):
+            table.beat(mirror.stale, mirror.loading)
+
+    def table(self, tenant: str) -> tuple[dict, int]:
+        """The reply to a `table` question and the descriptor that follows it."""
+        if tenant:
+            raise OpFailed("invalid", "index: the shared table holds every tenant's blocks: a tenant's client asks "
+                                      "the daemon")
+        self.mirror()
+        table = self._table
+        if table is None or table.closed:
+            raise OpFailed("invalid", "index: this host shares no table (it needs Linux on x86-64)")
+        table.beat(self._mirror.stale, self._mirror.loading)
+        return {"ok": True}, table.reader_fd()
 
     def _removed(self, fingerprint: str, block_hash: bytes, node: str) -> None:
         """A watch event removed a replica (called under the mirror's lock: only take note)."""
@@ -154,5 +184,8 @@ class HostIndex:
         with self._lock:
             self._closed = True
             mirror, self._mirror = self._mirror, None
+        self._stopped.set()
+        if self._table is not None:
+            self._table.close()  # retired: its readers ask the daemon, which says it is stopping
         if mirror is not None:
             mirror.stop()

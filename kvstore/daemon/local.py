@@ -457,6 +457,8 @@ class LocalControl:
             hashes = self._index_hashes(request, frames, deadline)  # first: they follow the frame
             if self.host_index is None:
                 raise OpFailed("invalid", f"{self._node} keeps no host index")
+            if request.get("q") == "table":
+                return self.host_index.table(tenant)
             return self.host_index.answer(request, tenant, hashes), None
         if op == "tier":
             return self._tier()

@@ -6,7 +6,10 @@ the host holds one copy of the index however many processes read it.
 Answers carry the host mirror's `stale`, never hidden. Records come back as their nodes sealed
 them and are checked here, with this client's secret, as its own mirror's would be. A put's
 answer is told to the host index at once (every process on the host then sees the blocks, not only
-this one); removals reach it by their etcd events. When the host's daemon cannot be reached, this
+this one); removals reach it by their etcd events. `match`, the question a scheduler asks per
+request, is answered from the host's shared table (kvstore.index.shared_table) where the daemon
+hands one out: a probe of shared memory, no round trip; a table that is retired, changing under
+every try or no longer stamped by its daemon is not used, and the daemon is asked instead. When the host's daemon cannot be reached, this
 client says so in one line and keeps a mirror of its own from then on: slower to start, never a
 silent stale view.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +31,7 @@ from ..keys import HASH_BYTES, ModelFingerprint
 from .mirror import IndexMirror, fingerprint_id, in_scope
 from .sharded_mirror import open_mirror
 from .records import BlockRecord, NodeRecord
+from .shared_table import SharedTableView
 from .signatures import RecordVerifier
 
 log = logging.getLogger(__name__)
@@ -35,6 +40,7 @@ CHUNK = 4096  # blocks per question (a longer prompt asks in several)
 LOOKUP_CHUNK = 1024  # blocks per lookup: its records (~150 B per replica) stay far under a frame's limit
 MAX_HOST_WAIT_S = 10.0  # the most a host waits for a revision on one question (its own bound)
 CATCH_UP_S = 1.0  # how long a woken waiter lets the host catch up with what this process saw
+TABLE_RETRY_S = 1.0  # after the host's table could not be had, how long its questions go over the socket
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,12 @@ class HostIndexMirror:
         self._lock = threading.Lock()
         self._host_stale, self._status_at = False, float("-inf")
         self._caught_up = 0  # the last of this process's event revisions the host was seen to have applied
+        self._open_table: Callable[[str], int] | None = None
+        self._view: SharedTableView | None = None  # the host's shared table, mapped
+        self._view_asked = float("-inf")
+        self._no_table = False  # the host said it shares none with this client (a tenant's, or no x86-64)
+        self.table_misses = 0  # matches the shared table could not answer (asked over the socket)
+        self.use_table = True  # False: every match over the socket (a benchmark's comparison)
 
     # --- lifetime -------------------------------------------------------------------------------
     def start(self, wait: float | None = None) -> "HostIndexMirror":
@@ -101,10 +113,14 @@ class HostIndexMirror:
                                 "this host (start one, or use index='own')")
         return self
 
-    def attach(self, ask: Callable[[str, dict, Sequence[bytes], float | None], dict]) -> None:
-        self._ask = ask
+    def attach(self, ask: Callable[[str, dict, Sequence[bytes], float | None], dict],
+               open_table: Callable[[str], int] | None = None) -> None:
+        """`open_table(node)`: a read-only descriptor of that node's shared table (the caller's to
+        close), raising what the wire raises; None: every question goes over the socket."""
+        self._ask, self._open_table = ask, open_table
 
     def stop(self) -> None:
+        self._view = None  # (unmapped once no probe holds it)
         self.members.stop()
         if self._own is not None:
             self._own.stop()
@@ -140,10 +156,44 @@ class HostIndexMirror:
             self._host_stale, self._status_at = bool(reply["stale"]), time.monotonic()
         return reply
 
+    def _table(self) -> SharedTableView | None:
+        """The host's shared table while it is current, asked for again once it is retired."""
+        view = self._view
+        if not self.use_table:
+            return None
+        if view is not None and not view.retired:
+            return view
+        if self._open_table is None or self._no_table or self._own is not None or self.host is None or \
+                time.monotonic() - self._view_asked < TABLE_RETRY_S:
+            return None
+        with self._lock:
+            if self._view is not view:  # another thread got the new one meanwhile
+                return self._view
+            self._view, self._view_asked = None, time.monotonic()
+            try:
+                fd = self._open_table(self.host)
+            except InvalidRequest as exc:  # refused for good: a tenant's client, or no table on this host
+                log.debug("the host index of %s shares no table with this client: %s", self.host, exc)
+                self._no_table = True
+                return None
+            except (KVStoreError, OSError) as exc:  # asked again in a while; the socket answers meanwhile
+                log.debug("the host index of %s did not hand its table over: %s", self.host, exc)
+                return None
+            try:
+                self._view = SharedTableView(fd)
+            except (ValueError, OSError) as exc:
+                log.warning("the host index of %s handed over no usable table (%s): asking over its socket", self.host,
+                            exc)
+                self._no_table = True
+            finally:
+                os.close(fd)
+            return self._view
+
     def _fall_back(self, why: Exception) -> None:
         with self._lock:
             if self._own is not None:
                 return
+            self._view = None
             log.warning("the host index of %s did not answer (%s: %s): this process keeps a mirror of its own from now "
                         "on (answers say stale until it has loaded)", self.host, type(why).__name__, why)
             self._own = open_mirror(self.url, self.layout.cluster, timeout=self.timeout, verifier=self.verifier,
@@ -206,7 +256,16 @@ class HostIndexMirror:
     # A question names at most CHUNK blocks (longer prompts go in several, in order): the reply of
     # a lookup stays far under a frame's limit, and the host splits them in one call each.
     def match(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes]):
-        fp, raw = self._mirrored(fingerprint), memoryview(_joined_prefix(hashes))
+        fp = self._mirrored(fingerprint)
+        view = self._table()
+        if view is not None:
+            probed = view.prefix(fp, hashes)
+            if probed is not None:
+                length, stale, loading = probed
+                self._host_stale, self._status_at = stale, time.monotonic()  # the host's word, as fresh
+                return HostMatch(length, stale or self.members.stale, loading)
+            self.table_misses += 1
+        raw = memoryview(_joined_prefix(hashes))
         length, stale, loading = 0, self.members.stale, False
         for start in range(0, len(raw) // HASH_BYTES, CHUNK):
             part = raw[start * HASH_BYTES : (start + CHUNK) * HASH_BYTES]

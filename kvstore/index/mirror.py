@@ -29,12 +29,12 @@ from ..errors import (InvalidRecord, KVStoreError, MetadataError, MetadataUnavai
 from ..keys import ModelFingerprint
 from ..metadata import Metadata, Page, WatchEvent, check_metadata_url, open_metadata, prefix_end, shard_urls
 from ..outage_log import OutageLog
-from .mirror_tables import MirrorTables, Placement, Snapshot
+from .mirror_tables import MirrorTables, Placement, Snapshot, node_prefix_lengths
 from .records import BlockRecord, Layout, NodeRecord
 from .shards import check_place
 from .signatures import RecordVerifier
 from .snapshot import load_prefix
-from .table import NO_IDS
+from .table import NO_IDS, Presence
 
 log = logging.getLogger(__name__)
 REFUSED_LOG_S = 30.0  # records failing their seal: a line at the first, then at most this often
@@ -150,6 +150,7 @@ class IndexMirror:
         self.refused_records = 0
         self._refused_said = float("-inf")
         self._removal_listeners: list[Callable[[str, bytes, str], None]] = []
+        self._presence: Presence | None = None
 
     # --- lifetime -----------------------------------------------------------------------------
     def start(self, wait: float | None = None, *, keep_trying: bool = False) -> "IndexMirror":
@@ -176,6 +177,19 @@ class IndexMirror:
         with the mirror's tables locked: it may only take note. A snapshot reload calls nothing
         (`resyncs` counts those)."""
         self._removal_listeners.append(listener)
+
+    def share_presence(self, presence_of: Callable[[int], Presence]) -> None:
+        """Tell `presence_of(this shard's number)` the current snapshot's blocks, then each that
+        appears or goes, and each snapshot swapped in (kvstore.index.shared_table)."""
+        with self._apply_lock:
+            self._presence = presence_of(self.place[0])
+            self._snapshot.share(self._presence)
+
+    def _make_current(self, snap: Snapshot) -> None:  # (the caller holds _apply_lock)
+        if snap is not self._snapshot:
+            self._snapshot.share(None)
+            self._snapshot = snap
+            snap.share(self._presence)
 
     def wait_begun(self, timeout: float) -> bool:
         """Block until the first snapshot has begun loading (the nodes and segments are in)."""
@@ -253,22 +267,7 @@ class IndexMirror:
 
     def node_prefix_lengths(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes]) -> dict[str, int]:
         """For each node, how many leading blocks it holds itself (the conductor's input)."""
-        ids = self._prefix_ids(fingerprint, hashes)
-        if not len(ids):
-            return {}
-        lengths: dict[str, int] = {}
-        placements = self.tables.placements
-        alive = set(placements[int(ids[0])].nodes)
-        for start in (np.flatnonzero(ids[1:] != ids[:-1]) + 1).tolist():  # where the placement changes
-            nodes = placements[int(ids[start])].nodes
-            for node in alive - nodes:
-                lengths[node] = start
-            alive &= nodes
-            if not alive:
-                return lengths
-        for node in alive:
-            lengths[node] = len(ids)
-        return lengths
+        return node_prefix_lengths(self._prefix_ids(fingerprint, hashes), self.tables.placements)
 
     def contains(self, fingerprint: ModelFingerprint | str, block_hash: bytes) -> bool:
         """Whether any node holds the block (no record decoding)."""
@@ -458,7 +457,7 @@ class IndexMirror:
                 self.tables.apply_slowly(snap, page.keys, page.values)
             self._fresh, self._fresh_base = snap, revision
             if not self._synced.is_set():  # nothing better to answer from: serve it as it fills
-                self._snapshot = snap
+                self._make_current(snap)
             self._loading = True
         self._begun.set()
 
@@ -534,7 +533,8 @@ class IndexMirror:
         watch = await metadata.watch(self._root, start_revision=revision + 1)
         with self._changed:
             with self._apply_lock:
-                self._snapshot, self._fresh = snapshot, None
+                self._make_current(snapshot)
+                self._fresh = None
                 self._applied = self._base = revision
             self._revision, self._loading = revision, False
             self._connected, self._last_ok = True, time.monotonic()

@@ -16,7 +16,7 @@ from ..keys import HASH_BYTES
 from ..metadata import Page
 from .records import BLOCK_RECORD_BYTES, BLOCK_RECORD_VERSION, MAC_BYTES, TIERS, BlockRecord, Layout, NodeRecord, \
     check_name
-from .table import BlockTable, as_words
+from .table import BlockTable, Presence, as_words
 
 log = logging.getLogger(__name__)
 # The records a page of one fingerprint takes in bulk: the common one (raw, the node's MAC), and a
@@ -32,6 +32,24 @@ class Placement:
     nodes: frozenset[str]
 
 
+def node_prefix_lengths(ids: np.ndarray, placements: list[Placement]) -> dict[str, int]:
+    """For each node, how many of the leading blocks (their placement ids) it holds itself."""
+    if not len(ids):
+        return {}
+    lengths: dict[str, int] = {}
+    alive = set(placements[int(ids[0])].nodes)
+    for start in (np.flatnonzero(ids[1:] != ids[:-1]) + 1).tolist():  # where the placement changes
+        nodes = placements[int(ids[start])].nodes
+        for node in alive - nodes:
+            lengths[node] = start
+        alive &= nodes
+        if not alive:
+            return lengths
+    for node in alive:
+        lengths[node] = len(ids)
+    return lengths
+
+
 class Snapshot:
     """Everything the mirror knows; replaced whole on resync."""
 
@@ -41,12 +59,24 @@ class Snapshot:
         # fingerprint -> its blocks. A record is the encoded BlockRecord prefixed with the owner's
         # node number (u16).
         self.blocks: dict[str, BlockTable] = {}
+        self.presence: Presence | None = None  # told of blocks appearing and going while current
 
     def table(self, fingerprint: str) -> BlockTable:
         table = self.blocks.get(fingerprint)
         if table is None:
-            table = self.blocks[fingerprint] = BlockTable()
+            table = self.blocks[fingerprint] = BlockTable(fingerprint)
+            table.presence = self.presence
         return table
+
+    def share(self, presence: Presence | None) -> None:
+        """Tell `presence` (None: nobody) of this snapshot's blocks from now on, starting with all
+        of them."""
+        self.presence = presence
+        for table in list(self.blocks.values()):
+            with table.lock:
+                table.presence = presence
+        if presence is not None:
+            presence.reset({fp: table.words() for fp, table in list(self.blocks.items())})
 
     @property
     def block_count(self) -> int:

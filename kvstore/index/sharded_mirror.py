@@ -29,6 +29,7 @@ from .mirror_tables import Placement
 from .records import BlockRecord, NodeRecord
 from .shards import shard_of, split_by_shard
 from .signatures import RecordVerifier
+from .table import Presence
 
 Fingerprint = ModelFingerprint | str
 log = logging.getLogger(__name__)
@@ -129,6 +130,10 @@ class ShardedMirror:
     def on_replica_removed(self, listener: Callable[[str, bytes, str], None]) -> None:
         for mirror in self.shards:
             mirror.on_replica_removed(listener)
+
+    def share_presence(self, presence_of: Callable[[int], Presence]) -> None:
+        for mirror in self.shards:
+            mirror.share_presence(presence_of)
 
     def wait_begun(self, timeout: float) -> bool:
         """Until some shard has begun loading (its nodes are in): a shard that is down must not

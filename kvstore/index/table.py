@@ -14,7 +14,7 @@ chains, so a removal just clears the slot.
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 from transfer._native import index_prefix
@@ -78,6 +78,12 @@ class HashIndex:
             if pids.item(slot) >= 0 and keys0.item(slot) == k0 and keys1.item(slot) == k1:
                 return keys0, keys1, pids, slot
         return None
+
+    def words(self) -> np.ndarray:
+        """Every hash held, as (n, 2) u64 words."""
+        live = [np.stack([level["k0"], level["k1"]], 1)[level["pid"] >= 0] for level in (self.l0, self.l1)]
+        spilled = np.frombuffer(b"".join(self.overflow), "<u8").reshape(-1, 2)
+        return np.concatenate(live + [spilled])
 
     # --- writes ----------------------------------------------------------------------------
     def set(self, h: bytes, pid: int) -> None:
@@ -150,14 +156,28 @@ class HashIndex:
         self.add(np.ascontiguousarray(words), pids.astype(np.int32))
 
 
+class Presence(Protocol):
+    """Told which blocks appear in a mirror's current snapshot and which go (the host index's
+    shared table, kvstore.index.shared_table)."""
+
+    def appeared(self, fingerprint: str, words: np.ndarray) -> None: ...
+
+    def gone(self, fingerprint: str, words: np.ndarray) -> None: ...
+
+    def reset(self, blocks: dict[str, np.ndarray]) -> None: ...
+
+
 class BlockTable:
     """One fingerprint's blocks. `records` maps hash -> node-numbered record bytes (a tuple of them
-    when replicated) and is read without a lock; the index is read and written under `lock`."""
+    when replicated) and is read without a lock; the index is read and written under `lock`.
+    `presence`, where set, is told each block that appears or goes, under that lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, fingerprint: str = "") -> None:
+        self.fingerprint = fingerprint
         self.records: dict[bytes, bytes | tuple[bytes, ...]] = {}
         self.index = HashIndex()
         self.lock = threading.Lock()
+        self.presence: Presence | None = None
 
     def __len__(self) -> int:
         return len(self.records)
@@ -168,13 +188,17 @@ class BlockTable:
 
     def set(self, h: bytes, record: bytes | tuple[bytes, ...], pid: int) -> None:
         with self.lock:
+            new = h not in self.records
             self.records[h] = record
             self.index.set(h, pid)
+            if new and self.presence is not None:
+                self.presence.appeared(self.fingerprint, as_words([h]))
 
     def remove(self, h: bytes) -> None:
         with self.lock:
             self.index.remove(h)
-            self.records.pop(h, None)
+            if self.records.pop(h, None) is not None and self.presence is not None:
+                self.presence.gone(self.fingerprint, as_words([h]))
 
     def add(self, hashes: list[bytes], records: list[bytes], pids: np.ndarray) -> None:
         """Bulk insert of distinct hashes not in the table yet."""
@@ -182,6 +206,12 @@ class BlockTable:
         with self.lock:
             self.records.update(zip(hashes, records))
             self.index.add(words, pids)
+            if self.presence is not None:
+                self.presence.appeared(self.fingerprint, words)
+
+    def words(self) -> np.ndarray:
+        with self.lock:
+            return self.index.words()
 
     def reserve(self, count: int) -> None:
         with self.lock:

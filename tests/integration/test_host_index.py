@@ -76,8 +76,10 @@ def test_a_host_index_that_stops_answering_is_said_once_and_replaced(cluster, ca
     hashes = external_hashes(range(8), FP)
     own.put_many([(h, content(h)) for h in hashes], replicas=2)  # node1 keeps a copy of each
     assert own.mirror.wait_until(lambda m: all(len(m.lookup(FP, h)) == 2 for h in hashes), 10)
+    assert until(lambda: host.match_prefix(hashes) == 8, 10)  # from the host's shared table
+    assert host.mirror._view is not None
     survivors = hashes
-    daemons[0].kill()
+    daemons[0].kill()  # SIGKILL: its table's stamp is still fresh, no code of it runs again
     with caplog.at_level(logging.WARNING, logger="kvstore.index.host_mirror"):
         host.match_prefix(hashes)
         assert isinstance(host.mirror.own, IndexMirror)
@@ -86,6 +88,21 @@ def test_a_host_index_that_stops_answering_is_said_once_and_replaced(cluster, ca
         host.match_prefix(hashes)
     said = [r for r in caplog.records if "did not answer" in r.getMessage()]
     assert len(said) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_matches_come_from_the_hosts_shared_table_and_follow_removals(cluster):
+    """Kills: a shared table the mirror does not tell of removals (a worker would plan loads of
+    blocks gone from every node), and matches that still go over the socket."""
+    _, _, own, host = cluster
+    hashes = external_hashes(range(900, 916), FP)
+    host.put_many([(h, content(h)) for h in hashes])
+    misses = host.mirror.table_misses
+    assert host.match_prefix(hashes) == 16  # the put's answer reached the table before it returned
+    assert host.mirror._view is not None and host.mirror.table_misses == misses
+    assert own.mirror.wait_until(lambda m: m.contains(FP, hashes[-1]), 10)
+    assert own.remove(hashes[8:9]) == 1
+    assert until(lambda: host.match_prefix(hashes) == 8, 10)
+    assert host.mirror.table_misses == misses
 
 
 def test_a_host_without_a_daemon_is_one_clear_error_or_an_own_mirror(etcd_server):
@@ -271,6 +288,8 @@ def test_a_daemon_older_than_host_indexes_makes_its_clients_keep_their_own(clust
         raise WrongSize(f"{node}: unknown op 'index'")
 
     monkeypatch.setattr(host.mirror, "_ask", old_daemon)
+    monkeypatch.setattr(host.mirror, "_open_table", lambda node: old_daemon(node, {}, (), None))
+    monkeypatch.setattr(host.mirror, "_view", None)
     host.match_prefix(hashes)
     assert isinstance(host.mirror.own, IndexMirror) and host.mirror.own.wait_loaded(10)
     # The putter learnt its blocks from the put's reply; etcd may get them after the new mirror's

@@ -1,0 +1,408 @@
+"""The host index's shared table: which blocks the host's one mirror holds, in shared memory that
+the host's worker processes probe themselves, so `match()` costs no round trip to the daemon.
+
+The daemon (kvstore.daemon.host_index) writes it; each worker gets a read-only descriptor of it
+over the same-host socket and maps it. It holds presence only — a key per block held anywhere,
+the block hash XORed with a per-fingerprint salt, so every fingerprint shares one table — never
+records: where a block is and its seals still come from the daemon (`lookup`, `prefix`).
+
+Layout (little-endian): a 64-byte header of u64 words — magic, sequence, state, heartbeat,
+slots of levels 0, 1 and 2, count — then the three levels' 20-byte rows (k0, k1, pid), as the
+mirror's own index (kvstore.index.table) but with the overflow in shared memory too: level 0 is
+addressed by k0, level 1 by k1, level 2 (the few that find both taken) by linear probing from
+k0 ^ k1, where a pid of -1 ends a chain and -2 marks a removed entry. A row's pid is the index
+shard that listed the block (0 for one etcd), so a shard's view can be replaced alone.
+
+Consistency: a sequence lock. The writer makes the sequence odd, changes rows, makes it even; a
+probe (cpp/index_probe.cpp, `shared_prefix`) that saw it odd or moved answers -1 and is tried
+again. Stores are ordered on x86-64 (TSO), which this relies on: elsewhere no table is offered and
+workers ask the daemon. A table outgrown is replaced by a larger one and the old one marked
+retired; a worker then asks for the new one.
+
+Liveness: the daemon holds an exclusive flock on the table's memfd for as long as it writes it;
+the kernel drops it the moment the daemon dies, however it dies, and a worker's non-blocking
+shared lock then succeeds (about 2 us a try). The daemon also stamps the header every BEAT_S with
+CLOCK_MONOTONIC (one clock for the whole host) and the mirror's stale and loading flags. A worker
+takes no answer from a table whose daemon is gone or whose stamp is older than DEAD_AFTER_S (a
+daemon that hangs): it asks the daemon over its socket instead, which fails over to the worker's
+own mirror in one logged line (kvstore.index.host_mirror).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import mmap
+import os
+import platform
+import struct
+import threading
+import time
+import weakref
+import contextlib
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from transfer import _native
+
+from .table import _ROW
+
+log = logging.getLogger(__name__)
+MAGIC = b"KVHIDX01"
+HEADER = 64
+SEQ, STATE, BEAT, SLOTS, COUNT = 1, 2, 3, 4, 7  # header word numbers (SLOTS: three words)
+RETIRED, STALE, LOADING = 1, 2, 4  # state bits
+EMPTY, GONE = -1, -2  # pid of a free row; of a removed level-2 row (a chain goes on through it)
+BEAT_S = 0.1
+DEAD_AFTER_S = 1.0  # a stamp older than this: the daemon is stuck, its table not trusted
+PROBE_TRIES = 50  # probes that met a change under way before the daemon is asked instead
+_MIN_SLOTS = 1024
+_GROW_AT = 0.75  # level-0 load factor that moves the table to a larger one
+_F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+
+
+def supported() -> bool:
+    """Whether this host can share a table (the sequence lock relies on x86-64's store order)."""
+    return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") and \
+        hasattr(_native, "shared_prefix")
+
+
+def fingerprint_salt(fingerprint: str) -> tuple[int, int]:
+    """Two u64 words XORed into a fingerprint's block hashes: one table holds every fingerprint."""
+    digest = hashlib.blake2b(fingerprint.encode(), digest_size=16, person=b"kvstore-hostidx").digest()
+    return struct.unpack("<QQ", digest)
+
+
+def _slots_for(count: int) -> int:
+    return max(_MIN_SLOTS, 1 << max(0, (2 * count - 1).bit_length()))
+
+
+class _File:
+    """One table's memfd, mapped writable here; sealed so that nobody maps it writable again."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = (slots, slots // 2, max(64, slots // 16))
+        self.size = HEADER + _ROW.itemsize * sum(self.slots)
+        self.fd = os.memfd_create("kvstore-host-index", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, self.size)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)  # held while this process lives and writes it
+            self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+            try:
+                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, seals | _F_SEAL_FUTURE_WRITE)
+            except OSError:  # an older kernel: workers still get read-only descriptors only
+                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, seals)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.header = np.frombuffer(self.map, "<u8", HEADER // 8)
+        self.header[0] = int.from_bytes(MAGIC, "little")
+        self.header[SLOTS:SLOTS + 3] = self.slots
+        offset, self.levels = HEADER, []
+        for count in self.slots:
+            rows = np.frombuffer(self.map, _ROW, count, offset)
+            rows["pid"] = EMPTY
+            self.levels.append(rows)
+            offset += rows.nbytes
+        self.masks = [np.uint64(n - 1) for n in self.slots]
+        self.spilled = 0  # level-2 rows in use, removed ones included (they lengthen chains)
+
+    def close(self) -> None:
+        """Unmapped once no array of it is left (a caller's frame may still hold one), unlocked now."""
+        del self.header, self.levels
+        try:
+            self.map.close()
+        except BufferError:
+            pass
+        os.close(self.fd)
+
+
+class SharedTable:
+    """The daemon's side (see the module docstring). Thread-safe: a sharded index's mirrors write
+    from their own threads."""
+
+    def __init__(self, expected: int = 0) -> None:
+        self._lock = threading.Lock()
+        self._file = _File(_slots_for(expected))
+        self.count = 0
+        self._salts: dict[str, np.ndarray] = {}
+        self.closed = False
+
+    # --- what a reader is given -----------------------------------------------------------------
+    def reader_fd(self) -> int:
+        """A new read-only descriptor of the current table (the caller closes it)."""
+        with self._lock:
+            return os.open(f"/proc/self/fd/{self._file.fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def beat(self, stale: bool, loading: bool) -> None:
+        """Stamp the header: alive now, with the mirror's flags."""
+        with self._lock:
+            if self.closed:
+                return
+            header = self._file.header
+            header[STATE] = (STALE if stale else 0) | (LOADING if loading else 0)
+            header[BEAT] = time.monotonic_ns()
+
+    def close(self) -> None:
+        """Retire the table: readers stop trusting it at once and ask the daemon."""
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self._retire(self._file)
+
+    def _retire(self, file: _File) -> None:
+        with self._changing(file):
+            file.header[STATE] |= RETIRED
+        file.close()
+
+    # --- changes --------------------------------------------------------------------------------
+    def salted(self, fingerprint: str, words: np.ndarray) -> np.ndarray:
+        salt = self._salts.get(fingerprint)
+        if salt is None:
+            salt = self._salts[fingerprint] = np.array(fingerprint_salt(fingerprint), "<u8")
+        return words ^ salt
+
+    @contextmanager
+    def _writing(self) -> Iterator[bool]:
+        """The lock, and whether to write; a write that fails retires the table (its readers ask
+        the daemon from then on) instead of failing the mirror that told it."""
+        with self._lock:
+            try:
+                yield not self.closed
+            except Exception:  # noqa: BLE001 - the mirror must go on; the table is given up
+                log.exception("the host index's shared table failed: retired, workers ask the daemon")
+                self.closed = True
+                with contextlib.suppress(Exception):
+                    self._retire(self._file)
+
+    def appeared(self, source: int, fingerprint: str, words: np.ndarray) -> None:
+        """Blocks (their (n, 2) hash words) now held somewhere, listed by index shard `source`."""
+        if len(words):
+            with self._writing() as live:
+                if live:
+                    self._insert(source, self.salted(fingerprint, words))
+
+    def gone(self, fingerprint: str, words: np.ndarray) -> None:
+        """Blocks no longer held anywhere."""
+        if len(words):
+            with self._writing() as live:
+                if live:
+                    with self._changing(self._file):
+                        self._remove(self.salted(fingerprint, words))
+
+    def reset(self, source: int, blocks: dict[str, np.ndarray]) -> None:
+        """Shard `source`'s blocks are exactly these now (a snapshot swapped in): its other rows go."""
+        with self._writing() as live:
+            if live:
+                self._reset(source, blocks)
+
+    def _reset(self, source: int, blocks: dict[str, np.ndarray]) -> None:
+        file = self._file
+        with self._changing(file):
+            for level in file.levels[:2]:
+                mine = level["pid"] == source
+                level["pid"][mine] = EMPTY
+                level["k0"][mine] = level["k1"][mine] = 0
+                self.count -= int(mine.sum())
+            spill = file.levels[2]
+            mine = spill["pid"] == source
+            spill["pid"][mine] = GONE
+            self.count -= int(mine.sum())
+        for fingerprint, words in blocks.items():
+            if len(words):
+                self._insert(source, self.salted(fingerprint, words))
+
+    @contextmanager
+    def _changing(self, file: _File) -> Iterator[None]:
+        header = file.header
+        header[SEQ] += 1  # odd: a probe now in flight answers -1 and tries again
+        try:
+            yield
+        finally:
+            header[COUNT] = self.count
+            header[SEQ] += 1
+
+    def _insert(self, source: int, keys: np.ndarray) -> None:
+        """Keys not yet in the table (a key already there is left as it is)."""
+        keys = keys[~self._present(keys)]
+        if self.count + len(keys) > _GROW_AT * self._file.slots[0]:
+            self._grow(self.count + len(keys))
+        file = self._file
+        with self._changing(file):
+            left = np.arange(len(keys))
+            for level, mask, column in zip(file.levels[:2], file.masks[:2], (0, 1)):
+                slots = (keys[left, column] & mask).astype(np.intp)
+                free = np.flatnonzero(level["pid"][slots] < 0)
+                taken, first = np.unique(slots[free], return_index=True)  # one winner per slot
+                winners = left[free[first]]
+                level["k0"][taken], level["k1"][taken] = keys[winners, 0], keys[winners, 1]
+                level["pid"][taken] = source
+                placed = np.zeros(len(left), bool)
+                placed[free[first]] = True
+                left = left[~placed]
+            self.count += len(keys) - len(left)
+            spill_full = False
+            for i in left.tolist():
+                if not self._spill(file, source, int(keys[i, 0]), int(keys[i, 1])):
+                    spill_full = True
+                    break
+                self.count += 1
+        if spill_full:  # level 2 is full of chains: a table twice the size, and the rest again
+            self._grow(max(self.count + len(left), self._file.slots[0]))
+            self._insert(source, keys)
+
+    @staticmethod
+    def _spill(file: _File, source: int, k0: int, k1: int) -> bool:
+        rows, mask = file.levels[2], int(file.masks[2])
+        if file.spilled >= len(rows) // 2:
+            return False
+        k0s, k1s, pids = rows["k0"], rows["k1"], rows["pid"]
+        slot = (k0 ^ k1) & mask
+        while pids.item(slot) >= 0:
+            slot = (slot + 1) & mask
+        if pids.item(slot) == EMPTY:
+            file.spilled += 1
+        k0s[slot], k1s[slot] = k0, k1
+        pids[slot] = source
+        return True
+
+    def _present(self, keys: np.ndarray) -> np.ndarray:
+        """Which keys the table holds (a key in level 2 is looked for one by one: about 1 in 100)."""
+        file, found = self._file, np.zeros(len(keys), bool)
+        for level, mask, column in zip(file.levels[:2], file.masks[:2], (0, 1)):
+            rows = level[(keys[:, column] & mask).astype(np.intp)]
+            found |= (rows["pid"] >= 0) & (rows["k0"] == keys[:, 0]) & (rows["k1"] == keys[:, 1])
+        if file.spilled:
+            for i in np.flatnonzero(~found).tolist():
+                found[i] = self._spill_slot(file, int(keys[i, 0]), int(keys[i, 1])) is not None
+        return found
+
+    @staticmethod
+    def _spill_slot(file: _File, k0: int, k1: int) -> int | None:
+        rows, mask = file.levels[2], int(file.masks[2])
+        k0s, k1s, pids = rows["k0"], rows["k1"], rows["pid"]
+        slot = (k0 ^ k1) & mask
+        for _ in range(len(rows)):
+            pid = pids.item(slot)
+            if pid == EMPTY:
+                return None
+            if pid >= 0 and k0s.item(slot) == k0 and k1s.item(slot) == k1:
+                return slot
+            slot = (slot + 1) & mask
+        return None
+
+    def _remove(self, keys: np.ndarray) -> None:
+        file, left = self._file, np.arange(len(keys))
+        for level, mask, column in zip(file.levels[:2], file.masks[:2], (0, 1)):
+            slots = (keys[left, column] & mask).astype(np.intp)
+            rows = level[slots]
+            hit = (rows["pid"] >= 0) & (rows["k0"] == keys[left, 0]) & (rows["k1"] == keys[left, 1])
+            gone = slots[hit]
+            level["pid"][gone] = EMPTY
+            level["k0"][gone] = level["k1"][gone] = 0
+            self.count -= len(np.unique(gone))
+            left = left[~hit]
+        if file.spilled:
+            for i in left.tolist():
+                slot = self._spill_slot(file, int(keys[i, 0]), int(keys[i, 1]))
+                if slot is not None:
+                    file.levels[2]["pid"][slot] = GONE
+                    self.count -= 1
+
+    def _grow(self, count: int) -> None:
+        """Move every key to a new, larger table; the old one is retired (its readers ask again)."""
+        old = self._file
+        live = [(rows[["k0", "k1"]][rows["pid"] >= 0], rows["pid"][rows["pid"] >= 0]) for rows in old.levels]
+        self._file, self.count = _File(_slots_for(count)), 0
+        for keys, pids in live:
+            for source in np.unique(pids).tolist():
+                picked = keys[pids == source]
+                self._insert(source, np.stack([picked["k0"], picked["k1"]], 1))
+        self._file.header[STATE] = old.header[STATE]
+        self._file.header[BEAT] = old.header[BEAT]
+        self._retire(old)
+
+    def of_shard(self, source: int) -> "ShardPresence":
+        """What index shard `source`'s mirror tells (kvstore.index.table.Presence)."""
+        return ShardPresence(self, source)
+
+
+class ShardPresence:
+    """One index shard's face of the table: the blocks its mirror's current snapshot holds."""
+
+    def __init__(self, table: SharedTable, source: int) -> None:
+        self.table, self.source = table, source
+
+    def appeared(self, fingerprint: str, words: np.ndarray) -> None:
+        self.table.appeared(self.source, fingerprint, words)
+
+    def gone(self, fingerprint: str, words: np.ndarray) -> None:
+        self.table.gone(fingerprint, words)
+
+    def reset(self, blocks: dict[str, np.ndarray]) -> None:
+        self.table.reset(self.source, blocks)
+
+
+class SharedTableView:
+    """A worker's read-only mapping of the host's table (see the module docstring)."""
+
+    def __init__(self, fd: int) -> None:
+        """`fd` stays the caller's; the view keeps a duplicate (its lock tells the daemon's life)."""
+        size = os.fstat(fd).st_size
+        if size < HEADER:
+            raise ValueError(f"a host index table of {size} bytes")
+        self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        if self._map[:8] != MAGIC:
+            self._map.close()
+            raise ValueError("not a host index table")
+        self._fd = os.dup(fd)
+        self._closed = weakref.finalize(self, os.close, self._fd)
+        self._salts: dict[str, tuple[int, int]] = {}
+
+    def _word(self, number: int) -> int:
+        return struct.unpack_from("<Q", self._map, number * 8)[0]
+
+    @property
+    def retired(self) -> bool:
+        return bool(self._word(STATE) & RETIRED)
+
+    @property
+    def writer_alive(self) -> bool:
+        """Whether the daemon that writes the table still holds it (see the module docstring)."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return False
+
+    @property
+    def alive(self) -> bool:
+        """Not retired, stamped within DEAD_AFTER_S, and its daemon still holds it."""
+        return not self.retired and time.monotonic_ns() - self._word(BEAT) < DEAD_AFTER_S * 1e9 and self.writer_alive
+
+    def prefix(self, fingerprint: str, hashes: Sequence[bytes]) -> tuple[int, bool, bool] | None:
+        """(leading blocks held, stale, loading), or None where the table cannot answer now (retired,
+        its daemon silent, or changing under every try): ask the daemon instead."""
+        salt = self._salts.get(fingerprint)
+        if salt is None:
+            salt = self._salts[fingerprint] = fingerprint_salt(fingerprint)
+        for attempt in range(PROBE_TRIES):
+            length = _native.shared_prefix(self._map, hashes, *salt)
+            if length >= 0:
+                state = self._word(STATE)
+                if not self.alive:
+                    return None
+                return length, bool(state & STALE), bool(state & LOADING)
+            if self.retired:
+                return None
+            if attempt:
+                time.sleep(0)  # the daemon is mid-change: let it finish
+        return None
+
+    def close(self) -> None:
+        self._map.close()
+        self._closed()

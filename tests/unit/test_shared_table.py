@@ -1,0 +1,218 @@
+"""The host index's shared table (kvstore.index.shared_table): what the daemon writes is what a
+worker's probe of the read-only mapping answers, through growth, spills, removals, a shard's
+snapshot swapped in, a change under way and the daemon's death."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from kvstore.index import shared_table
+from kvstore.index.shared_table import SEQ, SharedTable, SharedTableView, fingerprint_salt
+from kvstore.index.table import as_words
+from transfer import _native
+
+pytestmark = pytest.mark.skipif(not shared_table.supported(), reason="shared tables need Linux on x86-64")
+
+
+def hashes(first: int, count: int) -> list[bytes]:
+    return [os.urandom(8) + i.to_bytes(8, "little") for i in range(first, first + count)]
+
+
+def view_of(table: SharedTable) -> SharedTableView:
+    fd = table.reader_fd()
+    try:
+        return SharedTableView(fd)
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def table():
+    t = SharedTable()
+    t.beat(stale=False, loading=False)
+    yield t
+    t.close()
+
+
+def test_a_probe_answers_what_the_daemon_wrote_and_removed(table):
+    """Kills: a removal not written to the shared table (a worker would plan loads of blocks gone)."""
+    blocks = hashes(0, 3000)
+    table.of_shard(0).appeared("fp", as_words(blocks))
+    view = view_of(table)
+    assert view.prefix("fp", blocks) == (3000, False, False)
+    table.of_shard(0).gone("fp", as_words(blocks[1000:1001]))
+    assert view.prefix("fp", blocks)[0] == 1000
+    assert view.prefix("fp", blocks[1001:])[0] == 1999
+    assert table.count == 2999
+
+
+def test_fingerprints_share_one_table_but_never_each_others_blocks(table):
+    """Kills: keys without the fingerprint's salt (another model's block with the same hash, or a
+    tenant's, would count as held)."""
+    blocks = hashes(0, 50)
+    table.of_shard(0).appeared("model-a", as_words(blocks))
+    view = view_of(table)
+    assert view.prefix("model-a", blocks)[0] == 50
+    assert view.prefix("model-b", blocks)[0] == 0
+    assert fingerprint_salt("model-a") != fingerprint_salt("model-b")
+
+
+def test_a_table_outgrown_is_retired_and_its_successor_holds_everything(table):
+    """Kills: a growth that loses blocks, or that leaves readers on the old table (which no longer
+    changes) instead of retiring it."""
+    first = hashes(0, 500)
+    table.of_shard(0).appeared("fp", as_words(first))
+    old = view_of(table)
+    more = hashes(500, 20_000)
+    table.of_shard(1).appeared("fp", as_words(more))
+    assert old.retired and old.prefix("fp", first) is None
+    new = view_of(table)
+    assert new.prefix("fp", first)[0] == 500 and new.prefix("fp", more)[0] == 20_000
+    table.of_shard(1).reset({})  # the growth kept each block's shard
+    assert view_of(table).prefix("fp", first)[0] == 500 and view_of(table).prefix("fp", more)[0] == 0
+
+
+def test_blocks_that_spill_past_both_levels_are_found_and_removed(table):
+    """Kills: a probe that ignores level 2, or a removal there that ends the chains running
+    through it (blocks after it in the chain would read as absent)."""
+    slots0, slots1 = table._file.slots[:2]
+    # Keys whose level-0 and level-1 slots are all the same (after the salt): every one after the
+    # first two spills, into one chain.
+    s0, s1 = fingerprint_salt("fp")
+    keys = [(((i << 20) | 5) ^ s0, ((i << 20) | 7) ^ s1) for i in range(1, 31)]
+    blocks = [a.to_bytes(8, "little") + b.to_bytes(8, "little") for a, b in keys]
+    assert all((a ^ s0) % slots0 == 5 and (b ^ s1) % slots1 == 7 for a, b in keys)
+    table.of_shard(0).appeared("fp", as_words(blocks))
+    assert table._file.spilled == 28
+    view = view_of(table)
+    assert view.prefix("fp", blocks)[0] == 30
+    table.of_shard(0).gone("fp", as_words(blocks[10:11]))  # in the middle of the chain
+    assert view.prefix("fp", blocks)[0] == 10
+    assert view.prefix("fp", blocks[11:])[0] == 19
+
+
+def test_a_shards_snapshot_swapped_in_replaces_only_its_own_blocks(table):
+    """Kills: a reset that clears every shard's rows (a sharded host index would lose the other
+    shards' blocks at each reload of one)."""
+    a, b = hashes(0, 300), hashes(300, 300)
+    table.of_shard(0).appeared("fp", as_words(a))
+    table.of_shard(1).appeared("fp", as_words(b))
+    table.of_shard(1).reset({"fp": as_words(b[:100])})
+    view = view_of(table)
+    assert view.prefix("fp", a)[0] == 300
+    assert view.prefix("fp", b)[0] == 100
+    assert table.count == 400
+
+
+def test_a_probe_during_a_change_is_not_answered_from_the_table(table):
+    """Kills: a probe that ignores the sequence lock (it would read rows half written)."""
+    blocks = hashes(0, 10)
+    table.of_shard(0).appeared("fp", as_words(blocks))
+    view = view_of(table)
+    header = table._file.header
+    header[SEQ] += 1  # a change under way, as the daemon leaves it mid-write
+    try:
+        assert _native.shared_prefix(view._map, blocks, *fingerprint_salt("fp")) == -1
+        assert view.prefix("fp", blocks) is None
+    finally:
+        header[SEQ] += 1
+    assert view.prefix("fp", blocks)[0] == 10
+
+
+def test_flags_and_a_silent_daemon(table, monkeypatch):
+    """Kills: the mirror's stale flag not carried to workers, and a table trusted after its daemon
+    stopped stamping it (a hung daemon's view no longer follows the index)."""
+    blocks = hashes(0, 4)
+    table.of_shard(0).appeared("fp", as_words(blocks))
+    table.beat(stale=True, loading=True)
+    view = view_of(table)
+    assert view.prefix("fp", blocks) == (4, True, True)
+    monkeypatch.setattr(shared_table, "DEAD_AFTER_S", 0.0)
+    assert view.prefix("fp", blocks) is None
+
+
+def test_a_dead_daemons_table_is_not_used_at_once():
+    """Kills: liveness by the stamp alone (for a second after a kill -9 a worker would answer from a
+    table nobody updates)."""
+    child = textwrap.dedent("""
+        import os, socket, sys, time
+        from kvstore.index.shared_table import SharedTable
+        from kvstore.index.table import as_words
+        sock = socket.socket(fileno=int(sys.argv[1]))
+        table = SharedTable()
+        table.of_shard(0).appeared("fp", as_words([bytes(range(16))]))
+        table.beat(False, False)
+        socket.send_fds(sock, [b"F"], [table.reader_fd()])
+        sock.recv(1)  # until told to die
+        os._exit(0)
+    """)
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, "-c", child, str(theirs.fileno())], pass_fds=[theirs.fileno()])
+    theirs.close()
+    try:
+        _, fds, _, _ = socket.recv_fds(ours, 1, 1)
+        view = SharedTableView(fds[0])
+        os.close(fds[0])
+        assert view.prefix("fp", [bytes(range(16))])[0] == 1 and view.writer_alive
+        ours.send(b"x")
+        proc.wait(10)
+        assert not view.writer_alive
+        assert view.prefix("fp", [bytes(range(16))]) is None  # its stamp is still fresh
+    finally:
+        proc.kill()
+        ours.close()
+
+
+def test_a_table_closed_by_its_daemon_is_retired(table):
+    blocks = hashes(0, 3)
+    table.of_shard(0).appeared("fp", as_words(blocks))
+    view = view_of(table)
+    table.close()
+    assert view.retired and view.prefix("fp", blocks) is None
+
+
+def test_what_is_not_a_table_is_refused():
+    with pytest.raises(ValueError):
+        _native.shared_prefix(bytearray(64), [bytes(16)], 0, 0)
+    header = np.zeros(8, "<u8")
+    header[0] = int.from_bytes(shared_table.MAGIC, "little")
+    header[4:7] = 1024  # levels the buffer does not hold
+    with pytest.raises(ValueError):
+        _native.shared_prefix(header.view(np.uint8), [bytes(16)], 0, 0)
+    r, w = os.pipe()
+    os.close(w)
+    try:
+        with pytest.raises((ValueError, OSError)):
+            SharedTableView(r)
+    finally:
+        os.close(r)
+
+
+def test_pages_that_grow_the_table_past_its_spill_level_all_arrive(table):
+    """Kills: a growth that fails while the insert that caused it still holds the old table's rows
+    (seen: the mirror's first load stopped at 8,192 blocks of 20,000)."""
+    blocks = hashes(0, 20_000)
+    for start in range(0, len(blocks), 4096):
+        table.of_shard(0).appeared("fp", as_words(blocks[start:start + 4096]))
+    assert not table.closed and table.count == 20_000
+    assert view_of(table).prefix("fp", blocks)[0] == 20_000
+
+
+def test_a_write_that_fails_retires_the_table_and_spares_the_mirror(table, monkeypatch, caplog):
+    """Kills: a shared table's failure raised into the mirror that told it (its load or watch
+    would stop, and the daemon's own answers go stale with it)."""
+    view = view_of(table)
+
+    def broken(*args):
+        raise MemoryError("no room for a larger table")
+
+    monkeypatch.setattr(table, "_insert", broken)
+    table.of_shard(0).appeared("fp", as_words(hashes(0, 5)))  # no exception
+    assert table.closed and view.retired and view.prefix("fp", hashes(0, 1)) is None
+    assert "retired" in caplog.text
