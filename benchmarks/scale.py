@@ -18,7 +18,9 @@ Four kinds of record, each against real local etcd servers and real kvstore proc
   the host's shared table (kvstore.index.shared_table) and, for comparison, over the daemon's
   socket (`socket_p50_us`). The `mirror_load` record carries the same prompts matched in-process
   by the loaded mirror (`match_p50_us`): what a process with its own mirror pays.
-- `host_memory`: worker processes attached to that host index against one mirror of their own.
+- `host_memory`: worker processes attached to that host index against one mirror of their own:
+  what each worker's resident memory grew by opening a client and asking a question, but the
+  pages of the host's shared table it mapped (the daemon's: counted once, in the daemon's growth).
 
 What it proves and what not: the `publish` records measure each shard's etcd taking its part of the
 hash space from the writer a node runs per shard (NodeSession, as a sharded node does), not one
@@ -250,9 +252,10 @@ import json, os, sys
 from kvstore import Client
 from kvstore.keys import ModelFingerprint, external_hashes
 
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def rss():  # resident bytes but shared memory (the host's table: the daemon's, counted there once)
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return (int(fields["VmRSS"].split()[0]) - int(fields["RssShmem"].split()[0])) * 1024
 
 url, cluster, index, secret = sys.argv[1:5]
 fp = ModelFingerprint("bench-model", "float16", 128, 32, 8, 128)

@@ -36,7 +36,7 @@ from typing import Callable
 
 from ..errors import InvalidRecord, NotMirrored
 from ..index import shared_table
-from ..index.mirror import IndexMirror
+from ..index.mirror import IndexMirror, in_scope
 from ..index.shared_table import SharedTable
 from ..index.signatures import RecordVerifier
 from ..keys import HASH_BYTES
@@ -139,8 +139,11 @@ class HostIndex:
         fingerprint = check_fingerprint(request.get("fp"), tenant)
         try:
             if q == "match":
-                match = mirror.match(fingerprint, hashes)
-                return {"ok": True, "length": match.length, "stale": match.stale, "loading": match.loading}
+                length = None if self._table is None else self._table.prefix(in_scope(mirror.scope, fingerprint), hashes)
+                if length is None:  # (its mirror keeps no index of its own while the table lasts)
+                    match = mirror.match(fingerprint, hashes)
+                    return {"ok": True, "length": match.length, "stale": match.stale, "loading": match.loading}
+                return {"ok": True, "length": length, "stale": mirror.stale, "loading": mirror.loading}
             if q == "prefix":
                 stale = mirror.stale
                 return {"ok": True, "lengths": {} if stale else mirror.node_prefix_lengths(fingerprint, hashes),

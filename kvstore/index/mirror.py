@@ -181,8 +181,8 @@ class IndexMirror:
     def share_presence(self, presence_of: Callable[[int], Presence]) -> None:
         """Tell `presence_of(this shard's number)` the current snapshot's blocks, then each that
         appears or goes, and each snapshot swapped in (kvstore.index.shared_table)."""
-        with self._apply_lock:
-            self._presence = presence_of(self.place[0])
+        with self._apply_lock:  # (before start: its snapshots keep no match() index from then on)
+            self._presence, self._snapshot = presence_of(self.place[0]), Snapshot(indexed=False)
             self._snapshot.share(self._presence)
 
     def _make_current(self, snap: Snapshot) -> None:  # (the caller holds _apply_lock)
@@ -263,7 +263,7 @@ class IndexMirror:
         table = self._snapshot.blocks.get(self._mirrored(fingerprint))
         if table is None or not hashes:
             return NO_IDS
-        return table.prefix(hashes)  # native, also for a few blocks: cheaper than dict lookups here
+        return table.prefix(hashes, self.tables.placement_id)  # native, also for a few blocks
 
     def node_prefix_lengths(self, fingerprint: ModelFingerprint | str, hashes: Sequence[bytes]) -> dict[str, int]:
         """For each node, how many leading blocks it holds itself (the conductor's input)."""
@@ -451,7 +451,7 @@ class IndexMirror:
         revision = nodes.revision
         segments = await metadata.range_page(segments_prefix, prefix_end(segments_prefix), revision=revision,
                                              timeout=self.timeout)
-        snap = Snapshot()
+        snap = Snapshot(self._presence is None)
         with self._apply_lock:
             for page in (nodes, segments):
                 self.tables.apply_slowly(snap, page.keys, page.values)

@@ -53,7 +53,8 @@ def node_prefix_lengths(ids: np.ndarray, placements: list[Placement]) -> dict[st
 class Snapshot:
     """Everything the mirror knows; replaced whole on resync."""
 
-    def __init__(self) -> None:
+    def __init__(self, indexed: bool = True) -> None:
+        self.indexed = indexed  # False: its block tables keep no match() index (a shared table answers)
         self.nodes: dict[str, NodeRecord] = {}
         self.segments: dict[str, str] = {}
         # fingerprint -> its blocks. A record is the encoded BlockRecord prefixed with the owner's
@@ -64,7 +65,7 @@ class Snapshot:
     def table(self, fingerprint: str) -> BlockTable:
         table = self.blocks.get(fingerprint)
         if table is None:
-            table = self.blocks[fingerprint] = BlockTable(fingerprint)
+            table = self.blocks[fingerprint] = BlockTable(fingerprint, self.indexed)
             table.presence = self.presence
         return table
 

@@ -137,6 +137,13 @@ class SharedTable:
         with self._lock:
             return os.open(f"/proc/self/fd/{self._file.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
+    def prefix(self, fingerprint: str, hashes: Sequence[bytes]) -> int | None:
+        """The daemon's own probe (a worker's answer, for a question that came over the socket);
+        None once the table is retired."""
+        salt = fingerprint_salt(fingerprint)
+        with self._lock:
+            return None if self.closed else _native.shared_prefix(self._file.map, hashes, *salt)
+
     def beat(self, stale: bool, loading: bool) -> None:
         """Stamp the header: alive now, with the mirror's flags."""
         with self._lock:

@@ -14,7 +14,7 @@ chains, so a removal just clears the slot.
 from __future__ import annotations
 
 import threading
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 from transfer._native import index_prefix
@@ -172,31 +172,48 @@ class BlockTable:
     when replicated) and is read without a lock; the index is read and written under `lock`.
     `presence`, where set, is told each block that appears or goes, under that lock."""
 
-    def __init__(self, fingerprint: str = "") -> None:
+    def __init__(self, fingerprint: str = "", indexed: bool = True) -> None:
         self.fingerprint = fingerprint
         self.records: dict[bytes, bytes | tuple[bytes, ...]] = {}
-        self.index = HashIndex()
+        # None where a shared table answers match() for this mirror (the host index's): the
+        # placements of a prefix are then read from the records (MirrorTables.prefix_ids)
+        self.index: HashIndex | None = HashIndex() if indexed else None
         self.lock = threading.Lock()
         self.presence: Presence | None = None
 
     def __len__(self) -> int:
         return len(self.records)
 
-    def prefix(self, hashes: Sequence[bytes]) -> np.ndarray:
+    def prefix(self, hashes: Sequence[bytes],
+               placement_of: Callable[[tuple[bytes, ...]], int] | None = None) -> np.ndarray:
+        """Placement ids of the leading run of `hashes` held; without an index, from the records
+        (`placement_of` interns a block's replicas: kvstore.index.mirror_tables)."""
         with self.lock:
-            return self.index.prefix(hashes)
+            if self.index is not None:
+                return self.index.prefix(hashes)
+        if placement_of is None:
+            raise ValueError("a table without an index needs placement_of")
+        ids, records = [], self.records
+        for h in hashes:
+            entry = records.get(h) if type(h) is bytes else None  # noqa: E721 - exactly bytes, as the probe
+            if entry is None:
+                break
+            ids.append(placement_of(entry if isinstance(entry, tuple) else (entry,)))
+        return np.array(ids, np.int32)
 
     def set(self, h: bytes, record: bytes | tuple[bytes, ...], pid: int) -> None:
         with self.lock:
             new = h not in self.records
             self.records[h] = record
-            self.index.set(h, pid)
+            if self.index is not None:
+                self.index.set(h, pid)
             if new and self.presence is not None:
                 self.presence.appeared(self.fingerprint, as_words([h]))
 
     def remove(self, h: bytes) -> None:
         with self.lock:
-            self.index.remove(h)
+            if self.index is not None:
+                self.index.remove(h)
             if self.records.pop(h, None) is not None and self.presence is not None:
                 self.presence.gone(self.fingerprint, as_words([h]))
 
@@ -205,14 +222,16 @@ class BlockTable:
         words = as_words(hashes)
         with self.lock:
             self.records.update(zip(hashes, records))
-            self.index.add(words, pids)
+            if self.index is not None:
+                self.index.add(words, pids)
             if self.presence is not None:
                 self.presence.appeared(self.fingerprint, words)
 
     def words(self) -> np.ndarray:
         with self.lock:
-            return self.index.words()
+            return as_words(list(self.records)) if self.index is None else self.index.words()
 
     def reserve(self, count: int) -> None:
         with self.lock:
-            self.index.reserve(count)
+            if self.index is not None:
+                self.index.reserve(count)
