@@ -27,17 +27,17 @@ writable mapping, and clients get a read-only descriptor: no client can forge a 
 """
 from __future__ import annotations
 
-import fcntl
 import mmap
 import os
 import secrets
 import struct
 import weakref
 
+from .memfd import reader_fd, writer_memfd
+
 ALIGN = 4096  # as kvstore.tiers.allocator.ALIGN: every slot starts on a unit
 MAGIC = b"KVSEALS1"
 HEADER = 16  # magic, incarnation (random: a restarted daemon's table is another table)
-_F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 
 
 class SealTable:
@@ -47,20 +47,9 @@ class SealTable:
         self.units = max(1, arena_bytes // ALIGN)
         self.size = HEADER + 8 * self.units
         self.incarnation = secrets.randbits(63) or 1
-        self._fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(self._fd, self.size)
-            self._map = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            self._map[:HEADER] = MAGIC + struct.pack("<Q", self.incarnation)
-            self._numbers = memoryview(self._map)[HEADER:].cast("Q")
-            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-            try:  # after our own writable mapping: nobody gets another one
-                fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, seals | _F_SEAL_FUTURE_WRITE)
-            except OSError:  # an older kernel: clients still get read-only descriptors only
-                fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, seals)
-        except BaseException:
-            os.close(self._fd)
-            raise
+        self._fd, self._map = writer_memfd(name, self.size)
+        self._map[:HEADER] = MAGIC + struct.pack("<Q", self.incarnation)
+        self._numbers = memoryview(self._map)[HEADER:].cast("Q")
         self._closed = weakref.finalize(self, os.close, self._fd)  # a store dropped without close()
         self._last = 0
 
@@ -78,7 +67,7 @@ class SealTable:
 
     def reader_fd(self) -> int:
         """A new read-only descriptor of the table, for a client (the caller closes it)."""
-        return os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
+        return reader_fd(self._fd)
 
     def close(self) -> None:
         self._numbers.release()

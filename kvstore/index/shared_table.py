@@ -47,6 +47,7 @@ import numpy as np
 
 from transfer import _native
 
+from ..memfd import reader_fd, writer_memfd
 from .table import _ROW
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,6 @@ DEAD_AFTER_S = 1.0  # a stamp older than this: the daemon is stuck, its table no
 PROBE_TRIES = 50  # probes that met a change under way before the daemon is asked instead
 _MIN_SLOTS = 1024
 _GROW_AT = 0.75  # level-0 load factor that moves the table to a larger one
-_F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 
 
 def supported() -> bool:
@@ -85,19 +85,7 @@ class _File:
     def __init__(self, slots: int) -> None:
         self.slots = (slots, slots // 2, max(64, slots // 16))
         self.size = HEADER + _ROW.itemsize * sum(self.slots)
-        self.fd = os.memfd_create("kvstore-host-index", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(self.fd, self.size)
-            fcntl.flock(self.fd, fcntl.LOCK_EX)  # held while this process lives and writes it
-            self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-            try:
-                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, seals | _F_SEAL_FUTURE_WRITE)
-            except OSError:  # an older kernel: workers still get read-only descriptors only
-                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, seals)
-        except BaseException:
-            os.close(self.fd)
-            raise
+        self.fd, self.map = writer_memfd("kvstore-host-index", self.size, lock=True)  # locked while we live
         self.header = np.frombuffer(self.map, "<u8", HEADER // 8)
         self.header[0] = int.from_bytes(MAGIC, "little")
         self.header[SLOTS:SLOTS + 3] = self.slots
@@ -135,7 +123,7 @@ class SharedTable:
     def reader_fd(self) -> int:
         """A new read-only descriptor of the current table (the caller closes it)."""
         with self._lock:
-            return os.open(f"/proc/self/fd/{self._file.fd}", os.O_RDONLY | os.O_CLOEXEC)
+            return reader_fd(self._file.fd)
 
     def prefix(self, fingerprint: str, hashes: Sequence[bytes]) -> int | None:
         """The daemon's own probe (a worker's answer, for a question that came over the socket);
