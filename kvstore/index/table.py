@@ -195,7 +195,11 @@ class BlockTable:
             raise ValueError("a table without an index needs placement_of")
         ids, records = [], self.records
         for h in hashes:
-            entry = records.get(h) if type(h) is bytes else None  # noqa: E721 - exactly bytes, as the probe
+            if type(h) is not bytes:  # what the native probe reads too: any 16 bytes-like, nothing else
+                if not isinstance(h, (bytes, bytearray, memoryview)):
+                    break
+                h = bytes(h)
+            entry = records.get(h)
             if entry is None:
                 break
             ids.append(placement_of(entry if isinstance(entry, tuple) else (entry,)))

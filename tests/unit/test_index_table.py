@@ -147,3 +147,26 @@ def test_hex_cells_partition_the_range_exactly():
     assert hex_cells(base, base + b"zz", end, 50) == [(base + b"zz", end)]
     sizes = [sum(1 for k in keys if a <= k < b) for a, b in hex_cells(base, base, end, 16)]
     assert max(sizes) < 2.5 * len(keys) / 16  # even shares of uniform hashes
+
+
+def test_a_table_without_an_index_answers_prefixes_as_one_with_it():
+    """Kills: the records path a host index's mirror takes while its shared table answers match()
+    disagreeing with the indexed path (a node's prefix lengths would route to the wrong node):
+    ids, a cut at the first absent block, and hashes that are not plain 16-byte bytes."""
+    from kvstore.index.table import BlockTable
+
+    hashes = [os.urandom(16) for _ in range(300)]
+    placements: dict[tuple[bytes, ...], int] = {}
+
+    def placement_of(raws: tuple[bytes, ...]) -> int:
+        return placements.setdefault(raws, len(placements))
+
+    records = [bytes([i % 3]) * 4 for i in range(300)]
+    tables = [BlockTable("fp", indexed=True), BlockTable("fp", indexed=False)]
+    for table in tables:
+        table.add(hashes, records, np.array([placement_of((r,)) for r in records], np.int32))
+        table.remove(hashes[200])
+    for prompt in (hashes, hashes[:50], hashes[201:], [hashes[0], bytearray(hashes[1])], [hashes[0], b"short"], []):
+        ids = [t.prefix(prompt, placement_of).tolist() for t in tables]
+        assert ids[0] == ids[1], prompt[:2]
+    assert len(tables[1].prefix(hashes, placement_of)) == 200
