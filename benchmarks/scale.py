@@ -334,6 +334,8 @@ def host_index(shards: list[EtcdServer], total: int, worker_counts: tuple[int, .
         daemon_bytes = process_rss(daemon.pid) - before
         table = lookups(client.mirror, total)
         missed = client.mirror.table_misses
+        if client.mirror.own is not None:
+            raise RuntimeError("the host index stopped answering during the lookups (see the log above)")
         client.mirror.use_table = False
         socket = lookups(client.mirror, total)
         client.close()

@@ -133,7 +133,7 @@ size_t index_prefix(const py::buffer& l0_rows, const py::buffer& l1_rows, const 
 // that saw the sequence move, or the table retired, answers -1 and the caller tries again or asks
 // the daemon. Rows are read with plain loads: a torn row is caught by the sequence, never used.
 constexpr uint64_t kSharedMagic = 0x313058444948564bULL;  // "KVHIDX01" little-endian
-constexpr size_t kSharedHeader = 64;                      // u64: magic, seq, state, heartbeat, slots0..2, count
+constexpr size_t kSharedHeader = 64;                      // u64: magic, seq, state, heartbeat, slots0..2, flags
 constexpr uint64_t kRetired = 1;                          // state bit: a newer table replaced this one
 constexpr uint64_t kMaxSlots = uint64_t{1} << 40;
 

@@ -163,7 +163,7 @@ class Client:
             self.mirror.attach(lambda node, message, attachments, timeout:
                                self.links.control(node).call(message, attachments, timeout=timeout)[0],
                                lambda node: self.links.control(node).call({"op": "index", "q": "table", "count": 0},
-                                                                          want_fd=True)[1])
+                                                                          want_fd=True))
         self.puts = PutPipeline(self.links, publish=publish, repair=repair)
         self.reads = ReadPipeline(self.links, self._records, verified, wire_codec=self.wire_codec)
         self.closed = False

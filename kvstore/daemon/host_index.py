@@ -21,7 +21,7 @@ most MAX_HASHES):
            once, as a client's own mirror does
   wait     {revision, timeout}      -> {reached}: whether the mirror applied that revision in time
   status   {}                      -> {revision, stale, loading, blocks (not for a tenant)}
-  table    {}                      -> {} and, over SCM_RIGHTS, a read-only fd of the shared table
+  table    {}                      -> {salt_key} and, over SCM_RIGHTS, a read-only fd of the shared table
            (kvstore.index.shared_table) a worker probes for `match` itself; not for a tenant (it
            holds every tenant's blocks), not where the host cannot share one
 """
@@ -88,12 +88,19 @@ class HostIndex:
             if self._mirror is None:  # served while it loads (and while etcd is away: stale)
                 mirror = self._make_mirror()
                 mirror.on_replica_removed(self._removed)
-                if shared_table.supported():
-                    self._table = SharedTable()
-                    mirror.share_presence(self._table.of_shard)
-                    threading.Thread(target=self._beat, args=(mirror, self._table), name="host-index-beat",
+                table = SharedTable() if shared_table.supported() else None
+                if table is not None:
+                    mirror.share_presence(table.of_shard)
+                try:
+                    self._mirror = mirror.start(START_WAIT_S, keep_trying=True)
+                except BaseException:
+                    if table is not None:
+                        table.close()
+                    raise
+                if table is not None:
+                    self._table = table
+                    threading.Thread(target=self._beat, args=(mirror, table), name="host-index-beat",
                                      daemon=True).start()
-                self._mirror = mirror.start(START_WAIT_S, keep_trying=True)
             mirror = self._mirror
         mirror.wait_begun(min(NODES_WAIT_S, self._timeout / 2))  # (at once, but for the first questions)
         return mirror
@@ -101,7 +108,7 @@ class HostIndex:
     def _beat(self, mirror: IndexMirror, table: SharedTable) -> None:
         """Stamp the shared table with the mirror's flags until the index closes: a worker trusts
         it only while the stamp is fresh."""
-        while not self._stopped.wait(shared_table.BEAT_S):
+        while not self._stopped.wait(shared_table.BEAT_S) and not table.closed:
             table.beat(mirror.stale, mirror.loading)
 
     def table(self, tenant: str) -> tuple[dict, int]:
@@ -109,12 +116,17 @@ class HostIndex:
         if tenant:
             raise OpFailed("invalid", "index: the shared table holds every tenant's blocks: a tenant's client asks "
                                       "the daemon")
-        self.mirror()
-        table = self._table
-        if table is None or table.closed:
+        mirror, table = self.mirror(), self._table
+        if table is None:
             raise OpFailed("invalid", "index: this host shares no table (it needs Linux on x86-64)")
-        table.beat(self._mirror.stale, self._mirror.loading)
-        return {"ok": True}, table.reader_fd()
+        if table.closed:
+            raise OpFailed("unavailable", "index: the shared table was given up (see this node's log)")
+        table.beat(mirror.stale, mirror.loading)
+        try:
+            fd = table.reader_fd()
+        except OSError as exc:
+            raise OpFailed("unavailable", f"index: the shared table could not be handed over: {exc}") from None
+        return {"ok": True, "salt_key": table.salt_key.hex()}, fd
 
     def _removed(self, fingerprint: str, block_hash: bytes, node: str) -> None:
         """A watch event removed a replica (called under the mirror's lock: only take note)."""

@@ -96,7 +96,7 @@ class HostIndexMirror:
         self._lock = threading.Lock()
         self._host_stale, self._status_at = False, float("-inf")
         self._caught_up = 0  # the last of this process's event revisions the host was seen to have applied
-        self._open_table: Callable[[str], int] | None = None
+        self._open_table: Callable[[str], tuple[dict, int]] | None = None
         self._view: SharedTableView | None = None  # the host's shared table, mapped
         self._view_asked = float("-inf")
         self._no_table = False  # the host said it shares none with this client (a tenant's, or no x86-64)
@@ -114,9 +114,10 @@ class HostIndexMirror:
         return self
 
     def attach(self, ask: Callable[[str, dict, Sequence[bytes], float | None], dict],
-               open_table: Callable[[str], int] | None = None) -> None:
-        """`open_table(node)`: a read-only descriptor of that node's shared table (the caller's to
-        close), raising what the wire raises; None: every question goes over the socket."""
+               open_table: Callable[[str], tuple[dict, int]] | None = None) -> None:
+        """`open_table(node)`: that node's reply to a `table` question and the read-only descriptor
+        of its shared table that came with it (the caller's to close), raising what the wire
+        raises; None: every question goes over the socket."""
         self._ask, self._open_table = ask, open_table
 
     def stop(self) -> None:
@@ -171,7 +172,7 @@ class HostIndexMirror:
                 return self._view
             self._view, self._view_asked = None, time.monotonic()
             try:
-                fd = self._open_table(self.host)
+                reply, fd = self._open_table(self.host)
             except InvalidRequest as exc:  # refused for good: a tenant's client, or no table on this host
                 log.debug("the host index of %s shares no table with this client: %s", self.host, exc)
                 self._no_table = True
@@ -180,8 +181,8 @@ class HostIndexMirror:
                 log.debug("the host index of %s did not hand its table over: %s", self.host, exc)
                 return None
             try:
-                self._view = SharedTableView(fd)
-            except (ValueError, OSError) as exc:
+                self._view = SharedTableView(fd, bytes.fromhex(reply["salt_key"]))
+            except (ValueError, OSError, KeyError, TypeError) as exc:
                 log.warning("the host index of %s handed over no usable table (%s): asking over its socket", self.host,
                             exc)
                 self._no_table = True

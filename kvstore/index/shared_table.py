@@ -3,11 +3,12 @@ the host's worker processes probe themselves, so `match()` costs no round trip t
 
 The daemon (kvstore.daemon.host_index) writes it; each worker gets a read-only descriptor of it
 over the same-host socket and maps it. It holds presence only — a key per block held anywhere,
-the block hash XORed with a per-fingerprint salt, so every fingerprint shares one table — never
-records: where a block is and its seals still come from the daemon (`lookup`, `prefix`).
+the block hash XORed with a per-fingerprint salt (keyed by a random key handed over with the
+table, so no one without it can aim a hash at another fingerprint's key), so every fingerprint
+shares one table — never records: where a block is and its seals still come from the daemon (`lookup`, `prefix`).
 
-Layout (little-endian): a 64-byte header of u64 words — magic, sequence, state, heartbeat,
-slots of levels 0, 1 and 2, count — then the three levels' 20-byte rows (k0, k1, pid), as the
+Layout (little-endian): a 64-byte header of u64 words — magic, sequence, state (retired),
+heartbeat, slots of levels 0, 1 and 2, flags (stale, loading) — then the three levels' 20-byte rows (k0, k1, pid), as the
 mirror's own index (kvstore.index.table) but with the overflow in shared memory too: level 0 is
 addressed by k0, level 1 by k1, level 2 (the few that find both taken) by linear probing from
 k0 ^ k1, where a pid of -1 ends a chain and -2 marks a removed entry. A row's pid is the index
@@ -16,8 +17,9 @@ shard that listed the block (0 for one etcd), so a shard's view can be replaced 
 Consistency: a sequence lock. The writer makes the sequence odd, changes rows, makes it even; a
 probe (cpp/index_probe.cpp, `shared_prefix`) that saw it odd or moved answers -1 and is tried
 again. Stores are ordered on x86-64 (TSO), which this relies on: elsewhere no table is offered and
-workers ask the daemon. A table outgrown is replaced by a larger one and the old one marked
-retired; a worker then asks for the new one.
+workers ask the daemon. A table outgrown, or one shard's snapshot swapped in, is built anew beside
+the old one, which readers use whole until it is marked retired; a worker then asks for the new
+one.
 
 Liveness: the daemon holds an exclusive flock on the table's memfd for as long as it writes it;
 the kernel drops it the moment the daemon dies, however it dies, and a worker's non-blocking
@@ -35,6 +37,7 @@ import logging
 import mmap
 import os
 import platform
+import secrets
 import struct
 import threading
 import time
@@ -53,8 +56,9 @@ from .table import _ROW
 log = logging.getLogger(__name__)
 MAGIC = b"KVHIDX01"
 HEADER = 64
-SEQ, STATE, BEAT, SLOTS, COUNT = 1, 2, 3, 4, 7  # header word numbers (SLOTS: three words)
-RETIRED, STALE, LOADING = 1, 2, 4  # state bits
+SEQ, STATE, BEAT, SLOTS, FLAGS = 1, 2, 3, 4, 7  # header word numbers (SLOTS: three words)
+RETIRED = 1  # STATE bit, set under the sequence lock, never cleared
+STALE, LOADING = 1, 2  # FLAGS bits, stamped with the heartbeat
 EMPTY, GONE = -1, -2  # pid of a free row; of a removed level-2 row (a chain goes on through it)
 BEAT_S = 0.1
 DEAD_AFTER_S = 1.0  # a stamp older than this: the daemon is stuck, its table not trusted
@@ -69,9 +73,10 @@ def supported() -> bool:
         hasattr(_native, "shared_prefix")
 
 
-def fingerprint_salt(fingerprint: str) -> tuple[int, int]:
-    """Two u64 words XORed into a fingerprint's block hashes: one table holds every fingerprint."""
-    digest = hashlib.blake2b(fingerprint.encode(), digest_size=16, person=b"kvstore-hostidx").digest()
+def fingerprint_salt(fingerprint: str, key: bytes) -> tuple[int, int]:
+    """Two u64 words XORed into a fingerprint's block hashes (one table holds every fingerprint),
+    keyed by the table's random salt key."""
+    digest = hashlib.blake2b(fingerprint.encode(), digest_size=16, key=key, person=b"kvstore-hostidx").digest()
     return struct.unpack("<QQ", digest)
 
 
@@ -80,7 +85,7 @@ def _slots_for(count: int) -> int:
 
 
 class _File:
-    """One table's memfd, mapped writable here; sealed so that nobody maps it writable again."""
+    """One table's memfd, mapped writable here (kvstore.memfd: nobody can map it writable again)."""
 
     def __init__(self, slots: int) -> None:
         self.slots = (slots, slots // 2, max(64, slots // 16))
@@ -96,11 +101,20 @@ class _File:
             self.levels.append(rows)
             offset += rows.nbytes
         self.masks = [np.uint64(n - 1) for n in self.slots]
+        # (k0s, k1s, pids, mask, addressed by k1) of levels 0 and 1, for one-key work with Python ints
+        self.fields = [(rows["k0"], rows["k1"], rows["pid"], n - 1, by_k1)
+                       for rows, n, by_k1 in zip(self.levels[:2], self.slots[:2], (False, True))]
+        self.spill_at: dict[tuple[int, int], int] = {}  # key -> its level-2 row
         self.spilled = 0  # level-2 rows in use, removed ones included (they lengthen chains)
+
+    def live(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every key held, (n, 2), and its source."""
+        rows = np.concatenate([level[level["pid"] >= 0] for level in self.levels])
+        return np.stack([rows["k0"], rows["k1"]], 1), rows["pid"]
 
     def close(self) -> None:
         """Unmapped once no array of it is left (a caller's frame may still hold one), unlocked now."""
-        del self.header, self.levels
+        del self.header, self.levels, self.fields
         try:
             self.map.close()
         except BufferError:
@@ -110,12 +124,14 @@ class _File:
 
 class SharedTable:
     """The daemon's side (see the module docstring). Thread-safe: a sharded index's mirrors write
-    from their own threads."""
+    from their own threads. Its salt key is random: only clients handed the table can compute a
+    block's key, so nobody can aim a block of theirs at another fingerprint's row."""
 
     def __init__(self, expected: int = 0) -> None:
         self._lock = threading.Lock()
         self._file = _File(_slots_for(expected))
         self.count = 0
+        self.salt_key = secrets.token_bytes(16)
         self._salts: dict[str, np.ndarray] = {}
         self.closed = False
 
@@ -126,19 +142,17 @@ class SharedTable:
             return reader_fd(self._file.fd)
 
     def prefix(self, fingerprint: str, hashes: Sequence[bytes]) -> int | None:
-        """The daemon's own probe (a worker's answer, for a question that came over the socket);
-        None once the table is retired."""
-        salt = fingerprint_salt(fingerprint)
+        """The daemon's own probe (for a question that came over the socket); None once retired."""
+        salt = fingerprint_salt(fingerprint, self.salt_key)
         with self._lock:
             return None if self.closed else _native.shared_prefix(self._file.map, hashes, *salt)
 
     def beat(self, stale: bool, loading: bool) -> None:
-        """Stamp the header: alive now, with the mirror's flags."""
-        with self._lock:
-            if self.closed:
-                return
-            header = self._file.header
-            header[STATE] = (STALE if stale else 0) | (LOADING if loading else 0)
+        """Stamp the header: alive now, with the mirror's flags. No lock: a long change (a snapshot
+        swapped in) must not silence the stamp; a file being retired gets a stamp it no longer needs."""
+        header = getattr(self._file, "header", None)
+        if header is not None and not self.closed:
+            header[FLAGS] = (STALE if stale else 0) | (LOADING if loading else 0)
             header[BEAT] = time.monotonic_ns()
 
     def close(self) -> None:
@@ -157,7 +171,7 @@ class SharedTable:
     def salted(self, fingerprint: str, words: np.ndarray) -> np.ndarray:
         salt = self._salts.get(fingerprint)
         if salt is None:
-            salt = self._salts[fingerprint] = np.array(fingerprint_salt(fingerprint), "<u8")
+            salt = self._salts[fingerprint] = np.array(fingerprint_salt(fingerprint, self.salt_key), "<u8")
         return words ^ salt
 
     @contextmanager
@@ -185,30 +199,18 @@ class SharedTable:
         if len(words):
             with self._writing() as live:
                 if live:
-                    with self._changing(self._file):
-                        self._remove(self.salted(fingerprint, words))
+                    file = self._file
+                    with self._changing(file):
+                        for k0, k1 in self.salted(fingerprint, words).tolist():
+                            self._remove_one(file, k0, k1)
 
     def reset(self, source: int, blocks: dict[str, np.ndarray]) -> None:
-        """Shard `source`'s blocks are exactly these now (a snapshot swapped in): its other rows go."""
+        """Shard `source`'s blocks are exactly these now (a snapshot swapped in): built into a new
+        table beside the old one, which readers use whole until it is retired."""
         with self._writing() as live:
             if live:
-                self._reset(source, blocks)
-
-    def _reset(self, source: int, blocks: dict[str, np.ndarray]) -> None:
-        file = self._file
-        with self._changing(file):
-            for level in file.levels[:2]:
-                mine = level["pid"] == source
-                level["pid"][mine] = EMPTY
-                level["k0"][mine] = level["k1"][mine] = 0
-                self.count -= int(mine.sum())
-            spill = file.levels[2]
-            mine = spill["pid"] == source
-            spill["pid"][mine] = GONE
-            self.count -= int(mine.sum())
-        for fingerprint, words in blocks.items():
-            if len(words):
-                self._insert(source, self.salted(fingerprint, words))
+                keys = [self.salted(fp, words) for fp, words in blocks.items() if len(words)]
+                self._rebuild(drop=source, add=(source, np.concatenate(keys) if keys else np.zeros((0, 2), "<u8")))
 
     @contextmanager
     def _changing(self, file: _File) -> Iterator[None]:
@@ -217,15 +219,25 @@ class SharedTable:
         try:
             yield
         finally:
-            header[COUNT] = self.count
             header[SEQ] += 1
 
     def _insert(self, source: int, keys: np.ndarray) -> None:
-        """Keys not yet in the table (a key already there is left as it is)."""
-        keys = keys[~self._present(keys)]
-        if self.count + len(keys) > _GROW_AT * self._file.slots[0]:
-            self._grow(self.count + len(keys))
+        """Keys not in the table yet (a key named twice in one batch is taken once)."""
         file = self._file
+        if len(keys) == 1:
+            k0, k1 = keys[0].tolist()
+            if self._find_one(file, k0, k1) is None:
+                if self.count + 1 > _GROW_AT * file.slots[0]:
+                    return self._rebuild(add=(source, keys))
+                with self._changing(file):
+                    placed = self._insert_one(file, source, k0, k1)
+                if not placed:  # the spill level is full of chains
+                    return self._rebuild(add=(source, keys), at_least=2 * file.slots[0])
+                self.count += 1
+            return None
+        keys = np.unique(keys, axis=0)
+        if self.count + len(keys) > _GROW_AT * file.slots[0]:
+            return self._rebuild(add=(source, keys))
         with self._changing(file):
             left = np.arange(len(keys))
             for level, mask, column in zip(file.levels[:2], file.masks[:2], (0, 1)):
@@ -239,85 +251,85 @@ class SharedTable:
                 placed[free[first]] = True
                 left = left[~placed]
             self.count += len(keys) - len(left)
-            spill_full = False
-            for i in left.tolist():
-                if not self._spill(file, source, int(keys[i, 0]), int(keys[i, 1])):
-                    spill_full = True
-                    break
+            rest = left.tolist()
+            while rest and self._spill(file, source, *keys[rest[0]].tolist()):
+                rest.pop(0)
                 self.count += 1
-        if spill_full:  # level 2 is full of chains: a table twice the size, and the rest again
-            self._grow(max(self.count + len(left), self._file.slots[0]))
-            self._insert(source, keys)
+        if rest:  # the spill level is full of chains: a table twice the size takes the rest
+            self._rebuild(add=(source, keys[rest]), at_least=2 * file.slots[0])
+        return None
+
+    @staticmethod
+    def _insert_one(file: _File, source: int, k0: int, k1: int) -> bool:
+        for k0s, k1s, pids, mask, by_k1 in file.fields:
+            slot = (k1 if by_k1 else k0) & mask
+            if pids.item(slot) < 0:
+                k0s[slot], k1s[slot] = k0, k1
+                pids[slot] = source
+                return True
+        return SharedTable._spill(file, source, k0, k1)
 
     @staticmethod
     def _spill(file: _File, source: int, k0: int, k1: int) -> bool:
         rows, mask = file.levels[2], int(file.masks[2])
         if file.spilled >= len(rows) // 2:
             return False
-        k0s, k1s, pids = rows["k0"], rows["k1"], rows["pid"]
+        pids = rows["pid"]
         slot = (k0 ^ k1) & mask
         while pids.item(slot) >= 0:
             slot = (slot + 1) & mask
         if pids.item(slot) == EMPTY:
             file.spilled += 1
-        k0s[slot], k1s[slot] = k0, k1
+        rows["k0"][slot], rows["k1"][slot] = k0, k1
         pids[slot] = source
+        file.spill_at[(k0, k1)] = slot
         return True
 
-    def _present(self, keys: np.ndarray) -> np.ndarray:
-        """Which keys the table holds (a key in level 2 is looked for one by one: about 1 in 100)."""
-        file, found = self._file, np.zeros(len(keys), bool)
-        for level, mask, column in zip(file.levels[:2], file.masks[:2], (0, 1)):
-            rows = level[(keys[:, column] & mask).astype(np.intp)]
-            found |= (rows["pid"] >= 0) & (rows["k0"] == keys[:, 0]) & (rows["k1"] == keys[:, 1])
-        if file.spilled:
-            for i in np.flatnonzero(~found).tolist():
-                found[i] = self._spill_slot(file, int(keys[i, 0]), int(keys[i, 1])) is not None
-        return found
-
     @staticmethod
-    def _spill_slot(file: _File, k0: int, k1: int) -> int | None:
-        rows, mask = file.levels[2], int(file.masks[2])
-        k0s, k1s, pids = rows["k0"], rows["k1"], rows["pid"]
-        slot = (k0 ^ k1) & mask
-        for _ in range(len(rows)):
-            pid = pids.item(slot)
-            if pid == EMPTY:
-                return None
-            if pid >= 0 and k0s.item(slot) == k0 and k1s.item(slot) == k1:
-                return slot
-            slot = (slot + 1) & mask
-        return None
+    def _find_one(file: _File, k0: int, k1: int) -> tuple[np.ndarray, int] | None:
+        """(pids of its level, its row), or None."""
+        for k0s, k1s, pids, mask, by_k1 in file.fields:
+            slot = (k1 if by_k1 else k0) & mask
+            if pids.item(slot) >= 0 and k0s.item(slot) == k0 and k1s.item(slot) == k1:
+                return pids, slot
+        slot = file.spill_at.get((k0, k1))
+        return None if slot is None else (file.levels[2]["pid"], slot)
 
-    def _remove(self, keys: np.ndarray) -> None:
-        file, left = self._file, np.arange(len(keys))
-        for level, mask, column in zip(file.levels[:2], file.masks[:2], (0, 1)):
-            slots = (keys[left, column] & mask).astype(np.intp)
-            rows = level[slots]
-            hit = (rows["pid"] >= 0) & (rows["k0"] == keys[left, 0]) & (rows["k1"] == keys[left, 1])
-            gone = slots[hit]
-            level["pid"][gone] = EMPTY
-            level["k0"][gone] = level["k1"][gone] = 0
-            self.count -= len(np.unique(gone))
-            left = left[~hit]
-        if file.spilled:
-            for i in left.tolist():
-                slot = self._spill_slot(file, int(keys[i, 0]), int(keys[i, 1]))
-                if slot is not None:
-                    file.levels[2]["pid"][slot] = GONE
-                    self.count -= 1
+    def _remove_one(self, file: _File, k0: int, k1: int) -> None:
+        for k0s, k1s, pids, mask, by_k1 in file.fields:  # every level: a key is never in two, but if
+            slot = (k1 if by_k1 else k0) & mask         # it were, none of its rows may outlive it
+            if pids.item(slot) >= 0 and k0s.item(slot) == k0 and k1s.item(slot) == k1:
+                pids[slot] = EMPTY
+                k0s[slot] = k1s[slot] = 0
+                self.count -= 1
+        slot = file.spill_at.pop((k0, k1), None)
+        if slot is not None:
+            file.levels[2]["pid"][slot] = GONE  # a chain goes on through it
+            self.count -= 1
 
-    def _grow(self, count: int) -> None:
-        """Move every key to a new, larger table; the old one is retired (its readers ask again)."""
-        old = self._file
-        live = [(rows[["k0", "k1"]][rows["pid"] >= 0], rows["pid"][rows["pid"] >= 0]) for rows in old.levels]
-        self._file, self.count = _File(_slots_for(count)), 0
-        for keys, pids in live:
+    def _rebuild(self, drop: int | None = None, add: tuple[int, np.ndarray] | None = None,
+                 at_least: int = 0) -> None:
+        """Every key (but source `drop`'s), and `add`'s, into a new table sized for them; the old one
+        is retired once the new one is whole (its readers ask for the new one)."""
+        old, old_count = self._file, self.count
+        keys, pids = old.live()
+        if drop is not None:
+            keys, pids = keys[pids != drop], pids[pids != drop]
+        extra = 0 if add is None else len(add[1])
+        new = _File(max(_slots_for(len(keys) + extra), at_least))
+        self._file, self.count = new, 0
+        try:
             for source in np.unique(pids).tolist():
-                picked = keys[pids == source]
-                self._insert(source, np.stack([picked["k0"], picked["k1"]], 1))
-        self._file.header[STATE] = old.header[STATE]
-        self._file.header[BEAT] = old.header[BEAT]
+                self._insert(source, keys[pids == source])
+            if add is not None and extra:
+                self._insert(*add)
+        except BaseException:
+            if self._file is new:
+                self._file, self.count = old, old_count
+                new.close()
+            raise
+        for word in (FLAGS, BEAT):
+            self._file.header[word] = old.header[word]
         self._retire(old)
 
     def of_shard(self, source: int) -> "ShardPresence":
@@ -344,8 +356,9 @@ class ShardPresence:
 class SharedTableView:
     """A worker's read-only mapping of the host's table (see the module docstring)."""
 
-    def __init__(self, fd: int) -> None:
-        """`fd` stays the caller's; the view keeps a duplicate (its lock tells the daemon's life)."""
+    def __init__(self, fd: int, salt_key: bytes) -> None:
+        """`fd` stays the caller's; the view keeps a duplicate (its lock tells the daemon's life).
+        `salt_key`: the table's, handed over with it."""
         size = os.fstat(fd).st_size
         if size < HEADER:
             raise ValueError(f"a host index table of {size} bytes")
@@ -355,6 +368,7 @@ class SharedTableView:
             raise ValueError("not a host index table")
         self._fd = os.dup(fd)
         self._closed = weakref.finalize(self, os.close, self._fd)
+        self._salt_key = salt_key
         self._salts: dict[str, tuple[int, int]] = {}
 
     def _word(self, number: int) -> int:
@@ -384,14 +398,14 @@ class SharedTableView:
         its daemon silent, or changing under every try): ask the daemon instead."""
         salt = self._salts.get(fingerprint)
         if salt is None:
-            salt = self._salts[fingerprint] = fingerprint_salt(fingerprint)
+            salt = self._salts[fingerprint] = fingerprint_salt(fingerprint, self._salt_key)
         for attempt in range(PROBE_TRIES):
             length = _native.shared_prefix(self._map, hashes, *salt)
             if length >= 0:
-                state = self._word(STATE)
+                flags = self._word(FLAGS)
                 if not self.alive:
                     return None
-                return length, bool(state & STALE), bool(state & LOADING)
+                return length, bool(flags & STALE), bool(flags & LOADING)
             if self.retired:
                 return None
             if attempt:

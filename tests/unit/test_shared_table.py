@@ -27,7 +27,7 @@ def hashes(first: int, count: int) -> list[bytes]:
 def view_of(table: SharedTable) -> SharedTableView:
     fd = table.reader_fd()
     try:
-        return SharedTableView(fd)
+        return SharedTableView(fd, table.salt_key)
     finally:
         os.close(fd)
 
@@ -60,7 +60,14 @@ def test_fingerprints_share_one_table_but_never_each_others_blocks(table):
     view = view_of(table)
     assert view.prefix("model-a", blocks)[0] == 50
     assert view.prefix("model-b", blocks)[0] == 0
-    assert fingerprint_salt("model-a") != fingerprint_salt("model-b")
+    assert fingerprint_salt("model-a", table.salt_key) != fingerprint_salt("model-b", table.salt_key)
+    assert fingerprint_salt("model-a", table.salt_key) != fingerprint_salt("model-a", bytes(16))
+    assert view_of(table).prefix("model-a", blocks)[0] == 50
+    fd = table.reader_fd()
+    try:  # a key computed without the table's salt key finds nothing
+        assert SharedTableView(fd, bytes(16)).prefix("model-a", blocks)[0] == 0
+    finally:
+        os.close(fd)
 
 
 def test_a_table_outgrown_is_retired_and_its_successor_holds_everything(table):
@@ -84,7 +91,7 @@ def test_blocks_that_spill_past_both_levels_are_found_and_removed(table):
     slots0, slots1 = table._file.slots[:2]
     # Keys whose level-0 and level-1 slots are all the same (after the salt): every one after the
     # first two spills, into one chain.
-    s0, s1 = fingerprint_salt("fp")
+    s0, s1 = fingerprint_salt("fp", table.salt_key)
     keys = [(((i << 20) | 5) ^ s0, ((i << 20) | 7) ^ s1) for i in range(1, 31)]
     blocks = [a.to_bytes(8, "little") + b.to_bytes(8, "little") for a, b in keys]
     assert all((a ^ s0) % slots0 == 5 and (b ^ s1) % slots1 == 7 for a, b in keys)
@@ -118,7 +125,7 @@ def test_a_probe_during_a_change_is_not_answered_from_the_table(table):
     header = table._file.header
     header[SEQ] += 1  # a change under way, as the daemon leaves it mid-write
     try:
-        assert _native.shared_prefix(view._map, blocks, *fingerprint_salt("fp")) == -1
+        assert _native.shared_prefix(view._map, blocks, *fingerprint_salt("fp", table.salt_key)) == -1
         assert view.prefix("fp", blocks) is None
     finally:
         header[SEQ] += 1
@@ -148,7 +155,7 @@ def test_a_dead_daemons_table_is_not_used_at_once():
         table = SharedTable()
         table.of_shard(0).appeared("fp", as_words([bytes(range(16))]))
         table.beat(False, False)
-        socket.send_fds(sock, [b"F"], [table.reader_fd()])
+        socket.send_fds(sock, [table.salt_key], [table.reader_fd()])
         sock.recv(1)  # until told to die
         os._exit(0)
     """)
@@ -156,8 +163,8 @@ def test_a_dead_daemons_table_is_not_used_at_once():
     proc = subprocess.Popen([sys.executable, "-c", child, str(theirs.fileno())], pass_fds=[theirs.fileno()])
     theirs.close()
     try:
-        _, fds, _, _ = socket.recv_fds(ours, 1, 1)
-        view = SharedTableView(fds[0])
+        key, fds, _, _ = socket.recv_fds(ours, 16, 1)
+        view = SharedTableView(fds[0], key)
         os.close(fds[0])
         assert view.prefix("fp", [bytes(range(16))])[0] == 1 and view.writer_alive
         ours.send(b"x")
@@ -189,7 +196,7 @@ def test_what_is_not_a_table_is_refused():
     os.close(w)
     try:
         with pytest.raises((ValueError, OSError)):
-            SharedTableView(r)
+            SharedTableView(r, bytes(16))
     finally:
         os.close(r)
 
@@ -216,3 +223,75 @@ def test_a_write_that_fails_retires_the_table_and_spares_the_mirror(table, monke
     table.of_shard(0).appeared("fp", as_words(hashes(0, 5)))  # no exception
     assert table.closed and view.retired and view.prefix("fp", hashes(0, 1)) is None
     assert "retired" in caplog.text
+
+
+def test_a_snapshot_swapped_in_never_shows_readers_an_empty_table(table, monkeypatch):
+    """Kills: a reset that clears a shard's rows in place and fills them again in a later change
+    (between the two, every worker's probe read the shard's blocks as gone)."""
+    blocks = hashes(0, 100)
+    table.of_shard(0).appeared("fp", as_words(blocks))
+    old = view_of(table)
+    seen = []
+    insert = SharedTable._insert
+
+    def watched(self, source, keys):
+        seen.append(_native.shared_prefix(old._map, blocks, *fingerprint_salt("fp", table.salt_key)))
+        return insert(self, source, keys)
+
+    monkeypatch.setattr(SharedTable, "_insert", watched)
+    table.of_shard(0).reset({"fp": as_words(blocks)})
+    assert seen and all(n in (100, -1) for n in seen), seen
+    assert old.retired and view_of(table).prefix("fp", blocks)[0] == 100
+
+
+def test_a_key_named_twice_in_one_batch_is_held_once(table):
+    """Kills: a batch insert that stores a repeated key in two rows (its removal would leave one)."""
+    blocks = hashes(0, 10)
+    table.of_shard(0).appeared("fp", as_words(blocks + blocks[3:4]))
+    assert table.count == 10
+    table.of_shard(0).gone("fp", as_words(blocks[3:4]))
+    assert view_of(table).prefix("fp", blocks)[0] == 3 and table.count == 9
+
+
+def test_a_growth_that_fails_retires_the_old_table_too(table, monkeypatch):
+    """Kills: a failed growth that leaves readers on the old table, frozen from then on."""
+    blocks = hashes(0, 10)
+    table.of_shard(0).appeared("fp", as_words(blocks))
+    old = view_of(table)
+
+    def no_room(slots):
+        raise OSError("no memory for a larger table")
+
+    monkeypatch.setattr(shared_table, "_File", no_room)
+    table.of_shard(0).appeared("fp", as_words(hashes(10, 5000)))  # needs a larger table
+    assert table.closed and old.retired and old.prefix("fp", blocks) is None
+
+
+def test_a_host_index_whose_mirror_fails_to_start_keeps_no_table():
+    """Kills: a shared table (a memfd and a heartbeat thread) made for every question while the
+    mirror cannot start (a shard map refused): the daemon ran out of descriptors."""
+    import threading
+
+    from kvstore.daemon.host_index import HostIndex
+    from kvstore.daemon.operations import OpFailed
+    from kvstore.errors import ShardMapMismatch
+
+    tables = []
+
+    class Refused:
+        def on_replica_removed(self, listener):
+            pass
+
+        def share_presence(self, presence_of):
+            tables.append(presence_of(0).table)
+
+        def start(self, wait, keep_trying):
+            raise ShardMapMismatch("this etcd is shard 1 of 2, not 0 of 2")
+
+    index = HostIndex(Refused, 1.0, verifier=None)
+    before = threading.active_count()
+    for _ in range(5):
+        with pytest.raises((ShardMapMismatch, OpFailed)):
+            index.table("")
+    assert len(tables) == 5 and all(t.closed for t in tables)
+    assert threading.active_count() == before
