@@ -92,6 +92,7 @@ class _File:
         self.size = HEADER + _ROW.itemsize * sum(self.slots)
         self.fd, self.map = writer_memfd("kvstore-host-index", self.size, lock=True)  # locked while we live
         self.header = np.frombuffer(self.map, "<u8", HEADER // 8)
+        self.words = memoryview(self.map)[:HEADER].cast("Q")  # the header again, for one-word changes in ints
         self.header[0] = int.from_bytes(MAGIC, "little")
         self.header[SLOTS:SLOTS + 3] = self.slots
         offset, self.levels = HEADER, []
@@ -114,6 +115,7 @@ class _File:
 
     def close(self) -> None:
         """Unmapped once no array of it is left (a caller's frame may still hold one), unlocked now."""
+        self.words.release()
         del self.header, self.levels, self.fields
         try:
             self.map.close()
@@ -133,6 +135,7 @@ class SharedTable:
         self.count = 0
         self.salt_key = secrets.token_bytes(16)
         self._salts: dict[str, np.ndarray] = {}
+        self._int_salts: dict[str, tuple[int, int]] = {}
         self.closed = False
 
     # --- what a reader is given -----------------------------------------------------------------
@@ -182,10 +185,14 @@ class SharedTable:
             try:
                 yield not self.closed
             except Exception:  # noqa: BLE001 - the mirror must go on; the table is given up
-                log.exception("the host index's shared table failed: retired, workers ask the daemon")
-                self.closed = True
-                with contextlib.suppress(Exception):
-                    self._retire(self._file)
+                self._give_up()
+
+    def _give_up(self) -> None:
+        """(Under the lock, in an exception handler.)"""
+        log.exception("the host index's shared table failed: retired, workers ask the daemon")
+        self.closed = True
+        with contextlib.suppress(Exception):
+            self._retire(self._file)
 
     def appeared(self, source: int, fingerprint: str, words: np.ndarray) -> None:
         """Blocks (their (n, 2) hash words) now held somewhere, listed by index shard `source`."""
@@ -203,6 +210,54 @@ class SharedTable:
                     with self._changing(file):
                         for k0, k1 in self.salted(fingerprint, words).tolist():
                             self._remove_one(file, k0, k1)
+
+    # One block at a time, as watch events come: Python ints and no context managers (a watch
+    # applies thousands a second; numpy for one key cost ten times the change itself).
+    def _key(self, fingerprint: str, h: bytes) -> tuple[int, int]:
+        salt = self._int_salts.get(fingerprint)
+        if salt is None:
+            salt = self._int_salts[fingerprint] = fingerprint_salt(fingerprint, self.salt_key)
+        return int.from_bytes(h[:8], "little") ^ salt[0], int.from_bytes(h[8:16], "little") ^ salt[1]
+
+    def one_appeared(self, source: int, fingerprint: str, h: bytes) -> None:
+        k0, k1 = self._key(fingerprint, h)
+        with self._lock:
+            if self.closed:
+                return
+            try:
+                file = self._file
+                if self._find_one(file, k0, k1) is not None:
+                    return
+                placed = False
+                if self.count + 1 <= _GROW_AT * file.slots[0]:
+                    seq = file.words
+                    seq[SEQ] += 1
+                    try:
+                        placed = self._insert_one(file, source, k0, k1)
+                    finally:
+                        seq[SEQ] += 1
+                if placed:
+                    self.count += 1
+                else:  # outgrown, or the spill level full of chains
+                    self._rebuild(add=(source, np.array([[k0, k1]], "<u8")), at_least=2 * file.slots[0])
+            except Exception:  # noqa: BLE001 - as _writing: the table is given up, the mirror goes on
+                self._give_up()
+
+    def one_gone(self, fingerprint: str, h: bytes) -> None:
+        k0, k1 = self._key(fingerprint, h)
+        with self._lock:
+            if self.closed:
+                return
+            try:
+                file = self._file
+                seq = file.words
+                seq[SEQ] += 1
+                try:
+                    self._remove_one(file, k0, k1)
+                finally:
+                    seq[SEQ] += 1
+            except Exception:  # noqa: BLE001
+                self._give_up()
 
     def reset(self, source: int, blocks: dict[str, np.ndarray]) -> None:
         """Shard `source`'s blocks are exactly these now (a snapshot swapped in): built into a new
@@ -346,8 +401,11 @@ class ShardPresence:
     def appeared(self, fingerprint: str, words: np.ndarray) -> None:
         self.table.appeared(self.source, fingerprint, words)
 
-    def gone(self, fingerprint: str, words: np.ndarray) -> None:
-        self.table.gone(fingerprint, words)
+    def one_appeared(self, fingerprint: str, h: bytes) -> None:
+        self.table.one_appeared(self.source, fingerprint, h)
+
+    def one_gone(self, fingerprint: str, h: bytes) -> None:
+        self.table.one_gone(fingerprint, h)
 
     def reset(self, blocks: dict[str, np.ndarray]) -> None:
         self.table.reset(self.source, blocks)

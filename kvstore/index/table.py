@@ -162,7 +162,9 @@ class Presence(Protocol):
 
     def appeared(self, fingerprint: str, words: np.ndarray) -> None: ...
 
-    def gone(self, fingerprint: str, words: np.ndarray) -> None: ...
+    def one_appeared(self, fingerprint: str, h: bytes) -> None: ...
+
+    def one_gone(self, fingerprint: str, h: bytes) -> None: ...
 
     def reset(self, blocks: dict[str, np.ndarray]) -> None: ...
 
@@ -212,14 +214,14 @@ class BlockTable:
             if self.index is not None:
                 self.index.set(h, pid)
             if new and self.presence is not None:
-                self.presence.appeared(self.fingerprint, as_words([h]))
+                self.presence.one_appeared(self.fingerprint, h)
 
     def remove(self, h: bytes) -> None:
         with self.lock:
             if self.index is not None:
                 self.index.remove(h)
             if self.records.pop(h, None) is not None and self.presence is not None:
-                self.presence.gone(self.fingerprint, as_words([h]))
+                self.presence.one_gone(self.fingerprint, h)
 
     def add(self, hashes: list[bytes], records: list[bytes], pids: np.ndarray) -> None:
         """Bulk insert of distinct hashes not in the table yet."""

@@ -46,7 +46,7 @@ def test_a_probe_answers_what_the_daemon_wrote_and_removed(table):
     table.of_shard(0).appeared("fp", as_words(blocks))
     view = view_of(table)
     assert view.prefix("fp", blocks) == (3000, False, False)
-    table.of_shard(0).gone("fp", as_words(blocks[1000:1001]))
+    table.gone("fp", as_words(blocks[1000:1001]))
     assert view.prefix("fp", blocks)[0] == 1000
     assert view.prefix("fp", blocks[1001:])[0] == 1999
     assert table.count == 2999
@@ -99,7 +99,7 @@ def test_blocks_that_spill_past_both_levels_are_found_and_removed(table):
     assert table._file.spilled == 28
     view = view_of(table)
     assert view.prefix("fp", blocks)[0] == 30
-    table.of_shard(0).gone("fp", as_words(blocks[10:11]))  # in the middle of the chain
+    table.gone("fp", as_words(blocks[10:11]))  # in the middle of the chain
     assert view.prefix("fp", blocks)[0] == 10
     assert view.prefix("fp", blocks[11:])[0] == 19
 
@@ -249,7 +249,7 @@ def test_a_key_named_twice_in_one_batch_is_held_once(table):
     blocks = hashes(0, 10)
     table.of_shard(0).appeared("fp", as_words(blocks + blocks[3:4]))
     assert table.count == 10
-    table.of_shard(0).gone("fp", as_words(blocks[3:4]))
+    table.gone("fp", as_words(blocks[3:4]))
     assert view_of(table).prefix("fp", blocks)[0] == 3 and table.count == 9
 
 
