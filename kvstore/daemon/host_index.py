@@ -152,7 +152,7 @@ class HostIndex:
         try:
             if q == "match":
                 length = None if self._table is None else self._table.prefix(in_scope(mirror.scope, fingerprint), hashes)
-                if length is None:  # (its mirror keeps no index of its own while the table lasts)
+                if length is None or length < 0:  # (its mirror keeps no index of its own while the table lasts)
                     match = mirror.match(fingerprint, hashes)
                     return {"ok": True, "length": match.length, "stale": match.stale, "loading": match.loading}
                 return {"ok": True, "length": length, "stale": mirror.stale, "loading": mirror.loading}

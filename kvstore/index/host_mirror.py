@@ -94,6 +94,7 @@ class HostIndexMirror:
         self._ask: Callable[[str, dict, Sequence[bytes], float | None], dict] | None = None
         self._own: IndexMirror | None = None  # after the host failed: a mirror of this process's own
         self._lock = threading.Lock()
+        self._table_lock = threading.Lock()  # (apart: a round trip for the table holds no fallback up)
         self._host_stale, self._status_at = False, float("-inf")
         self._caught_up = 0  # the last of this process's event revisions the host was seen to have applied
         self._open_table: Callable[[str], tuple[dict, int]] | None = None
@@ -167,7 +168,7 @@ class HostIndexMirror:
         if self._open_table is None or self._no_table or self._own is not None or self.host is None or \
                 time.monotonic() - self._view_asked < TABLE_RETRY_S:
             return None
-        with self._lock:
+        with self._table_lock:
             if self._view is not view:  # another thread got the new one meanwhile
                 return self._view
             self._view, self._view_asked = None, time.monotonic()
@@ -182,7 +183,9 @@ class HostIndexMirror:
                 return None
             try:
                 self._view = SharedTableView(fd, bytes.fromhex(reply["salt_key"]))
-            except (ValueError, OSError, KeyError, TypeError) as exc:
+            except OSError as exc:  # (out of descriptors or memory: asked again in a while)
+                log.debug("the host index of %s: its table could not be mapped: %s", self.host, exc)
+            except (ValueError, KeyError, TypeError) as exc:
                 log.warning("the host index of %s handed over no usable table (%s): asking over its socket", self.host,
                             exc)
                 self._no_table = True

@@ -132,6 +132,8 @@ class SharedTable:
     def __init__(self, expected: int = 0) -> None:
         self._lock = threading.Lock()
         self._file = _File(_slots_for(expected))
+        self._shown = self._file  # the table readers are given and the heartbeat stamps (not one being built)
+        self._building = 0  # rebuilds under way (one may nest in another)
         self.count = 0
         self.salt_key = secrets.token_bytes(16)
         self._salts: dict[str, np.ndarray] = {}
@@ -140,20 +142,33 @@ class SharedTable:
 
     # --- what a reader is given -----------------------------------------------------------------
     def reader_fd(self) -> int:
-        """A new read-only descriptor of the current table (the caller closes it)."""
+        """A new read-only descriptor of the current table (the caller closes it); OSError once the
+        table is given up."""
         with self._lock:
+            if self.closed:
+                raise OSError("the shared table was given up")
             return reader_fd(self._file.fd)
 
     def prefix(self, fingerprint: str, hashes: Sequence[bytes]) -> int | None:
-        """The daemon's own probe (for a question that came over the socket); None once retired."""
+        """The daemon's own probe (for a question that came over the socket), as a worker's: no
+        lock, so a long change does not hold it up; None when the table cannot answer now."""
         salt = fingerprint_salt(fingerprint, self.salt_key)
-        with self._lock:
-            return None if self.closed else _native.shared_prefix(self._file.map, hashes, *salt)
+        for attempt in range(PROBE_TRIES):
+            file = self._shown
+            table = getattr(file, "map", None)
+            if self.closed or table is None or table.closed:
+                return None
+            length = _native.shared_prefix(table, hashes, *salt)
+            if length >= 0:
+                return length
+            if attempt:
+                time.sleep(0)
+        return None
 
     def beat(self, stale: bool, loading: bool) -> None:
         """Stamp the header: alive now, with the mirror's flags. No lock: a long change (a snapshot
-        swapped in) must not silence the stamp; a file being retired gets a stamp it no longer needs."""
-        header = getattr(self._file, "header", None)
+        swapped in) must not silence the stamp of the table readers use meanwhile."""
+        header = getattr(self._shown, "header", None)
         if header is not None and not self.closed:
             header[FLAGS] = (STALE if stale else 0) | (LOADING if loading else 0)
             header[BEAT] = time.monotonic_ns()
@@ -373,6 +388,7 @@ class SharedTable:
         extra = 0 if add is None else len(add[1])
         new = _File(max(_slots_for(len(keys) + extra), at_least))
         self._file, self.count = new, 0
+        self._building += 1
         try:
             for source in np.unique(pids).tolist():
                 self._insert(source, keys[pids == source])
@@ -382,9 +398,18 @@ class SharedTable:
             if self._file is new:
                 self._file, self.count = old, old_count
                 new.close()
+            else:  # a nested rebuild replaced `new`: the old table must not linger unretired
+                self._retire(old)
             raise
-        for word in (FLAGS, BEAT):
-            self._file.header[word] = old.header[word]
+        finally:
+            self._building -= 1
+        if self._building:  # a rebuild nested in another's: that one shows the table when it is whole
+            if old is not self._shown:  # (never shown: nobody reads it)
+                old.close()
+            return
+        self._file.header[FLAGS] = old.header[FLAGS]
+        self._file.header[BEAT] = time.monotonic_ns()
+        self._shown = self._file
         self._retire(old)
 
     def of_shard(self, source: int) -> "ShardPresence":

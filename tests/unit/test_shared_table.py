@@ -295,3 +295,32 @@ def test_a_host_index_whose_mirror_fails_to_start_keeps_no_table():
             index.table("")
     assert len(tables) == 5 and all(t.closed for t in tables)
     assert threading.active_count() == before
+
+
+def test_readers_keep_a_stamped_whole_table_while_a_new_one_is_built(table, monkeypatch):
+    """Kills: a rebuild that moves the heartbeat (and the daemon's own probe) to the table being
+    built: the table readers use went unstamped for the whole rebuild (seconds at millions of
+    blocks), then every worker fell back to the socket, which waited on the rebuild."""
+    blocks = hashes(0, 200)
+    table.of_shard(0).appeared("fp", as_words(blocks))
+    old = view_of(table)
+    seen = []
+    insert = SharedTable._insert
+
+    def watched(self, source, keys):
+        table.beat(stale=False, loading=False)  # as the heartbeat thread would, meanwhile
+        seen.append((old.alive, table.prefix("fp", blocks)))
+        return insert(self, source, keys)
+
+    monkeypatch.setattr(SharedTable, "_insert", watched)
+    table._file.header[shared_table.BEAT] = 0  # only a stamp during the rebuild keeps it alive
+    table.of_shard(0).reset({"fp": as_words(blocks)})
+    assert seen and all(alive and n == 200 for alive, n in seen), seen
+    assert old.retired and view_of(table).alive
+
+
+def test_a_closed_table_hands_out_no_descriptor(table):
+    """Kills: reader_fd() on a table given up opening whatever file now has its descriptor number."""
+    table.close()
+    with pytest.raises(OSError):
+        table.reader_fd()
