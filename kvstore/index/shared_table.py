@@ -44,7 +44,7 @@ import time
 import weakref
 import contextlib
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -234,45 +234,43 @@ class SharedTable:
             salt = self._int_salts[fingerprint] = fingerprint_salt(fingerprint, self.salt_key)
         return int.from_bytes(h[:8], "little") ^ salt[0], int.from_bytes(h[8:16], "little") ^ salt[1]
 
-    def one_appeared(self, source: int, fingerprint: str, h: bytes) -> None:
+    def _one(self, fingerprint: str, h: bytes, change: Callable[[_File, int, int], None]) -> None:
         k0, k1 = self._key(fingerprint, h)
         with self._lock:
             if self.closed:
                 return
             try:
-                file = self._file
-                if self._find_one(file, k0, k1) is not None:
-                    return
-                placed = False
-                if self.count + 1 <= _GROW_AT * file.slots[0]:
-                    seq = file.words
-                    seq[SEQ] += 1
-                    try:
-                        placed = self._insert_one(file, source, k0, k1)
-                    finally:
-                        seq[SEQ] += 1
-                if placed:
-                    self.count += 1
-                else:  # outgrown, or the spill level full of chains
-                    self._rebuild(add=(source, np.array([[k0, k1]], "<u8")), at_least=2 * file.slots[0])
+                change(self._file, k0, k1)
             except Exception:  # noqa: BLE001 - as _writing: the table is given up, the mirror goes on
                 self._give_up()
 
+    def one_appeared(self, source: int, fingerprint: str, h: bytes) -> None:
+        self._one(fingerprint, h, lambda file, k0, k1: self._add_one(file, source, k0, k1))
+
     def one_gone(self, fingerprint: str, h: bytes) -> None:
-        k0, k1 = self._key(fingerprint, h)
-        with self._lock:
-            if self.closed:
-                return
+        self._one(fingerprint, h, self._gone_one)
+
+    def _add_one(self, file: _File, source: int, k0: int, k1: int) -> None:
+        if self._find_one(file, k0, k1) is not None:
+            return
+        placed = False
+        if self.count + 1 <= _GROW_AT * file.slots[0]:
+            file.words[SEQ] += 1
             try:
-                file = self._file
-                seq = file.words
-                seq[SEQ] += 1
-                try:
-                    self._remove_one(file, k0, k1)
-                finally:
-                    seq[SEQ] += 1
-            except Exception:  # noqa: BLE001
-                self._give_up()
+                placed = self._insert_one(file, source, k0, k1)
+            finally:
+                file.words[SEQ] += 1
+        if placed:
+            self.count += 1
+        else:  # outgrown, or the spill level full of chains
+            self._rebuild(add=(source, np.array([[k0, k1]], "<u8")), at_least=2 * file.slots[0])
+
+    def _gone_one(self, file: _File, k0: int, k1: int) -> None:
+        file.words[SEQ] += 1
+        try:
+            self._remove_one(file, k0, k1)
+        finally:
+            file.words[SEQ] += 1
 
     def reset(self, source: int, blocks: dict[str, np.ndarray]) -> None:
         """Shard `source`'s blocks are exactly these now (a snapshot swapped in): built into a new

@@ -32,6 +32,19 @@ def view_of(table: SharedTable) -> SharedTableView:
         os.close(fd)
 
 
+def during_inserts(monkeypatch, look) -> list:
+    """What `look()` returns each time the table starts an insert (as a rebuild does, key batch by
+    key batch): a reader's view while the writer is mid-way."""
+    seen, insert = [], SharedTable._insert
+
+    def watched(self, source, keys):
+        seen.append(look())
+        return insert(self, source, keys)
+
+    monkeypatch.setattr(SharedTable, "_insert", watched)
+    return seen
+
+
 @pytest.fixture
 def table():
     t = SharedTable()
@@ -231,14 +244,8 @@ def test_a_snapshot_swapped_in_never_shows_readers_an_empty_table(table, monkeyp
     blocks = hashes(0, 100)
     table.of_shard(0).appeared("fp", as_words(blocks))
     old = view_of(table)
-    seen = []
-    insert = SharedTable._insert
-
-    def watched(self, source, keys):
-        seen.append(_native.shared_prefix(old._map, blocks, *fingerprint_salt("fp", table.salt_key)))
-        return insert(self, source, keys)
-
-    monkeypatch.setattr(SharedTable, "_insert", watched)
+    seen = during_inserts(monkeypatch, lambda: _native.shared_prefix(old._map, blocks,
+                                                                     *fingerprint_salt("fp", table.salt_key)))
     table.of_shard(0).reset({"fp": as_words(blocks)})
     assert seen and all(n in (100, -1) for n in seen), seen
     assert old.retired and view_of(table).prefix("fp", blocks)[0] == 100
@@ -304,15 +311,12 @@ def test_readers_keep_a_stamped_whole_table_while_a_new_one_is_built(table, monk
     blocks = hashes(0, 200)
     table.of_shard(0).appeared("fp", as_words(blocks))
     old = view_of(table)
-    seen = []
-    insert = SharedTable._insert
 
-    def watched(self, source, keys):
-        table.beat(stale=False, loading=False)  # as the heartbeat thread would, meanwhile
-        seen.append((old.alive, table.prefix("fp", blocks)))
-        return insert(self, source, keys)
+    def meanwhile():
+        table.beat(stale=False, loading=False)  # as the heartbeat thread would
+        return old.alive, table.prefix("fp", blocks)
 
-    monkeypatch.setattr(SharedTable, "_insert", watched)
+    seen = during_inserts(monkeypatch, meanwhile)
     table._file.header[shared_table.BEAT] = 0  # only a stamp during the rebuild keeps it alive
     table.of_shard(0).reset({"fp": as_words(blocks)})
     assert seen and all(alive and n == 200 for alive, n in seen), seen
