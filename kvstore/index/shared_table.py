@@ -158,7 +158,10 @@ class SharedTable:
             table = getattr(file, "map", None)
             if self.closed or table is None or table.closed:
                 return None
-            length = _native.shared_prefix(table, hashes, *salt)
+            try:
+                length = _native.shared_prefix(table, hashes, *salt)
+            except ValueError:  # unmapped between the check and the probe: retired, try the one shown now
+                continue
             if length >= 0:
                 return length
             if attempt:
