@@ -136,8 +136,7 @@ class SharedTable:
         self._building = 0  # rebuilds under way (one may nest in another)
         self.count = 0
         self.salt_key = secrets.token_bytes(16)
-        self._salts: dict[str, np.ndarray] = {}
-        self._int_salts: dict[str, tuple[int, int]] = {}
+        self._salts: dict[str, tuple[int, int]] = {}  # fingerprint -> its salt
         self.closed = False
 
     # --- what a reader is given -----------------------------------------------------------------
@@ -152,7 +151,7 @@ class SharedTable:
     def prefix(self, fingerprint: str, hashes: Sequence[bytes]) -> int | None:
         """The daemon's own probe (for a question that came over the socket), as a worker's: no
         lock, so a long change does not hold it up; None when the table cannot answer now."""
-        salt = fingerprint_salt(fingerprint, self.salt_key)
+        salt = self._salt(fingerprint)
         for attempt in range(PROBE_TRIES):
             file = self._shown
             table = getattr(file, "map", None)
@@ -189,11 +188,14 @@ class SharedTable:
         file.close()
 
     # --- changes --------------------------------------------------------------------------------
-    def salted(self, fingerprint: str, words: np.ndarray) -> np.ndarray:
+    def _salt(self, fingerprint: str) -> tuple[int, int]:
         salt = self._salts.get(fingerprint)
         if salt is None:
-            salt = self._salts[fingerprint] = np.array(fingerprint_salt(fingerprint, self.salt_key), "<u8")
-        return words ^ salt
+            salt = self._salts[fingerprint] = fingerprint_salt(fingerprint, self.salt_key)
+        return salt
+
+    def salted(self, fingerprint: str, words: np.ndarray) -> np.ndarray:
+        return words ^ np.array(self._salt(fingerprint), "<u8")
 
     @contextmanager
     def _writing(self) -> Iterator[bool]:
@@ -232,9 +234,7 @@ class SharedTable:
     # One block at a time, as watch events come: Python ints and no context managers (a watch
     # applies thousands a second; numpy for one key cost ten times the change itself).
     def _key(self, fingerprint: str, h: bytes) -> tuple[int, int]:
-        salt = self._int_salts.get(fingerprint)
-        if salt is None:
-            salt = self._int_salts[fingerprint] = fingerprint_salt(fingerprint, self.salt_key)
+        salt = self._salt(fingerprint)
         return int.from_bytes(h[:8], "little") ^ salt[0], int.from_bytes(h[8:16], "little") ^ salt[1]
 
     def _one(self, fingerprint: str, h: bytes, change: Callable[[_File, int, int], None]) -> None:
