@@ -69,6 +69,15 @@ def test_sliding_window_hybrid_keeps_vllms_hybrid_manager_and_loads_exactly(slid
                          "engine": {**ENGINE, "disable_hybrid_kv_cache_manager": True}})
     assert forced["engine"]["hybrid_kv_cache_manager"] is False
     assert [g["kind"] for g in forced["engine"]["groups"]] == ["full_attention"]
+    if forced["results"][0]["tokens"] != baseline["results"][0]["tokens"]:
+        # Seen once in ~15 fresh-clone runs (and never in 31 runs of this engine alone, 25 of them
+        # beside a busy loop): NaN logprobs after the first token, with nothing loaded. Still a
+        # failure; the message says whether the same engine without the connector, run now, agrees.
+        alone = run_engine({"model": sliding_model, "connector": None, "prompts": [PROMPT],
+                            "engine": {**ENGINE, "disable_hybrid_kv_cache_manager": True}})
+        pytest.fail(f"hybrid manager off: {forced['results'][0]} (connector stats {forced['stats']}); the same "
+                    f"engine without the connector: {alone['results'][0]}; recomputed with it on: "
+                    f"{baseline['results'][0]}")
     assert_same_output(forced["results"][0], baseline["results"][0])
 
 

@@ -123,18 +123,27 @@ def test_a_block_that_moved_since_the_mirror_heard_is_read_from_where_the_node_h
         assert client.mirror.wait_until(lambda m: len(m.nodes) == 1, 10)
         moved, other, real, elsewhere = put_two_and_settle(client, observer, "moved", [500, 501])
         stale = at_offset_of(real, elsewhere, cluster, "moved", moved)
-        client.mirror.remember_many(FP, "moved", [(moved, stale)])  # as if the move had not reached us
         op = ("local_" if transport == "auto" else "wire_") + "lookup"
-        lookups = control_ops(daemon).get(op, 0)
         out = np.zeros(8192, np.uint8)
-        revision = client.mirror.revision
-        assert client.get(moved, out) and np.array_equal(out, content(moved, 8192))
-        # Seen once (a fresh-clone run, 1 in about 7): the right bytes with no lookup. The message
-        # tells a watch event that replaced the stale record before the get (mirror revision moved)
-        # from a read that did not use the mirror's record.
+        mirror = client.mirror
+        # The stale record is planted in the mirror, as if the move had not reached us. Twice in
+        # ~15 fresh-clone runs the get then read the right bytes with no lookup, the mirror's
+        # revision unchanged and its record the real one: what a snapshot reload (after a health
+        # check timed out on a loaded machine) does, rightly, when etcd's revision has not moved
+        # meanwhile. Then the stale record is planted again; anything else fails, saying whether
+        # the mirror reloaded or resumed.
+        for _ in range(3):
+            reloads = (mirror.resyncs, mirror.resumes)
+            mirror.remember_many(FP, "moved", [(moved, stale)])
+            assert mirror.lookup(FP, moved)["moved"] == stale
+            lookups, revision = control_ops(daemon).get(op, 0), mirror.revision
+            assert client.get(moved, out) and np.array_equal(out, content(moved, 8192))
+            if (mirror.resyncs, mirror.resumes) == reloads:
+                break
         assert control_ops(daemon).get(op, 0) == lookups + 1, (
-            f"no {op}: mirror revision {revision} -> {client.mirror.revision}, record now "
-            f"{client.mirror.lookup(FP, moved).get('moved')}, stale {stale}, real {real}")
+            f"no {op}: mirror revision {revision} -> {mirror.revision}, resyncs/resumes {reloads} -> "
+            f"{(mirror.resyncs, mirror.resumes)}, record now {mirror.lookup(FP, moved).get('moved')}, stale {stale}, "
+            f"real {real}")
         assert client.mirror.lookup(FP, moved)["moved"] == real  # learnt: the next get reads it straight
         assert client.get(moved, out) and control_ops(daemon).get(op, 0) == lookups + 1
         # A block the node no longer holds stays a plain miss, and is not reported as corrupt.
