@@ -26,6 +26,7 @@ import urllib.request
 import uuid
 
 import pytest
+from tests_support import until
 
 pytest.importorskip("vllm", reason="the vllm extra is part of the test install (scripts/install-test-deps.sh)")
 ray = pytest.importorskip("ray", reason="the ray extra is part of the test install (scripts/install-test-deps.sh)")
@@ -167,11 +168,8 @@ def test_pd_app_hands_kv_off_and_survives_its_prefill(deployment):
     # A client reports its reads to the daemon afterwards, batched every 0.1 s from a timer thread
     # (kvstore.client.reports), so the count may land after the answer: wait for it. (Read at once,
     # it was still the warm-up's on a loaded 2-vCPU machine.)
-    deadline, hits = time.monotonic() + 30, 0.0
-    while time.monotonic() < deadline and hits < 3:
-        hits = counter(scrape(daemon_metrics), "kvstore_hits_total") - hits_before
-        time.sleep(0.2)
-    assert hits >= 3, "the daemon did not count the decode's reads of the prefill's blocks"
+    assert until(lambda: counter(scrape(daemon_metrics), "kvstore_hits_total") - hits_before >= 3, 30, 0.2), \
+        "the daemon did not count the decode's reads of the prefill's blocks"
     # ... and its connector counted them, as Ray's metrics show (the connector's Prometheus series
     # through vLLM's Ray stat logger).
     deadline, loaded = time.monotonic() + 30, 0.0
