@@ -172,12 +172,12 @@ def test_pd_app_hands_kv_off_and_survives_its_prefill(deployment):
         "the daemon did not count the decode's reads of the prefill's blocks"
     # ... and its connector counted them, as Ray's metrics show (the connector's Prometheus series
     # through vLLM's Ray stat logger).
-    deadline, loaded = time.monotonic() + 30, 0.0
-    while time.monotonic() < deadline and loaded < 3:
-        loaded = counter(scrape(ray_metrics), r"ray_vllm:kvstore_loaded_blocks(?:_total)?") or \
-            counter(scrape(ray_metrics), r"ray_vllm_kvstore_loaded_blocks(?:_total)?")
-        time.sleep(1)
-    assert loaded >= 3, "the decode connector's loaded_blocks did not reach Ray's metrics"
+    def loaded() -> float:
+        text = scrape(ray_metrics)
+        return counter(text, r"ray_vllm:kvstore_loaded_blocks(?:_total)?") or \
+            counter(text, r"ray_vllm_kvstore_loaded_blocks(?:_total)?")
+
+    assert until(lambda: loaded() >= 3, 30, 1), "the decode connector's loaded_blocks did not reach Ray's metrics"
 
     # Requests stream (two at a time) while the prefill replica is SIGKILLed: none is lost. Each
     # one sent while no prefill replica runs waits out the prefill timeout, then prefills locally.
@@ -218,7 +218,7 @@ def test_pd_app_hands_kv_off_and_survives_its_prefill(deployment):
     # the colocated run and the requests after the kill
     assert stats_after.get("local_prefills", 0) - after.get("local_prefills", 0) >= 2, (after, stats_after)
 
-    print(f"hand-off: {stats}, loaded blocks (Ray metrics) {loaded:g}; after the kill: {stats_after}, "
+    print(f"hand-off: {stats}, loaded blocks (Ray metrics) {loaded():g}; after the kill: {stats_after}, "
           f"{len(results)} streamed ({killed} before the kill), none lost")
     assert colocated["choices"][0]["text"] == handed_off["choices"][0]["text"]
     assert colocated["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(

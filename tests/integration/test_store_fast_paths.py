@@ -128,22 +128,22 @@ def test_a_block_that_moved_since_the_mirror_heard_is_read_from_where_the_node_h
         mirror = client.mirror
         # The stale record is planted in the mirror, as if the move had not reached us. Twice in
         # ~15 fresh-clone runs the get then read the right bytes with no lookup, the mirror's
-        # revision unchanged and its record the real one: what a snapshot reload (after a health
-        # check timed out on a loaded machine) does, rightly, when etcd's revision has not moved
-        # meanwhile. Then the stale record is planted again; anything else fails, saying whether
-        # the mirror reloaded or resumed.
+        # revision unchanged and its record the real one: what a snapshot reload does, rightly,
+        # when etcd's revision has not moved meanwhile (a mirror reloads where it cannot resume
+        # its watch). Only then is the stale record planted again: a resumed watch replays events
+        # and must not undo it, so anything else fails, saying whether the mirror reloaded or resumed.
         for _ in range(3):
-            reloads = (mirror.resyncs, mirror.resumes)
+            resyncs, resumes = mirror.resyncs, mirror.resumes
             mirror.remember_many(FP, "moved", [(moved, stale)])
             assert mirror.lookup(FP, moved)["moved"] == stale
             lookups, revision = control_ops(daemon).get(op, 0), mirror.revision
             assert client.get(moved, out) and np.array_equal(out, content(moved, 8192))
-            if (mirror.resyncs, mirror.resumes) == reloads:
+            if mirror.resyncs == resyncs:
                 break
         assert control_ops(daemon).get(op, 0) == lookups + 1, (
-            f"no {op}: mirror revision {revision} -> {mirror.revision}, resyncs/resumes {reloads} -> "
-            f"{(mirror.resyncs, mirror.resumes)}, record now {mirror.lookup(FP, moved).get('moved')}, stale {stale}, "
-            f"real {real}")
+            f"no {op}: mirror revision {revision} -> {mirror.revision}, resyncs {resyncs} -> {mirror.resyncs}, "
+            f"resumes {resumes} -> {mirror.resumes}, record now {mirror.lookup(FP, moved).get('moved')}, "
+            f"stale {stale}, real {real}")
         assert client.mirror.lookup(FP, moved)["moved"] == real  # learnt: the next get reads it straight
         assert client.get(moved, out) and control_ops(daemon).get(op, 0) == lookups + 1
         # A block the node no longer holds stays a plain miss, and is not reported as corrupt.
